@@ -1,0 +1,153 @@
+"""Reading and writing trace files. Imports no torch (the planner and notebooks use it).
+
+``load_trace(path)`` validates once (schema version, columns, dtypes) and returns a ``Trace`` whose
+DataFrames downstream code can trust. ``write_trace`` is atomic: the file appears whole or not at
+all.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import TraceFormatError
+from .schema import ACCESS_ROLES, META_KEY, SCHEMA, SCHEMA_VERSION, Col, Role, TraceMeta
+
+
+def write_trace(events: pd.DataFrame | pa.Table, meta: TraceMeta, path: str | os.PathLike) -> Path:
+    """Write ``events`` (columns of ``SCHEMA``) and ``meta`` to ``path`` atomically."""
+    path = Path(path)
+    table = events if isinstance(events, pa.Table) else _to_table(events)
+    table = table.replace_schema_metadata({META_KEY: meta.to_bytes()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _to_table(events: pd.DataFrame) -> pa.Table:
+    missing = [c for c in SCHEMA.names if c not in events.columns]
+    if missing:
+        raise ValueError(f"event table lacks columns {missing}")
+    return pa.Table.from_pandas(events[list(SCHEMA.names)], schema=SCHEMA, preserve_index=False)
+
+
+@dataclass
+class Trace:
+    """A loaded trace: the event table, its metadata, and derived DataFrames (cached)."""
+
+    path: Path | None
+    events: pd.DataFrame
+    meta: TraceMeta
+
+    @cached_property
+    def accesses(self) -> pd.DataFrame:
+        """One row per tensor access (roles input, write, output)."""
+        roles = [r.value for r in ACCESS_ROLES]
+        return self.events[self.events[Col.ROLE].isin(roles)].reset_index(drop=True)
+
+    @cached_property
+    def ops(self) -> pd.DataFrame:
+        """One row per (iteration, op): name, phase, start_ns, duration_ns, seeded, op_args."""
+        acc = self.accesses
+        cols = [Col.ITERATION, Col.OP, Col.OP_NAME, Col.PHASE, Col.START_NS, Col.DURATION_NS,
+                Col.SEEDED, Col.OP_ARGS]
+        return acc[cols].drop_duplicates([Col.ITERATION, Col.OP]).sort_values(
+            [Col.ITERATION, Col.OP]).reset_index(drop=True)
+
+    @cached_property
+    def tensors(self) -> pd.DataFrame:
+        """One row per (iteration, storage): bytes, kind, first/last access, alloc and free op."""
+        ev = self.events
+        acc = self.accesses
+        g = acc.groupby([Col.ITERATION, Col.STORAGE], sort=False)
+        out = g.agg(
+            storage_bytes=(Col.STORAGE_BYTES, "max"),
+            kind=(Col.KIND, "first"),
+            first_op=(Col.OP, "min"),
+            last_op=(Col.OP, "max"),
+            accesses=(Col.OP, "size"),
+        )
+        allocs = acc[acc[Col.ALLOC].fillna(False).astype(bool)]
+        out["alloc_op"] = allocs.groupby([Col.ITERATION, Col.STORAGE])[Col.OP].min()
+        frees = ev[ev[Col.ROLE] == Role.FREE.value]
+        out["free_op"] = frees.groupby([Col.ITERATION, Col.STORAGE])[Col.OP].min()
+        return out.reset_index()
+
+    @cached_property
+    def memory(self) -> pd.DataFrame:
+        """Live bytes after each op, per iteration: columns iteration, op_index, live_bytes.
+
+        live = bytes resident at iteration start + allocations so far - frees so far.
+        """
+        ev = self.events
+        rows = []
+        for it, e in ev.groupby(Col.ITERATION, sort=True):
+            start = int(e.loc[e[Col.ROLE] == Role.RESIDENT.value, Col.STORAGE_BYTES].sum())
+            alloc = e[(e[Col.ROLE] == Role.OUTPUT.value) & e[Col.ALLOC].fillna(False).astype(bool)]
+            free = e[e[Col.ROLE] == Role.FREE.value]
+            delta = (alloc.groupby(Col.OP)[Col.STORAGE_BYTES].sum()
+                     .sub(free.groupby(Col.OP)[Col.STORAGE_BYTES].sum(), fill_value=0))
+            ops = sorted(set(e.loc[e[Col.OP] >= 0, Col.OP]))
+            delta = delta.reindex(ops, fill_value=0)
+            live = start + delta.cumsum()
+            rows.append(pd.DataFrame({Col.ITERATION: it, Col.OP: ops,
+                                      "live_bytes": live.astype("int64").to_numpy()}))
+        if not rows:
+            return pd.DataFrame({Col.ITERATION: [], Col.OP: [], "live_bytes": []})
+        return pd.concat(rows, ignore_index=True)
+
+    def iteration(self, it: int) -> pd.DataFrame:
+        """The event rows of one iteration."""
+        return self.events[self.events[Col.ITERATION] == it].reset_index(drop=True)
+
+
+def load_trace(path: str | os.PathLike) -> Trace:
+    """Load and validate a trace file. Raises ``TraceFormatError`` naming the file on any problem."""
+    path = Path(path)
+    if not path.exists():
+        raise TraceFormatError(f"{path}: no such file")
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for corrupt files
+        raise TraceFormatError(f"{path}: not a readable Parquet file ({_short(exc)})") from None
+    raw = (table.schema.metadata or {}).get(META_KEY)
+    if raw is None:
+        raise TraceFormatError(f"{path}: Parquet file is not a capuchin trace (no '{META_KEY.decode()}' metadata)")
+    try:
+        meta = TraceMeta.from_bytes(raw)
+    except Exception as exc:
+        raise TraceFormatError(f"{path}: trace metadata is corrupt ({_short(exc)})") from None
+    if meta.schema_version != SCHEMA_VERSION:
+        raise TraceFormatError(
+            f"{path}: trace schema version {meta.schema_version}, this capuchin reads version "
+            f"{SCHEMA_VERSION}; re-record it with `capuchin trace`")
+    missing = [c for c in SCHEMA.names if c not in table.column_names]
+    if missing:
+        raise TraceFormatError(f"{path}: trace lacks columns {', '.join(missing)}")
+    for f in SCHEMA:
+        got = table.schema.field(f.name).type
+        if got != f.type:
+            raise TraceFormatError(f"{path}: column '{f.name}' has type {got}, expected {f.type}")
+    events = table.select(SCHEMA.names).to_pandas()
+    bad_roles = set(events[Col.ROLE].unique()) - {r.value for r in Role}
+    if bad_roles:
+        raise TraceFormatError(f"{path}: unknown roles {sorted(bad_roles)}")
+    return Trace(path=path, events=events, meta=meta)
+
+
+def _short(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__

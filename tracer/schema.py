@@ -1,0 +1,146 @@
+"""The trace format, defined once. Imports no torch: the planner reads traces through this module.
+
+A trace is one Parquet file holding one *event table*: one row per tensor access (an op reading,
+writing or producing a tensor) plus memory events (a storage freed; a storage resident when an
+iteration starts). Everything else (ops, lineage, tensors, the memory curve) is derived from it by
+``tracer.reader``. Key-value metadata (``META_KEY``) holds a JSON object described by ``TraceMeta``.
+
+# Note: [Tensor and storage ids]
+# Ids are stable across iterations and never memory addresses. Within an iteration, op ``k``'s
+# ``j``-th output tensor is ``"k:j"``. A tensor that exists before the iteration (a parameter, an
+# optimizer state, a batch loaded earlier, a gradient kept from the last step) is named after its
+# first access in the iteration: ``"x{k}:{a}"`` = the ``a``-th tensor argument of op ``k``. A
+# storage is named after the tensor that first owned it: the fresh output that allocated it, or
+# the pre-existing tensor it was first seen through. Storages resident at iteration start but never
+# accessed in it are ``"r{n}"`` (n-th in allocation order). The runtime re-derives the same ids
+# as it runs (``tracer.hooks``), which is what ties a plan to live tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+META_KEY = b"capuchin.trace"
+FILE_SUFFIX = ".trace.parquet"
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class Role(str, enum.Enum):
+    INPUT = "input"  # the op reads the tensor
+    WRITE = "write"  # the op reads and writes the tensor in place (schema ``(a!)`` or unannotated)
+    OUTPUT = "output"  # the op returns the tensor (fresh storage, or a view/alias of an input)
+    FREE = "free"  # the storage's memory was released after op ``op_index``
+    RESIDENT = "resident"  # the storage was live when the iteration started (op_index = -1)
+
+
+ACCESS_ROLES = (Role.INPUT, Role.WRITE, Role.OUTPUT)
+
+
+class Kind(str, enum.Enum):
+    PARAMETER = "parameter"
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+    INPUT = "input"  # data the script fed in (exists before the iteration, not a parameter/state)
+    ACTIVATION = "activation"  # produced by a forward/backward op inside the iteration
+    OTHER = "other"
+
+
+PERSISTENT_KINDS = (Kind.PARAMETER, Kind.GRADIENT, Kind.OPTIMIZER_STATE)
+
+
+class Col:
+    """Column names. Nobody spells a column string outside this class."""
+
+    ITERATION = "iteration"  # int32: iteration number since the script started (warm-up included)
+    EVENT = "event_index"  # int64: order of the row within its iteration
+    OP = "op_index"  # int32: op index within the iteration; -1 for RESIDENT rows
+    OP_NAME = "op_name"  # str: "aten.mm.default" (OpOverload name)
+    PHASE = "phase"  # Phase
+    ROLE = "role"  # Role
+    ARG = "arg_index"  # int32: position among the op's flattened tensor inputs (INPUT/WRITE) or
+    #                    outputs (OUTPUT); -1 for FREE/RESIDENT
+    TENSOR = "tensor_id"  # str: see Note [Tensor and storage ids]
+    STORAGE = "storage_id"  # str
+    ALLOC = "alloc"  # bool: OUTPUT rows: this op allocated the storage
+    ALIASES = "aliases_input"  # int32: OUTPUT rows: arg index of the input it aliases, else -1
+    VIEW_OF = "view_of"  # str | null: storage of the base when the tensor is a view of another one
+    BYTES = "bytes"  # int64: the tensor's own bytes (numel * itemsize)
+    STORAGE_BYTES = "storage_bytes"  # int64: the storage's bytes: what memory accounting counts
+    SHAPE = "shape"  # list<int64>
+    DTYPE = "dtype"  # str: "float32"
+    KIND = "kind"  # Kind
+    START_NS = "start_ns"  # int64: op start on the device timeline, from the iteration start
+    DURATION_NS = "duration_ns"  # int64: op busy time on the device (CUDA: sum of its kernels)
+    SEEDED = "seeded"  # bool: the op draws random numbers (nondeterministic_seeded)
+    OP_ARGS = "op_args"  # str: repr of the op's non-tensor arguments (identifies the call)
+
+
+SCHEMA = pa.schema(
+    [
+        pa.field(Col.ITERATION, pa.int32(), nullable=False),
+        pa.field(Col.EVENT, pa.int64(), nullable=False),
+        pa.field(Col.OP, pa.int32(), nullable=False),
+        pa.field(Col.OP_NAME, pa.string()),
+        pa.field(Col.PHASE, pa.string()),
+        pa.field(Col.ROLE, pa.string(), nullable=False),
+        pa.field(Col.ARG, pa.int32()),
+        pa.field(Col.TENSOR, pa.string()),
+        pa.field(Col.STORAGE, pa.string(), nullable=False),
+        pa.field(Col.ALLOC, pa.bool_()),
+        pa.field(Col.ALIASES, pa.int32()),
+        pa.field(Col.VIEW_OF, pa.string()),
+        pa.field(Col.BYTES, pa.int64()),
+        pa.field(Col.STORAGE_BYTES, pa.int64(), nullable=False),
+        pa.field(Col.SHAPE, pa.list_(pa.int64())),
+        pa.field(Col.DTYPE, pa.string()),
+        pa.field(Col.KIND, pa.string()),
+        pa.field(Col.START_NS, pa.int64()),
+        pa.field(Col.DURATION_NS, pa.int64()),
+        pa.field(Col.SEEDED, pa.bool_()),
+        pa.field(Col.OP_ARGS, pa.string()),
+    ]
+)
+
+COLUMNS = tuple(SCHEMA.names)
+
+
+@dataclass
+class TraceMeta:
+    """Key-value metadata of a trace (stored as one JSON object under ``META_KEY``)."""
+
+    schema_version: int = SCHEMA_VERSION
+    capuchin_version: str = ""
+    torch_version: str = ""
+    device: str = "cpu"  # "cpu" | "cuda"
+    device_name: str = ""
+    bandwidth_d2h_bytes_per_s: float = 12e9  # device -> host copy bandwidth (swap-out)
+    bandwidth_h2d_bytes_per_s: float = 12e9  # host -> device copy bandwidth (swap-in)
+    iterations: list[int] = field(default_factory=list)  # recorded iteration numbers
+    warmup: int = 0
+    script: str = ""
+    argv: list[str] = field(default_factory=list)
+    date: str = ""  # ISO 8601
+    regular: bool = True  # the recorded steady iterations have identical op sequences
+    first_divergence: dict | None = None  # {"iteration", "op_index", "expected", "got"}
+    steady_iteration: int | None = None  # the iteration a planner should use by default
+    source: str = "capuchin"  # "capuchin" (recorded) | "dtr-log" (imported) | "synthetic"
+    extra: dict = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> TraceMeta:
+        data = json.loads(raw)
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
