@@ -144,3 +144,13 @@ class TraceMeta:
         data = json.loads(raw)
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+def shape_signature(input_shapes) -> str:
+    """The shape part of an op's signature: its tensor inputs' shapes in flattened-argument order.
+
+    The planner computes it from a trace's INPUT/WRITE rows (sorted by ``arg_index``); the runtime
+    from the live arguments. Plans store ``[op_name, shape_signature]`` per op index and the
+    runtime compares them on every op (see planner/plan.py).
+    """
+    return ";".join("x".join(str(int(d)) for d in s) for s in input_shapes)
