@@ -1,0 +1,555 @@
+"""Torch-side op indexing shared by the tracer and the runtime.
+
+Both stages must see a training script's ops *identically*: the same iteration boundaries, the same
+op indices, the same phase, the same flattening of an op's tensors and the same tensor and storage
+ids (Note [Tensor and storage ids] in ``tracer/schema.py``). That is what ties a plan, made offline
+from a trace, to the live tensors of a later run. Everything that decides those things lives here.
+
+The API, in the order a ``TorchDispatchMode.__torch_dispatch__`` uses it::
+
+    indexer = OpIndexer(on_iteration_start=..., on_iteration_end=..., on_free=...)
+    indexer.install()                     # global optimizer step hooks, capuchin.step()
+    ...
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = indexer.begin_op(func, args, kwargs)   # None: not an op we index (profiler.*)
+        if op is None:
+            return func(*args, **kwargs)
+        # op.iteration, op.index, op.phase, op.info (static facts: name, seeded, ...)
+        # op.inputs[a] / op.input_ids[a] / op.input_storages[a]: flattened tensor inputs
+        # op.written: flat input indices the op writes in place
+        out = func(*args, **kwargs)
+        indexer.end_op(op, out)
+        # op.outputs[j] / op.output_ids[j] ("k:j") / op.output_storages[j]
+        # op.output_alloc[j]: the op allocated that storage; op.output_aliases[j]: input index or -1
+        return out
+    ...
+    indexer.finish()                      # closes the last iteration if a step ended it
+    indexer.uninstall()
+
+Cost: ``begin_op``/``end_op`` do one dict lookup for the op's static facts and, per tensor, one
+``untyped_storage()`` call and two attribute reads; no pytree, no string formatting except the ids
+of new tensors. See Note [Iteration boundaries] and Note [Storage identity] below.
+
+Ops issued by the caller's own machinery (the tracer's measurements, the runtime's copies) must run
+outside the mode (``torch.utils._python_dispatch._disable_current_modes()``), or they are indexed
+as the script's ops.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .schema import Phase
+
+# Note: [Iteration boundaries]
+# An iteration ends with an optimizer step: the global hooks
+# torch.optim.optimizer.register_optimizer_step_pre_hook/post_hook fire for every Optimizer, with no
+# change to the script. The boundary is taken *lazily*: a step's post-hook only marks the iteration
+# as ending; the next op that is not inside an optimizer step starts the next iteration. So several
+# optimizers stepping one after the other are ONE iteration (the second step's ops still belong to
+# it), gradient accumulation (k forward/backward passes, then one step) is one iteration, and the
+# `profiler._record_function_exit` op that Optimizer.step dispatches after its post-hook is filtered
+# anyway. A script without torch.optim calls `capuchin.step()` where its step would be. Frees that
+# happen between the step and the first op of the next iteration (e.g. `zero_grad(set_to_none=True)`)
+# belong to the ending iteration, after its last op.
+
+# Note: [Storage identity]
+# A storage is identified by its Python object: PyTorch preserves the UntypedStorage PyObject for as
+# long as the C++ StorageImpl lives (`t.untyped_storage() is t.untyped_storage()`, views included),
+# so an attribute set on it stays, and a weakref finalizer fires exactly when the memory is released.
+# Addresses (data_ptr) are never used: the allocator reuses them, so they are no identity across
+# iterations (only 26% matched in the prototype) nor, after a free, within one. Tensors are named the
+# same way (an attribute on the tensor PyObject, also preserved). Names carry the iteration epoch
+# they were given in, so "resetting per iteration" is a counter increment, not a sweep.
+
+_ITERATION_BOUNDARY_IGNORED_NAMESPACES = frozenset({"profiler"})
+
+
+# --------------------------------------------------------------------------------------------
+# Static facts about an op (cached per OpOverload)
+
+# Ops that mutate arguments their schema does not mark `(a!)`. Batch norm updates running_mean and
+# running_var in training mode although the schema says `Tensor? running_mean`; missing this made
+# the prototype's recompute double-update the statistics. Value: (written schema arg positions,
+# position of the `training` flag that enables the write, or -1 if always).
+UNANNOTATED_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
+    "aten::native_batch_norm": ((3, 4), 5),
+    "aten::native_batch_norm.out": ((3, 4), 5),
+    "aten::cudnn_batch_norm": ((3, 4), 5),
+    "aten::cudnn_batch_norm.out": ((3, 4), 5),
+    "aten::miopen_batch_norm": ((3, 4), 5),
+    "aten::miopen_batch_norm.out": ((3, 4), 5),
+    # `_native_batch_norm_legit` and `_batch_norm_with_update` annotate theirs (`Tensor(a!)`).
+}
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What is known about an op from its schema alone (computed once per OpOverload).
+
+    name: ``str(func)``, e.g. ``"aten.mm.default"`` (the trace's ``op_name``).
+    ignored: not indexed (``profiler.*`` marker ops); ``begin_op`` returns None for it.
+    seeded: tagged ``nondeterministic_seeded`` (draws random numbers: dropout's bernoulli_, randn).
+    write_args: schema argument positions written in place (``(a!)``), kwarg-only ones included.
+    write_arg_names: their names (for kwarg-only arguments such as ``out``).
+    unannotated_write_args / training_arg: see ``UNANNOTATED_WRITES``.
+    """
+
+    name: str
+    ignored: bool
+    seeded: bool
+    write_args: tuple[int, ...]
+    write_arg_names: tuple[str, ...]
+    unannotated_write_args: tuple[int, ...] = ()
+    training_arg: int = -1
+
+
+_OP_INFO: dict = {}
+
+
+def op_info(func) -> OpInfo:
+    """The cached ``OpInfo`` of an ``OpOverload``."""
+    info = _OP_INFO.get(func)
+    if info is None:
+        info = _OP_INFO[func] = _make_op_info(func)
+    return info
+
+
+def _make_op_info(func) -> OpInfo:
+    name = str(func)
+    namespace = getattr(func, "namespace", name.split(".", 1)[0])
+    schema = getattr(func, "_schema", None)
+    write_args: list[int] = []
+    write_names: list[str] = []
+    unannotated: tuple[int, ...] = ()
+    training = -1
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                write_args.append(i)
+                write_names.append(arg.name)
+        overload = schema.overload_name
+        key = schema.name + (f".{overload}" if overload else "")
+        unannotated, training = UNANNOTATED_WRITES.get(key, ((), -1))
+    tags = getattr(func, "tags", ())
+    return OpInfo(
+        name=name,
+        ignored=namespace in _ITERATION_BOUNDARY_IGNORED_NAMESPACES,
+        seeded=torch.Tag.nondeterministic_seeded in tags,
+        write_args=tuple(write_args),
+        write_arg_names=tuple(write_names),
+        unannotated_write_args=tuple(unannotated),
+        training_arg=training,
+    )
+
+
+def is_seeded(func) -> bool:
+    """True if the op draws random numbers (``torch.Tag.nondeterministic_seeded``): replaying it
+    needs the RNG state it ran with."""
+    return op_info(func).seeded
+
+
+# --------------------------------------------------------------------------------------------
+# Flattening
+
+def flatten_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """An op's tensor inputs in their canonical order: the order of ``torch.utils._pytree``'s
+    ``tree_flatten((args, kwargs))`` restricted to tensors: positional args first, then kwargs in
+    dict order; a ``Tensor[]`` / ``Tensor?[]`` argument contributes its tensors in list order and
+    ``None`` contributes nothing. The position in this list is the trace's ``arg_index`` of INPUT
+    and WRITE rows and the ``a`` of ``"x{k}:{a}"`` ids. (Aten schemas nest at most one list deep,
+    so this is a fast special case of pytree.)"""
+    flat = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            flat.append(a)
+        elif isinstance(a, (list, tuple)):
+            flat.extend(x for x in a if isinstance(x, torch.Tensor))
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                flat.append(a)
+            elif isinstance(a, (list, tuple)):
+                flat.extend(x for x in a if isinstance(x, torch.Tensor))
+    return flat
+
+
+def flatten_outputs(out) -> list[torch.Tensor]:
+    """An op's tensor outputs in order (a Tensor; a tuple/list of Tensors, lists expanded in place;
+    non-tensors skipped). The position is the ``j`` of ``"k:j"`` and the ``arg_index`` of OUTPUT
+    rows."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    flat = []
+    if isinstance(out, (list, tuple)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                flat.append(o)
+            elif isinstance(o, (list, tuple)):
+                flat.extend(x for x in o if isinstance(x, torch.Tensor))
+    return flat
+
+
+def written_inputs(info: OpInfo, args: tuple, kwargs: dict, flat: list[torch.Tensor]) -> tuple[int, ...]:
+    """Flat input indices (positions in ``flat``, see ``flatten_tensors``) that the op writes in
+    place: schema ``(a!)`` arguments plus ``UNANNOTATED_WRITES``. Empty for most ops (fast path)."""
+    if not info.write_args and not info.unannotated_write_args:
+        return ()
+    targets: list = []
+    for pos, name in zip(info.write_args, info.write_arg_names):
+        _collect(args[pos] if pos < len(args) else kwargs.get(name), targets)
+    if info.unannotated_write_args:
+        t = info.training_arg
+        training = True if t < 0 else bool(args[t] if t < len(args) else kwargs.get("training"))
+        if training:
+            for pos in info.unannotated_write_args:
+                if pos < len(args):
+                    _collect(args[pos], targets)
+    if not targets:
+        return ()
+    ids = {id(x) for x in targets}
+    return tuple(a for a, t in enumerate(flat) if id(t) in ids)
+
+
+def _collect(value, into: list) -> None:
+    if isinstance(value, torch.Tensor):
+        into.append(value)
+    elif isinstance(value, (list, tuple)):
+        into.extend(x for x in value if isinstance(x, torch.Tensor))
+
+
+def describe_args(args: tuple, kwargs: dict) -> str:
+    """A short repr of an op's non-tensor arguments (tensors shown as ``T``): enough to tell two
+    calls of one op apart (the trace's ``op_args``). Not on the hot path of the runtime."""
+
+    def r(v):
+        if isinstance(v, torch.Tensor):
+            return "T"
+        if isinstance(v, (list, tuple)):
+            inner = ", ".join(r(x) for x in v)
+            return f"[{inner}]"
+        if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return str(v)
+        if isinstance(v, float):
+            return repr(v)
+        return repr(v) if isinstance(v, (int, bool, str, type(None))) else type(v).__name__
+
+    parts = [r(a) for a in args] + [f"{k}={r(v)}" for k, v in (kwargs or {}).items()]
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Storages and ops
+
+class StorageRec:
+    """What the indexer knows about one live storage (attached to the storage PyObject).
+
+    serial: registration order (process-unique per indexer; orders resident storages).
+    name: the storage id in the epoch ``epoch`` (see Note [Tensor and storage ids]).
+    nbytes: the storage's size in bytes when last seen by an op (refreshed on outputs and writes).
+    device_type: ``"cpu"`` / ``"cuda"``; memory accounting counts the traced device only.
+    start_nbytes / resident_rank: set when it was live at the start of the current iteration.
+    user: free slot for the caller (the runtime keeps its per-storage state here).
+    """
+
+    __slots__ = ("serial", "name", "epoch", "nbytes", "device_type", "resident_rank",
+                 "start_nbytes", "alive", "user", "__weakref__")
+
+    def __init__(self, serial: int, nbytes: int, device_type: str):
+        self.serial = serial
+        self.name = ""
+        self.epoch = -1
+        self.nbytes = nbytes
+        self.device_type = device_type
+        self.resident_rank = -1
+        self.start_nbytes = 0
+        self.alive = True
+        self.user = None
+
+    def __repr__(self) -> str:
+        return f"StorageRec({self.name!r}, {self.nbytes} B, {self.device_type})"
+
+
+class OpEvent:
+    """One indexed op call. Filled by ``begin_op`` (inputs) and ``end_op`` (outputs).
+
+    iteration: iteration number (0 = the first op after ``install``).
+    index: op index within the iteration (``k``).
+    phase: ``Phase`` (optimizer / backward / forward).
+    info: the op's static ``OpInfo``.
+    inputs / input_ids / input_storages: flat tensor inputs (``flatten_tensors`` order), their
+        tensor ids and ``StorageRec`` (None for tensors without storage, e.g. sparse).
+    written: flat input indices written in place (``written_inputs``).
+    outputs / output_ids / output_storages: flat tensor outputs (``flatten_outputs``), ids ``"k:j"``.
+    output_alloc[j]: True if this op allocated output j's storage (first sight of that storage).
+    output_aliases[j]: flat input index whose storage output j shares (a view, an in-place or out=
+        result), preferring the identical tensor object; -1 for fresh storage.
+    args / kwargs: the call's arguments (kept for the caller; not copied).
+    """
+
+    __slots__ = ("iteration", "index", "phase", "info", "func", "args", "kwargs", "inputs",
+                 "input_ids", "input_storages", "written", "outputs", "output_ids",
+                 "output_storages", "output_alloc", "output_aliases")
+
+    def __repr__(self) -> str:
+        return f"OpEvent({self.iteration}:{self.index} {self.info.name} {self.phase.value})"
+
+
+_INDEXER_IDS = itertools.count()
+_ACTIVE: list[OpIndexer] = []  # installed indexers; capuchin.step() notifies them
+
+
+def step() -> None:
+    """Mark the end of a training iteration, for scripts that do not use ``torch.optim``.
+
+    Call it where an optimizer step would be (after the parameter update). With an optimizer it is
+    not needed: optimizer steps are detected by global hooks. Without an active capuchin tracer or
+    runtime it does nothing, so a script can call it unconditionally.
+    """
+    for indexer in list(_ACTIVE):
+        indexer.mark_step()
+
+
+class OpIndexer:
+    """Iteration boundaries, phases, op indices and tensor/storage ids of the ops it is shown.
+
+    Callbacks (all optional, called synchronously, must not raise unless they mean to abort the
+    script, which is how the tracer stops it after the recorded iterations):
+
+    on_iteration_start(iteration): before the first op of ``iteration`` is indexed; the storages
+        live at that moment are in ``residents`` (with ``resident_rank`` and ``start_nbytes``).
+    on_iteration_end(iteration, last_op_index): the iteration is over (lazily: see Note
+        [Iteration boundaries]; or at ``finish()`` after a final step).
+    on_free(rec, name, iteration, op_index): storage ``rec`` was released; ``name`` is its id in
+        ``iteration``; ``op_index`` is the last op begun in that iteration (-1: before any op).
+
+    One indexer is installed at a time per script run in practice, but several can coexist: each
+    uses its own attribute names on tensors and storages.
+    """
+
+    def __init__(self, on_iteration_start: Callable | None = None,
+                 on_iteration_end: Callable | None = None, on_free: Callable | None = None):
+        uid = next(_INDEXER_IDS)
+        self._tattr = f"_capuchin_t{uid}"  # tensor attribute: (epoch, tensor id)
+        self._sattr = f"_capuchin_s{uid}"  # storage attribute: StorageRec
+        self.on_iteration_start = on_iteration_start
+        self.on_iteration_end = on_iteration_end
+        self.on_free = on_free
+        self.iteration = -1  # -1 until the first op
+        self.op_index = -1  # last op begun in the current iteration
+        self.in_optimizer = 0  # depth of optimizer steps in progress
+        self.step_pending = False  # a step ended; the next non-optimizer op starts an iteration
+        self.steps_seen = 0  # optimizer steps (post-hooks) + capuchin.step() calls
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()  # every optimizer that stepped
+        self.live: dict[int, StorageRec] = {}  # serial -> rec, registration order
+        self.residents: list[StorageRec] = []  # live at the start of the current iteration
+        self._serial = itertools.count()
+        self._handles: list = []
+
+    # ---- installation -----------------------------------------------------------------------
+    def install(self) -> OpIndexer:
+        """Register the global optimizer step hooks and make ``capuchin.step()`` reach this one."""
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        if not self._handles:
+            self._handles = [register_optimizer_step_pre_hook(self._pre_step),
+                             register_optimizer_step_post_hook(self._post_step)]
+            _ACTIVE.append(self)
+        return self
+
+    def uninstall(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        self.in_optimizer += 1
+        self.optimizers.add(optimizer)
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        self.in_optimizer = max(0, self.in_optimizer - 1)
+        self.mark_step()
+
+    def mark_step(self) -> None:
+        """An optimizer step (or ``capuchin.step()``) ended: the current iteration ends at the
+        next op that is not inside a step."""
+        self.steps_seen += 1
+        self.step_pending = True
+
+    def finish(self) -> bool:
+        """End of the script: close the current iteration if a step ended it. Returns True if the
+        last iteration was complete (ended by a step), False if ops ran after the last step."""
+        if self.step_pending and self.iteration >= 0:
+            self.step_pending = False
+            if self.on_iteration_end is not None:
+                self.on_iteration_end(self.iteration, self.op_index)
+            return True
+        return self.iteration < 0 or self.op_index < 0
+
+    # ---- phase and boundaries -----------------------------------------------------------------
+    def phase(self) -> Phase:
+        """Phase of an op issued now: optimizer inside a step, backward inside an autograd graph
+        task (thread-local, so it holds on autograd worker threads too), else forward."""
+        if self.in_optimizer:
+            return Phase.OPTIMIZER
+        if torch._C._current_graph_task_id() != -1:
+            return Phase.BACKWARD
+        return Phase.FORWARD
+
+    def _start_iteration(self) -> None:
+        if self.iteration >= 0 and self.on_iteration_end is not None:
+            self.on_iteration_end(self.iteration, self.op_index)
+        self.step_pending = False
+        self.iteration += 1
+        self.op_index = -1
+        residents = list(self.live.values())
+        for rank, rec in enumerate(residents):
+            rec.resident_rank = rank
+            rec.start_nbytes = rec.nbytes
+        self.residents = residents
+        if self.on_iteration_start is not None:
+            self.on_iteration_start(self.iteration)
+
+    # ---- the per-op path ----------------------------------------------------------------------
+    def begin_op(self, func, args: tuple, kwargs: dict) -> OpEvent | None:
+        """Index one op before it runs: takes a pending iteration boundary, assigns the op index
+        and phase, flattens and names the inputs. Returns None for ignored ops (``profiler.*``),
+        which get no index."""
+        info = _OP_INFO.get(func)
+        if info is None:
+            info = op_info(func)
+        if info.ignored:
+            return None
+        if self.iteration < 0 or (self.step_pending and not self.in_optimizer):
+            self._start_iteration()
+        self.op_index += 1
+        k = self.op_index
+        epoch = self.iteration
+        op = OpEvent()
+        op.iteration = epoch
+        op.index = k
+        op.phase = self.phase()
+        op.info = info
+        op.func = func
+        op.args = args
+        op.kwargs = kwargs
+        flat = flatten_tensors(args, kwargs)
+        op.inputs = flat
+        tattr = self._tattr
+        ids = []
+        recs = []
+        for a, t in enumerate(flat):
+            tag = getattr(t, tattr, None)
+            if tag is not None and tag[0] == epoch:
+                tid = tag[1]
+            else:
+                tid = f"x{k}:{a}"
+                setattr(t, tattr, (epoch, tid))
+            ids.append(tid)
+            recs.append(self._storage_of(t, tid, epoch)[0])
+        op.input_ids = ids
+        op.input_storages = recs
+        op.written = written_inputs(info, args, kwargs, flat)
+        return op
+
+    def end_op(self, op: OpEvent, out) -> OpEvent:
+        """Name an op's outputs after it ran (``"k:j"``; an in-place result is renamed too, so the
+        id always denotes the value after the op) and find which storages it allocated."""
+        outs = flatten_outputs(out)
+        op.outputs = outs
+        k = op.index
+        epoch = op.iteration
+        tattr = self._tattr
+        ids = []
+        recs = []
+        allocs = []
+        aliases = []
+        in_recs = op.input_storages
+        for j, t in enumerate(outs):
+            tid = f"{k}:{j}"
+            setattr(t, tattr, (epoch, tid))
+            ids.append(tid)
+            rec, fresh = self._storage_of(t, tid, epoch)
+            recs.append(rec)
+            allocs.append(fresh)
+            alias = -1
+            if rec is not None and not fresh and rec in in_recs:
+                alias = next((a for a, x in enumerate(op.inputs) if x is t), -1)
+                if alias < 0:
+                    alias = in_recs.index(rec)
+            aliases.append(alias)
+            if rec is not None and not fresh:
+                rec.nbytes = _nbytes(t)
+        for a in op.written:
+            rec = in_recs[a]
+            if rec is not None:
+                rec.nbytes = _nbytes(op.inputs[a])
+        op.output_ids = ids
+        op.output_storages = recs
+        op.output_alloc = allocs
+        op.output_aliases = aliases
+        return op
+
+    def _storage_of(self, t: torch.Tensor, tid: str, epoch: int) -> tuple[StorageRec | None, bool]:
+        """The rec of ``t``'s storage, registering it on first sight (-> fresh=True); names it
+        ``tid`` if it has no name in this epoch yet."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested, ... : no plain storage
+            return None, False
+        rec = getattr(st, self._sattr, None)
+        fresh = rec is None
+        if fresh:
+            rec = StorageRec(next(self._serial), st.nbytes(), st.device.type)
+            setattr(st, self._sattr, rec)
+            self.live[rec.serial] = rec
+            fin = weakref.finalize(st, self._freed, rec)
+            fin.atexit = False
+        if rec.epoch != epoch:
+            rec.epoch = epoch
+            rec.name = tid
+        return rec, fresh
+
+    def _freed(self, rec: StorageRec) -> None:
+        rec.alive = False
+        self.live.pop(rec.serial, None)
+        if self.on_free is not None and self.iteration >= 0:
+            self.on_free(rec, self.storage_name(rec), self.iteration, self.op_index)
+
+    # ---- naming live things (for the runtime) -------------------------------------------------
+    def storage_name(self, rec: StorageRec) -> str:
+        """The id of a storage in the current iteration: its name if accessed in it, else
+        ``"r{n}"`` (n = rank among the storages live at the iteration start)."""
+        if rec.epoch == self.iteration:
+            return rec.name
+        return f"r{rec.resident_rank}"
+
+    def storage_rec(self, t: torch.Tensor) -> StorageRec | None:
+        """The rec of a live tensor's storage, or None if no indexed op has seen it."""
+        try:
+            return getattr(t.untyped_storage(), self._sattr, None)
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def tensor_id(self, t: torch.Tensor) -> str | None:
+        """The id ``t`` has in the current iteration, or None if no op has named it yet."""
+        tag = getattr(t, self._tattr, None)
+        return tag[1] if tag is not None and tag[0] == self.iteration else None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return 0
