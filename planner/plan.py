@@ -212,6 +212,63 @@ class Plan:
             table.setdefault(a.op_index, []).append(a)
         return table
 
+    def simulate(self, trace=None):
+        """Re-simulate this plan (a ``simulator.SimResult``; ``.memory`` is a DataFrame).
+
+        ``trace``: a ``Trace``, a path, or a ``Problem``; default: reload
+        ``provenance.trace_path``. Raises ``PlanFormatError`` when the trace's op sequence is
+        not the one the plan was made for.
+        """
+        from .problem import Problem
+        from .simulator import simulate
+
+        if isinstance(trace, Problem):
+            problem = trace
+        else:
+            from ..tracer.reader import Trace, load_trace
+
+            if trace is None:
+                if not self.provenance.trace_path:
+                    raise PlanFormatError("plan has no trace_path; pass the trace to simulate()")
+                trace = load_trace(self.provenance.trace_path)
+            elif not isinstance(trace, Trace):
+                trace = load_trace(trace)
+            problem = Problem.from_trace(trace, iteration=self.provenance.iteration)
+        problem = problem.with_bandwidth(self.provenance.bandwidth_d2h_bytes_per_s,
+                                         self.provenance.bandwidth_h2d_bytes_per_s)
+        if problem.fingerprint() != self.provenance.trace_fingerprint:
+            raise PlanFormatError(
+                f"{self.provenance.trace_path or 'trace'}: op sequence differs from the one the "
+                f"plan was made for (fingerprint {problem.fingerprint()} vs "
+                f"{self.provenance.trace_fingerprint})")
+        return simulate(problem, self.records)
+
+    @property
+    def swap_count(self) -> int:
+        return sum(1 for d in self.records if d.method == Method.SWAP)
+
+    @property
+    def recompute_count(self) -> int:
+        return sum(1 for d in self.records if d.method == Method.RECOMPUTE)
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers (what ``capuchin plan --json`` prints)."""
+        p, pr = self.predictions, self.provenance
+        return {
+            "policy": pr.policy, "budget_bytes": pr.budget_bytes,
+            "baseline_peak_bytes": p.baseline_peak_bytes,
+            "predicted_peak_bytes": p.predicted_peak_bytes,
+            "predicted_overhead": p.predicted_overhead, "feasible": p.feasible,
+            "swap_count": self.swap_count, "recompute_count": self.recompute_count,
+            "swapped_bytes": sum(d.size_bytes for d in self.records if d.method == Method.SWAP),
+            "recomputed_bytes": sum(d.size_bytes for d in self.records
+                                    if d.method == Method.RECOMPUTE),
+            "replayed_ops": sum(len(d.replay_ops) for d in self.records),
+            "baseline_time_ns": p.baseline_time_ns, "predicted_time_ns": p.predicted_time_ns,
+            "solve_time_s": pr.solve_time_s, "trace_fingerprint": pr.trace_fingerprint,
+            "iteration": pr.iteration, "notes": list(p.notes),
+        }
+
     @property
     def decisions(self):
         """Decisions as a pandas DataFrame (one row per evicted storage)."""

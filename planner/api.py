@@ -1,0 +1,89 @@
+"""The planning API shared by the CLI and notebooks: ``make_plan`` and ``load_problem``.
+
+    >>> plan = capuchin.make_plan("traces/mlp.trace.parquet", budget="50%")
+    >>> plan.decisions            # DataFrame, one row per evicted storage
+    >>> plan.simulate().memory    # DataFrame, the simulated memory curve
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ..errors import InfeasibleBudgetError
+from ..tracer.reader import Trace, load_trace
+from .budget import format_bytes, parse_budget, parse_rate
+from .build import build_plan
+from .plan import Plan
+from .problem import Problem
+from .registry import get_policy
+
+
+def load_problem(trace: str | os.PathLike | Trace | Problem, *, iteration: int | None = None,
+                 bandwidth: str | float | None = None) -> Problem:
+    """A ``Problem`` from a trace path, a loaded ``Trace``, or a ``Problem`` (returned as is).
+
+    ``bandwidth`` (bytes/s, or text like ``"12GB/s"``) overrides both copy directions.
+    """
+    if isinstance(trace, Problem):
+        problem = trace
+    else:
+        if not isinstance(trace, Trace):
+            trace = load_trace(trace)
+        problem = Problem.from_trace(trace, iteration=iteration)
+    if bandwidth is not None:
+        r = parse_rate(bandwidth)
+        problem = problem.with_bandwidth(r, r)
+    return problem
+
+
+def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "50%",
+              policy: str = "capuchin", *, iteration: int | None = None,
+              bandwidth: str | float | None = None, allow_infeasible: bool = False,
+              **params: Any) -> Plan:
+    """Plan ``trace`` for ``budget`` with the registered ``policy`` (default ``"capuchin"``).
+
+    ``budget``: bytes or text (``"8G"``, ``"8GB"``, ``"60%"`` of the trace's baseline peak; see
+    planner/budget.py). ``iteration``: which recorded iteration to plan (default: the steady
+    one). ``bandwidth``: overrides the trace's host<->device bandwidths (bytes/s). ``params`` go
+    to the policy.
+
+    Returns a complete ``Plan`` whose predictions come from the simulator. A budget at or above
+    the baseline peak gives an empty plan (its notes say so). Raises ``InfeasibleBudgetError``
+    (exit status 2 in the CLI) when the policy's simulated peak stays above the budget, naming
+    the smallest budget it can reach, unless ``allow_infeasible`` (then the plan is returned
+    with ``predictions.feasible`` false).
+    """
+    problem = load_problem(trace, iteration=iteration, bandwidth=bandwidth)
+    budget_bytes = parse_budget(budget, problem.peak_bytes)
+    fn = get_policy(policy)
+    if budget_bytes >= problem.peak_bytes:
+        plan, _ = build_plan(problem, [], policy=policy, budget_bytes=budget_bytes,
+                             parameters=params)
+        return plan
+    t0 = time.perf_counter()
+    decisions = fn(problem, budget_bytes, **params)
+    solve_s = time.perf_counter() - t0
+    plan, sim = build_plan(problem, decisions, policy=policy, budget_bytes=budget_bytes,
+                           parameters=params, solve_time_s=solve_s)
+    if plan.predictions.feasible:
+        return plan
+    floor = problem.floor_bytes()
+    best = sim.peak_bytes
+    if budget_bytes < floor:  # ask the policy for its best effort at the lower bound
+        try:
+            low, low_sim = build_plan(problem, fn(problem, floor, **params), policy=policy,
+                                      budget_bytes=floor, parameters=params)
+            best = min(best, low_sim.peak_bytes)
+        except Exception:  # noqa: BLE001 - the first answer still stands
+            pass
+    msg = (f"{problem.trace_path or 'trace'}: budget {format_bytes(budget_bytes)} "
+           f"({budget_bytes} B) cannot be met by policy {policy!r}: its plan peaks at "
+           f"{format_bytes(sim.peak_bytes)}; the smallest budget it reaches is "
+           f"{format_bytes(best)} ({best} B); no plan of any policy can go below "
+           f"{format_bytes(floor)} (what must stay resident)")
+    if allow_infeasible:
+        plan.predictions.notes.append(msg)
+        return plan
+    raise InfeasibleBudgetError(msg, smallest_feasible_bytes=int(best))

@@ -1,0 +1,89 @@
+"""From a policy's decisions to a complete, executable ``Plan``: the one place plans are made.
+
+``build_plan`` fills in recompute lineage (lineage.resolve_recompute), runs the simulator (which
+checks the plan), writes the simulated stall/recompute time into each decision, derives the
+per-op action table (Note [Action timing] in plan.py), and records provenance and predictions.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from .. import __version__
+from .lineage import resolve_recompute
+from .plan import Action, Decision, Method, Plan, Predictions, Provenance, Step
+from .problem import Problem
+from .simulator import SimResult, simulate
+
+_STEP_ORDER = {Step.PREFETCH: 0, Step.RESTORE: 1, Step.RECOMPUTE: 2, Step.EVICT_SWAP: 3,
+               Step.EVICT_DROP: 4}
+
+
+def complete_decisions(problem: Problem, decisions: Sequence[Decision]) -> list[Decision]:
+    """Decisions with ``size_bytes`` (when 0) and recompute lineage filled in, sorted by
+    (evict_op, storage_id)."""
+    out = []
+    for d in decisions:
+        if d.size_bytes == 0 and d.storage_id in problem.storages:
+            d = replace(d, size_bytes=problem.storages[d.storage_id].size_bytes)
+        out.append(d)
+    out = resolve_recompute(problem, out)
+    return sorted(out, key=lambda d: (d.evict_op, d.storage_id))
+
+
+def action_table(decisions: Sequence[Decision]) -> list[Action]:
+    """The runtime's per-op actions, sorted by op index then step (prefetches first, evictions
+    last; see Note [Action timing])."""
+    acts = []
+    for d in decisions:
+        if d.method == Method.SWAP:
+            acts.append(Action(d.evict_op, Step.EVICT_SWAP, d.storage_id))
+            if d.trigger_op is not None and d.trigger_op < d.back_op:
+                acts.append(Action(d.trigger_op, Step.PREFETCH, d.storage_id))
+            acts.append(Action(d.back_op, Step.RESTORE, d.storage_id))
+        else:
+            acts.append(Action(d.evict_op, Step.EVICT_DROP, d.storage_id))
+            acts.append(Action(d.back_op, Step.RECOMPUTE, d.storage_id))
+    return sorted(acts, key=lambda a: (a.op_index, _STEP_ORDER[a.step]))
+
+
+def build_plan(problem: Problem, decisions: Sequence[Decision], *, policy: str,
+               budget_bytes: int, parameters: dict[str, Any] | None = None,
+               solve_time_s: float = 0.0, notes: Sequence[str] = ()) -> tuple[Plan, SimResult]:
+    """A complete ``Plan`` from ``decisions`` and the simulation that predicts it.
+
+    Raises ``PlanError`` (from the simulator) when the decisions break an invariant.
+    ``predictions.feasible`` says whether the simulated peak is within ``budget_bytes``.
+    """
+    ds = complete_decisions(problem, decisions)
+    sim = simulate(problem, ds)
+    ds = [replace(d, predicted_stall_ns=o.stall_ns, predicted_recompute_ns=o.recompute_ns)
+          for d, o in zip(ds, sim.outcomes, strict=True)]
+    feasible = sim.peak_bytes <= budget_bytes
+    notes = list(notes)
+    if not ds and problem.peak_bytes <= budget_bytes:
+        notes.append("the baseline peak fits the budget: nothing to evict")
+    prov = Provenance(
+        policy=policy, parameters=_jsonable(parameters or {}), budget_bytes=int(budget_bytes),
+        trace_path=problem.trace_path, trace_fingerprint=problem.fingerprint(),
+        iteration=problem.iteration, device=problem.device,
+        bandwidth_d2h_bytes_per_s=problem.bandwidth_d2h_bytes_per_s,
+        bandwidth_h2d_bytes_per_s=problem.bandwidth_h2d_bytes_per_s,
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        solve_time_s=round(float(solve_time_s), 4), capuchin_version=__version__)
+    pred = Predictions(baseline_peak_bytes=problem.peak_bytes, baseline_time_ns=problem.time_ns,
+                       predicted_peak_bytes=sim.peak_bytes, predicted_time_ns=sim.time_ns,
+                       feasible=feasible, notes=notes)
+    plan = Plan(provenance=prov, predictions=pred, records=ds, ops=problem.op_signatures(),
+                actions=action_table(ds))
+    return plan, sim
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        out[k] = v if isinstance(v, str | int | float | bool | type(None) | list | dict) else str(v)
+    return out

@@ -1,0 +1,388 @@
+"""The planning problem: one steady-state iteration of a trace, as ops and storages. No torch.
+
+``Problem.from_trace(trace)`` is the one step from a ``Trace`` to what every policy and the
+simulator read; ``Problem.from_lists(ops, sizes)`` builds one from a hand-written op list (through
+a synthetic trace, so both go through the same code).
+
+Units: sizes in bytes, times in ns on the device's compute stream. Memory is counted per
+*storage* (views and in-place ops share one; see Note [Tensor and storage ids] in
+tracer/schema.py), which is also what the runtime evicts.
+
+# Note: [Baseline timeline]
+# The baseline compute stream runs the ops back to back: op k starts at
+# ``start_ns[k] = sum(duration_ns[:k])`` (gaps between kernels are not counted, which only makes
+# swap hiding look harder). ``live_bytes[k]`` is the memory in use *while op k runs*: storages
+# resident at iteration start, plus those allocated by ops 0..k, minus those freed after ops
+# 0..k-1. The peak is ``max(live_bytes)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from bisect import bisect_right
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import pandas as pd
+
+from ..errors import CapuchinError
+from ..tracer.reader import Trace
+from ..tracer.schema import PERSISTENT_KINDS, Col, Kind, Phase, Role, shape_signature
+
+
+class IrregularTraceError(CapuchinError):
+    """The trace's steady iterations differ, so no single iteration stands for all of them."""
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """One op of the planned iteration. Storage ids, never tensor ids (see module docstring)."""
+
+    index: int
+    name: str
+    phase: Phase
+    duration_ns: int
+    inputs: tuple[str, ...]  # storages read (INPUT and WRITE rows), first-argument order
+    outputs: tuple[str, ...]  # storages returned (fresh, or views/aliases of inputs)
+    writes: tuple[str, ...]  # storages written in place (also in ``inputs``)
+    allocs: tuple[str, ...]  # storages this op allocated
+    frees: tuple[str, ...]  # storages freed right after this op
+    seeded: bool = False  # draws random numbers: a replay must restore the RNG state
+    signature: str = ""  # tracer.schema.shape_signature of its tensor inputs
+
+    @property
+    def accessed(self) -> tuple[str, ...]:
+        """Every storage the op touches, each once."""
+        return tuple(dict.fromkeys((*self.inputs, *self.outputs)))
+
+
+@dataclass(frozen=True)
+class StorageInfo:
+    """One storage of the planned iteration.
+
+    ``accesses``: sorted op indices touching it. ``alloc_op``: the op whose output allocated it
+    (also its producer for recomputation); None when it exists at iteration start. ``free_op``:
+    freed right after that op; None when still live at iteration end. ``writers``: ops writing it
+    in place, sorted. ``persistent``: parameter, gradient or optimizer state, or not both
+    allocated and freed inside the iteration. ``evictable``: transient, every access is an op, and
+    accessed at least twice (so there is a gap to evict it in).
+    """
+
+    storage_id: str
+    size_bytes: int
+    kind: Kind
+    alloc_op: int | None
+    free_op: int | None
+    accesses: tuple[int, ...]
+    writers: tuple[int, ...]
+    persistent: bool
+    evictable: bool
+    view_of: str | None = None
+
+    @property
+    def producer_op(self) -> int | None:
+        return self.alloc_op
+
+    @property
+    def transient(self) -> bool:
+        return not self.persistent
+
+    def alive_at(self, op: int) -> bool:
+        """Allocated and not yet freed while op ``op`` runs (baseline)."""
+        born = self.alloc_op is None or self.alloc_op <= op
+        return born and (self.free_op is None or self.free_op >= op)
+
+    def next_access(self, op: int) -> int | None:
+        """The first access strictly after op ``op``, or None."""
+        i = bisect_right(self.accesses, op)
+        return self.accesses[i] if i < len(self.accesses) else None
+
+    def written_between(self, lo: int, hi: int) -> bool:
+        """Whether an op with index in the open interval (lo, hi) writes this storage in place."""
+        i = bisect_right(self.writers, lo)
+        return i < len(self.writers) and self.writers[i] < hi
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """Consecutive access pairs (evicted-access, back-access) with at least one op between."""
+        a = self.accesses
+        return [(a[i], a[i + 1]) for i in range(len(a) - 1) if a[i + 1] - a[i] >= 2]
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """One iteration to plan. Build with ``from_trace`` or ``from_lists``; see Note [Baseline
+    timeline] for ``start_ns`` and ``live_bytes`` (numpy arrays indexed by op)."""
+
+    ops: tuple[OpInfo, ...]
+    storages: Mapping[str, StorageInfo]
+    resident_bytes: int  # bytes live when the iteration starts
+    start_ns: np.ndarray = field(repr=False)
+    live_bytes: np.ndarray = field(repr=False)
+    bandwidth_d2h_bytes_per_s: float = 12e9
+    bandwidth_h2d_bytes_per_s: float = 12e9
+    iteration: int = 0
+    trace_path: str = ""
+    device: str = "cpu"
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_trace(cls, trace: Trace, iteration: int | None = None) -> Problem:
+        """The planning problem of one iteration of ``trace``.
+
+        ``iteration`` defaults to the trace's steady iteration (its metadata), else its last
+        one. A trace whose steady iterations differ (``meta.regular`` false) is refused with
+        ``IrregularTraceError`` unless ``iteration`` is given.
+        """
+        name = str(trace.path) if trace.path else "<trace>"
+        its = sorted(int(i) for i in trace.events[Col.ITERATION].unique())
+        if not its:
+            raise IrregularTraceError(f"{name}: the trace holds no iteration")
+        if iteration is None:
+            if not trace.meta.regular:
+                div = trace.meta.first_divergence or {}
+                where = (f" (first divergence: iteration {div.get('iteration')}, op "
+                         f"{div.get('op_index')}: expected {div.get('expected')}, got "
+                         f"{div.get('got')})" if div else "")
+                raise IrregularTraceError(
+                    f"{name}: the recorded iterations differ{where}; no single iteration "
+                    f"stands for the others. Choose one with --iteration N (recorded: {its})")
+            steady = trace.meta.steady_iteration
+            iteration = steady if steady is not None and steady in its else its[-1]
+        if iteration not in its:
+            raise IrregularTraceError(f"{name}: no iteration {iteration} (recorded: {its})")
+        ev = trace.events[trace.events[Col.ITERATION] == iteration]
+        ev = ev.sort_values(Col.EVENT, kind="stable")
+        return _build(ev, trace, iteration, name)
+
+    @classmethod
+    def from_lists(cls, ops: Sequence, sizes: Mapping[str, int], **kwargs) -> Problem:
+        """A problem from a hand-written op list; arguments as ``synthetic.trace_from_ops``.
+
+        Example: a chain A -> B -> C whose backward reads A and B again::
+
+            Problem.from_lists([("f1", 10, ["X"], ["A"]), ("f2", 10, ["A"], ["B"]),
+                                ("b2", 10, ["B", "A"], ["C"])], {"X": 4, "A": 8, "B": 8, "C": 4})
+        """
+        from .synthetic import trace_from_ops
+
+        return cls.from_trace(trace_from_ops(ops, sizes, **kwargs))
+
+    def with_bandwidth(self, d2h_bytes_per_s: float | None = None,
+                       h2d_bytes_per_s: float | None = None) -> Problem:
+        """The same problem with other copy bandwidths (None keeps the current one)."""
+        return replace(self,
+                       bandwidth_d2h_bytes_per_s=float(d2h_bytes_per_s or self.bandwidth_d2h_bytes_per_s),
+                       bandwidth_h2d_bytes_per_s=float(h2d_bytes_per_s or self.bandwidth_h2d_bytes_per_s))
+
+    # -- views ----------------------------------------------------------------------------------
+    @property
+    def n_ops(self) -> int:
+        return len(self.ops)
+
+    @property
+    def end_ns(self) -> np.ndarray:
+        """End of each op on the baseline compute stream."""
+        return self.start_ns + self.durations_ns
+
+    @property
+    def durations_ns(self) -> np.ndarray:
+        return np.fromiter((o.duration_ns for o in self.ops), dtype=np.int64, count=len(self.ops))
+
+    @property
+    def time_ns(self) -> int:
+        """Baseline iteration time: the sum of op durations."""
+        return int(self.durations_ns.sum()) if self.ops else 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.live_bytes.max()) if len(self.live_bytes) else self.resident_bytes
+
+    @property
+    def peak_op(self) -> int:
+        """The first op at which the baseline peak is reached (-1 for an empty iteration)."""
+        return int(self.live_bytes.argmax()) if len(self.live_bytes) else -1
+
+    @property
+    def persistent_bytes(self) -> int:
+        return sum(s.size_bytes for s in self.storages.values() if s.persistent)
+
+    def peak_window(self, threshold_bytes: int | None = None) -> list[tuple[int, int]]:
+        """Maximal op ranges ``(first, last)`` (inclusive) where ``live_bytes > threshold``.
+
+        Default threshold: 90% of the peak (the paper's "peak memory period" is where the
+        measured usage exceeds what fits; a policy passes its budget).
+        """
+        if threshold_bytes is None:
+            threshold_bytes = int(self.peak_bytes * 0.9)
+        return ranges_of(self.live_bytes > threshold_bytes)
+
+    def floor_bytes(self) -> int:
+        """A lower bound on the peak of any plan: at each op, everything stays but evictable
+        storages inside one of their access gaps. Budgets below it are infeasible."""
+        n = self.n_ops
+        if n == 0:
+            return self.resident_bytes
+        diff = np.zeros(n + 1, dtype=np.int64)
+        for s in self.storages.values():
+            if s.evictable:
+                for a, b in s.gaps():
+                    diff[a + 1] += s.size_bytes
+                    diff[b] -= s.size_bytes
+        return int((self.live_bytes - np.cumsum(diff[:n])).max())
+
+    def memory(self) -> pd.DataFrame:
+        """The baseline curve: op_index, name, phase, start_ns, duration_ns, live_bytes."""
+        return pd.DataFrame({
+            "op_index": np.arange(self.n_ops), "name": [o.name for o in self.ops],
+            "phase": [o.phase.value for o in self.ops], "start_ns": self.start_ns,
+            "duration_ns": self.durations_ns, "live_bytes": self.live_bytes})
+
+    def storage_table(self) -> pd.DataFrame:
+        """One row per storage (a notebook view)."""
+        return pd.DataFrame([{
+            "storage_id": s.storage_id, "size_bytes": s.size_bytes, "kind": s.kind.value,
+            "alloc_op": s.alloc_op, "free_op": s.free_op, "accesses": len(s.accesses),
+            "persistent": s.persistent, "evictable": s.evictable} for s in self.storages.values()])
+
+    def op_signatures(self) -> list[list[str]]:
+        """``[[name, shape_signature], ...]`` by op index, as plans store them."""
+        return [[o.name, o.signature] for o in self.ops]
+
+    def fingerprint(self) -> str:
+        """Hash of the op sequence (names and input shapes); see ``plan.op_fingerprint``."""
+        return op_fingerprint(self.op_signatures())
+
+    def op_at_time(self, t_ns: float) -> int:
+        """The baseline op running at time ``t_ns`` (the last op starting at or before it)."""
+        return max(0, int(np.searchsorted(self.start_ns, t_ns, side="right")) - 1)
+
+
+def op_fingerprint(ops: Sequence[Sequence[str]]) -> str:
+    """sha256 (first 16 hex digits) of ``name|shape_signature`` lines: ties a plan to a trace."""
+    h = hashlib.sha256()
+    for name, sig in ops:
+        h.update(f"{name}|{sig}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def ranges_of(mask: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs of True in ``mask`` as inclusive ``(first, last)`` index pairs."""
+    if len(mask) == 0:
+        return []
+    m = np.concatenate([[False], np.asarray(mask, dtype=bool), [False]])
+    d = np.diff(m.astype(np.int8))
+    starts = np.flatnonzero(d == 1)
+    ends = np.flatnonzero(d == -1) - 1
+    return [(int(a), int(b)) for a, b in zip(starts, ends, strict=True)]
+
+
+def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem:
+    role = ev[Col.ROLE].to_numpy()
+    opi = ev[Col.OP].to_numpy()
+    sid = ev[Col.STORAGE].to_numpy()
+    sbytes = ev[Col.STORAGE_BYTES].to_numpy()
+    alloc = ev[Col.ALLOC].to_numpy()
+    kind = ev[Col.KIND].to_numpy()
+    argi = ev[Col.ARG].to_numpy()
+    shapes = ev[Col.SHAPE].to_numpy()
+    view_of = ev[Col.VIEW_OF].to_numpy()
+
+    op_rows = ev[ev[Col.OP] >= 0].drop_duplicates(Col.OP).sort_values(Col.OP)
+    n = int(op_rows[Col.OP].max()) + 1 if len(op_rows) else 0
+    if len(op_rows) != n:
+        raise IrregularTraceError(f"{name}: iteration {iteration} has gaps in its op indices")
+    names = op_rows[Col.OP_NAME].fillna("").to_list()
+    phases = [Phase(p) if isinstance(p, str) and p else Phase.FORWARD
+              for p in op_rows[Col.PHASE].to_list()]
+    durs = op_rows[Col.DURATION_NS].fillna(0).astype("int64").clip(lower=0).to_list()
+    seeded = op_rows[Col.SEEDED].fillna(False).astype(bool).to_list()
+
+    inputs: list[dict[str, None]] = [{} for _ in range(n)]
+    outputs: list[dict[str, None]] = [{} for _ in range(n)]
+    writes: list[dict[str, None]] = [{} for _ in range(n)]
+    allocs: list[list[str]] = [[] for _ in range(n)]
+    frees: list[list[str]] = [[] for _ in range(n)]
+    sig_shapes: list[list[tuple[int, object]]] = [[] for _ in range(n)]
+    size: dict[str, int] = {}
+    kinds: dict[str, str] = {}
+    acc: dict[str, list[int]] = {}
+    wr: dict[str, list[int]] = {}
+    alloc_op: dict[str, int] = {}
+    free_op: dict[str, int] = {}
+    resident: dict[str, None] = {}
+    views: dict[str, str] = {}
+    r_in, r_wr, r_out, r_free, r_res = (Role.INPUT.value, Role.WRITE.value, Role.OUTPUT.value,
+                                       Role.FREE.value, Role.RESIDENT.value)
+    for i in range(len(role)):
+        r, k, s = role[i], int(opi[i]), sid[i]
+        b = int(sbytes[i])
+        if b > size.get(s, -1):
+            size[s] = b
+        kd = kind[i]
+        if isinstance(kd, str) and s not in kinds:
+            kinds[s] = kd
+        v = view_of[i]
+        if isinstance(v, str) and v:
+            views[s] = v
+        if r == r_res:
+            resident[s] = None
+            continue
+        if r == r_free:
+            if k >= 0 and s not in free_op:
+                free_op[s] = k
+                frees[k].append(s)
+            continue
+        acc.setdefault(s, []).append(k)
+        if r == r_in or r == r_wr:
+            inputs[k][s] = None
+            sig_shapes[k].append((int(argi[i]), shapes[i]))
+            if r == r_wr:
+                writes[k][s] = None
+                wr.setdefault(s, []).append(k)
+        elif r == r_out:
+            outputs[k][s] = None
+            if alloc[i] is True or alloc[i] == 1:
+                if s not in alloc_op:
+                    alloc_op[s] = k
+                    allocs[k].append(s)
+    ops = []
+    for k in range(n):
+        shp = [sh if sh is not None else () for _, sh in sorted(sig_shapes[k], key=lambda x: x[0])]
+        ops.append(OpInfo(k, names[k], phases[k], int(durs[k]), tuple(inputs[k]),
+                          tuple(outputs[k]), tuple(writes[k]), tuple(allocs[k]),
+                          tuple(frees[k]), bool(seeded[k]), shape_signature(shp)))
+    storages: dict[str, StorageInfo] = {}
+    for s in dict.fromkeys([*resident, *acc]):
+        a = sorted(set(acc.get(s, ())))
+        kd = Kind(kinds[s]) if s in kinds and kinds[s] in Kind._value2member_map_ else Kind.OTHER
+        al = alloc_op.get(s)
+        fr = free_op.get(s)
+        persistent = kd in PERSISTENT_KINDS or al is None or fr is None
+        evictable = (not persistent and len(a) >= 2 and size.get(s, 0) > 0 and s not in views
+                     and all(k >= 0 for k in a))
+        storages[s] = StorageInfo(s, size.get(s, 0), kd, al, fr, tuple(a),
+                                  tuple(sorted(set(wr.get(s, ())))), persistent, evictable,
+                                  views.get(s))
+    res_bytes = sum(size[s] for s in resident)
+    delta = np.zeros(n + 1, dtype=np.int64)
+    for s, k in alloc_op.items():
+        delta[k] += size[s]
+    for s, k in free_op.items():
+        if k + 1 <= n:
+            delta[k + 1] -= size[s]
+    live = res_bytes + np.cumsum(delta[:n])
+    d = np.asarray(durs, dtype=np.int64)
+    start = np.concatenate([[0], np.cumsum(d)[:-1]]) if n else np.zeros(0, dtype=np.int64)
+    meta = trace.meta
+    return Problem(
+        ops=tuple(ops), storages=storages, resident_bytes=int(res_bytes),
+        start_ns=start.astype(np.int64), live_bytes=live.astype(np.int64),
+        bandwidth_d2h_bytes_per_s=float(meta.bandwidth_d2h_bytes_per_s),
+        bandwidth_h2d_bytes_per_s=float(meta.bandwidth_h2d_bytes_per_s),
+        iteration=int(iteration), trace_path=str(trace.path) if trace.path else "",
+        device=meta.device)
+
+
+__all__ = ["IrregularTraceError", "OpInfo", "Problem", "StorageInfo", "op_fingerprint",
+           "ranges_of"]

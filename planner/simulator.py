@@ -1,0 +1,397 @@
+"""The simulator: the single judge of every plan. Replays one iteration under a list of decisions.
+
+``simulate(problem, decisions)`` checks the plan's invariants (raising ``PlanError`` naming the
+decision and the broken rule) and returns a ``SimResult``: the memory curve, the predicted peak,
+the predicted iteration time and overhead, and per decision its stall or recompute time. It is
+independent of the policy that made the decisions; every policy's output goes through it.
+
+# Note: [Simulation model]
+# - One compute stream runs the ops in order, back to back (Note [Baseline timeline]).
+# - One copy channel per direction; transfers in one direction run one at a time, in issue order
+#   (pinned copies occupy a PCIe direction fully, paper §4.4). Copy time = bytes / bandwidth.
+# - EVICT_SWAP after the evicted-access: the device->host copy starts when the op ends (or when
+#   the channel frees up); device memory is freed when the copy completes, decoupled from
+#   compute (paper §5.3).
+# - PREFETCH before the in-trigger op: the host->device copy starts at that moment (or when the
+#   channel frees up, or when the swap-out is done); device memory is taken when it starts.
+# - RESTORE before the back-access: compute waits for the copy (a stall); without a prefetch the
+#   copy starts right then (on demand).
+# - EVICT_DROP after the evicted-access frees at once. RECOMPUTE before the back-access replays
+#   ``replay_ops`` on the compute stream (adding their durations) with their outputs allocated;
+#   intermediates are freed after their last use in the replay, except the target and the
+#   ``keep`` storages that are out (collective recomputation, paper §5.3), which stay resident.
+# - Sources a replay reads that are swapped out are restored on demand (the runtime does the
+#   same); sources that are dead, dropped, or written since the replayed op read them are errors.
+# - Memory events at the same instant apply frees first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from ..errors import PlanError
+from .plan import Decision, Method
+from .problem import Problem
+
+
+@dataclass(frozen=True)
+class DecisionOutcome:
+    """What the simulation says about one decision (times in ns from iteration start; -1 = did
+    not happen)."""
+
+    storage_id: str
+    method: Method
+    stall_ns: int = 0  # swap: compute waited at the back-access (or for a source restore)
+    recompute_ns: int = 0  # recompute: replay time added to the compute stream
+    out_start_ns: int = -1
+    out_end_ns: int = -1  # swap-out complete: memory freed
+    in_start_ns: int = -1  # swap-in start: memory taken
+    in_end_ns: int = -1
+    freed_ns: int = -1  # when device memory was released
+    back_ns: int = -1  # when it was resident again (before its back-access ran)
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """A simulated iteration. ``memory``: one row per memory event (time_ns, live_bytes,
+    op_index, delta_bytes, what, storage_id); ``op_peak_bytes``/``op_start_ns``/``op_end_ns``:
+    per op; ``spans``: what ran when on each stream (compute, d2h, h2d), for reports."""
+
+    peak_bytes: int
+    peak_op: int
+    peak_time_ns: int
+    time_ns: int
+    baseline_time_ns: int
+    baseline_peak_bytes: int
+    outcomes: tuple[DecisionOutcome, ...]
+    memory: pd.DataFrame = field(repr=False)
+    op_peak_bytes: np.ndarray = field(repr=False)
+    op_start_ns: np.ndarray = field(repr=False)
+    op_end_ns: np.ndarray = field(repr=False)
+    spans: pd.DataFrame = field(repr=False)
+
+    @property
+    def overhead(self) -> float:
+        """Predicted slowdown as a fraction of the baseline time (0.05 = 5%)."""
+        return self.time_ns / self.baseline_time_ns - 1.0 if self.baseline_time_ns > 0 else 0.0
+
+    @property
+    def stall_ns(self) -> int:
+        return sum(o.stall_ns for o in self.outcomes)
+
+    @property
+    def recompute_ns(self) -> int:
+        return sum(o.recompute_ns for o in self.outcomes)
+
+    def outcomes_frame(self) -> pd.DataFrame:
+        return pd.DataFrame([{**o.__dict__, "method": o.method.value} for o in self.outcomes])
+
+
+_FREE, _ALLOC, _MARK = 0, 1, 2
+
+
+def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
+    """Static invariants of a plan; raises ``PlanError`` on the first broken one."""
+    n = problem.n_ops
+    by_storage: dict[str, list[Decision]] = {}
+    for d in decisions:
+        s = problem.storages.get(d.storage_id)
+        where = f"decision {d.storage_id} ({d.method.value} after op {d.evict_op})"
+        if s is None:
+            raise PlanError(f"{where}: no such storage in the planned iteration")
+        if not s.evictable:
+            raise PlanError(f"{where}: storage is not evictable (persistent, a view, or "
+                            f"accessed once)")
+        if d.size_bytes != s.size_bytes:
+            raise PlanError(f"{where}: size {d.size_bytes} B, the storage has {s.size_bytes} B")
+        if not (0 <= d.evict_op < d.back_op < n):
+            raise PlanError(f"{where}: needs 0 <= evict_op < back_op < {n}, got "
+                            f"{d.evict_op}, {d.back_op}")
+        if d.evict_op not in s.accesses or s.next_access(d.evict_op) != d.back_op:
+            raise PlanError(f"{where}: evict_op and back_op must be consecutive accesses of the "
+                            f"storage (its accesses: {list(s.accesses)[:12]}...)")
+        if d.method == Method.SWAP:
+            if d.trigger_op is not None and not (d.evict_op < d.trigger_op <= d.back_op):
+                raise PlanError(f"{where}: in-trigger op {d.trigger_op} not in "
+                                f"({d.evict_op}, {d.back_op}]")
+        else:
+            _check_replay(problem, d, where)
+        by_storage.setdefault(d.storage_id, []).append(d)
+    for sid, ds in by_storage.items():
+        ds = sorted(ds, key=lambda d: d.evict_op)
+        for a, b in zip(ds, ds[1:], strict=False):
+            if b.evict_op < a.back_op:
+                raise PlanError(f"storage {sid}: two decisions evict it over overlapping "
+                                f"intervals (ops {a.evict_op}-{a.back_op} and "
+                                f"{b.evict_op}-{b.back_op})")
+
+
+def _check_replay(problem: Problem, d: Decision, where: str) -> None:
+    s = problem.storages[d.storage_id]
+    ops = d.replay_ops
+    if not ops:
+        raise PlanError(f"{where}: recompute decision without replay_ops")
+    if list(ops) != sorted(set(ops)) or ops[-1] > d.evict_op:
+        raise PlanError(f"{where}: replay_ops must be increasing op indices <= evict_op")
+    if s.alloc_op not in ops:
+        raise PlanError(f"{where}: replay_ops lack the producer op {s.alloc_op}")
+    missing = [w for w in s.writers if s.alloc_op < w <= d.evict_op and w not in ops]
+    if missing:
+        raise PlanError(f"{where}: replay_ops lack the in-place writes {missing} of the storage")
+    made: set[str] = set()
+    need: dict[str, int] = {}
+    for j in ops:
+        op = problem.ops[j]
+        for x in op.inputs:
+            if x not in made and x not in need:
+                need[x] = j
+        made.update(op.allocs)
+    srcs = set(d.sources)
+    if set(need) != srcs:
+        raise PlanError(f"{where}: sources {sorted(srcs)} but the replayed ops read "
+                        f"{sorted(need)} from outside the replay")
+    for x, j in need.items():
+        xs = problem.storages[x]
+        if not xs.alive_at(d.back_op):
+            raise PlanError(f"{where}: source {x} is not alive at the back-access op "
+                            f"{d.back_op} (allocated after op {xs.alloc_op}, freed after op "
+                            f"{xs.free_op})")
+        if xs.written_between(j, d.back_op):
+            raise PlanError(f"{where}: source {x} is written in place after replayed op {j} "
+                            f"read it, before op {d.back_op}")
+
+
+def simulate(problem: Problem, decisions: Sequence[Decision], *,
+             bandwidth_d2h_bytes_per_s: float | None = None,
+             bandwidth_h2d_bytes_per_s: float | None = None, check: bool = True) -> SimResult:
+    """Replay ``problem``'s iteration under ``decisions``; see Note [Simulation model].
+
+    Bandwidths default to the problem's (bytes/s). Raises ``PlanError`` when the plan breaks an
+    invariant: unknown or non-evictable storage, wrong size, evict/back not consecutive accesses,
+    overlapping decisions on one storage, a trigger outside (evict, back], replay ops missing
+    the producer or an in-place write, sources not matching what the replay reads, a source not
+    alive or written since it was read, or an access to a storage that is out.
+    """
+    if check:
+        check_decisions(problem, decisions)
+    bw_out = float(bandwidth_d2h_bytes_per_s or problem.bandwidth_d2h_bytes_per_s)
+    bw_in = float(bandwidth_h2d_bytes_per_s or problem.bandwidth_h2d_bytes_per_s)
+    n = problem.n_ops
+    ops = problem.ops
+    st = problem.storages
+    evict_at: dict[int, list[int]] = {}
+    trig_at: dict[int, list[int]] = {}
+    back_at: dict[int, list[int]] = {}
+    for i, d in enumerate(decisions):
+        evict_at.setdefault(d.evict_op, []).append(i)
+        back_at.setdefault(d.back_op, []).append(i)
+        if d.method == Method.SWAP and d.trigger_op is not None and d.trigger_op < d.back_op:
+            trig_at.setdefault(d.trigger_op, []).append(i)
+    for lst in trig_at.values():
+        lst.sort(key=lambda i: (decisions[i].back_op, i))
+
+    # compute-stream memory events, in program order: (time, delta, kind, op, storage)
+    ct: list[int] = []
+    cd: list[int] = []
+    ck: list[int] = []
+    cop: list[int] = []
+    csid: list[str] = []
+    # asynchronous events (copy start / copy end): (time, delta, kind, storage)
+    at: list[int] = []
+    ad: list[int] = []
+    ak: list[int] = []
+    asid: list[str] = []
+    spans: list[tuple[str, str, int, int, int, str]] = []
+
+    state: dict[str, str] = {}  # storage -> "out" | "swapping_in" | "in" (only decided ones)
+    active: dict[str, int] = {}  # storage -> index of the decision currently evicting it
+    out_end: dict[str, int] = {}
+    in_end: dict[str, int] = {}
+    stall = [0] * len(decisions)
+    recomp = [0] * len(decisions)
+    info = [dict() for _ in decisions]
+    h2d_free = 0
+    d2h_free = 0
+    t = 0
+    op_start = np.zeros(n, dtype=np.int64)
+    op_end = np.zeros(n, dtype=np.int64)
+
+    def start_swap_in(sid: str, size: int, now: int) -> int:
+        nonlocal h2d_free
+        begin = max(now, h2d_free, out_end.get(sid, 0))
+        end = begin + int(round(size / bw_in * 1e9))
+        h2d_free = end
+        at.append(begin), ad.append(size), ak.append(_ALLOC), asid.append(sid)
+        in_end[sid] = end
+        state[sid] = "swapping_in"
+        i = active[sid]
+        info[i]["in_start_ns"], info[i]["in_end_ns"] = begin, end
+        spans.append(("h2d", f"swap-in {sid}", begin, end, -1, sid))
+        return end
+
+    def restore(sid: str, k: int, charge: int) -> None:
+        """Make a swapped storage resident before op k (waiting if needed)."""
+        nonlocal t
+        if state.get(sid) == "out":
+            start_swap_in(sid, st[sid].size_bytes, t)
+        if state.get(sid) == "swapping_in":
+            wait = max(0, in_end[sid] - t)
+            if wait:
+                spans.append(("compute", f"stall {sid}", t, t + wait, k, sid))
+            stall[charge] += wait
+            t += wait
+            state[sid] = "in"
+            info[active[sid]]["back_ns"] = t
+
+    for k in range(n):
+        op = ops[k]
+        op_start[k] = t
+        ct.append(t), cd.append(0), ck.append(_MARK), cop.append(k), csid.append("")
+        for i in trig_at.get(k, ()):
+            sid = decisions[i].storage_id
+            if state.get(sid) == "out" and active.get(sid) == i:
+                start_swap_in(sid, decisions[i].size_bytes, t)
+        for i in back_at.get(k, ()):
+            d = decisions[i]
+            sid = d.storage_id
+            if active.get(sid) != i:
+                raise PlanError(f"decision {sid}: back-access op {k} but it was never evicted")
+            if d.method == Method.SWAP:
+                restore(sid, k, i)
+            elif state.get(sid) != "in":  # not kept by an earlier collective recomputation
+                t0 = t
+                for x in d.sources:
+                    if state.get(x) in ("out", "swapping_in"):
+                        if decisions[active[x]].method != Method.SWAP:
+                            raise PlanError(f"decision {sid}: source {x} is dropped at op {k}")
+                        restore(x, k, i)
+                t1 = t
+                t = _replay(problem, d, t, k, state, decisions, active, ct, cd, ck, cop, csid,
+                            spans)
+                recomp[i] = t - t1
+                stall[i] += t1 - t0
+                info[i]["back_ns"] = t
+            state[sid] = "in"
+            del active[sid]
+        for x in op.accessed:
+            if x in active:
+                raise PlanError(f"op {k} ({op.name}) accesses storage {x}, which the plan "
+                                f"evicted after op {decisions[active[x]].evict_op} and brings "
+                                f"back at op {decisions[active[x]].back_op}")
+        for s in op.allocs:
+            ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), cop.append(k)
+            csid.append(s)
+        t_end = t + op.duration_ns
+        if op.duration_ns:
+            spans.append(("compute", op.name, t, t_end, k, ""))
+        t = t_end
+        op_end[k] = t
+        for s in op.frees:
+            ct.append(t), cd.append(-st[s].size_bytes), ck.append(_FREE), cop.append(k)
+            csid.append(s)
+        for i in evict_at.get(k, ()):
+            d = decisions[i]
+            sid = d.storage_id
+            active[sid] = i
+            state[sid] = "out"
+            if d.method == Method.SWAP:
+                begin = max(t, d2h_free)
+                end = begin + int(round(d.size_bytes / bw_out * 1e9))
+                d2h_free = end
+                out_end[sid] = end
+                at.append(end), ad.append(-d.size_bytes), ak.append(_FREE), asid.append(sid)
+                info[i].update(out_start_ns=begin, out_end_ns=end, freed_ns=end)
+                spans.append(("d2h", f"swap-out {sid}", begin, end, -1, sid))
+            else:
+                ct.append(t), cd.append(-d.size_bytes), ck.append(_FREE), cop.append(k)
+                csid.append(sid)
+                info[i]["freed_ns"] = t
+    if active:
+        sid = next(iter(active))
+        raise PlanError(f"decision {sid}: still evicted at the end of the iteration")
+
+    memory, op_peak = _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid)
+    outcomes = tuple(
+        DecisionOutcome(d.storage_id, d.method, int(stall[i]), int(recomp[i]), **{
+            k: int(v) for k, v in info[i].items()}) for i, d in enumerate(decisions))
+    if len(memory):
+        j = int(memory["live_bytes"].to_numpy().argmax())
+        peak, peak_t = int(memory["live_bytes"].iat[j]), int(memory["time_ns"].iat[j])
+        peak_op = int(memory["op_index"].iat[j])
+    else:
+        peak, peak_t, peak_op = problem.resident_bytes, 0, -1
+    span_df = pd.DataFrame(spans, columns=["stream", "name", "start_ns", "end_ns", "op_index",
+                                           "storage_id"])
+    return SimResult(peak, peak_op, peak_t, int(t), problem.time_ns, problem.peak_bytes,
+                     outcomes, memory, op_peak, op_start, op_end, span_df)
+
+
+def _replay(problem, d: Decision, t: int, k: int, state, decisions, active,
+            ct, cd, ck, cop, csid, spans) -> int:
+    """Run a recompute decision's replay on the compute stream; returns the new time."""
+    ops = problem.ops
+    st = problem.storages
+    last_use: dict[str, int] = {}
+    for pos, j in enumerate(d.replay_ops):
+        for x in ops[j].inputs:
+            last_use[x] = pos
+    keep = {x for x in d.keep if state.get(x) == "out" and x in active
+            and decisions[active[x]].method == Method.RECOMPUTE}
+    temps: dict[str, int] = {}
+    t0 = t
+    for pos, j in enumerate(d.replay_ops):
+        op = ops[j]
+        for s in op.allocs:
+            if s == d.storage_id or s in keep:
+                ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), cop.append(k)
+                csid.append(s)
+            else:
+                temps[s] = st[s].size_bytes
+                ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), cop.append(k)
+                csid.append(s)
+        t += op.duration_ns
+        for s in list(temps):
+            if last_use.get(s, -1) <= pos:
+                ct.append(t), cd.append(-temps.pop(s)), ck.append(_FREE), cop.append(k)
+                csid.append(s)
+    for s, b in temps.items():
+        ct.append(t), cd.append(-b), ck.append(_FREE), cop.append(k), csid.append(s)
+    for x in keep:  # back early: its own RECOMPUTE will find it resident
+        state[x] = "in"
+    spans.append(("compute", f"recompute {d.storage_id}", t0, t, k, d.storage_id))
+    return t
+
+
+def _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid):
+    n = problem.n_ops
+    ct_a = np.asarray(ct, dtype=np.int64)
+    at_a = np.asarray(at, dtype=np.int64)
+    ak_a = np.asarray(ak, dtype=np.int8)
+    # position of each async event among the compute events: frees before compute events at the
+    # same instant, allocations after them. See Note [Simulation model].
+    pos = np.where(ak_a == _FREE, np.searchsorted(ct_a, at_a, side="left"),
+                   np.searchsorted(ct_a, at_a, side="right"))
+    key = np.concatenate([2 * np.arange(len(ct_a)) + 1, 2 * pos])
+    tie = np.concatenate([np.zeros(len(ct_a), dtype=np.int64), at_a])
+    order = np.lexsort((tie, key))
+    time = np.concatenate([ct_a, at_a])[order]
+    delta = np.concatenate([np.asarray(cd, dtype=np.int64), np.asarray(ad, dtype=np.int64)])[order]
+    kind = np.concatenate([np.asarray(ck, dtype=np.int8), ak_a])[order]
+    live = problem.resident_bytes + np.cumsum(delta)
+    # op of each event: the last compute mark at or before it
+    is_mark = kind == _MARK
+    op_of = np.cumsum(is_mark) - 1
+    sid = np.concatenate([np.asarray(csid, dtype=object), np.asarray(asid, dtype=object)])[order]
+    what = np.array(["free", "alloc", "op"], dtype=object)[kind]
+    if len(op_of) and op_of[0] < 0:  # async events before op 0 cannot exist (copies follow ops)
+        op_of = np.maximum(op_of, 0)
+    op_peak = np.zeros(n, dtype=np.int64)
+    if len(live):
+        np.maximum.at(op_peak, op_of, live)
+    memory = pd.DataFrame({"time_ns": time, "live_bytes": live, "op_index": op_of,
+                           "delta_bytes": delta, "what": what, "storage_id": sid})
+    return memory, op_peak
