@@ -147,12 +147,13 @@ def _read_before(specs: Sequence[OpSpec], s: str, k: int) -> bool:
 
 
 def transformer_ops(layers: int = 2, ops_per_layer: int = 24, *, hidden_bytes: int = 1 << 20,
-                    seed: int = 0) -> tuple[list[OpSpec], dict[str, int], set[str]]:
+                    seed: int = 0, mm_factor: int = 50) -> tuple[list[OpSpec], dict[str, int], set[str]]:
     """A transformer-like training iteration: ``layers`` blocks of ``ops_per_layer`` forward ops
     (activation chains with residual adds, some 4x-wide and some seeded "dropout" ops, one
     in-place op per block), the mirrored backward that reads the saved activations, and an SGD
     update per weight. Returns ``(ops, sizes, persistent)`` for ``trace_from_ops``; about
-    ``3 * layers * ops_per_layer`` ops. Durations are in ns, roughly proportional to bytes.
+    ``2 * layers * ops_per_layer`` ops. Durations in ns: elementwise ops take ~1 ns per KB (a
+    GPU streaming memory), matmuls ``mm_factor`` times longer.
     """
     import random
 
@@ -172,10 +173,11 @@ def transformer_ops(layers: int = 2, ops_per_layer: int = 24, *, hidden_bytes: i
             out = f"a{L}.{i}"
             wide = i % 6 == 2
             sizes[out] = hidden_bytes * (4 if wide else 1)
+            # elementwise ops stream memory (~1 TB/s); matmuls are compute-bound and ~50x longer
             dur = int(rng.uniform(0.5, 2.0) * sizes[out] / 1e3) + 1000
             if i % 6 == 0:
-                ops.append(OpSpec("aten.mm.default", dur * 4, (cur, w), (out,)))
-                saved.append((out, cur, w, "mm", dur * 4))
+                ops.append(OpSpec("aten.mm.default", dur * mm_factor, (cur, w), (out,)))
+                saved.append((out, cur, w, "mm", dur * mm_factor))
             elif i % 6 == 4:
                 ops.append(OpSpec("aten.native_dropout.default", dur, (cur,), (out,), seeded=True))
                 saved.append((out, cur, "", "dropout", dur))

@@ -1,0 +1,144 @@
+"""Algorithm 2 of the paper: recomputation candidates ranked by MSPS, with its iterative update.
+
+``MspsQueue`` holds the recomputation candidates (one access pair each), their sources and
+recompute time, and returns the one with the largest ``MSPS = size / (rp_time + ext_time)``
+(paper Eq. 2; §1.7 of reference/capuchin.md). Selecting one updates the others exactly as
+Algorithm 2 lines 6-34 say, through reverse indexes (storage -> candidates that use it as a
+source), so an update costs the number of affected candidates, never a scan of all of them: the
+loop stays O(selections * affected * log n) instead of cubic.
+
+# Note: [Sources in Algorithm 2]
+# Initial sources follow the lineage rule of §4.3: walking back from the target's producer, a
+# tensor is a source when it is alive at the back-access (not freed, not evicted by a decision
+# taken so far, not written since), and every undecided candidate is *assumed resident* (it is
+# only a candidate). When a candidate t is then chosen for recomputation, every candidate whose
+# back-access falls in t's eviction interval and that used t as a source now starts from t's
+# sources instead and pays t's recompute time too (lines 17-21); repeated recomputations are
+# charged through ``ext_time`` (lines 23-32).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from .lineage import Residency, replay_for
+from .problem import Problem
+
+
+@dataclass
+class RecomputeCandidate:
+    storage_id: str
+    size_bytes: int
+    evict_op: int
+    back_op: int
+    srcs: set[str]
+    rp_time_ns: int
+    ext_time_ns: int = 0
+    version: int = 0
+    replay_ops: set[int] = field(default_factory=set)
+
+    @property
+    def overhead_ns(self) -> int:
+        """RecomputeOverhead = rp_time + ext_time [inferred in the reference]."""
+        return self.rp_time_ns + self.ext_time_ns
+
+    @property
+    def msps(self) -> float:
+        return self.size_bytes / max(1, self.overhead_ns)
+
+
+class MspsQueue:
+    """Candidates for recomputation with Algorithm 2's selection and update."""
+
+    def __init__(self, problem: Problem, residency: Residency, max_replay_ops: int = 200):
+        self.p = problem
+        self.res = residency
+        self.max_replay_ops = max_replay_ops
+        self.cands: dict[str, RecomputeCandidate] = {}
+        self.recomps: dict[str, RecomputeCandidate] = {}
+        self.users: dict[str, set[str]] = {}  # storage -> candidates/recomps with it in srcs
+        self._heap: list[tuple[float, int, str, int]] = []
+        self._tick = 0
+
+    # -- InitMSPS -------------------------------------------------------------------------------
+    def add(self, sid: str, evict_op: int, back_op: int) -> RecomputeCandidate | None:
+        """Add a candidate (its sources from the lineage rule); None if it cannot be replayed."""
+        durs = self.p.ops
+        r = replay_for(self.p, sid, evict_op, back_op, self.res, max_ops=self.max_replay_ops)
+        if r is None:
+            return None
+        ops, srcs = r
+        c = RecomputeCandidate(sid, self.p.storages[sid].size_bytes, evict_op, back_op,
+                               set(srcs), sum(durs[j].duration_ns for j in ops),
+                               replay_ops=set(ops))
+        self.cands[sid] = c
+        for x in c.srcs:
+            self.users.setdefault(x, set()).add(sid)
+        self._push(c)
+        return c
+
+    def _push(self, c: RecomputeCandidate) -> None:
+        c.version += 1
+        self._tick += 1
+        heapq.heappush(self._heap, (-c.msps, self._tick, c.storage_id, c.version))
+
+    def discard(self, sid: str) -> None:
+        """Remove a candidate (taken for swap, or no longer useful)."""
+        c = self.cands.pop(sid, None)
+        if c is not None:
+            for x in c.srcs:
+                self.users.get(x, set()).discard(sid)
+
+    def peek(self, useful) -> RecomputeCandidate | None:
+        """The candidate with the largest MSPS for which ``useful(c)`` holds (others dropped)."""
+        while self._heap:
+            _, _, sid, ver = self._heap[0]
+            c = self.cands.get(sid)
+            if c is None or c.version != ver:
+                heapq.heappop(self._heap)
+                continue
+            if not useful(c):
+                heapq.heappop(self._heap)
+                self.discard(sid)
+                continue
+            return c
+        return None
+
+    # -- select t and update (Algorithm 2, lines 5-34) -------------------------------------------
+    def select(self, sid: str) -> RecomputeCandidate:
+        t = self.cands.pop(sid)
+        ext_ct = 1
+        for rp_id in list(self.users.get(sid, ())):  # lines 6-12
+            rp = self.recomps.get(rp_id)
+            if rp is not None and self._out_at(t, rp.back_op):
+                rp.srcs.discard(sid)
+                rp.srcs |= t.srcs
+                ext_ct += 1
+        self.recomps[sid] = t  # lines 13-15
+        for x in t.srcs:
+            self.users.setdefault(x, set()).add(sid)
+        for cid in list(self.users.get(sid, ())):  # lines 17-29
+            cand = self.cands.get(cid)
+            if cand is None or not self._out_at(t, cand.back_op):
+                continue
+            cand.srcs.discard(sid)
+            self.users[sid].discard(cid)
+            for x in t.srcs:
+                if x not in cand.srcs:
+                    cand.srcs.add(x)
+                    self.users.setdefault(x, set()).add(cid)
+            cand.rp_time_ns += t.rp_time_ns
+            cand.replay_ops |= t.replay_ops
+            n_users = sum(1 for r in self.users.get(cid, ()) if r in self.recomps)
+            cand.ext_time_ns = n_users * cand.rp_time_ns
+            self._push(cand)
+        for cid in t.srcs:  # lines 30-33
+            cand = self.cands.get(cid)
+            if cand is not None:
+                cand.ext_time_ns = ext_ct * cand.rp_time_ns
+                self._push(cand)
+        return t
+
+    def _out_at(self, t: RecomputeCandidate, op: int) -> bool:
+        return t.evict_op < op <= t.back_op

@@ -1,0 +1,144 @@
+"""Swap timing for policies: copy channels, free time, and the in-trigger (paper §4.4). No torch.
+
+Times are on the baseline compute stream (Note [Baseline timeline] in problem.py), in ns.
+
+# Note: [In-trigger search]
+# ``SwapInStartTime = BackAccessTime - SwapTime`` is the latest moment a prefetch may start. Walk
+# back from the back-access to the last op starting no later than that, skip ops inside the peak
+# window (a prefetch there would put the tensor back exactly when memory is tightest, paper §4.4
+# adjustment (a)), and respect the host->device channel: a copy cannot start while another one
+# runs (adjustment (b)), so if the channel is busy the search looks for the latest free slot that
+# still ends in time. When no trigger hides the copy completely, the trigger is the earliest
+# allowed op and the exposed wait is the swap's overhead.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+
+import numpy as np
+
+from .problem import Problem
+
+
+class Channel:
+    """One copy direction: reserved, non-overlapping ``[start, end)`` intervals in ns."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def reserve(self, start: int, end: int) -> None:
+        i = bisect_left(self.starts, start)
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+
+    def first_fit(self, earliest: int, dur: int) -> int:
+        """The earliest start >= ``earliest`` with ``dur`` ns free."""
+        t = earliest
+        i = max(0, bisect_right(self.starts, t) - 1)
+        while i < len(self.starts):
+            if self.ends[i] <= t:
+                i += 1
+                continue
+            if self.starts[i] >= t + dur:
+                return t
+            t = max(t, self.ends[i])
+            i += 1
+        return t
+
+    def latest_fit(self, earliest: int, deadline: int, dur: int) -> int | None:
+        """The latest start in [earliest, deadline - dur] with ``dur`` ns free, or None."""
+        t = deadline - dur
+        if t < earliest:
+            return None
+        i = bisect_right(self.starts, t + dur) - 1  # intervals starting before the slot ends
+        while i >= 0:
+            if self.ends[i] <= t:
+                return t
+            if self.starts[i] < t + dur:  # overlaps: move the slot before this interval
+                t = self.starts[i] - dur
+                if t < earliest:
+                    return None
+            i -= 1
+        return t
+
+
+@dataclass(frozen=True)
+class SwapEstimate:
+    """A swap of one storage over one access pair, as a policy foresees it (ns)."""
+
+    trigger_op: int | None  # None: on demand at the back-access
+    out_start_ns: int
+    out_end_ns: int
+    in_start_ns: int
+    in_end_ns: int
+    overhead_ns: int  # exposed wait at the back-access
+    cover_lo: int  # ops cover_lo..cover_hi run entirely while the storage is out
+    cover_hi: int
+
+
+class SwapTimer:
+    """Estimates swaps on one problem against reserved channels and a peak-window mask."""
+
+    def __init__(self, problem: Problem, in_peak: np.ndarray):
+        self.p = problem
+        self.start = problem.start_ns
+        self.end = problem.end_ns
+        self.d2h = Channel()
+        self.h2d = Channel()
+        self.set_peak(in_peak)
+
+    def set_peak(self, in_peak: np.ndarray) -> None:
+        """Ops where a prefetch must not be triggered (the peak window)."""
+        n = len(in_peak)
+        idx = np.where(~np.asarray(in_peak, dtype=bool), np.arange(n), -1)
+        self.prev_ok = np.maximum.accumulate(idx) if n else idx  # last allowed op <= k
+        nxt = np.where(~np.asarray(in_peak, dtype=bool), np.arange(n), n)
+        self.next_ok = np.minimum.accumulate(nxt[::-1])[::-1] if n else nxt  # first >= k
+
+    def out_time(self, size: int) -> int:
+        return int(round(size / self.p.bandwidth_d2h_bytes_per_s * 1e9))
+
+    def in_time(self, size: int) -> int:
+        return int(round(size / self.p.bandwidth_h2d_bytes_per_s * 1e9))
+
+    def free_time(self, size: int, a: int, b: int) -> int:
+        """FT (paper Eq. 1) of evicting after op ``a`` and needing it at op ``b``, ideal case."""
+        return int(self.start[b] - self.end[a]) - self.out_time(size) - self.in_time(size)
+
+    def estimate(self, size: int, a: int, b: int) -> SwapEstimate:
+        """Swap-out after op ``a``, in-trigger per Note [In-trigger search], back at op ``b``."""
+        t_out = self.out_time(size)
+        t_in = self.in_time(size)
+        out_start = self.d2h.first_fit(int(self.end[a]), t_out)
+        out_end = out_start + t_out
+        back = int(self.start[b])
+        trigger = None
+        in_start = None
+        slot = self.h2d.latest_fit(out_end, back, t_in)
+        if slot is not None:
+            k = int(np.searchsorted(self.start, slot, side="right")) - 1
+            k = min(k, b - 1)
+            k = int(self.prev_ok[k]) if k >= 0 else -1
+            if k > a:
+                trigger = k
+                in_start = self.h2d.first_fit(max(int(self.start[k]), out_end), t_in)
+        if trigger is None:  # cannot hide it: trigger as early as allowed
+            k = max(a + 1, int(np.searchsorted(self.start, out_end, side="left")))
+            k = int(self.next_ok[k]) if k < len(self.next_ok) else b
+            if k < b:
+                trigger = k
+                in_start = self.h2d.first_fit(max(int(self.start[k]), out_end), t_in)
+            else:
+                in_start = self.h2d.first_fit(max(back, out_end), t_in)
+        in_end = in_start + t_in
+        lo = int(np.searchsorted(self.start, out_end, side="left"))
+        hi = int(np.searchsorted(self.end, in_start, side="right")) - 1
+        return SwapEstimate(trigger, out_start, out_end, in_start, in_end,
+                            max(0, in_end - back), max(lo, a + 1), min(hi, b - 1))
+
+    def reserve(self, e: SwapEstimate) -> None:
+        self.d2h.reserve(e.out_start_ns, e.out_end_ns)
+        self.h2d.reserve(e.in_start_ns, e.in_end_ns)
