@@ -57,8 +57,8 @@ def main() -> None:
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default=None,
               help="Trace file to write (default: dtr-<model>-<batch>.trace.parquet here).")
 @click.option("--bandwidth", "bandwidth", default=None, metavar="RATE",
-              help="Host<->device bandwidth for both directions, e.g. 12GB/s or 16e9 "
-                   "(bytes/s; default 12 GB/s, PCIe 3.0 x16).")
+              help="Host<->device bandwidth for both directions, e.g. 12GB/s (10^9) or "
+                   "16e9 (bytes/s; default 12GB/s, the paper's PCIe 3.0 x16).")
 @click.option("--force", is_flag=True, help="Overwrite the output file.")
 @_errors_to_exit
 def import_dtr_cmd(log: str, output: str | None, bandwidth: str | None, force: bool) -> None:
@@ -67,7 +67,8 @@ def import_dtr_cmd(log: str, output: str | None, bandwidth: str | None, force: b
     LOG is a log file or a path inside the zip, e.g. dtr-logs.zip/logs/resnet32-56-...log (a unique
     prefix of the log's name is enough: dtr-logs.zip/resnet32).
     """
-    from .tracer.dtr_import import PCIE3_X16_BYTES_PER_S, import_dtr_log, parse_rate
+    from .planner.budget import parse_rate
+    from .tracer.dtr_import import PCIE3_X16_BYTES_PER_S, import_dtr_log
 
     rate = PCIE3_X16_BYTES_PER_S if bandwidth is None else parse_rate(bandwidth)
     path = import_dtr_log(log, output, bandwidth_bytes_per_s=rate, force=force)

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 from capuchin.cli import main
-from capuchin.errors import CapuchinError
+from capuchin.planner.problem import Problem
 from capuchin.tracer.dtr_import import (
     DtrLogError,
     dtr_log_events,
     import_dtr_log,
     list_dtr_logs,
-    parse_rate,
 )
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.schema import Col, Kind, Phase, Role
@@ -164,6 +163,7 @@ def test_peak_equals_independent_replay(converted):
         peak, ops = replay_peak_bytes(lines)
         assert ops == len(trace.ops), name
         assert trace_peak_bytes(trace) == peak, name
+        assert Problem.from_trace(trace).peak_bytes == peak, name  # the planner's one definition
 
 
 @needs_zip
@@ -268,14 +268,6 @@ def test_malformed_logs_name_the_line():
                        "bad.log")
     with pytest.raises(DtrLogError, match="log ends where a MEMORY line"):
         dtr_log_events([J(INSTRUCTION="CONSTANT", NAME="a")], "bad.log")
-
-
-def test_parse_rate():
-    assert parse_rate("12GB/s") == 12e9
-    assert parse_rate("16e9") == 16e9
-    assert parse_rate("1GiB/s") == 2**30
-    with pytest.raises(CapuchinError):
-        parse_rate("fast")
 
 
 # ---- the command -------------------------------------------------------------------------------

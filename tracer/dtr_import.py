@@ -370,22 +370,6 @@ def dtr_log_events(lines: list[str], source: str = "<log>") -> tuple[pd.DataFram
     return conv.events(), conv.saw_backward_marker
 
 
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*(?:/\s*s)?\s*$")
-
-
-def parse_rate(text: str) -> float:
-    """A bandwidth in bytes/s: ``"12e9"``, ``"12GB/s"``, ``"12G"``, ``"11.2GiB/s"`` (GB = 1e9)."""
-    m = _RATE.match(str(text))
-    if not m:
-        raise CapuchinError(f"bandwidth {text!r} is not a rate such as 12GB/s or 12e9")
-    value, prefix, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
-    exponent = "_KMGT".index(prefix) if prefix else 0
-    rate = value * ((1024 if binary else 1000) ** exponent)
-    if rate <= 0:
-        raise CapuchinError(f"bandwidth {text!r} must be positive")
-    return rate
-
-
 def default_trace_name(log_name: str) -> str:
     """``resnet32-56-9000000000.0-...log`` -> ``dtr-resnet32-56.trace.parquet``."""
     parts = Path(log_name).name.split("-")

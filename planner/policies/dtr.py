@@ -1,0 +1,360 @@
+"""The ``dtr`` policy: DTR's online eviction (Kirisame et al., ICLR'21) simulated on the trace.
+
+DTR decides at run time, with no profile: whenever an allocation would exceed the budget it
+evicts the resident tensor with the smallest heuristic score and recomputes evicted tensors when
+an op needs them. Here the same online procedure runs over the planned iteration (op by op, on
+the baseline timeline plus the recomputation it causes), and the evictions it makes become the
+plan: each evicted storage leaves after its last access before DTR evicted it and comes back by
+recomputation at its next access.
+
+# Note: [DTR's heuristic as implemented here]
+# Score of a resident candidate ``s`` (evict the smallest; capuchin.md §4.3 and its [ext] notes on
+# ``simrd``'s h_DTR^eq):
+#     h(s) = (C(s) + sum over distinct evicted-neighbourhood sets N of value(N)) / (M(s) * L(s))
+# ``C(s)``: the time to replay ``s`` (its producer and the in-place writes applied since, ns);
+# ``M(s)``: its size in bytes; ``L(s)``: staleness, ns since its last access on the simulated
+# clock. Evicted storages are grouped by a union-find: evicting ``s`` creates a set of value C(s)
+# merged with the sets of its evicted neighbours (the storages its replay reads, and the
+# storages whose replay reads it); rematerializing ``s`` subtracts C(s) from its set's value
+# (sets never split: the approximation DTR accepts). Optimizations from the DTR slides: only a
+# random sample of ``ceil(sqrt(n))`` of the ``n`` candidates is scored (fixed seed, so a plan is
+# reproducible), and storages smaller than 0.01 x the mean evictable size are never evicted.
+#
+# Differences from DTR proper, forced by the plan format (planner/plan.py): an eviction becomes a
+# decision on the storage's access gap (evicted right after the last access before DTR chose it,
+# so the memory is free earlier than in DTR, never later; back at the next access); a storage is
+# evicted at most once per gap; only storages the problem marks evictable and that the builder can
+# regenerate for that access (planner/lineage.py) are candidates; rematerialization replays what
+# the builder will replay (dead sources regenerated on the way, dropped ones kept: collective
+# recomputation), so DTR's own bookkeeping and the simulator agree closely, though not exactly
+# (the simulator is the judge of the plan).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from ..lineage import chain_ops, replay_for
+from ..plan import Decision, Method
+from ..problem import Problem
+from ..registry import register
+
+SMALL_TENSOR_FRACTION = 0.01  # DTR: ignore storages below 1% of the mean size
+DEFAULT_SEED = 0
+MAX_REPLAY = 200  # longest replay DTR considers (ops); longer chains are not candidates
+
+
+@dataclass(frozen=True)
+class DtrEviction:
+    """One eviction made by the simulated DTR run.
+
+    ``storage_id`` left memory before op ``evicted_before_op``; its last access before that was op
+    ``last_access_op``; it was rematerialized before op ``remat_op`` (None: never needed again)
+    and its next access after ``last_access_op`` is ``back_op``.
+    """
+
+    storage_id: str
+    last_access_op: int
+    evicted_before_op: int
+    back_op: int
+    remat_op: int | None
+
+
+@dataclass(frozen=True)
+class DtrRun:
+    """The outcome of one simulated DTR run (all times in ns, sizes in bytes)."""
+
+    evictions: tuple[DtrEviction, ...]
+    peak_bytes: int  # highest memory in use during the run
+    recompute_ns: int  # total replay time DTR spent
+    remats: int  # replayed storages (including intermediates)
+    oom_ops: tuple[int, ...] = ()  # ops where nothing could be evicted and the budget was exceeded
+    parameters: dict = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return not self.oom_ops
+
+
+class _UnionFind:
+    """Sets of evicted storages with summed replay cost (DTR's evicted-neighbourhood estimate)."""
+
+    def __init__(self):
+        self.parent: dict[str, str] = {}
+        self.value: dict[str, float] = {}
+
+    def find(self, x: str) -> str:
+        root = x
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[x] != root:  # path compression
+            self.parent[x], x = root, self.parent[x]
+        return root
+
+    def add(self, x: str, value: float) -> None:
+        self.parent[x] = x
+        self.value[x] = value
+
+    def union(self, a: str, b: str) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+            self.value[ra] += self.value.pop(rb)
+
+
+class _Dtr:
+    def __init__(self, problem: Problem, budget_bytes: int, seed: int, sample: bool,
+                 small_fraction: float):
+        self.p = problem
+        self.budget = budget_bytes
+        self.rng = random.Random(seed)
+        self.sample = sample
+        st = problem.storages
+        sizes = [s.size_bytes for s in st.values() if s.evictable]
+        mean = (sum(sizes) / len(sizes)) if sizes else 0.0
+        self.min_bytes = small_fraction * mean
+        # DTR's neighbours: the storages a storage's replay reads, and those whose replay reads it
+        self.parents: dict[str, set[str]] = {}
+        self.children: dict[str, set[str]] = {}
+        self.chain_ns: dict[str, int] = {}
+        for sid, s in st.items():
+            if s.alloc_op is None:
+                continue
+            par = set()
+            for k in (s.alloc_op, *s.writers):
+                par.update(u for u in problem.ops[k].inputs if u != sid)
+            self.parents[sid] = par
+            for u in par:
+                self.children.setdefault(u, set()).add(sid)
+        self.resident: set[str] = set()
+        self.evicted: dict[str, tuple[int, int]] = {}  # storage -> (evict_op, back_op)
+        self.cand: list[str] = []  # resident candidates (swap-remove list)
+        self.cand_pos: dict[str, int] = {}
+        self.used = 0
+        self.peak = 0
+        self.clock = 0
+        self.last_access: dict[str, int] = {}
+        self.uf = _UnionFind()
+        self.uf_cost: dict[str, float] = {}  # what each evicted storage added to its set
+        self.evictions: dict[tuple[str, int], list] = {}  # (storage, evict_op) -> record
+        self.replayable: dict[tuple[str, int, int], bool] = {}
+        self.recompute_ns = 0
+        self.remats = 0
+        self.oom: list[int] = []
+        self.op = 0
+
+    # -- candidate bookkeeping ------------------------------------------------------------------
+    def _add_cand(self, sid: str) -> None:
+        s = self.p.storages[sid]
+        if (s.evictable and sid in self.parents and s.size_bytes >= self.min_bytes
+                and sid not in self.cand_pos):
+            self.cand_pos[sid] = len(self.cand)
+            self.cand.append(sid)
+
+    def _drop_cand(self, sid: str) -> None:
+        i = self.cand_pos.pop(sid, None)
+        if i is None:
+            return
+        last = self.cand.pop()
+        if last != sid:
+            self.cand[i] = last
+            self.cand_pos[last] = i
+
+    def _gap(self, sid: str) -> tuple[int, int] | None:
+        """(last access before the current op, next access at or after it), or None."""
+        s = self.p.storages[sid]
+        back = s.next_access(self.op - 1)
+        if back is None or back == self.op:
+            return None
+        i = bisect_left(s.accesses, self.op) - 1
+        return (s.accesses[i], back) if i >= 0 else None
+
+    def _cost(self, sid: str, upto: int) -> int:
+        ops = chain_ops(self.p, sid, upto) or ()
+        return sum(self.p.ops[k].duration_ns for k in ops)
+
+    def _can_replay(self, sid: str, e: int, b: int) -> bool:
+        key = (sid, e, b)
+        ok = self.replayable.get(key)
+        if ok is None:
+            ok = replay_for(self.p, sid, e, b, max_ops=MAX_REPLAY) is not None
+            self.replayable[key] = ok
+        return ok
+
+    def _score(self, sid: str, e: int) -> float:
+        s = self.p.storages[sid]
+        cost = float(self._cost(sid, e))
+        roots = set()
+        for n in (*self.parents.get(sid, ()), *self.children.get(sid, ())):
+            if n in self.evicted:
+                roots.add(self.uf.find(n))
+        cost += sum(self.uf.value[r] for r in roots)
+        stale = max(1, self.clock - self.last_access.get(sid, 0))
+        return cost / (max(1, s.size_bytes) * stale)
+
+    # -- memory -----------------------------------------------------------------------------------
+    def _pick(self, pinned: set[str]) -> tuple[str, int, int] | None:
+        n = len(self.cand)
+        if n == 0:
+            return None
+        if self.sample:
+            pool = self.rng.sample(self.cand, min(n, max(1, math.ceil(math.sqrt(n)))))
+            best = self._best(pool, pinned)
+            if best is not None:
+                return best
+        return self._best(list(self.cand), pinned)  # the sample held nothing evictable
+
+    def _best(self, pool: list[str], pinned: set[str]) -> tuple[str, int, int] | None:
+        best, best_h = None, math.inf
+        for sid in pool:
+            if sid in pinned:
+                continue
+            gap = self._gap(sid)
+            if gap is None or (sid, gap[0]) in self.evictions or not self._can_replay(sid, *gap):
+                continue
+            h = self._score(sid, gap[0])
+            if h < best_h:
+                best, best_h = (sid, *gap), h
+        return best
+
+    def _reserve(self, need: int, pinned: set[str]) -> None:
+        while self.used + need > self.budget:
+            victim = self._pick(pinned)
+            if victim is None:
+                if not self.oom or self.oom[-1] != self.op:
+                    self.oom.append(self.op)
+                return
+            self._evict(*victim)
+
+    def _evict(self, sid: str, e: int, b: int) -> None:
+        s = self.p.storages[sid]
+        self.resident.discard(sid)
+        self._drop_cand(sid)
+        self.evicted[sid] = (e, b)
+        self.used -= s.size_bytes
+        self.evictions[(sid, e)] = [e, self.op, b, None]
+        self.uf_cost[sid] = float(self._cost(sid, e))
+        self.uf.add(sid, self.uf_cost[sid])
+        for n in (*self.parents.get(sid, ()), *self.children.get(sid, ())):
+            if n in self.evicted:
+                self.uf.union(sid, n)
+
+    def _back(self, sid: str) -> None:
+        """``sid`` is resident again (its own replay, or kept from another's)."""
+        e, _ = self.evicted.pop(sid)
+        self.resident.add(sid)
+        self.used += self.p.storages[sid].size_bytes
+        self.uf.value[self.uf.find(sid)] -= self.uf_cost.pop(sid, 0.0)
+        self.evictions[(sid, e)][3] = self.op
+        self.last_access[sid] = self.clock
+        self._add_cand(sid)
+
+    def _remat(self, sid: str, pinned: set[str]) -> None:
+        """Replay ``sid`` as the builder will (planner/lineage.py), on the simulated clock."""
+        p = self.p
+        e, b = self.evicted[sid]
+
+        def resident(x: str, j: int) -> bool:
+            xs = p.storages[x]
+            return x in self.resident and xs.alive_at(b) and not xs.written_between(j, b)
+
+        r = replay_for(p, sid, e, b, resident=resident, max_ops=MAX_REPLAY)
+        ops = r[0] if r is not None else (chain_ops(p, sid, e) or [])
+        srcs = set(r[1]) if r is not None else set()
+        made = [x for j in ops for x in p.ops[j].allocs]
+        kept = [x for x in made if x != sid and x in self.evicted
+                and set(chain_ops(p, x, self.evicted[x][0]) or [-1]) <= set(ops)]
+        temps = sum(p.storages[x].size_bytes for x in made if x != sid and x not in kept)
+        pins = set(pinned) | srcs | {sid}
+        # the target, the kept intermediates and (briefly) the dead ones regenerated on the way
+        self._reserve(p.storages[sid].size_bytes + temps
+                      + sum(p.storages[x].size_bytes for x in kept), pins)
+        self.peak = max(self.peak, self.used + temps + p.storages[sid].size_bytes
+                        + sum(p.storages[x].size_bytes for x in kept))
+        cost = sum(p.ops[j].duration_ns for j in ops)
+        self.clock += cost
+        self.recompute_ns += cost
+        self.remats += 1 + len(kept)
+        for x in (sid, *kept):
+            self._back(x)
+
+    # -- the run ------------------------------------------------------------------------------------
+    def run(self) -> DtrRun:
+        p = self.p
+        for sid, s in p.storages.items():
+            if s.alloc_op is None:
+                self.resident.add(sid)
+                self.used += s.size_bytes
+        self.peak = self.used
+        for k, op in enumerate(p.ops):
+            self.op = k
+            pinned = set(op.accessed)
+            for u in op.accessed:
+                if u in self.evicted:
+                    self._remat(u, pinned)
+            need = sum(p.storages[a].size_bytes for a in op.allocs)
+            self._reserve(need, pinned)
+            for a in op.allocs:
+                self.resident.add(a)
+            self.used += need
+            self.peak = max(self.peak, self.used)
+            for u in op.accessed:
+                self.last_access[u] = self.clock
+                if u in self.resident:
+                    self._add_cand(u)
+            self.clock += op.duration_ns
+            for f in op.frees:
+                if f in self.resident:
+                    self.resident.discard(f)
+                    self.used -= p.storages[f].size_bytes
+                self.evicted.pop(f, None)
+                self._drop_cand(f)
+        evs = tuple(DtrEviction(sid, last, before, back, remat)
+                    for (sid, _), (last, before, back, remat) in self.evictions.items())
+        return DtrRun(evs, int(self.peak), int(self.recompute_ns), self.remats, tuple(self.oom))
+
+
+def simulate_dtr(problem: Problem, budget_bytes: int, *, seed: int = DEFAULT_SEED,
+                 sample: bool = True, small_fraction: float = SMALL_TENSOR_FRACTION) -> DtrRun:
+    """Run DTR's online eviction over ``problem`` under ``budget_bytes``.
+
+    ``seed``: the sampling seed (DTR samples ``ceil(sqrt(n))`` candidates per eviction);
+    ``sample=False`` scores every candidate. ``small_fraction``: storages smaller than this
+    fraction of the mean evictable size are never evicted. See Note [DTR's heuristic as
+    implemented here].
+    """
+    return _Dtr(problem, int(budget_bytes), seed, sample, small_fraction).run()
+
+
+def decisions_from_run(problem: Problem, run: DtrRun) -> list[Decision]:
+    """One recompute decision per (storage, access gap) DTR evicted in; lineage left to the
+    builder."""
+    out = []
+    for ev in run.evictions:
+        s = problem.storages[ev.storage_id]
+        out.append(Decision(ev.storage_id, Method.RECOMPUTE, s.size_bytes, ev.last_access_op,
+                            ev.back_op))
+    return sorted(out, key=lambda d: (d.evict_op, d.storage_id))
+
+
+@register("dtr")
+def dtr(problem: Problem, budget_bytes: int, *, seed: int = DEFAULT_SEED, sample: bool = True,
+        small_fraction: float = SMALL_TENSOR_FRACTION) -> list[Decision]:
+    """DTR's online eviction on the trace, as recompute decisions.
+
+    Contract (Note [Policy contract] in planner/registry.py): recompute decisions only, one per
+    (storage, access gap) DTR evicted in, ``evict_op``/``back_op`` the storage's accesses around
+    the moment DTR evicted it; lineage is resolved by the builder. Nothing is evicted when the
+    baseline peak fits. When DTR runs out of candidates the decisions are still returned (the
+    simulated peak then exceeds the budget and the plan is marked infeasible).
+    Parameters: ``seed`` (sampling), ``sample`` (score a sqrt(n) sample, DTR's default, or every
+    candidate), ``small_fraction`` (never evict storages below this fraction of the mean size).
+    """
+    if problem.peak_bytes <= budget_bytes:
+        return []
+    run = simulate_dtr(problem, budget_bytes, seed=seed, sample=sample,
+                       small_fraction=small_fraction)
+    return decisions_from_run(problem, run)

@@ -1,0 +1,260 @@
+"""The one shared table of cases every registered policy must pass, plus each baseline's own rules.
+
+The table iterates over the registry, so every policy (capuchin, swap, recompute, the baselines,
+dtr, ilp) is covered, including ones added later. Every plan goes through the shared builder,
+whose simulator checks its invariants (it raises ``PlanError`` otherwise).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from capuchin.errors import CapuchinError
+from capuchin.planner.build import build_plan
+from capuchin.planner.plan import Method
+from capuchin.planner.problem import Problem
+from capuchin.planner.registry import UnknownPolicyError, available, get_policy
+from capuchin.planner.synthetic import trace_from_ops, transformer_ops
+from capuchin.tracer.schema import Phase
+
+POLICIES = available()
+BASELINES = ["checkpoint-sqrt", "checkpoint-speed", "vdnn", "dtr"]
+# small enough for the ILP to finish quickly; its own tests exercise the time limit
+FAST = {"ilp": {"time_limit_s": 5.0}}
+
+
+def run(policy: str, problem: Problem, budget_bytes: int):
+    """The policy's decisions through the shared builder (which simulates and checks them)."""
+    ds = get_policy(policy)(problem, budget_bytes, **FAST.get(policy, {}))
+    plan, sim = build_plan(problem, ds, policy=policy, budget_bytes=budget_bytes)
+    return plan, sim
+
+
+def cnn_problem(layers: int = 4, size: int = 1000, zero: tuple[int, ...] = ()) -> Problem:
+    """conv -> relu per layer, a loss, then the mirrored backward reading the saved tensors.
+    Layers listed in ``zero`` produce zero-byte relu outputs."""
+    ops, sizes = [], {"x": size, "loss": 4}
+    prev = "x"
+    for i in range(layers):
+        w, c, r = f"w{i}", f"c{i}", f"r{i}"
+        sizes[w], sizes[c], sizes[r] = 50, size, 0 if i in zero else size
+        ops.append(("aten.convolution.default", 4000, [prev, w], [c]))
+        ops.append(("aten.relu.default", 500, [c], [r]))
+        prev = r
+    ops.append(("aten.sum.default", 100, [prev], ["loss"]))
+    g = "loss"
+    for i in reversed(range(layers)):
+        gr, gc = f"gr{i}", f"gc{i}"
+        sizes[gr], sizes[gc] = size, size
+        ops.append(("aten.threshold_backward.default", 800, [g, f"r{i}"], [gr], [], "backward"))
+        src = f"r{i - 1}" if i else "x"
+        ops.append(("aten.convolution_backward.default", 8000, [gr, src, f"w{i}"], [gc], [],
+                    "backward"))
+        g = gc
+    return Problem.from_trace(trace_from_ops(ops, sizes, persistent=[f"w{i}" for i in range(layers)],
+                                             bandwidth_bytes_per_s=1e9))
+
+
+def transformer_problem(layers: int = 2) -> Problem:
+    ops, sizes, persistent = transformer_ops(layers, 12)
+    return Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent))
+
+
+def empty_problem() -> Problem:
+    return Problem(ops=(), storages={}, resident_bytes=0, start_ns=np.zeros(0, dtype=np.int64),
+                   live_bytes=np.zeros(0, dtype=np.int64))
+
+
+# ---- the shared table ------------------------------------------------------------------------
+def test_registry_has_every_policy_of_the_issue():
+    for name in ["capuchin", "swap", "recompute", "ilp", *BASELINES]:
+        assert name in POLICIES, name
+
+
+def test_unknown_policy_lists_the_valid_ones():
+    with pytest.raises(UnknownPolicyError) as err:
+        get_policy("lru")
+    assert isinstance(err.value, CapuchinError)
+    for name in POLICIES:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_empty_trace(policy):
+    problem = empty_problem()
+    plan, sim = run(policy, problem, 1)
+    assert plan.records == [] and sim.peak_bytes == 0 and plan.predictions.feasible
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("factor", [1.0, 1.5])
+def test_budget_at_and_above_peak_evicts_nothing(policy, factor):
+    problem = cnn_problem()
+    budget = int(problem.peak_bytes * factor)
+    plan, sim = run(policy, problem, budget)
+    assert plan.predictions.feasible and sim.peak_bytes <= budget
+    assert sim.time_ns == problem.time_ns  # nothing to gain, nothing paid
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_budget_below_the_floor_is_reported_not_raised(policy):
+    problem = cnn_problem()
+    budget = problem.floor_bytes() - 1
+    plan, sim = run(policy, problem, budget)
+    assert not plan.predictions.feasible
+    assert sim.peak_bytes > budget and sim.peak_bytes >= problem.floor_bytes()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_zero_size_tensors(policy):
+    problem = cnn_problem(zero=(0, 2))
+    zero = {s for s, info in problem.storages.items() if info.size_bytes == 0}
+    assert zero
+    for frac in (0.8, 0.6):
+        plan, _ = run(policy, problem, int(problem.peak_bytes * frac))
+        assert not {d.storage_id for d in plan.records} & zero
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("make", [cnn_problem, transformer_problem], ids=["cnn", "transformer"])
+def test_plans_pass_the_simulator_and_keep_their_word(policy, make):
+    problem = make()
+    for frac in (0.9, 0.7, 0.5):
+        budget = int(problem.peak_bytes * frac)
+        plan, sim = run(policy, problem, budget)  # PlanError here = an invalid plan
+        assert plan.predictions.feasible == (sim.peak_bytes <= budget)
+        assert plan.predictions.predicted_peak_bytes == sim.peak_bytes
+        assert sim.time_ns >= problem.time_ns
+        for d in plan.records:
+            assert problem.storages[d.storage_id].evictable
+        # what the plan file says is what the simulator says when it replays it
+        again = plan.simulate(problem)
+        assert again.peak_bytes == sim.peak_bytes and again.time_ns == sim.time_ns
+
+
+# ---- DTR ---------------------------------------------------------------------------------------
+def test_dtr_fits_where_recomputation_can():
+    problem = transformer_problem(3)
+    for frac in (0.8, 0.6):
+        plan, sim = run("dtr", problem, int(problem.peak_bytes * frac))
+        assert plan.predictions.feasible, frac
+        assert plan.records and all(d.method == Method.RECOMPUTE for d in plan.records)
+
+
+def test_dtr_is_reproducible_and_seeded():
+    from capuchin.planner.policies.dtr import dtr
+
+    problem = transformer_problem(3)
+    budget = int(problem.peak_bytes * 0.5)
+    assert dtr(problem, budget) == dtr(problem, budget)
+    full = dtr(problem, budget, sample=False)
+    assert full == dtr(problem, budget, sample=False, seed=7)  # no sampling: the seed is moot
+
+
+def test_dtr_evicts_the_lowest_score():
+    """Two equal-size activations alive across the peak; one costs 100x more to recompute.
+    h = C / (M * L): the cheap one goes."""
+    from capuchin.planner.policies.dtr import simulate_dtr
+
+    ops = [
+        ("cheap", 10, ["x"], ["A"]),
+        ("dear", 1000, ["x"], ["B"]),
+        ("big", 10, ["x"], ["P"]),  # the peak: A, B and P alive together
+        ("shrink", 10, ["P"], ["R"]),
+        ("use", 10, ["R", "A", "B"], ["Q"], [], "backward"),
+    ]
+    sizes = {"x": 8, "A": 100, "B": 100, "P": 100, "R": 8, "Q": 8}
+    problem = Problem.from_trace(trace_from_ops(ops, sizes, persistent=["x"]))
+    assert problem.peak_bytes == 8 + 300 + 8
+    run_ = simulate_dtr(problem, problem.peak_bytes - 50, sample=False)
+    assert [e.storage_id for e in run_.evictions] == ["A"]
+    assert run_.fits and run_.recompute_ns == 10
+
+
+def test_dtr_skips_small_tensors():
+    from capuchin.planner.policies.dtr import simulate_dtr
+
+    ops = [
+        ("tiny", 1, ["x"], ["A"]),
+        ("dear", 100_000, ["x"], ["B"]),
+        ("big", 10, ["x"], ["P"]),
+        ("shrink", 10, ["P"], ["R"]),
+        ("use", 10, ["R", "A", "B"], ["Q"], [], "backward"),
+    ]
+    sizes = {"x": 8, "A": 1, "B": 1000, "P": 1000, "R": 8, "Q": 8}
+    problem = Problem.from_trace(trace_from_ops(ops, sizes, persistent=["x"]))
+    budget = problem.peak_bytes - 1
+    # A scores lowest (1 ns per byte) and goes first when every size may be evicted ...
+    everything = simulate_dtr(problem, budget, sample=False, small_fraction=0.0)
+    assert [e.storage_id for e in everything.evictions][:1] == ["A"]
+    # ... but it is below 1% of the mean evictable size, so DTR leaves it alone
+    run_ = simulate_dtr(problem, budget, sample=False)
+    assert [e.storage_id for e in run_.evictions] == ["B"]
+
+
+def test_union_find_sums_the_evicted_neighbourhood():
+    from capuchin.planner.policies.dtr import _UnionFind
+
+    uf = _UnionFind()
+    for name, v in (("a", 1.0), ("b", 2.0), ("c", 4.0)):
+        uf.add(name, v)
+    uf.union("a", "b")
+    assert uf.find("a") == uf.find("b") != uf.find("c")
+    assert uf.value[uf.find("b")] == 3.0
+    uf.union("c", "a")
+    assert uf.value[uf.find("a")] == 7.0
+
+
+# ---- checkpointing and vDNN -------------------------------------------------------------------------
+def test_checkpoint_sqrt_picks_evenly_spaced_articulation_points():
+    from capuchin.planner.policies.checkpoint_sqrt import articulation_checkpoints
+
+    problem = cnn_problem(layers=8)
+    points = articulation_checkpoints(problem)
+    # a chain of 16 forward activations plus the loss: sqrt(17) ~ 4 checkpoints, spread out
+    assert 3 <= len(points) <= 5
+    producers = sorted(problem.storages[s].alloc_op for s in points)
+    gaps = np.diff(producers)
+    assert gaps.max() - gaps.min() <= 1
+
+
+def test_checkpoint_sqrt_skips_storages_that_a_skip_connection_bypasses():
+    from capuchin.planner.policies.checkpoint_sqrt import articulation_checkpoints
+
+    # x -> a -> b -> add(b, x) = y -> c: a and b are bypassed by the skip, y and c are not
+    ops = [("f", 10, ["x"], ["a"]), ("g", 10, ["a"], ["b"]), ("add", 10, ["b", "x0"], ["y"]),
+           ("h", 10, ["y"], ["c"]), ("k", 10, ["c"], ["d"]), ("l", 10, ["d"], ["e"])]
+    ops.insert(0, ("id", 10, ["x"], ["x0"]))
+    sizes = {s: 10 for s in "x x0 a b y c d e".split()}
+    problem = Problem.from_trace(trace_from_ops(ops, sizes))
+    points = set(articulation_checkpoints(problem))
+    assert not points & {"a", "b"}
+
+
+def test_checkpoint_speed_keeps_conv_and_matmul_outputs():
+    problem = cnn_problem(layers=4)
+    plan, _ = run("checkpoint-speed", problem, int(problem.peak_bytes * 0.6))
+    dropped = {d.storage_id for d in plan.records}
+    assert dropped and all(s.startswith("r") for s in dropped)  # relu outputs only
+    assert all(d.method == Method.RECOMPUTE for d in plan.records)
+
+
+def test_vdnn_offloads_conv_inputs_and_prefetches_one_layer_ahead():
+    problem = cnn_problem(layers=4)
+    plan, sim = run("vdnn", problem, int(problem.peak_bytes * 0.6))
+    by_sid = {d.storage_id: d for d in plan.records}
+    assert set(by_sid) == {"r0", "r1", "r2"}  # inputs of convs 1..3 (x is an input, resident)
+    assert all(d.method == Method.SWAP for d in plan.records)
+    # r_i is prefetched when backward reaches the next layer, i.e. at r_{i+1}'s back-access
+    assert by_sid["r0"].trigger_op == by_sid["r1"].back_op
+    assert by_sid["r1"].trigger_op == by_sid["r2"].back_op
+    first_bwd = next(o.index for o in problem.ops if o.phase == Phase.BACKWARD)
+    assert by_sid["r2"].trigger_op == first_bwd
+
+
+def test_static_baselines_plan_nothing_without_a_backward_phase():
+    ops = [("aten.convolution.default", 10, ["x"], ["a"]), ("aten.relu.default", 10, ["a"], ["b"]),
+           ("aten.convolution.default", 10, ["b"], ["c"]), ("aten.add.Tensor", 10, ["c", "a"], ["d"])]
+    problem = Problem.from_trace(trace_from_ops(ops, {s: 10 for s in "xabcd"}))
+    for policy in ("checkpoint-sqrt", "checkpoint-speed", "vdnn"):
+        assert get_policy(policy)(problem, problem.peak_bytes // 2) == []
