@@ -1,0 +1,102 @@
+"""Compile a ``Plan`` into the tables the tracker reads per op (everything decided before the run).
+
+``ActionTable.fast[k]`` is the OpOverload expected at op ``k`` when op ``k`` needs nothing but the
+check, else None: the tracker's hot path is ``func is fast[k]`` (Note [Hot path] in tracker.py).
+``ActionTable.ops[k]`` (an ``OpActions``) says what else op ``k`` does: storages to name (the ids of
+Note [Tensor and storage ids] are positional: ``"k:j"`` is output ``j`` of op ``k``, ``"x{k}:{a}"``
+the ``a``-th flattened tensor argument of op ``k``, so naming needs no bookkeeping on other ops),
+whether to record the call for a later replay, and the plan's before/after steps.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..planner.plan import Decision, Method, Plan, Step
+
+_OUT_ID = re.compile(r"^(\d+):(\d+)$")
+_IN_ID = re.compile(r"^x(\d+):(\d+)$")
+
+
+@dataclass
+class OpActions:
+    before: list[tuple[Step, str]] = field(default_factory=list)
+    after: list[tuple[Step, str]] = field(default_factory=list)
+    name_inputs: list[tuple[int, str]] = field(default_factory=list)  # (flat arg, storage id)
+    name_outputs: list[tuple[int, str]] = field(default_factory=list)  # (flat output, storage id)
+    record: bool = False  # a recompute decision replays this op
+
+    @property
+    def empty(self) -> bool:
+        return not (self.before or self.after or self.name_inputs or self.name_outputs
+                    or self.record)
+
+
+def resolve_op(name: str):
+    """``"aten.mm.default"`` -> ``torch.ops.aten.mm.default``, or None if unknown here."""
+    try:
+        ns, op, overload = name.split(".", 2)
+        return getattr(getattr(getattr(torch.ops, ns), op), overload)
+    except (ValueError, AttributeError, RuntimeError):
+        return None
+
+
+@dataclass
+class ActionTable:
+    names: list[str]  # op name per op index (the trace's op_name)
+    expected: list  # OpOverload (or None) per op index
+    signatures: list[str]
+    ops: dict[int, OpActions]
+    fast: list
+    decisions: dict[str, Decision]
+
+    @property
+    def n_ops(self) -> int:
+        return len(self.expected)
+
+    def actions(self, k: int) -> OpActions:
+        a = self.ops.get(k)
+        if a is None:
+            a = self.ops[k] = OpActions()
+            if k < len(self.fast):
+                self.fast[k] = None
+        return a
+
+    def move_before(self, step: Step, sid: str, src: int, dst: int) -> None:
+        """Move a before-step from op ``src`` to op ``dst`` (late prefetch feedback)."""
+        a = self.ops.get(src)
+        if a is not None and (step, sid) in a.before:
+            a.before.remove((step, sid))
+        self.actions(dst).before.append((step, sid))
+
+
+def compile_plan(plan: Plan) -> ActionTable:
+    expected = [resolve_op(o[0]) for o in plan.ops]
+    signatures = [o[1] if len(o) > 1 else "" for o in plan.ops]
+    ops: dict[int, OpActions] = {}
+
+    def at(k: int) -> OpActions:
+        return ops.setdefault(k, OpActions())
+
+    decisions = {d.storage_id: d for d in plan.records}
+    named: set[str] = set()
+    for d in plan.records:
+        named.update((d.storage_id, *d.sources, *d.keep))
+        if d.method is Method.RECOMPUTE:
+            for k in d.replay_ops:
+                at(k).record = True
+    for sid in sorted(named):
+        m = _OUT_ID.match(sid)
+        if m:
+            at(int(m.group(1))).name_outputs.append((int(m.group(2)), sid))
+            continue
+        m = _IN_ID.match(sid)
+        if m:
+            at(int(m.group(1))).name_inputs.append((int(m.group(2)), sid))
+    for a in plan.actions:
+        (at(a.op_index).before if a.before else at(a.op_index).after).append((a.step, a.storage_id))
+    fast = [None if k in ops else f for k, f in enumerate(expected)]
+    return ActionTable([o[0] for o in plan.ops], expected, signatures, ops, fast, decisions)

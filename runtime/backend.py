@@ -1,0 +1,331 @@
+"""Device backends for swapping: the only place that knows about streams, events and host memory.
+
+The runtime logic (runtime/swap.py) talks to one small interface, ``DeviceBackend``:
+
+- ``host_buffer(nbytes)`` / ``release(buf)``: a host buffer from a pool reused across iterations;
+- ``copy_out(storage, buf)`` / ``copy_in(buf, storage)``: asynchronous copies, one FIFO channel per
+  direction (paper §5.4: two streams; transfers in one direction serialize), returning a ``Copy``;
+- ``Copy.done()`` (poll), ``Copy.wait()`` (block the host), ``wait_compute(copy)`` (make the
+  compute stream wait for the copy before the consuming op);
+- ``free_after_copy_out(storage, copy)``: release the device memory of a storage whose swap-out is
+  in flight, without letting the allocator reuse memory the copy still reads;
+- ``allocated_bytes()``: the allocator's own count of device bytes, or None where it has none.
+
+Two implementations: ``CPUBackend`` (a copy thread per direction; host buffers are numpy arrays,
+allocated outside PyTorch's allocator so that its accounting counts only "device"-resident bytes) and
+``CUDABackend`` (a copy stream per direction, events, a pinned host buffer pool, ``record_stream``).
+The CUDA one cannot run on the machines this project is developed on; ``gpu``-marked tests cover it.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+
+def byte_view(storage: torch.UntypedStorage, nbytes: int | None = None) -> torch.Tensor:
+    """A 1-d uint8 tensor over ``storage`` (no copy). Built with dispatch modes disabled so that a
+    runtime-internal op is never seen by the tracker (see Note [Runtime-internal ops])."""
+    n = storage.nbytes() if nbytes is None else nbytes
+    with _disable_current_modes(), torch.no_grad():
+        t = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        return t.set_(storage, 0, (n,), (1,))
+
+
+class Copy(Protocol):
+    """One asynchronous copy in flight."""
+
+    nbytes: int
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> float:
+        """Block the host until the copy is complete; returns the seconds spent waiting."""
+        ...
+
+
+class DeviceBackend(Protocol):
+    device: torch.device
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor: ...
+
+    def release(self, buf: torch.Tensor) -> None: ...
+
+    def copy_out(self, storage: torch.UntypedStorage, buf: torch.Tensor) -> Copy: ...
+
+    def copy_in(self, buf: torch.Tensor, storage: torch.UntypedStorage,
+                after: Copy | None = None) -> Copy:
+        """Start host->device; ``after``: a swap-out of the same data that must finish first."""
+        ...
+
+    def wait_compute(self, copy: Copy) -> float: ...
+
+    def free_after_copy_out(self, storage: torch.UntypedStorage, copy: Copy) -> bool: ...
+
+    def allocated_bytes(self) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
+# ---- host buffer pool ----------------------------------------------------------------------------
+
+
+class _HostPool:
+    """Exact-size free lists: an iteration repeats the same sizes, so buffers are reused as is."""
+
+    def __init__(self, make):
+        self._make = make
+        self._free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        self.allocated_bytes = 0  # host bytes ever allocated by the pool
+        self.lock = threading.Lock()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        with self.lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+            self.allocated_bytes += nbytes
+        return self._make(nbytes)
+
+    def put(self, buf: torch.Tensor) -> None:
+        with self.lock:
+            self._free[buf.numel()].append(buf)
+
+
+# ---- CPU ---------------------------------------------------------------------------------------
+
+
+class _ThreadCopy:
+    __slots__ = ("nbytes", "_event", "error")
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self._event = threading.Event()
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> float:
+        if self._event.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        self._event.wait()
+        if self.error is not None:
+            raise self.error
+        return time.perf_counter() - t0
+
+
+class _CopyChannel:
+    """One direction: a daemon thread that runs queued copies in order (a 'stream')."""
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int,
+               after: _ThreadCopy | None = None) -> _ThreadCopy:
+        c = _ThreadCopy(nbytes)
+        self._q.put((dst, src, c, after))
+        return c
+
+    def _run(self) -> None:
+        # No dispatch mode is active on this thread (modes are thread-local), so these copies are
+        # never seen by the tracker; Tensor.copy_ releases the GIL while it copies.
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            dst, src, c, after = job
+            try:
+                if after is not None:
+                    after._event.wait()  # the other channel must have written the host buffer
+                    if after.error is not None:
+                        raise after.error
+                with torch.no_grad():
+                    dst.copy_(src)
+            except BaseException as exc:  # surfaced by Copy.wait
+                c.error = exc
+            del dst, src, job, after
+            c._event.set()
+
+    def close(self) -> None:
+        self._q.put(None)
+
+
+class CPUBackend:
+    """'Device' = CPU memory counted by PyTorch's allocator; 'host' = numpy memory it never sees.
+
+    Copies run on two threads (device->host, host->device). The device memory of a swapped-out
+    storage is released by the main thread once its copy is done (``free_after_copy_out`` returns
+    False until then): the CPU allocator's profiler accounting is thread-local, so a free on the
+    copy thread would never be subtracted from the measured peak.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._pool = _HostPool(lambda n: torch.from_numpy(np.empty(n, dtype=np.uint8)))
+        self._d2h = _CopyChannel("capuchin-d2h")
+        self._h2d = _CopyChannel("capuchin-h2d")
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return self._pool.allocated_bytes
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return self._pool.get(nbytes)
+
+    def release(self, buf: torch.Tensor) -> None:
+        self._pool.put(buf)
+
+    def copy_out(self, storage: torch.UntypedStorage, buf: torch.Tensor) -> Copy:
+        n = storage.nbytes()
+        return self._d2h.submit(buf[:n], byte_view(storage, n), n)
+
+    def copy_in(self, buf: torch.Tensor, storage: torch.UntypedStorage,
+                after: Copy | None = None) -> Copy:
+        n = storage.nbytes()
+        return self._h2d.submit(byte_view(storage, n), buf[:n], n, after)
+
+    def wait_compute(self, copy: Copy) -> float:
+        return copy.wait()  # the "compute stream" is the main thread
+
+    def free_after_copy_out(self, storage: torch.UntypedStorage, copy: Copy) -> bool:
+        if not copy.done():
+            return False
+        copy.wait()  # re-raise a failed copy
+        with _disable_current_modes():
+            storage.resize_(0)
+        return True
+
+    def allocated_bytes(self) -> int | None:
+        return None  # the CPU allocator keeps no count outside the profiler
+
+    def close(self) -> None:
+        self._d2h.close()
+        self._h2d.close()
+
+
+# ---- CUDA --------------------------------------------------------------------------------------
+
+
+class _EventCopy:
+    __slots__ = ("nbytes", "event", "keep")
+
+    def __init__(self, nbytes: int, event, keep):
+        self.nbytes = nbytes
+        self.event = event
+        self.keep = keep  # tensors the copy reads/writes: alive until the event completes
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> float:
+        if self.event.query():
+            return 0.0
+        t0 = time.perf_counter()
+        self.event.synchronize()
+        return time.perf_counter() - t0
+
+
+class CUDABackend:
+    """One copy stream per direction, events, a pinned host buffer pool, ``record_stream``.
+
+    Ordering (paper §5.4, actions are deferred to their point in the compute stream):
+    - swap-out: the d2h stream waits on an event recorded on the compute stream right after the
+      evicted-access, then copies; ``record_stream(d2h)`` on the device view tells the caching
+      allocator that the d2h stream still reads the block, so the storage can be resized to 0 at
+      once (memory_allocated drops now; the block is reused only after the copy has finished).
+    - swap-in: the storage is re-allocated on the compute stream (the caching allocator's stream
+      of record), the h2d stream waits for that allocation point, copies, and records an event; the
+      compute stream waits on that event before the consuming op (``wait_compute``), so the host
+      thread does not block unless the runtime asks it to.
+    - the pinned host buffer is not reused before the copy's event completes (the ``keep`` list).
+    """
+
+    def __init__(self, device: torch.device | str = "cuda"):
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._d2h = torch.cuda.Stream(self.device)
+        self._h2d = torch.cuda.Stream(self.device)
+        self._pool = _HostPool(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        # buffers released while a copy may still touch them: (event, buf)
+        self._releasing: collections.deque = collections.deque()
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return self._pool.allocated_bytes
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        self._reclaim()
+        return self._pool.get(nbytes)
+
+    def release(self, buf: torch.Tensor) -> None:
+        ev = torch.cuda.Event()
+        ev.record(self._h2d)  # the last user of a host buffer is a swap-in on the h2d stream
+        self._releasing.append((ev, buf))
+
+    def _reclaim(self) -> None:
+        while self._releasing and self._releasing[0][0].query():
+            self._pool.put(self._releasing.popleft()[1])
+
+    def copy_out(self, storage: torch.UntypedStorage, buf: torch.Tensor) -> Copy:
+        n = storage.nbytes()
+        with _disable_current_modes(), torch.no_grad():
+            src = byte_view(storage, n)
+            ready = torch.cuda.current_stream(self.device).record_event()
+            self._d2h.wait_event(ready)
+            with torch.cuda.stream(self._d2h):
+                buf[:n].copy_(src, non_blocking=True)
+                src.record_stream(self._d2h)
+                done = self._d2h.record_event()
+        return _EventCopy(n, done, (src, buf))
+
+    def copy_in(self, buf: torch.Tensor, storage: torch.UntypedStorage,
+                after: Copy | None = None) -> Copy:
+        n = storage.nbytes()  # already resized by the caller on the compute stream
+        with _disable_current_modes(), torch.no_grad():
+            dst = byte_view(storage, n)
+            ready = torch.cuda.current_stream(self.device).record_event()
+            self._h2d.wait_event(ready)
+            if after is not None:
+                self._h2d.wait_event(after.event)  # the swap-out has filled the host buffer
+            with torch.cuda.stream(self._h2d):
+                dst.copy_(buf[:n], non_blocking=True)
+                dst.record_stream(self._h2d)
+                done = self._h2d.record_event()
+        return _EventCopy(n, done, (dst, buf))
+
+    def wait_compute(self, copy: Copy) -> float:
+        torch.cuda.current_stream(self.device).wait_event(copy.event)
+        return 0.0
+
+    def free_after_copy_out(self, storage: torch.UntypedStorage, copy: Copy) -> bool:
+        # record_stream(d2h) in copy_out keeps the allocator from reusing the block early.
+        with _disable_current_modes():
+            storage.resize_(0)
+        return True
+
+    def allocated_bytes(self) -> int | None:
+        return torch.cuda.memory_allocated(self.device)
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self._reclaim()
+
+
+def backend_for(device: torch.device | str) -> DeviceBackend:
+    """The backend for a plan's device ("cpu" or "cuda[:n]")."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CUDABackend(device)
+    return CPUBackend(device)

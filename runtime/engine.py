@@ -1,0 +1,172 @@
+"""``Runtime``: train under a plan. ``with capuchin.Runtime(plan): train()``; ``capuchin run`` is the
+same code around the unmodified script (runtime/launch.py).
+
+The runtime carries out the plan; it plans nothing. What it decides while running is small and
+named: on-demand restores (tracker.py), passive eviction over budget (passive.py), late-prefetch
+feedback (swap.py), drops that cannot be replayed exactly become swaps (recompute.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..errors import PlanFormatError
+from ..planner.plan import Plan, load_plan
+from ..tracer.hooks import OpIndexer
+from .actions import compile_plan
+from .backend import backend_for
+from .passive import PassiveTracker
+from .recompute import RecomputeEngine
+from .report import IterationStats, MemoryMeter, RunReport
+from .swap import SwapEngine
+from .tracker import Executor
+
+
+class _Indexer(OpIndexer):
+    """The tracer's op indexer, plus: every step end restores all evicted storages at once (the
+    script may read tensors outside ops between steps)."""
+
+    def __init__(self, runtime: Runtime, **kw):
+        super().__init__(**kw)
+        self._rt = runtime
+
+    def mark_step(self, *args, **kwargs) -> None:
+        super().mark_step(*args, **kwargs)
+        self._rt._step_end()
+
+
+class Runtime:
+    """Enforce ``plan`` (a ``Plan``, a path to a plan file, or None) while the code inside the
+    ``with`` block trains.
+
+    budget_bytes: the memory budget (default: the plan's). Without a plan, the whole run is in
+        passive mode under this budget.
+    device: the device whose memory is managed (default: the plan's provenance device, else cpu).
+    passive: evict on demand where no plan applies (divergence, unplanned iterations).
+    measure_memory: measure each iteration's peak with PyTorch's allocator accounting (Note
+        [Measured peak] in report.py); costs profiler overhead on CPU.
+    report_path: write the JSON report there on exit.
+
+    After the block, ``report`` holds a ``RunReport``.
+    """
+
+    def __init__(self, plan: Plan | str | os.PathLike | None = None, *,
+                 budget_bytes: int | None = None, device: str | torch.device | None = None,
+                 passive: bool = True, measure_memory: bool = True,
+                 report_path: str | os.PathLike | None = None):
+        if isinstance(plan, (str, os.PathLike)):
+            self.plan_source = str(plan)
+            plan = load_plan(plan)
+        else:
+            self.plan_source = "<plan>"
+        self.plan = plan
+        if plan is None and budget_bytes is None:
+            raise PlanFormatError("Runtime needs a plan or a budget_bytes (passive mode)")
+        self.budget_bytes = int(budget_bytes if budget_bytes is not None else plan.budget_bytes)
+        dev = device if device is not None else (plan.provenance.device if plan else "cpu")
+        self.device = torch.device(dev or "cpu")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise PlanFormatError(f"{self.plan_source}: plan is for {self.device}, but CUDA is not "
+                                  "available here; make a plan from a trace of this device")
+        self.passive_enabled = passive
+        self.measure_memory = measure_memory
+        self.report_path = report_path
+        self.bandwidth_h2d_bytes_per_s = (plan.provenance.bandwidth_h2d_bytes_per_s
+                                          if plan else 12e9)
+        # iteration 0 runs everything before the first step (model creation, optimizer state
+        # init), so it never matches a steady plan; a foreign plan is refused at iteration 1.
+        self.first_checked_iteration = 1
+        self.report: RunReport | None = None
+        self._iters: list[IterationStats] = []
+        self._cur: IterationStats | None = None
+        self._t0 = 0.0
+        self._t_step = None
+        self._fraction_set = False
+
+    # ---- context manager ----------------------------------------------------------------------------
+    def __enter__(self) -> Runtime:
+        self.backend = backend_for(self.device)
+        self.indexer = _Indexer(self, on_iteration_start=self._iteration_start,
+                                on_iteration_end=self._iteration_end)
+        table = compile_plan(self.plan) if self.plan is not None else None
+        swap = SwapEngine(self.backend)
+        passive = PassiveTracker(self.budget_bytes if self.passive_enabled else None, self.device)
+        self.ex = None
+        recompute = RecomputeEngine(lambda st: self.ex.ensure_resident(st),
+                                    self._may_keep)
+        self.ex = Executor(self, self.indexer, table, swap, recompute, passive, self.backend)
+        self._iters = []
+        self.meter = MemoryMeter(self.device) if self.measure_memory else None
+        if self.device.type == "cuda" and self.budget_bytes:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / total),
+                                                       self.device)
+            self._fraction_set = True
+        if self.meter is not None:
+            self.meter.start()
+        self.indexer.install()
+        self.ex.mode.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.indexer.finish()
+            if self._cur is not None:  # ops after the last step: an incomplete iteration
+                self._cur.complete = False
+                self._iteration_end(self._cur.iteration, self.indexer.op_index)
+            self.ex.restore_all()
+        finally:
+            self.ex.mode.__exit__(exc_type, exc, tb)
+            self.indexer.uninstall()
+            peaks = self.meter.finish() if self.meter is not None else {}
+            if self._fraction_set:
+                torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            self.backend.close()
+        for s in self._iters:
+            s.peak_bytes = peaks.get(s.iteration)
+        self.report = RunReport(self.budget_bytes, str(self.device),
+                                self.plan_source if self.plan is not None else None, self._iters)
+        if self.report_path is not None and exc_type is None:
+            self.report.save(self.report_path)
+
+    # ---- iteration callbacks (from the indexer, inside the first op of an iteration) ----------
+    def _iteration_start(self, n: int) -> None:
+        self._cur = IterationStats(iteration=n)
+        self._t0 = time.perf_counter()
+        self._t_step = None
+        if self.meter is not None:
+            self.meter.iteration_start(n)
+        self.ex.begin_iteration(self._cur)
+
+    def _iteration_end(self, n: int, last_op: int) -> None:
+        s = self._cur
+        if s is None:
+            return
+        self.ex.restore_all()
+        end = self._t_step if self._t_step is not None else time.perf_counter()
+        s.time_s = end - self._t0
+        s.ops = last_op + 1
+        if self.meter is not None:
+            self.meter.iteration_end(n)
+        self._iters.append(s)
+        self._cur = None
+
+    def _step_end(self) -> None:
+        self._t_step = time.perf_counter()
+        with _disable_current_modes(), torch.no_grad():
+            self.ex.restore_all()
+
+    def _may_keep(self, nbytes: int) -> bool:
+        alloc = self.backend.allocated_bytes()
+        if alloc is None:
+            return True  # CPU: the plan's simulation decided the keep set fits
+        return alloc + nbytes <= self.budget_bytes
+
+
+def run_report_path(path: str | os.PathLike | None) -> Path | None:
+    return Path(path) if path is not None else None

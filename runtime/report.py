@@ -1,0 +1,190 @@
+"""What a run reports: per-iteration statistics, the measured peak, the JSON report, the summary.
+
+# Note: [Measured peak]
+# ``peak_bytes`` comes from PyTorch's own allocator accounting, never from the runtime's
+# bookkeeping: CUDA ``torch.cuda.max_memory_allocated`` (reset at each iteration start); CPU the
+# profiler's allocator events (``torch.profiler`` with ``profile_memory=True``: each allocation
+# and free carries the allocator's running "Total Allocated"), taking the maximum inside each
+# iteration's ``record_function`` range. The CPU allocator counts only blocks allocated while the
+# profiler runs, so the runtime starts it on entry: with ``capuchin run`` that is before the
+# script, so the model, the data and the optimizer state are counted as in the trace. Host
+# buffers of swapped storages are numpy memory the allocator never sees (runtime/backend.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+REPORT_FORMAT = "capuchin.run-report"
+REPORT_VERSION = 1
+_RANGE = "capuchin.iteration."
+
+
+@dataclass
+class IterationStats:
+    """One iteration of a run (mutable while it runs)."""
+
+    iteration: int
+    peak_bytes: int | None = None
+    time_s: float = 0.0
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    recomputed_ops: int = 0
+    stall_s: float = 0.0
+    late_prefetches: int = 0
+    diverged: bool = False
+    diverged_at: int | None = None  # op index of the first mismatch
+    ops: int = 0
+    evictions: int = 0  # planned evictions carried out
+    passive_evictions: int = 0
+    cow_restores: int = 0  # R3 regenerations before a source was overwritten
+    fallback_swaps: int = 0  # planned drops swapped instead (not replayable)
+    refused: int = 0  # planned evictions of storages that may not be evicted
+    trigger_moves: int = 0  # in-triggers moved earlier after a late prefetch
+    complete: bool = True  # ended by an optimizer step (or capuchin.step())
+
+
+@dataclass
+class RunReport:
+    budget_bytes: int | None
+    device: str
+    plan: str | None
+    iterations: list[IterationStats]
+
+    def to_dict(self) -> dict:
+        return {"format": REPORT_FORMAT, "version": REPORT_VERSION,
+                "budget_bytes": self.budget_bytes, "device": self.device, "plan": self.plan,
+                "iterations": [asdict(s) for s in self.iterations]}
+
+    def save(self, path: str | os.PathLike, force: bool = True) -> Path:
+        """Write the JSON report atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @property
+    def steady(self) -> list[IterationStats]:
+        """Complete iterations after the first (the first builds optimizer state and warms up)."""
+        done = [s for s in self.iterations if s.complete]
+        return done[1:] if len(done) > 1 else done
+
+    def summary(self) -> str:
+        """A few lines for the terminal."""
+        its = self.iterations
+        if not its:
+            return "capuchin run: no iteration completed (no optimizer step was seen)"
+        st = self.steady
+        peak = max((s.peak_bytes or 0) for s in its)
+        steady_peak = max((s.peak_bytes or 0) for s in st)
+        t = sum(s.time_s for s in st) / len(st)
+        lines = [f"capuchin run: {len(its)} iterations on {self.device}"
+                 + (f", budget {_mb(self.budget_bytes)}" if self.budget_bytes else "")]
+        if any(s.peak_bytes is not None for s in its):
+            fit = ""
+            if self.budget_bytes:
+                fit = f" ({steady_peak / self.budget_bytes:.0%} of budget)"
+            lines.append(f"  peak {_mb(steady_peak)} steady{fit}, {_mb(peak)} over all iterations")
+        lines.append(f"  time {t * 1e3:.1f} ms/iteration (steady mean)")
+        lines.append(
+            f"  swapped out {_mb(sum(s.swapped_out_bytes for s in its))}, in "
+            f"{_mb(sum(s.swapped_in_bytes for s in its))}; recomputed ops "
+            f"{sum(s.recomputed_ops for s in its)}; stalls {sum(s.stall_s for s in its) * 1e3:.1f} ms;"
+            f" late prefetches {sum(s.late_prefetches for s in its)}")
+        div = [s.iteration for s in its if s.diverged]
+        lines.append(f"  diverged from the plan: {len(div)} iteration(s)"
+                     + (f" {div[:8]}" if div else "")
+                     + f"; passive evictions {sum(s.passive_evictions for s in its)}")
+        return "\n".join(lines)
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+class MemoryMeter:
+    """Per-iteration peak from PyTorch's allocator accounting (Note [Measured peak])."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.prof = None
+        self._handle = None
+        self._cuda_peaks: dict[int, int] = {}
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                            record_shapes=False, with_stack=False)
+        self.prof.__enter__()
+
+    def iteration_start(self, n: int) -> None:
+        with _disable_current_modes():
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            elif self.prof is not None:
+                self._handle = torch.ops.profiler._record_function_enter_new(f"{_RANGE}{n}", None)
+
+    def iteration_end(self, n: int) -> None:
+        with _disable_current_modes():
+            if self.device.type == "cuda":
+                self._cuda_peaks[n] = torch.cuda.max_memory_allocated(self.device)
+            elif self._handle is not None:
+                torch.ops.profiler._record_function_exit._RecordFunction(self._handle)
+                self._handle = None
+
+    def finish(self) -> dict[int, int]:
+        """Stop measuring; returns iteration -> peak bytes."""
+        if self.device.type == "cuda":
+            return dict(self._cuda_peaks)
+        if self.prof is None:
+            return {}
+        prof, self.prof = self.prof, None
+        with _disable_current_modes():
+            prof.__exit__(None, None, None)
+        return cpu_peaks(prof)
+
+
+def cpu_peaks(prof) -> dict[int, int]:
+    """Peak "Total Allocated" of the CPU allocator inside each ``capuchin.iteration.N`` range."""
+    from torch._C._profiler import _EventType
+
+    ranges: list[tuple[int, int, int]] = []
+    allocs: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        ev = stack.pop()
+        stack.extend(ev.children)
+        if ev.tag == _EventType.Allocation:
+            a = ev.extra_fields
+            if a.device.type == "cpu":
+                allocs.append((ev.start_time_ns, a.total_allocated))
+        elif ev.tag == _EventType.TorchOp and ev.name.startswith(_RANGE):
+            ranges.append((ev.start_time_ns, ev.end_time_ns, int(ev.name[len(_RANGE):])))
+    allocs.sort()
+    peaks: dict[int, int] = {}
+    import bisect
+
+    times = [t for t, _ in allocs]
+    for t0, t1, n in ranges:
+        lo = bisect.bisect_left(times, t0)
+        hi = bisect.bisect_right(times, t1)
+        if hi > lo:
+            peaks[n] = max(v for _, v in allocs[lo:hi])
+    return peaks

@@ -1,0 +1,148 @@
+"""Swap engine: swap-out after the evicted-access, prefetch at the in-trigger, restore at the
+back-access, with late-prefetch feedback (paper §4.4, §5.3). Device specifics: runtime/backend.py.
+
+# Note: [Decoupled swap-out]
+# A swap-out only *starts* after its evicted-access: the copy runs on the device->host channel while
+# compute goes on, and the device memory is released when the copy is done (CPU: polled by the
+# tracker between ops; CUDA: at once, ``record_stream`` keeps the block from reuse until the copy
+# has read it). Compute synchronizes with a swap-out only when memory runs short, and then only
+# with the earliest unfinished one (``sync_earliest``, paper §5.3 "delayed synchronization").
+
+# Note: [Late prefetch feedback]
+# A prefetch still in flight at its back-access was late: the consuming op waits for it (a stall,
+# never a wrong result) and the in-trigger moves earlier for the next iteration by 5% of the
+# tensor's swap time (paper §4.4), measured on this iteration's op timeline.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from .backend import DeviceBackend
+from .state import Entry, Residency, resize
+
+
+class SwapEngine:
+    """Carries out swap actions on ``Entry`` objects; counts bytes, stalls and late prefetches in
+    ``stats`` (an object with ``swapped_out_bytes``, ``swapped_in_bytes``, ``stall_s``,
+    ``late_prefetches`` attributes, replaced each iteration by the runtime)."""
+
+    def __init__(self, backend: DeviceBackend):
+        self.backend = backend
+        self.pending_out: collections.deque[Entry] = collections.deque()
+        self.stats = None
+
+    # ---- out ------------------------------------------------------------------------------------
+    def evict(self, e: Entry) -> None:
+        """Start the swap-out of a resident storage (memory freed when the copy is done)."""
+        st = e.storage
+        if st is None:
+            return
+        if e.buf is None:
+            e.buf = self.backend.host_buffer(e.nbytes)
+        e.out_copy = self.backend.copy_out(st, e.buf)
+        e.state = Residency.SWAPPING_OUT
+        self.stats.swapped_out_bytes += e.nbytes
+        if self.backend.free_after_copy_out(st, e.out_copy):
+            e.state = Residency.OUT
+        else:
+            self.pending_out.append(e)
+
+    def evict_now(self, e: Entry) -> float:
+        """Synchronous swap-out (passive mode, paper §4.2): copy, wait, free. Returns the wait."""
+        st = e.storage
+        if e.buf is None:
+            e.buf = self.backend.host_buffer(e.nbytes)
+        e.out_copy = self.backend.copy_out(st, e.buf)
+        self.stats.swapped_out_bytes += e.nbytes
+        waited = e.out_copy.wait()
+        self.backend.free_after_copy_out(st, e.out_copy)
+        e.state = Residency.OUT
+        return waited
+
+    def poll(self) -> int:
+        """Release the memory of finished swap-outs, in issue order. Returns bytes freed."""
+        freed = 0
+        q = self.pending_out
+        while q:
+            e = q[0]
+            if e.state is not Residency.SWAPPING_OUT:  # cancelled meanwhile
+                q.popleft()
+                continue
+            st = e.storage
+            if st is None:
+                q.popleft()
+                continue
+            if not self.backend.free_after_copy_out(st, e.out_copy):
+                break
+            q.popleft()
+            e.state = Residency.OUT
+            freed += e.nbytes
+        return freed
+
+    def sync_earliest(self) -> int:
+        """Memory is short: wait for the earliest unfinished swap-out and free it. Returns bytes
+        freed (0 if none was pending)."""
+        while self.pending_out:
+            e = self.pending_out[0]
+            if e.state is Residency.SWAPPING_OUT and e.storage is not None:
+                self.stats.stall_s += e.out_copy.wait()
+                return self.poll()
+            self.pending_out.popleft()
+        return 0
+
+    # ---- in -------------------------------------------------------------------------------------
+    def prefetch(self, e: Entry) -> None:
+        """In-trigger: take the device memory again and start the host->device copy."""
+        if e.state is not Residency.OUT:
+            return  # still swapping out (its data is intact: restore cancels it) or already in
+        st = e.storage
+        if st is None:
+            return
+        resize(st, e.nbytes)
+        e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy)
+        e.in_start_s = time.perf_counter()
+        e.state = Residency.SWAPPING_IN
+        self.stats.swapped_in_bytes += e.nbytes
+
+    def restore(self, e: Entry, planned_back_access: bool) -> bool:
+        """Make ``e``'s storage resident before an op reads it. Returns True if this was a planned
+        back-access that found its prefetch still in flight (a late prefetch)."""
+        late = False
+        st = e.storage
+        if e.state is Residency.SWAPPING_OUT:
+            # never freed: the device bytes are intact; wait only so the host buffer is reusable
+            self.stats.stall_s += e.out_copy.wait()
+        elif e.state is Residency.OUT:
+            if st is not None:  # on demand: nothing was prefetched
+                resize(st, e.nbytes)
+                e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy)
+                self.stats.swapped_in_bytes += e.nbytes
+                self.stats.stall_s += e.in_copy.wait()
+                self.backend.wait_compute(e.in_copy)
+        elif e.state is Residency.SWAPPING_IN:
+            if planned_back_access and not e.in_copy.done():
+                late = True
+                self.stats.late_prefetches += 1
+            self.stats.stall_s += self.backend.wait_compute(e.in_copy)
+        e.state = Residency.RESIDENT
+        self._release(e)
+        return late
+
+    def discard(self, e: Entry) -> None:
+        """The storage died while evicted: return its host buffer."""
+        if e.out_copy is not None and not e.out_copy.done():
+            e.out_copy.wait()
+        if e.in_copy is not None and not e.in_copy.done():
+            e.in_copy.wait()
+        self._release(e)
+        e.state = Residency.RESIDENT
+
+    def _release(self, e: Entry) -> None:
+        if e.buf is not None:
+            if e.in_copy is None and e.out_copy is not None:
+                e.out_copy.wait()  # the buffer may still be written by the swap-out
+            self.backend.release(e.buf)
+            e.buf = None
+        e.out_copy = e.in_copy = None

@@ -1,0 +1,117 @@
+"""Helpers for the runtime's tests and benchmarks: train a bundled example in-process and snapshot
+its state, and hand-made plans that force one mechanism (swap only, recompute only, both).
+
+The hand-made plans go through the planner's own ``build_plan`` (lineage, simulator, action table),
+so they are real plans; they just pick *every* evictable storage with a back-access, which
+exercises the runtime far more than a budget-driven policy would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import PlanError
+from ..planner.build import build_plan
+from ..planner.plan import Decision, Method, Plan
+from ..planner.problem import Problem
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+
+
+def run_example(script: str | Path, args: list[str], context=None) -> dict[str, torch.Tensor]:
+    """Run a training script in-process (optionally inside ``context``, e.g. a Runtime) and
+    return its final state: every parameter, gradient, buffer and optimizer state tensor, found
+    through the optimizers that stepped (parameters, grads, state) and the modules alive at the
+    end, keyed by a stable name. Deterministic scripts (they seed) give comparable dicts."""
+    captured: dict[str, torch.Tensor] = {}
+    optimizers: list = []
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def hook(opt, a, k):
+        if opt not in optimizers:
+            optimizers.append(opt)
+
+    h = register_optimizer_step_post_hook(hook)
+    argv = sys.argv
+    sys.argv = [str(script), *args]
+    g: dict = {}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), (context or contextlib.nullcontext()):
+            g = runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+        h.remove()
+    for i, opt in enumerate(optimizers):
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                name = f"opt{i}.g{gi}.p{pi}"
+                captured[name] = p.detach().clone()
+                if p.grad is not None:
+                    captured[name + ".grad"] = p.grad.detach().clone()
+                for k, v in opt.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        captured[f"{name}.state.{k}"] = v.detach().clone()
+    for mname, m in _modules(g):
+        for bname, b in m.named_buffers():
+            captured[f"{mname}.buffer.{bname}"] = b.detach().clone()
+    return captured
+
+
+def _modules(g: dict):
+    seen = set()
+    for name, v in g.items():
+        if isinstance(v, torch.nn.Module) and id(v) not in seen:
+            seen.add(id(v))
+            yield name, v
+
+
+def state_mismatches(a: dict, b: dict) -> list[str]:
+    """Names whose tensors are not ``torch.equal`` (or present in only one)."""
+    bad = [k for k in a if k not in b or not torch.equal(a[k], b[k])]
+    bad += [k for k in b if k not in a]
+    return bad
+
+
+def hand_plan(problem: Problem, method: str, budget_bytes: int | None = None,
+              min_bytes: int = 4096, trigger_lead: int = 3, limit: int | None = None) -> Plan:
+    """A plan evicting every evictable storage (>= ``min_bytes``) over its longest access gap
+    that starts in forward and ends later. ``method``: "swap", "recompute" or "hybrid"
+    (alternating by size rank). Decisions the simulator rejects are left out one by one."""
+    cands = []
+    for sid, s in problem.storages.items():
+        if not s.evictable or s.size_bytes < min_bytes or s.alloc_op is None:
+            continue
+        gaps = s.gaps()
+        if not gaps:
+            continue
+        a, b = max(gaps, key=lambda g: g[1] - g[0])
+        cands.append((s.size_bytes, sid, a, b))
+    cands.sort(reverse=True)
+    if limit is not None:
+        cands = cands[:limit]
+    decisions = []
+    for rank, (size, sid, a, b) in enumerate(cands):
+        m = method
+        if method == "hybrid":
+            m = "swap" if rank % 2 == 0 else "recompute"
+        if m == "swap":
+            decisions.append(Decision(sid, Method.SWAP, size, a, b,
+                                      trigger_op=max(a + 1, b - trigger_lead)))
+        else:
+            decisions.append(Decision(sid, Method.RECOMPUTE, size, a, b))
+    budget = budget_bytes if budget_bytes is not None else problem.peak_bytes
+    while True:
+        try:
+            plan, _ = build_plan(problem, decisions, policy=f"hand-{method}", budget_bytes=budget)
+            return plan
+        except PlanError as exc:
+            bad = next((d for d in decisions if d.storage_id in str(exc)), None)
+            if bad is None:
+                raise
+            decisions.remove(bad)

@@ -1,0 +1,433 @@
+"""The tensor access tracker: a ``TorchDispatchMode`` that indexes every op the way the tracer does
+(tracer/hooks.py) and carries out the plan's actions at their ops.
+
+# Note: [Hot path]
+# An op with no action while nothing is evicted, in flight or recorded costs one attribute test,
+# one list index and one identity comparison: ``func is fast[k]`` where ``fast`` is the compiled
+# table of expected OpOverloads (runtime/actions.py). Everything else (iteration boundaries,
+# profiler ops, a mismatching op, actions, on-demand restores, writes to watched storages, passive
+# mode) takes ``Executor.slow_op``. While any storage is evicted or any replay record is alive,
+# ``fast`` is swapped for an empty list so that every op checks its inputs: a kernel must never
+# read an evicted storage (Note [Storage-level eviction] in state.py). The shape check (the
+# ``shape_signature`` of the trace) runs on ops with actions, so a run that diverges only in shapes
+# (another batch size) is caught before any of its planned actions runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import PlanFormatError
+from ..planner.plan import Step
+from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
+from ..tracer.schema import shape_signature
+from .actions import _OUT_ID
+from .state import Entry, Reason, Residency, bump_writes, resize, storage_key
+
+_EMPTY: list = []
+
+
+class TrackerMode(TorchDispatchMode):
+    """The mode object; all logic lives in ``Executor`` (it outlives re-entries of the mode)."""
+
+    def __init__(self, executor: Executor):
+        super().__init__()
+        self.ex = executor
+        self.ix = executor.ix
+        self.fast = _EMPTY
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ix = self.ix
+        if not ix.step_pending:
+            k = ix.op_index + 1
+            try:
+                if func is self.fast[k]:
+                    ix.op_index = k
+                    return func(*args, **kwargs) if kwargs else func(*args)
+            except IndexError:
+                pass
+        return self.ex.slow_op(func, args, kwargs or {})
+
+
+def _keys(flat: list) -> list:
+    keys = []
+    for t in flat:
+        try:
+            keys.append(storage_key(t.untyped_storage()))
+        except (RuntimeError, NotImplementedError):
+            keys.append(None)
+    return keys
+
+
+class Executor:
+    """Runtime state and the slow path. ``rt`` is the owning ``Runtime`` (iteration stats, the
+    passive tracker, options); ``table`` the compiled plan (or None: passive only)."""
+
+    def __init__(self, rt, indexer, table, swap, recompute, passive, backend):
+        self.rt = rt
+        self.ix = indexer
+        self.table = table
+        self.swap = swap
+        self.recompute = recompute
+        self.passive = passive
+        self.backend = backend
+        self.mode = TrackerMode(self)
+        self.entries: dict[int, Entry] = {}  # storage key -> evicted storage
+        self.by_sid: dict[str, Entry] = {}
+        self.live: dict[str, weakref.ref] = {}  # plan storage id -> storage (this iteration)
+        self.dependents: dict[int, set[str]] = {}  # source key -> dropped storage ids (R3)
+        self.pending: dict[str, int] = {}  # recompute decisions still to come back this iteration
+        self.op_refs: dict[int, int] = {}  # op index -> pending decisions that replay it
+        self.op_time: dict[int, float] = {}
+        self.trigger_now: dict[str, int] = {}  # late-prefetch feedback (Note [Late prefetch ...])
+        self.guided = False
+        self.warned = False
+        self.stats = None
+
+    # ---- iteration lifecycle (called by the Runtime) --------------------------------------------
+    def begin_iteration(self, stats) -> None:
+        self.stats = stats
+        self.swap.stats = stats
+        self.recompute.stats = stats
+        self.live.clear()
+        self.op_time.clear()
+        self.recompute.reset()
+        self.dependents.clear()
+        self.passive.new_iteration()
+        self.guided = self.table is not None
+        self.pending.clear()
+        self.op_refs.clear()
+        if self.table is not None:
+            for sid, d in self.table.decisions.items():
+                if d.method.value == "recompute":
+                    self.pending[sid] = 1
+                    for k in d.replay_ops:
+                        self.op_refs[k] = self.op_refs.get(k, 0) + 1
+        if not self.guided and self.rt.passive_enabled and not self.passive.active:
+            self.passive.start(self._base_bytes())
+        self._update_fast()
+
+    def restore_all(self) -> None:
+        """Iteration end (or step end): every evicted storage comes back."""
+        for e in list(self.entries.values()):
+            if e.storage is not None:
+                self.restore(e)
+        self.swap.poll()
+        self._update_fast()
+
+    # ---- fast path switch -------------------------------------------------------------------------
+    def _update_fast(self) -> None:
+        quiet = (self.guided and not self.entries and not self.swap.pending_out
+                 and not self.recompute.records and not self.passive.active)
+        self.mode.fast = self.table.fast if quiet else _EMPTY
+
+    # ---- the slow path ------------------------------------------------------------------------------
+    def slow_op(self, func, args, kwargs):
+        info = op_info(func)
+        if info.ignored:
+            return func(*args, **kwargs)
+        ix = self.ix
+        if ix.iteration < 0 or (ix.step_pending and not ix.in_optimizer):
+            ix._start_iteration()  # same boundary rule as OpIndexer.begin_op (tracer/hooks.py)
+        ix.op_index += 1
+        k = ix.op_index
+        self.op_time[k] = time.perf_counter()
+        flat = flatten_tensors(args, kwargs)
+        acts = None
+        if self.guided:
+            tbl = self.table
+            if k >= tbl.n_ops or func is not tbl.expected[k]:
+                self._diverge(k, info.name, "op")
+            else:
+                acts = tbl.ops.get(k)
+                if acts is not None and shape_signature(t.shape for t in flat) != tbl.signatures[k]:
+                    self._diverge(k, info.name, "shapes")
+                    acts = None
+        if self.swap.pending_out:
+            self.swap.poll()
+        keys = _keys(flat) if (self.entries or self.passive.active or self.dependents) else None
+        if self.entries:
+            for key in keys:
+                e = self.entries.get(key)
+                if e is not None:
+                    self.restore(e)
+        if acts is not None:
+            for step, sid in acts.before:
+                self._before(step, sid, k)
+        written = written_inputs(info, args, kwargs, flat)
+        for a in written:
+            try:
+                st = flat[a].untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            deps = self.dependents.get(storage_key(st))
+            if deps:  # R3: regenerate what depends on this storage before it changes
+                for sid in list(deps):
+                    e = self.by_sid.get(sid)
+                    if e is not None and e.state is Residency.OUT and not e.swap:
+                        self.restore(e)
+                        self.stats.cow_restores += 1
+            bump_writes(st)
+        rec = None
+        if acts is not None:
+            for a, sid in acts.name_inputs:
+                if a < len(flat):
+                    self.live[sid] = weakref.ref(flat[a].untyped_storage())
+            if acts.record:
+                rec = self.recompute.record(k, func, args, kwargs, flat, written, info.seeded)
+        if self.passive.active:
+            if keys is None:
+                keys = _keys(flat)
+            self.passive.touch(keys)
+            self._enforce_budget(set(keys))
+        out = self._run(func, args, kwargs)
+        if acts is not None or self.passive.active:
+            outs = flatten_outputs(out)
+            if keys is None:
+                keys = _keys(flat)
+            in_keys = set(keys)
+            if acts is not None:
+                for j, sid in acts.name_outputs:
+                    if j < len(outs):
+                        self.live[sid] = weakref.ref(outs[j].untyped_storage())
+                if rec is not None:
+                    self.recompute.recorded_outputs(rec, out, in_keys)
+                for step, sid in acts.after:
+                    self._evict(step, sid)
+            if self.passive.active:
+                self.passive.track_outputs(outs, in_keys)
+                self._enforce_budget(in_keys | set(_keys(outs)))
+        self._update_fast()
+        return out
+
+    def _run(self, func, args, kwargs):
+        if self.backend.device.type != "cuda":
+            return func(*args, **kwargs)
+        for _ in range(64):
+            try:
+                return func(*args, **kwargs)
+            except torch.cuda.OutOfMemoryError:
+                # a real OOM under set_per_process_memory_fraction: finish the earliest swap-out,
+                # else evict on demand (passive mode), and retry (paper §4.2, §5.3)
+                if self.swap.sync_earliest() > 0:
+                    continue
+                keys = set(_keys(flatten_tensors(args, kwargs)))
+                if not self.passive.active or not self._evict_passive(1, keys):
+                    raise
+        return func(*args, **kwargs)
+
+    # ---- planned actions ------------------------------------------------------------------------
+    def _before(self, step: Step, sid: str, k: int) -> None:
+        e = self.by_sid.get(sid)
+        if e is None:
+            return
+        if step is Step.PREFETCH:
+            if e.swap:
+                self.swap.prefetch(e)
+        else:  # RESTORE / RECOMPUTE at the back-access
+            self.restore(e, planned=step is Step.RESTORE, k=k)
+
+    def _evict(self, step: Step, sid: str) -> None:
+        d = self.table.decisions.get(sid)
+        ref = self.live.get(sid)
+        st = ref() if ref is not None else None
+        if d is None or st is None:
+            return
+        if not _OUT_ID.match(sid) or not st.resizable() or st.nbytes() == 0 \
+                or st.device.type != self.backend.device.type:
+            # Only storages an op allocated in this iteration are evicted (Note [Storage-level
+            # eviction]); parameters, inputs and optimizer state are refused.
+            self.stats.refused += 1
+            return
+        key = storage_key(st)
+        if key in self.entries:
+            return
+        swap = step is Step.EVICT_SWAP
+        if not swap:
+            why = self.recompute.check_replayable(d)
+            if why is not None:  # never drop what cannot be replayed exactly: swap it instead
+                swap = True
+                self.stats.fallback_swaps += 1
+                self._done_with(d)
+        e = Entry(sid, weakref.ref(st, self._died(key)), st.nbytes(), swap, Reason.PLANNED, d)
+        self.entries[key] = e
+        self.by_sid[sid] = e
+        if swap:
+            self.swap.evict(e)
+        else:
+            for src in self.recompute.source_keys(d):
+                self.dependents.setdefault(src, set()).add(sid)
+            resize(st, 0)
+            e.state = Residency.OUT
+        self.stats.evictions += 1
+
+    def _died(self, key: int):
+        def cb(_ref, self=self, key=key):
+            e = self.entries.pop(key, None)
+            if e is not None:
+                self.by_sid.pop(e.sid, None)
+                if e.swap:
+                    self.swap.discard(e)
+        return cb
+
+    # ---- restore ------------------------------------------------------------------------------
+    def ensure_resident(self, st) -> None:
+        e = self.entries.get(storage_key(st))
+        if e is not None:
+            self.restore(e)
+
+    def restore(self, e: Entry, planned: bool = False, k: int | None = None) -> None:
+        st = e.storage
+        key = storage_key(st) if st is not None else None
+        if e.state is Residency.RESIDENT and key not in self.entries:
+            return
+        if e.swap:
+            if self.swap.restore(e, planned) and e.decision is not None and self.guided:
+                self._late_feedback(e)
+        elif st is not None:
+            dropped = {x.sid: (x.storage, x.nbytes) for x in self.by_sid.values()
+                       if not x.swap and x.state is Residency.OUT and x is not e
+                       and x.storage is not None}
+            refilled = self.recompute.replay(e.decision, st, e.nbytes, dropped)
+            e.state = Residency.RESIDENT
+            for sid in refilled:
+                x = self.by_sid.get(sid)
+                if x is not None:
+                    self._forget(x)
+        self._forget(e)
+        if e.reason is Reason.PASSIVE and key is not None:
+            self.passive.restored(key, e.nbytes)
+
+    def _forget(self, e: Entry) -> None:
+        st = e.storage
+        if st is not None:
+            self.entries.pop(storage_key(st), None)
+        else:
+            for key, x in list(self.entries.items()):
+                if x is e:
+                    del self.entries[key]
+        if self.by_sid.get(e.sid) is e:
+            del self.by_sid[e.sid]
+        e.state = Residency.RESIDENT
+        if e.decision is not None and not e.swap:
+            for deps in self.dependents.values():
+                deps.discard(e.sid)
+            self._done_with(e.decision)
+
+    def _done_with(self, d) -> None:
+        """Decision ``d`` needs no more replays this iteration: unpin records nobody needs."""
+        if self.pending.pop(d.storage_id, None) is None:
+            return
+        for k in d.replay_ops:
+            n = self.op_refs.get(k, 0) - 1
+            self.op_refs[k] = n
+            if n <= 0:
+                self.recompute.records.pop(k, None)
+
+    def _late_feedback(self, e: Entry) -> None:
+        d = e.decision
+        trig = self.trigger_now.get(d.storage_id, d.trigger_op)
+        if trig is None:
+            return
+        bw = self.rt.bandwidth_h2d_bytes_per_s
+        shift_s = 0.05 * e.nbytes / bw if bw > 0 else 0.0
+        t_trig = self.op_time.get(trig)
+        lo = d.evict_op + 1
+        new = trig - 1
+        if t_trig is not None:
+            j = trig - 1
+            while j > lo and (self.op_time.get(j) is None or self.op_time[j] > t_trig - shift_s):
+                j -= 1
+            new = j
+        new = max(lo, min(new, trig - 1))
+        if new < trig:
+            self.table.move_before(Step.PREFETCH, d.storage_id, trig, new)
+            self.trigger_now[d.storage_id] = new
+            self.stats.trigger_moves += 1
+
+    # ---- divergence and passive mode ------------------------------------------------------------
+    def _diverge(self, k: int, name: str, what: str) -> None:
+        self.guided = False
+        st = self.stats
+        st.diverged = True
+        st.diverged_at = k
+        tbl = self.table
+        exp_name = tbl.names[k] if k < tbl.n_ops else "the end of the iteration"
+        if (what == "op" and self.ix.iteration == self.rt.first_checked_iteration
+                and k < max(4, tbl.n_ops // 50)):
+            raise PlanFormatError(
+                f"{self.rt.plan_source}: plan was made for another script or trace: op {k} of "
+                f"iteration {self.ix.iteration} is {name}, the plan expects {exp_name}")
+        if not self.warned and self.ix.iteration >= self.rt.first_checked_iteration:
+            self.warned = True
+            print(f"capuchin: warning: iteration {self.ix.iteration} diverges from the plan at op "
+                  f"{k} ({what}: got {name}, expected {exp_name}); planned actions stop for the "
+                  "rest of the iteration, evicted storages come back on demand"
+                  + (", passive mode keeps the budget" if self.rt.passive_enabled else ""),
+                  file=sys.stderr)
+        for sid in list(self.pending):  # decisions not dropped yet will not be
+            e = self.by_sid.get(sid)
+            if e is None or e.state is not Residency.OUT:
+                self._done_with(tbl.decisions[sid])
+        if self.rt.passive_enabled and not self.passive.active:
+            self.passive.start(self._base_bytes())
+
+    def _base_bytes(self) -> int:
+        """Resident bytes passive mode cannot see on CPU: the optimizers' tensors (parameters,
+        gradients, state) that it does not track. CUDA uses the allocator's count instead."""
+        seen = set()
+        total = 0
+        for opt in list(self.ix.optimizers):
+            ts = []
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    ts.append(p)
+                    if p.grad is not None:
+                        ts.append(p.grad)
+            for s in opt.state.values():
+                ts.extend(v for v in s.values() if isinstance(v, torch.Tensor))
+            for t in ts:
+                try:
+                    st = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                key = storage_key(st)
+                if key in seen or key in self.passive.lru or st.device.type != self.backend.device.type:
+                    continue
+                seen.add(key)
+                total += st.nbytes()
+        return total
+
+    def _enforce_budget(self, protect: set) -> None:
+        budget = self.passive.budget_bytes
+        if budget is None:
+            return
+        alloc = self.backend.allocated_bytes()
+        used = alloc if alloc is not None else self.passive.estimate_bytes()
+        over = used - budget
+        if over <= 0:
+            return
+        while over > 0 and self.swap.pending_out:
+            freed = self.swap.sync_earliest()
+            over -= freed
+        if over > 0:
+            self._evict_passive(over, protect)
+
+    def _evict_passive(self, need: int, protect: set) -> bool:
+        got = 0
+        for key, st, n in list(self.passive.victims(need, protect)):
+            if key in self.entries:
+                continue
+            e = Entry(f"passive:{key}", weakref.ref(st, self._died(key)), n, True, Reason.PASSIVE)
+            self.entries[key] = e
+            self.by_sid[e.sid] = e
+            self.stats.stall_s += self.swap.evict_now(e)  # paper §4.2: synchronous
+            self.passive.evicted(key)
+            self.stats.passive_evictions += 1
+            got += n
+        return got > 0
