@@ -52,7 +52,7 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
     Returns a complete ``Plan`` whose predictions come from the simulator. A budget at or above
     the baseline peak gives an empty plan (its notes say so). Raises ``InfeasibleBudgetError``
     (exit status 2 in the CLI) when the policy's simulated peak stays above the budget, naming
-    the smallest budget it can reach, unless ``allow_infeasible`` (then the plan is returned
+    the smallest budget it was found to meet, unless ``allow_infeasible`` (then the plan is returned
     with ``predictions.feasible`` false).
     """
     problem = load_problem(trace, iteration=iteration, bandwidth=bandwidth)
@@ -70,14 +70,8 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
     if plan.predictions.feasible:
         return plan
     floor = problem.floor_bytes()
-    best = sim.peak_bytes
-    if budget_bytes < floor:  # ask the policy for its best effort at the lower bound
-        try:
-            low, low_sim = build_plan(problem, fn(problem, floor, **params), policy=policy,
-                                      budget_bytes=floor, parameters=params)
-            best = min(best, low_sim.peak_bytes)
-        except Exception:  # noqa: BLE001 - the first answer still stands
-            pass
+    best = smallest_feasible_budget(problem, fn, params,
+                                    start_bytes=max(sim.peak_bytes, floor, budget_bytes + 1))
     msg = (f"{problem.trace_path or 'trace'}: budget {format_bytes(budget_bytes)} "
            f"({budget_bytes} B) cannot be met by policy {policy!r}: its plan peaks at "
            f"{format_bytes(sim.peak_bytes)}; the smallest budget it reaches is "
@@ -87,3 +81,32 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
         plan.predictions.notes.append(msg)
         return plan
     raise InfeasibleBudgetError(msg, smallest_feasible_bytes=int(best))
+
+
+def smallest_feasible_budget(problem: Problem, policy_fn, params: dict[str, Any], *,
+                             start_bytes: int, steps: int = 10) -> int:
+    """The smallest budget >= ``start_bytes`` found for which ``policy_fn`` makes a feasible
+    plan (verified by simulation). Greedy policies are not monotone in the budget, so this
+    tries ``start_bytes``, then bisects towards the baseline peak (always feasible)."""
+
+    def peak_at(b: int) -> int | None:
+        try:
+            _, sim = build_plan(problem, policy_fn(problem, b, **params), policy="",
+                                budget_bytes=b)
+        except Exception:  # noqa: BLE001 - a broken plan counts as not feasible
+            return None
+        return sim.peak_bytes if sim.peak_bytes <= b else None
+
+    hi = problem.peak_bytes
+    if start_bytes < hi and peak_at(start_bytes) is not None:
+        return start_bytes
+    lo = start_bytes
+    for _ in range(steps):
+        if hi - lo <= max(1, hi // 1000):
+            break
+        mid = (lo + hi) // 2
+        if peak_at(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return hi

@@ -263,7 +263,6 @@ def simulate(problem: Problem, decisions: Sequence[Decision], *,
             if d.method == Method.SWAP:
                 restore(sid, k, i)
             elif state.get(sid) != "in":  # not kept by an earlier collective recomputation
-                t0 = t
                 for x in d.sources:
                     if state.get(x) in ("out", "swapping_in"):
                         if decisions[active[x]].method != Method.SWAP:
@@ -273,7 +272,6 @@ def simulate(problem: Problem, decisions: Sequence[Decision], *,
                 t = _replay(problem, d, t, k, state, decisions, active, ct, cd, ck, cop, csid,
                             spans)
                 recomp[i] = t - t1
-                stall[i] += t1 - t0
                 info[i]["back_ns"] = t
             state[sid] = "in"
             del active[sid]

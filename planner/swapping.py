@@ -95,8 +95,11 @@ class SwapTimer:
         n = len(in_peak)
         idx = np.where(~np.asarray(in_peak, dtype=bool), np.arange(n), -1)
         self.prev_ok = np.maximum.accumulate(idx) if n else idx  # last allowed op <= k
+        pk = np.where(np.asarray(in_peak, dtype=bool), np.arange(n), -1)
+        self.last_peak = np.maximum.accumulate(pk) if n else pk  # last peak op <= k
         nxt = np.where(~np.asarray(in_peak, dtype=bool), np.arange(n), n)
         self.next_ok = np.minimum.accumulate(nxt[::-1])[::-1] if n else nxt  # first >= k
+        self.next_ok = np.append(self.next_ok, n)  # so that next_ok[n] exists
 
     def out_time(self, size: int) -> int:
         return int(round(size / self.p.bandwidth_d2h_bytes_per_s * 1e9))
@@ -108,36 +111,49 @@ class SwapTimer:
         """FT (paper Eq. 1) of evicting after op ``a`` and needing it at op ``b``, ideal case."""
         return int(self.start[b] - self.end[a]) - self.out_time(size) - self.in_time(size)
 
-    def estimate(self, size: int, a: int, b: int) -> SwapEstimate:
-        """Swap-out after op ``a``, in-trigger per Note [In-trigger search], back at op ``b``."""
+    def estimate(self, size: int, a: int, b: int, useful=None) -> SwapEstimate:
+        """Swap-out after op ``a``, back at op ``b``, in-trigger per Note [In-trigger search].
+
+        ``useful(lo, hi)`` says whether covering ops lo..hi helps; when the hidden trigger does
+        not help (it would bring the storage back before the peak ops it should cover), the
+        trigger moves after the last peak op of the gap (or on demand) and the wait is exposed.
+        """
         t_out = self.out_time(size)
         t_in = self.in_time(size)
         out_start = self.d2h.first_fit(int(self.end[a]), t_out)
         out_end = out_start + t_out
         back = int(self.start[b])
-        trigger = None
-        in_start = None
+        options = []
         slot = self.h2d.latest_fit(out_end, back, t_in)
-        if slot is not None:
-            k = int(np.searchsorted(self.start, slot, side="right")) - 1
-            k = min(k, b - 1)
+        if slot is not None:  # walk back from the back-access, skipping the peak window
+            k = min(int(np.searchsorted(self.start, slot, side="right")) - 1, b - 1)
             k = int(self.prev_ok[k]) if k >= 0 else -1
             if k > a:
-                trigger = k
-                in_start = self.h2d.first_fit(max(int(self.start[k]), out_end), t_in)
-        if trigger is None:  # cannot hide it: trigger as early as allowed
-            k = max(a + 1, int(np.searchsorted(self.start, out_end, side="left")))
-            k = int(self.next_ok[k]) if k < len(self.next_ok) else b
-            if k < b:
-                trigger = k
-                in_start = self.h2d.first_fit(max(int(self.start[k]), out_end), t_in)
-            else:
-                in_start = self.h2d.first_fit(max(back, out_end), t_in)
+                options.append(k)
+        lp = int(self.last_peak[b - 1])  # move later: after the last peak op in the gap
+        k = int(self.next_ok[lp + 1]) if lp > a else int(self.next_ok[a + 1])
+        options.append(k if k < b else None)
+        k = max(a + 1, int(np.searchsorted(self.start, out_end, side="left")))  # earliest
+        k = int(self.next_ok[k]) if k < len(self.next_ok) else b
+        options.append(k if k < b else None)
+        best = None
+        for k in dict.fromkeys(options):
+            e = self._at(k, a, b, out_start, out_end, t_in)
+            ok = useful is None or useful(e.cover_lo, e.cover_hi)
+            key = (not ok, e.overhead_ns)
+            if best is None or key < best[0]:
+                best = (key, e)
+        return best[1]
+
+    def _at(self, k: int | None, a: int, b: int, out_start: int, out_end: int,
+            t_in: int) -> SwapEstimate:
+        issue = int(self.start[k]) if k is not None else int(self.start[b])
+        in_start = self.h2d.first_fit(max(issue, out_end), t_in)
         in_end = in_start + t_in
         lo = int(np.searchsorted(self.start, out_end, side="left"))
         hi = int(np.searchsorted(self.end, in_start, side="right")) - 1
-        return SwapEstimate(trigger, out_start, out_end, in_start, in_end,
-                            max(0, in_end - back), max(lo, a + 1), min(hi, b - 1))
+        return SwapEstimate(k, out_start, out_end, in_start, in_end,
+                            max(0, in_end - int(self.start[b])), max(lo, a + 1), min(hi, b - 1))
 
     def reserve(self, e: SwapEstimate) -> None:
         self.d2h.reserve(e.out_start_ns, e.out_end_ns)

@@ -218,3 +218,50 @@ def transformer_ops(layers: int = 2, ops_per_layer: int = 24, *, hidden_bytes: i
     for w, gw in grads.items():
         ops.append(OpSpec("aten.add_.Tensor", 500, (gw,), (), (w,), Phase.OPTIMIZER))
     return ops, sizes, persistent
+
+
+def random_ops(seed: int, n_forward: int = 8, *, max_bytes: int = 1000
+               ) -> tuple[list[OpSpec], dict[str, int], set[str]]:
+    """A random training-like iteration for property tests: a forward chain with skip reads,
+    parameters, in-place ops and two-output ops, then a backward pass reading saved activations
+    in reverse. Returns ``(ops, sizes, persistent)`` for ``trace_from_ops``."""
+    import random
+
+    rng = random.Random(seed)
+    ops: list[OpSpec] = []
+    sizes: dict[str, int] = {"x": rng.randint(1, max_bytes)}
+    persistent: set[str] = set()
+    acts = ["x"]
+    for i in range(n_forward):
+        out = f"a{i}"
+        sizes[out] = rng.randint(1, max_bytes)
+        reads = [acts[-1]]
+        if len(acts) > 2 and rng.random() < 0.3:
+            reads.append(rng.choice(acts[:-1]))
+        if rng.random() < 0.4:
+            w = f"w{i}"
+            sizes[w] = rng.randint(1, max_bytes // 4 + 1)
+            persistent.add(w)
+            reads.append(w)
+        outs = [out]
+        if rng.random() < 0.2:
+            sizes[f"s{i}"] = rng.randint(1, 16)
+            outs.append(f"s{i}")
+        ops.append(OpSpec(f"f{i}", rng.randint(10, 1000), tuple(reads), tuple(outs),
+                          seeded=rng.random() < 0.1))
+        if rng.random() < 0.2:
+            ops.append(OpSpec(f"inplace{i}", rng.randint(5, 100), (), (), (out,)))
+        acts.append(out)
+    sizes["g"] = 4
+    ops.append(OpSpec("loss", 10, (acts[-1],), ("g",)))
+    g = "g"
+    for i in reversed(range(n_forward)):
+        gi = f"g{i}"
+        sizes[gi] = rng.randint(1, max_bytes)
+        saved = {acts[i + 1], acts[i]}
+        if rng.random() < 0.3:
+            saved.add(rng.choice(acts))
+        ops.append(OpSpec(f"b{i}", rng.randint(10, 2000), (g, *sorted(saved)), (gi,), (),
+                          Phase.BACKWARD))
+        g = gi
+    return ops, sizes, persistent

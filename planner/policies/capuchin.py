@@ -155,7 +155,7 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
                 continue
             if p.free_time_ns < 0:
                 break  # ranked by free time: no later pair can hide either
-            e = timer.estimate(p.size_bytes, p.evict_op, p.back_op)
+            e = timer.estimate(p.size_bytes, p.evict_op, p.back_op, useful)
             if e.overhead_ns == 0 and useful(e.cover_lo, e.cover_hi):
                 take_swap(p, e)
                 if excess.max() <= 0:
@@ -170,7 +170,7 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
     est: dict[str, SwapEstimate] = {}
     if mode in ("hybrid", "swap"):
         for i, p in enumerate(best_pair.values()):
-            e = timer.estimate(p.size_bytes, p.evict_op, p.back_op)
+            e = timer.estimate(p.size_bytes, p.evict_op, p.back_op, useful)
             est[p.storage_id] = e
             heapq.heappush(swaps, (e.overhead_ns, i, p.storage_id))
     queue = None
@@ -186,7 +186,7 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
                 heapq.heappop(swaps)
                 continue
             p = best_pair[sid]
-            e = timer.estimate(p.size_bytes, p.evict_op, p.back_op)  # channels may have filled
+            e = timer.estimate(p.size_bytes, p.evict_op, p.back_op, useful)  # channels filled?
             if not useful(e.cover_lo, e.cover_hi):
                 heapq.heappop(swaps)
                 continue

@@ -1,0 +1,60 @@
+"""Property tests on generated traces: every policy of this module, every budget."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from capuchin.errors import InfeasibleBudgetError
+from capuchin.planner.api import make_plan
+from capuchin.planner.problem import Problem
+from capuchin.planner.simulator import simulate
+from capuchin.planner.synthetic import random_ops, trace_from_ops
+
+POLICIES = ["capuchin", "swap", "recompute"]
+import os
+
+SETTINGS = settings(max_examples=int(os.environ.get("CAPUCHIN_EXAMPLES", 40)), deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def problem(seed: int, n: int, bw: float) -> Problem:
+    ops, sizes, persistent = random_ops(seed, n)
+    return Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent,
+                                             bandwidth_bytes_per_s=bw))
+
+
+problems = st.builds(problem, st.integers(0, 10**6), st.integers(2, 14),
+                     st.sampled_from([1e6, 1e8, 1e9, 1e10]))
+
+
+@SETTINGS
+@given(problems, st.floats(0.2, 1.0), st.sampled_from(POLICIES))
+def test_feasible_plans_fit_and_infeasible_ones_name_a_feasible_budget(p, frac, policy):
+    budget = max(1, int(p.peak_bytes * frac))
+    try:
+        plan = make_plan(p, budget, policy)
+    except InfeasibleBudgetError as err:
+        best = err.smallest_feasible_bytes
+        assert best > budget and best >= p.floor_bytes()
+        assert make_plan(p, best, policy).predictions.feasible  # the named budget works
+        return
+    # re-simulated from the decisions alone, independently of the policy
+    sim = simulate(p, plan.records)
+    assert sim.peak_bytes <= budget
+    assert sim.peak_bytes == plan.predictions.predicted_peak_bytes
+    assert sim.time_ns == plan.predictions.predicted_time_ns >= p.time_ns
+    assert len({(d.storage_id, d.evict_op) for d in plan.records}) == len(plan.records)
+
+
+@SETTINGS
+@given(problems, st.floats(0.2, 1.0), st.floats(0.0, 0.5), st.sampled_from(POLICIES))
+def test_more_budget_never_costs_more(p, frac, extra, policy):
+    lo = max(1, int(p.peak_bytes * frac))
+    hi = max(lo, int(p.peak_bytes * min(1.0, frac + extra)))
+    try:
+        plan_lo = make_plan(p, lo, policy)
+    except InfeasibleBudgetError:
+        assume(False)
+    plan_hi = make_plan(p, hi, policy)  # a larger budget is feasible too
+    assert plan_hi.predictions.predicted_overhead <= plan_lo.predictions.predicted_overhead + 1e-12
