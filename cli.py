@@ -37,11 +37,65 @@ def main() -> None:
 
 # ---- tracer (issue 2) -----------------------------------------------------------------------
 # CLI-TRACE-BEGIN
+@main.command(context_settings={"ignore_unknown_options": True,
+                                "allow_interspersed_args": False})
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Trace file to write [default: <script stem>.trace.parquet].")
+@click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+@click.option("--iterations", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Iterations to record.")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Iterations to run before recording.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True, help="Device whose memory and timeline are traced.")
+@click.argument("script", type=click.Path(dir_okay=False))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+@_errors_to_exit
+def trace(output, force, iterations, warmup, device, script, script_args):
+    """Record a tensor access trace of an unmodified training SCRIPT.
+
+    SCRIPT runs as `python SCRIPT SCRIPT_ARGS...` would; iterations are delimited by optimizer
+    steps (or capuchin.step()). After warm-up plus the recorded iterations the script is stopped
+    and the trace written. Options after SCRIPT are the script's.
+    """
+    from .tracer.script import default_output, trace_script
+
+    out = output if output is not None else default_output(script)
+    path = trace_script(script, list(script_args), output=out, iterations=iterations,
+                        warmup=warmup, device=device, force=force)
+    click.echo(f"capuchin: wrote {path}", err=True)
 # CLI-TRACE-END
 
 
 # ---- show: a trace (.parquet) or a plan (.json) ---------------------------------------------
 # CLI-SHOW-BEGIN
+@main.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Plans: write the memory curve before/after as an image.")
+@click.option("--chrome", type=click.Path(dir_okay=False), default=None,
+              help="Plans: write a Chrome trace (chrome://tracing) of the simulated schedule.")
+@_errors_to_exit
+def show(path, as_json, plot, chrome):
+    """Summarize a trace (.parquet) or a plan (.json)."""
+    if not str(path).endswith(".parquet"):
+        try:
+            from .planner.report import show_plan
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("capuchin"):
+                raise CapuchinError(f"{path}: not a trace (.parquet), and this capuchin cannot "
+                                    "show plans (capuchin.planner.report is missing)") from None
+            raise
+        click.echo(show_plan(path, as_json=as_json, plot=plot, chrome=chrome))
+        return
+    if plot or chrome:
+        raise CapuchinError(f"{path}: --plot and --chrome apply to plans, not to traces")
+    from .tracer.reader import load_trace
+    from .tracer.summary import format_summary, summarize
+
+    summary = summarize(load_trace(path))
+    click.echo(summary.to_json() if as_json else format_summary(summary))
 # CLI-SHOW-END
 
 

@@ -328,19 +328,24 @@ class OpIndexer:
         [Iteration boundaries]; or at ``finish()`` after a final step).
     on_free(rec, name, iteration, op_index): storage ``rec`` was released; ``name`` is its id in
         ``iteration``; ``op_index`` is the last op begun in that iteration (-1: before any op).
+    on_step(optimizer): an optimizer's step just finished (its post-hook), or ``capuchin.step()``
+        was called (optimizer None). Parameters, gradients and optimizer state are all present
+        then (``zero_grad(set_to_none=True)`` has not run yet).
 
     One indexer is installed at a time per script run in practice, but several can coexist: each
     uses its own attribute names on tensors and storages.
     """
 
     def __init__(self, on_iteration_start: Callable | None = None,
-                 on_iteration_end: Callable | None = None, on_free: Callable | None = None):
+                 on_iteration_end: Callable | None = None, on_free: Callable | None = None,
+                 on_step: Callable | None = None):
         uid = next(_INDEXER_IDS)
         self._tattr = f"_capuchin_t{uid}"  # tensor attribute: (epoch, tensor id)
         self._sattr = f"_capuchin_s{uid}"  # storage attribute: StorageRec
         self.on_iteration_start = on_iteration_start
         self.on_iteration_end = on_iteration_end
         self.on_free = on_free
+        self.on_step = on_step
         self.iteration = -1  # -1 until the first op
         self.op_index = -1  # last op begun in the current iteration
         self.in_optimizer = 0  # depth of optimizer steps in progress
@@ -379,13 +384,15 @@ class OpIndexer:
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         self.in_optimizer = max(0, self.in_optimizer - 1)
-        self.mark_step()
+        self.mark_step(optimizer)
 
-    def mark_step(self) -> None:
+    def mark_step(self, optimizer=None) -> None:
         """An optimizer step (or ``capuchin.step()``) ended: the current iteration ends at the
         next op that is not inside a step."""
         self.steps_seen += 1
         self.step_pending = True
+        if self.on_step is not None:
+            self.on_step(optimizer)
 
     def finish(self) -> bool:
         """End of the script: close the current iteration if a step ended it. Returns True if the

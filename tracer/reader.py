@@ -89,9 +89,12 @@ class Trace:
 
     @cached_property
     def memory(self) -> pd.DataFrame:
-        """Live bytes after each op, per iteration: columns iteration, op_index, live_bytes.
+        """The memory curve, per iteration: columns iteration, op_index, live_bytes, op_peak_bytes.
 
-        live = bytes resident at iteration start + allocations so far - frees so far.
+        live_bytes: after op k = bytes resident at iteration start + allocations so far - frees
+            so far (FREE rows of op k count: they happen after it).
+        op_peak_bytes: while op k runs = live after op k-1 + what op k allocates + its SCRATCH
+            (Role.SCRATCH). The iteration's peak is ``max(op_peak_bytes)``.
         """
         ev = self.events
         rows = []
@@ -99,15 +102,23 @@ class Trace:
             start = int(e.loc[e[Col.ROLE] == Role.RESIDENT.value, Col.STORAGE_BYTES].sum())
             alloc = e[(e[Col.ROLE] == Role.OUTPUT.value) & e[Col.ALLOC].fillna(False).astype(bool)]
             free = e[e[Col.ROLE] == Role.FREE.value]
-            delta = (alloc.groupby(Col.OP)[Col.STORAGE_BYTES].sum()
-                     .sub(free.groupby(Col.OP)[Col.STORAGE_BYTES].sum(), fill_value=0))
+            scratch = e[e[Col.ROLE] == Role.SCRATCH.value]
             ops = sorted(set(e.loc[e[Col.OP] >= 0, Col.OP]))
-            delta = delta.reindex(ops, fill_value=0)
-            live = start + delta.cumsum()
+            grow = alloc.groupby(Col.OP)[Col.STORAGE_BYTES].sum().reindex(ops, fill_value=0)
+            shrink = free.groupby(Col.OP)[Col.STORAGE_BYTES].sum().reindex(ops, fill_value=0)
+            extra = scratch.groupby(Col.OP)[Col.STORAGE_BYTES].sum().reindex(ops, fill_value=0)
+            live = start + (grow - shrink).cumsum()
+            before = live.shift(1, fill_value=start)
+            # frees before the first op (op_index -1) lower what op 0 starts from
+            early = int(free.loc[free[Col.OP] < 0, Col.STORAGE_BYTES].sum())
+            live, before = live - early, before - early
             rows.append(pd.DataFrame({Col.ITERATION: it, Col.OP: ops,
-                                      "live_bytes": live.astype("int64").to_numpy()}))
+                                      "live_bytes": live.astype("int64").to_numpy(),
+                                      "op_peak_bytes": (before + grow + extra).astype("int64")
+                                      .to_numpy()}))
         if not rows:
-            return pd.DataFrame({Col.ITERATION: [], Col.OP: [], "live_bytes": []})
+            return pd.DataFrame({Col.ITERATION: [], Col.OP: [], "live_bytes": [],
+                                 "op_peak_bytes": []})
         return pd.concat(rows, ignore_index=True)
 
     def iteration(self, it: int) -> pd.DataFrame:

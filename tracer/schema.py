@@ -41,6 +41,12 @@ class Role(str, enum.Enum):
     OUTPUT = "output"  # the op returns the tensor (fresh storage, or a view/alias of an input)
     FREE = "free"  # the storage's memory was released after op ``op_index``
     RESIDENT = "resident"  # the storage was live when the iteration started (op_index = -1)
+    # SCRATCH: op ``op_index``'s kernels needed ``storage_bytes`` of temporary memory beyond its
+    # outputs (workspace, im2col, internal tensors) and released it before the op returned: while
+    # the op runs, memory reaches live-before-the-op + its new outputs + scratch. No tensor; the
+    # storage id is ``"~{op_index}"``. Measured from the allocator's events inside the op's
+    # profiler range (tracer/timing.py). Not an access: ACCESS_ROLES excludes it.
+    SCRATCH = "scratch"
 
 
 ACCESS_ROLES = (Role.INPUT, Role.WRITE, Role.OUTPUT)

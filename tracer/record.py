@@ -1,0 +1,467 @@
+"""``capuchin.Tracer``: record a tensor access trace of whatever trains inside a ``with`` block.
+
+    with capuchin.Tracer("train.trace.parquet", iterations=3, warmup=1):
+        train()          # unmodified; stopped cleanly after warm-up + 3 iterations
+
+A ``TorchDispatchMode`` sees every aten op (forward, backward, optimizer); ``tracer.hooks`` indexes
+them (iterations, phases, ids); during the recorded iterations each op runs inside a
+``record_function`` marker under ``torch.profiler`` (``tracer.timing``) and its accesses, the
+allocations and frees of storages, become rows of the event table (``tracer.schema``), written
+atomically when the block ends.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import __version__
+from ..errors import CapuchinError, ScriptError
+from .bandwidth import measure_bandwidth
+from .hooks import OpEvent, OpIndexer, describe_args
+from .reader import write_trace
+from .schema import COLUMNS, Col, Kind, Phase, Role, TraceMeta, shape_signature
+from .timing import marker_name, parse_profile
+
+try:
+    from torch._C._profiler import _RecordFunctionFast as _Marker
+except ImportError:  # pragma: no cover - older torch
+    from torch.autograd.profiler import record_function as _Marker
+
+
+class StopScript(BaseException):
+    """Raised inside the traced code at the first op after the last recorded iteration, to stop
+    the script cleanly; ``Tracer.__exit__`` swallows it. A BaseException so that a script's
+    ``except Exception`` does not catch it."""
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when available, else ``cpu``. Raises CapuchinError on a bad name."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise CapuchinError(f"unknown device {device!r}; use auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CapuchinError("--device cuda: no CUDA device is available (this torch: "
+                            f"{torch.__version__})")
+    return device
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class _TraceMode(TorchDispatchMode):
+    def __init__(self, tracer: Tracer):
+        super().__init__()
+        self.tracer = tracer
+        self.indexer = tracer.indexer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = self.indexer.begin_op(func, args, kwargs)
+        if op is None:
+            return func(*args, **kwargs)
+        if not self.tracer._recording:
+            out = func(*args, **kwargs)
+            self.indexer.end_op(op, out)
+            return out
+        with _Marker(marker_name(op.iteration, op.index)):
+            out = func(*args, **kwargs)
+        self.indexer.end_op(op, out)
+        self.tracer._record_op(op)
+        return out
+
+
+class _Iteration:
+    """Rows of one recorded iteration while it runs."""
+
+    def __init__(self, number: int):
+        self.number = number
+        self.ops: list[tuple] = []
+        self.frees: list[tuple[int, str, int]] = []  # (after op, storage id, bytes)
+        self.residents: list[tuple[str, int]] = []  # (storage id, bytes at start)
+        self.kinds: dict[str, Kind] = {}  # storage id -> persistent kind seen at the step
+        self.elapsed_s = 0.0
+        self.cuda_max_allocated_bytes: int | None = None
+
+
+class Tracer:
+    """Record a trace of the training that runs inside the ``with`` block.
+
+    path: output Parquet file (written atomically when the block ends).
+    iterations: iterations recorded (default 3); warmup: iterations run before recording (default
+        1; iteration 0 differs from the others because optimizer state is created in it).
+    device: ``"auto"`` | ``"cpu"`` | ``"cuda"``: the device whose memory and timeline are traced.
+    force: overwrite an existing ``path`` (otherwise CapuchinError before anything runs).
+    script, argv: provenance stored in the metadata (default ``sys.argv``).
+    log: receives one progress line per iteration and warnings (default: stderr).
+
+    Iterations are delimited by optimizer steps (or ``capuchin.step()``): see Note [Iteration
+    boundaries] in ``tracer/hooks.py``. After the recorded iterations the first op of the next
+    iteration raises ``StopScript``, which ends the block cleanly. If the block ends earlier, what
+    was recorded is written and ``log`` says so; if nothing was recorded, ``ScriptError``. An
+    exception from the traced code propagates and no file is written.
+
+    After the block: ``recorded`` (iteration numbers), ``path``, ``profiler`` (the
+    ``torch.profiler.profile`` of the recorded iterations, for cross-checks).
+    """
+
+    def __init__(self, path: str | os.PathLike, iterations: int = 3, warmup: int = 1,
+                 device: str = "auto", *, force: bool = False, script: str | None = None,
+                 argv: list[str] | None = None, log: Callable[[str], None] | None = _stderr):
+        if iterations < 1:
+            raise CapuchinError(f"iterations must be at least 1, got {iterations}")
+        if warmup < 0:
+            raise CapuchinError(f"warmup must be 0 or more, got {warmup}")
+        self.path = Path(path)
+        self.iterations = iterations
+        self.warmup = warmup
+        self.device_request = device
+        self.force = force
+        self.script = script if script is not None else (sys.argv[0] if sys.argv else "")
+        self.argv = list(argv) if argv is not None else list(sys.argv[1:])
+        self.log = log or (lambda line: None)
+        self.recorded: list[int] = []
+        self.profiler = None
+        self.indexer: OpIndexer | None = None
+        self._recording = False
+        self._cur: _Iteration | None = None
+        self._done: dict[int, _Iteration] = {}
+        self._params_seen: dict[int, torch.Tensor] = {}
+        self._iter_started_s = 0.0
+
+    # ---- context manager ------------------------------------------------------------------
+    def __enter__(self) -> Tracer:
+        if self.path.exists() and not self.force:
+            raise CapuchinError(f"{self.path}: already exists; use --force (force=True) to overwrite")
+        self.device = resolve_device(self.device_request)
+        self.bandwidth = measure_bandwidth(self.device)
+        self.indexer = OpIndexer(on_iteration_start=self._on_iteration_start,
+                                 on_iteration_end=self._on_iteration_end,
+                                 on_free=self._on_free, on_step=self._on_step).install()
+        self._mode = _TraceMode(self)
+        self._mode.__enter__()
+        self._iter_started_s = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        stopped = exc_type is not None and issubclass(exc_type, StopScript)
+        self._mode.__exit__(None, None, None)
+        try:
+            if exc_type is None or stopped:
+                self.indexer.finish()
+        finally:
+            self.indexer.uninstall()
+            self._stop_profiler()
+        if exc_type is not None and not stopped:
+            return False  # the script failed: nothing is written
+        self._write()
+        return stopped
+
+    # ---- indexer callbacks ----------------------------------------------------------------
+    def _last_recorded(self) -> int:
+        return self.warmup + self.iterations - 1
+
+    def _on_iteration_start(self, it: int) -> None:
+        if it > self._last_recorded():
+            raise StopScript()
+        self._iter_started_s = time.perf_counter()
+        if it < self.warmup:
+            return
+        if it == self.warmup:
+            self._start_profiler()
+        if self.device == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.reset_peak_memory_stats()
+        self._cur = _Iteration(it)
+        self._recording = True
+
+    def _on_iteration_end(self, it: int, last_op: int) -> None:
+        elapsed = time.perf_counter() - self._iter_started_s
+        cur = self._cur
+        if self._recording and cur is not None and cur.number == it:
+            # names of residents first accessed during the iteration are known only now
+            cur.residents = [(self.indexer.storage_name(r), r.start_nbytes)
+                                   for r in self.indexer.residents
+                                   if r.device_type == self.device]
+            cur.elapsed_s = elapsed
+            if self.device == "cuda":  # pragma: no cover - needs a GPU
+                torch.cuda.synchronize()
+                cur.cuda_max_allocated_bytes = torch.cuda.max_memory_allocated()
+            self._done[it] = cur
+            self.recorded.append(it)
+            self._cur = None
+            n = len(self.recorded)
+            self.log(f"capuchin: iteration {it}: recorded {n}/{self.iterations}, "
+                     f"{last_op + 1} ops, {elapsed:.2f} s")
+            if it >= self._last_recorded():
+                self._recording = False
+                self._stop_profiler()
+        else:
+            self.log(f"capuchin: iteration {it}: warm-up, {last_op + 1} ops, {elapsed:.2f} s")
+
+    def _on_free(self, rec, name: str, it: int, op_index: int) -> None:
+        cur = self._cur
+        if cur is not None and cur.number == it and rec.device_type == self.device:
+            cur.frees.append((op_index, name, rec.nbytes))
+
+    def _on_step(self, optimizer) -> None:
+        cur = self._cur
+        if cur is None:
+            return
+        ix = self.indexer
+
+        def mark(t, kind):
+            if isinstance(t, torch.Tensor):
+                rec = ix.storage_rec(t)
+                if rec is not None:
+                    cur.kinds.setdefault(ix.storage_name(rec), kind)
+
+        params = []
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                params.extend(group["params"])
+        params.extend(self._params_seen.values())
+        for p in params:
+            mark(p, Kind.PARAMETER)
+            mark(p.grad, Kind.GRADIENT)
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                for v in state.values():
+                    mark(v, Kind.OPTIMIZER_STATE)
+
+    # ---- profiler ---------------------------------------------------------------------------
+    def _start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device == "cuda":  # pragma: no cover - needs a GPU
+            activities.append(ProfilerActivity.CUDA)
+        self.profiler = profile(activities=activities, profile_memory=True)
+        self.profiler.start()
+        self._profiling = True
+
+    def _stop_profiler(self) -> None:
+        if self.profiler is not None and getattr(self, "_profiling", False):
+            self._profiling = False
+            if self.device == "cuda":  # pragma: no cover - needs a GPU
+                torch.cuda.synchronize()
+            self.profiler.stop()
+
+    # ---- per-op recording -------------------------------------------------------------------
+    def _record_op(self, op: OpEvent) -> None:
+        written = op.written
+        ins = []
+        for a, t in enumerate(op.inputs):
+            rec = op.input_storages[a]
+            is_param = isinstance(t, torch.nn.Parameter)
+            if is_param:
+                self._params_seen.setdefault(id(t), t)
+            ins.append((op.input_ids[a], rec.name if rec is not None else "", _tensor_bytes(t),
+                        rec.nbytes if rec is not None else 0, tuple(t.shape),
+                        _dtype(t.dtype), t._is_view(), a in written, is_param))
+        outs = []
+        for j, t in enumerate(op.outputs):
+            rec = op.output_storages[j]
+            on_device = rec is not None and rec.device_type == self.device
+            outs.append((op.output_ids[j], rec.name if rec is not None else "", _tensor_bytes(t),
+                         rec.nbytes if rec is not None else 0, tuple(t.shape), _dtype(t.dtype),
+                         t._is_view(), op.output_alloc[j] and on_device, op.output_aliases[j]))
+        self._cur.ops.append((op.index, op.info.name, op.phase.value, op.info.seeded,
+                              describe_args(op.args, op.kwargs), ins, outs))
+
+    # ---- building the file -------------------------------------------------------------------
+    def _write(self) -> None:
+        requested = self.iterations
+        if not self.recorded:
+            if self.indexer.steps_seen == 0:
+                raise ScriptError(
+                    f"{self.script}: no iteration: the script never called optimizer.step() "
+                    "(torch.optim) nor capuchin.step(), so there is nothing to delimit and record")
+            raise ScriptError(
+                f"{self.script}: the script ended after {self.indexer.steps_seen} optimizer "
+                f"step(s), all within the {self.warmup} warm-up iteration(s); nothing was "
+                "recorded (lower --warmup or let it train longer)")
+        if len(self.recorded) < requested:
+            self.log(f"capuchin: warning: the script ended after {len(self.recorded)} of "
+                     f"{requested} recorded iterations; writing those")
+        times = parse_profile(self.profiler, self.device) if self.profiler is not None else None
+        frames = [self._rows(self._done[it], times) for it in self.recorded]
+        events = pd.concat(frames, ignore_index=True)
+        regular, divergence = _regularity(self._done, self.recorded)
+        extra = {
+            "requested_iterations": requested,
+            "timeline": "cuda-kernels" if self.device == "cuda" else "cpu-ops-back-to-back",
+            "bandwidth_method": self.bandwidth.method,
+            "allocator_peak_bytes": {str(k): v for k, v in
+                                     (times.allocator_peak_bytes if times else {}).items()},
+            "iteration_wall_s": {str(it): round(self._done[it].elapsed_s, 6)
+                                 for it in self.recorded},
+        }
+        if self.device == "cuda":  # pragma: no cover - needs a GPU
+            extra["cuda_max_memory_allocated_bytes"] = {
+                str(it): self._done[it].cuda_max_allocated_bytes for it in self.recorded}
+        meta = TraceMeta(
+            capuchin_version=__version__,
+            torch_version=torch.__version__,
+            device=self.device,
+            device_name=_device_name(self.device),
+            bandwidth_d2h_bytes_per_s=self.bandwidth.d2h_bytes_per_s,
+            bandwidth_h2d_bytes_per_s=self.bandwidth.h2d_bytes_per_s,
+            iterations=list(self.recorded),
+            warmup=self.warmup,
+            script=str(self.script),
+            argv=[str(a) for a in self.argv],
+            date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            regular=regular,
+            first_divergence=divergence,
+            steady_iteration=self.recorded[-1],
+            extra=extra,
+        )
+        write_trace(events, meta, self.path)
+
+    def _rows(self, cur: _Iteration, times) -> pd.DataFrame:
+        it = cur.number
+        op_times = times.op_times if times is not None else {}
+        op_peaks = times.op_alloc_peak_bytes if times is not None else {}
+        kinds = dict(cur.kinds)
+        allocated = set()
+        first_role: dict[str, str] = {}
+        for (_, _, _, _, _, ins, outs) in cur.ops:
+            for tid, sid, _, _, _, _, _, written, is_param in ins:
+                first_role.setdefault(sid, Role.WRITE.value if written else Role.INPUT.value)
+                if is_param:
+                    kinds.setdefault(sid, Kind.PARAMETER)
+            for tid, sid, _, _, _, _, _, alloc, _ in outs:
+                first_role.setdefault(sid, Role.OUTPUT.value)
+                if alloc:
+                    allocated.add(sid)
+
+        def kind_of(sid: str) -> str:
+            k = kinds.get(sid)
+            if k is not None:
+                return k.value
+            if sid in allocated:
+                return Kind.ACTIVATION.value
+            role = first_role.get(sid)
+            if role == Role.INPUT.value:
+                return Kind.INPUT.value
+            return Kind.OTHER.value
+
+        cols: dict[str, list] = {c: [] for c in COLUMNS}
+
+        def row(op_index, role, sid, storage_bytes, name=None, phase=None, arg=-1, tid=None,
+                alloc=None, alias=None, view_of=None, nbytes=None, shape=None, dtype=None,
+                start=None, dur=None, seeded=None, op_args=None):
+            cols[Col.ITERATION].append(it)
+            cols[Col.EVENT].append(len(cols[Col.EVENT]))
+            cols[Col.OP].append(op_index)
+            cols[Col.OP_NAME].append(name)
+            cols[Col.PHASE].append(phase)
+            cols[Col.ROLE].append(role)
+            cols[Col.ARG].append(arg)
+            cols[Col.TENSOR].append(tid)
+            cols[Col.STORAGE].append(sid)
+            cols[Col.ALLOC].append(alloc)
+            cols[Col.ALIASES].append(alias)
+            cols[Col.VIEW_OF].append(view_of)
+            cols[Col.BYTES].append(nbytes)
+            cols[Col.STORAGE_BYTES].append(storage_bytes)
+            cols[Col.SHAPE].append(list(shape) if shape is not None else None)
+            cols[Col.DTYPE].append(dtype)
+            cols[Col.KIND].append(kind_of(sid))
+            cols[Col.START_NS].append(start)
+            cols[Col.DURATION_NS].append(dur)
+            cols[Col.SEEDED].append(seeded)
+            cols[Col.OP_ARGS].append(op_args)
+
+        for sid, nbytes in cur.residents:
+            row(-1, Role.RESIDENT.value, sid, nbytes)
+        frees = sorted(cur.frees, key=lambda f: f[0])  # stable: keeps release order within an op
+        fi = 0
+        while fi < len(frees) and frees[fi][0] < 0:
+            row(-1, Role.FREE.value, frees[fi][1], frees[fi][2])
+            fi += 1
+        for (k, name, phase, seeded, op_args, ins, outs) in cur.ops:
+            start, dur = op_times.get((it, k), (None, None))
+            common = dict(name=name, phase=phase, start=start, dur=dur, seeded=seeded,
+                          op_args=op_args)
+            for a, (tid, sid, nbytes, sbytes, shape, dtype, is_view, written, _) in enumerate(ins):
+                row(k, Role.WRITE.value if written else Role.INPUT.value, sid, sbytes, arg=a,
+                    tid=tid, view_of=sid if is_view else None, nbytes=nbytes, shape=shape,
+                    dtype=dtype, **common)
+            for j, (tid, sid, nbytes, sbytes, shape, dtype, is_view, alloc, alias) in enumerate(outs):
+                row(k, Role.OUTPUT.value, sid, sbytes, arg=j, tid=tid, alloc=bool(alloc),
+                    alias=alias, view_of=sid if is_view else None, nbytes=nbytes, shape=shape,
+                    dtype=dtype, **common)
+            peak = op_peaks.get((it, k))
+            if peak is not None:
+                scratch = peak - sum(o[3] for o in outs if o[7])
+                if scratch > 0:
+                    row(k, Role.SCRATCH.value, f"~{k}", scratch, **common)
+            while fi < len(frees) and frees[fi][0] <= k:
+                row(k, Role.FREE.value, frees[fi][1], frees[fi][2], name=name, phase=phase)
+                fi += 1
+        for f in frees[fi:]:  # released after the last op (before the next iteration's first op)
+            row(f[0], Role.FREE.value, f[1], f[2])
+        return pd.DataFrame(cols)
+
+
+def _regularity(done: dict[int, _Iteration], recorded: list[int]) -> tuple[bool, dict | None]:
+    """Do the recorded iterations have identical op sequences (name, phase, input shapes)?"""
+
+    def signature(cur: _Iteration) -> list[str]:
+        return [f"{name} {phase} [{shape_signature(s[4] for s in ins)}]"
+                for (_, name, phase, _, _, ins, _) in cur.ops]
+
+    if len(recorded) < 2:
+        return True, None
+    ref = signature(done[recorded[0]])
+    for it in recorded[1:]:
+        sig = signature(done[it])
+        for k in range(max(len(ref), len(sig))):
+            a = ref[k] if k < len(ref) else "<end of iteration>"
+            b = sig[k] if k < len(sig) else "<end of iteration>"
+            if a != b:
+                return False, {"iteration": it, "op_index": k, "expected": a, "got": b,
+                               "reference_iteration": recorded[0]}
+    return True, None
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype(dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":  # pragma: no cover - needs a GPU
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+__all__ = ["Tracer", "StopScript", "resolve_device", "Phase"]

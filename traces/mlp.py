@@ -1,0 +1,39 @@
+"""A multi-layer perceptron on synthetic data: wide linear layers, tanh, no dropout, RMSprop.
+Unmodified training script.
+
+    python traces/mlp.py --steps 6
+"""
+
+import argparse
+
+import torch
+from torch import nn
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    model = nn.Sequential(
+        nn.Linear(784, 1024), nn.Tanh(),
+        nn.Linear(1024, 1024), nn.Tanh(),
+        nn.Linear(1024, 512), nn.Tanh(),
+        nn.Linear(512, 10),
+    )
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    for step in range(args.steps):
+        x = torch.randn(args.batch, 784)
+        y = torch.randint(0, 10, (args.batch,))
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        print(f"step {step} loss {loss.item():.4f}")
+
+
+if __name__ == "__main__":
+    main()
