@@ -101,6 +101,39 @@ def show(path, as_json, plot, chrome):
 
 # ---- planner (issue 3) ----------------------------------------------------------------------
 # CLI-PLAN-BEGIN
+@main.command("plan")
+@click.argument("trace", type=click.Path(dir_okay=False, path_type=str))
+@click.option("--budget", required=True, metavar="SIZE",
+              help="Device memory budget: bytes, 8G / 8GiB (2^30), 8GB (10^9), 512M, or a share "
+                   "of the trace's peak: 60%.")
+@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
+              help="Plan file to write (default: <trace stem>.plan.json here).")
+@click.option("--policy", default="capuchin", show_default=True,
+              help="Registered policy (capuchin, swap, recompute, ...).")
+@click.option("--bandwidth", default=None, metavar="RATE",
+              help="Override the trace's host<->device bandwidth, both ways (12GB/s, 16e9).")
+@click.option("--iteration", type=int, default=None,
+              help="Recorded iteration to plan (default: the trace's steady one).")
+@click.option("--force", is_flag=True, help="Overwrite the output file.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_errors_to_exit
+def plan_cmd(trace, budget, output, policy, bandwidth, iteration, force, as_json):
+    """Compute the swap/recompute plan that fits TRACE's iteration into a memory budget.
+
+    Exit status 2 when no plan of the policy fits the budget (the message names the smallest
+    budget that works).
+    """
+    import json
+
+    from .planner.api import plan_file
+    from .planner.report import format_summary
+
+    plan, path = plan_file(trace, budget, output, policy=policy, bandwidth=bandwidth,
+                           iteration=iteration, force=force)
+    if as_json:
+        click.echo(json.dumps({**plan.summary(), "output": str(path)}))
+    else:
+        click.echo(format_summary(plan, output=path))
 # CLI-PLAN-END
 
 

@@ -44,6 +44,7 @@ from ..registry import register
 
 SMALL_TENSOR_FRACTION = 0.01  # DTR: ignore storages below 1% of the mean size
 DEFAULT_SEED = 0
+DEFAULT_CALIBRATION_ROUNDS = 3
 MAX_REPLAY = 200  # longest replay DTR considers (ops); longer chains are not candidates
 
 
@@ -140,14 +141,16 @@ class _Dtr:
         self.uf = _UnionFind()
         self.uf_cost: dict[str, float] = {}  # what each evicted storage added to its set
         self.evictions: dict[tuple[str, int], list] = {}  # (storage, evict_op) -> record
-        self.replayable: dict[tuple[str, int, int], bool] = {}
+        self.replayable: dict[tuple[str, int, int], int | None] = {}
         self.recompute_ns = 0
         self.remats = 0
         self.oom: list[int] = []
         self.op = 0
+        self.exhausted = False  # a full scan found no candidate (cleared by _add_cand / next op)
 
     # -- candidate bookkeeping ------------------------------------------------------------------
     def _add_cand(self, sid: str) -> None:
+        self.exhausted = False
         s = self.p.storages[sid]
         if (s.evictable and sid in self.parents and s.size_bytes >= self.min_bytes
                 and sid not in self.cand_pos):
@@ -176,17 +179,19 @@ class _Dtr:
         ops = chain_ops(self.p, sid, upto) or ()
         return sum(self.p.ops[k].duration_ns for k in ops)
 
-    def _can_replay(self, sid: str, e: int, b: int) -> bool:
+    def _replay_cost(self, sid: str, e: int, b: int) -> int | None:
+        """ns to regenerate ``sid`` for op ``b`` if every alive storage stayed resident (dead
+        sources regenerated on the way count: DTR would pay for them too); None: impossible."""
         key = (sid, e, b)
-        ok = self.replayable.get(key)
-        if ok is None:
-            ok = replay_for(self.p, sid, e, b, max_ops=MAX_REPLAY) is not None
-            self.replayable[key] = ok
-        return ok
+        if key not in self.replayable:
+            r = replay_for(self.p, sid, e, b, max_ops=MAX_REPLAY)
+            self.replayable[key] = (None if r is None
+                                    else sum(self.p.ops[j].duration_ns for j in r[0]))
+        return self.replayable[key]
 
-    def _score(self, sid: str, e: int) -> float:
+    def _score(self, sid: str, e: int, b: int) -> float:
         s = self.p.storages[sid]
-        cost = float(self._cost(sid, e))
+        cost = float(self._replay_cost(sid, e, b) or 0)
         roots = set()
         for n in (*self.parents.get(sid, ()), *self.children.get(sid, ())):
             if n in self.evicted:
@@ -200,12 +205,16 @@ class _Dtr:
         n = len(self.cand)
         if n == 0:
             return None
+        if self.exhausted:
+            return None
         if self.sample:
             pool = self.rng.sample(self.cand, min(n, max(1, math.ceil(math.sqrt(n)))))
             best = self._best(pool, pinned)
             if best is not None:
                 return best
-        return self._best(list(self.cand), pinned)  # the sample held nothing evictable
+        best = self._best(list(self.cand), pinned)  # the sample held nothing evictable
+        self.exhausted = best is None  # until a candidate is added or the op changes
+        return best
 
     def _best(self, pool: list[str], pinned: set[str]) -> tuple[str, int, int] | None:
         best, best_h = None, math.inf
@@ -213,9 +222,10 @@ class _Dtr:
             if sid in pinned:
                 continue
             gap = self._gap(sid)
-            if gap is None or (sid, gap[0]) in self.evictions or not self._can_replay(sid, *gap):
+            if (gap is None or (sid, gap[0]) in self.evictions
+                    or self._replay_cost(sid, *gap) is None):
                 continue
-            h = self._score(sid, gap[0])
+            h = self._score(sid, *gap)
             if h < best_h:
                 best, best_h = (sid, *gap), h
         return best
@@ -267,13 +277,12 @@ class _Dtr:
         made = [x for j in ops for x in p.ops[j].allocs]
         kept = [x for x in made if x != sid and x in self.evicted
                 and set(chain_ops(p, x, self.evicted[x][0]) or [-1]) <= set(ops)]
-        temps = sum(p.storages[x].size_bytes for x in made if x != sid and x not in kept)
+        stay = p.storages[sid].size_bytes + sum(p.storages[x].size_bytes for x in kept)
         pins = set(pinned) | srcs | {sid}
-        # the target, the kept intermediates and (briefly) the dead ones regenerated on the way
-        self._reserve(p.storages[sid].size_bytes + temps
-                      + sum(p.storages[x].size_bytes for x in kept), pins)
-        self.peak = max(self.peak, self.used + temps + p.storages[sid].size_bytes
-                        + sum(p.storages[x].size_bytes for x in kept))
+        # the target and the kept intermediates stay; the dead ones regenerated on the way live
+        # until their last use in the replay (as the simulator frees them)
+        self._reserve(stay + _transient_bytes(p, ops, {sid, *kept}), pins)
+        self.peak = max(self.peak, self.used + stay + _transient_bytes(p, ops, {sid, *kept}))
         cost = sum(p.ops[j].duration_ns for j in ops)
         self.clock += cost
         self.recompute_ns += cost
@@ -291,6 +300,7 @@ class _Dtr:
         self.peak = self.used
         for k, op in enumerate(p.ops):
             self.op = k
+            self.exhausted = False
             pinned = set(op.accessed)
             for u in op.accessed:
                 if u in self.evicted:
@@ -315,6 +325,25 @@ class _Dtr:
         evs = tuple(DtrEviction(sid, last, before, back, remat)
                     for (sid, _), (last, before, back, remat) in self.evictions.items())
         return DtrRun(evs, int(self.peak), int(self.recompute_ns), self.remats, tuple(self.oom))
+
+
+def _transient_bytes(p: Problem, ops: list[int], staying: set[str]) -> int:
+    """Peak bytes of the replay's temporaries (freed after their last use in the replay)."""
+    last: dict[str, int] = {}
+    for pos, j in enumerate(ops):
+        for x in p.ops[j].inputs:
+            last[x] = pos
+    live = peak = 0
+    temps: dict[str, int] = {}
+    for pos, j in enumerate(ops):
+        for x in p.ops[j].allocs:
+            if x not in staying:
+                temps[x] = p.storages[x].size_bytes
+                live += temps[x]
+        peak = max(peak, live)
+        for x in [x for x in temps if last.get(x, -1) <= pos]:
+            live -= temps.pop(x)
+    return peak
 
 
 def simulate_dtr(problem: Problem, budget_bytes: int, *, seed: int = DEFAULT_SEED,
@@ -342,7 +371,8 @@ def decisions_from_run(problem: Problem, run: DtrRun) -> list[Decision]:
 
 @register("dtr")
 def dtr(problem: Problem, budget_bytes: int, *, seed: int = DEFAULT_SEED, sample: bool = True,
-        small_fraction: float = SMALL_TENSOR_FRACTION) -> list[Decision]:
+        small_fraction: float = SMALL_TENSOR_FRACTION,
+        calibration_rounds: int = DEFAULT_CALIBRATION_ROUNDS) -> list[Decision]:
     """DTR's online eviction on the trace, as recompute decisions.
 
     Contract (Note [Policy contract] in planner/registry.py): recompute decisions only, one per
@@ -350,11 +380,47 @@ def dtr(problem: Problem, budget_bytes: int, *, seed: int = DEFAULT_SEED, sample
     the moment DTR evicted it; lineage is resolved by the builder. Nothing is evicted when the
     baseline peak fits. When DTR runs out of candidates the decisions are still returned (the
     simulated peak then exceeds the budget and the plan is marked infeasible).
+
     Parameters: ``seed`` (sampling), ``sample`` (score a sqrt(n) sample, DTR's default, or every
-    candidate), ``small_fraction`` (never evict storages below this fraction of the mean size).
+    candidate), ``small_fraction`` (never evict storages below this fraction of the mean size),
+    ``calibration_rounds``: see Note [DTR calibration].
     """
     if problem.peak_bytes <= budget_bytes:
         return []
-    run = simulate_dtr(problem, budget_bytes, seed=seed, sample=sample,
-                       small_fraction=small_fraction)
-    return decisions_from_run(problem, run)
+    target = int(budget_bytes)
+    best: tuple[tuple, list[Decision]] | None = None
+    for _ in range(1 + max(0, calibration_rounds)):
+        run = simulate_dtr(problem, target, seed=seed, sample=sample,
+                           small_fraction=small_fraction)
+        ds = decisions_from_run(problem, run)
+        if calibration_rounds <= 0:
+            return ds
+        peak, extra = _judge(problem, ds)
+        score = (peak > budget_bytes, extra if peak <= budget_bytes else peak)
+        if best is None or score < best[0]:
+            best = (score, ds)
+        if peak <= budget_bytes or peak < 0:
+            break
+        # Note: [DTR calibration]
+        # DTR measures real memory as it runs; here its bookkeeping differs a little from the
+        # simulator's (the plan evicts right after the last access, a replay regenerates what is
+        # out at that point). When the simulator finds the plan over budget, DTR runs again with
+        # its budget lowered by the overshoot, a few times, and the best plan is kept (feasible
+        # with the least overhead, else the lowest peak). ``calibration_rounds=0`` turns it off.
+        target -= peak - budget_bytes
+        if target <= 0:
+            break
+    return best[1] if best is not None else []
+
+
+def _judge(problem: Problem, ds: list[Decision]) -> tuple[int, int]:
+    """(simulated peak, simulated extra ns) of ``ds``; (-1, 0) when they do not form a plan."""
+    from ...errors import PlanError
+    from ..build import complete_decisions
+    from ..simulator import simulate
+
+    try:
+        sim = simulate(problem, complete_decisions(problem, ds))
+    except PlanError:
+        return -1, 0
+    return sim.peak_bytes, sim.time_ns - problem.time_ns

@@ -1,0 +1,257 @@
+"""Every policy on the same trace, through the one simulator: ``capuchin compare``. No torch.
+
+``compare_policies(trace, budgets)`` plans each (policy, budget) pair with the registered policy
+and the shared builder (so every number comes from the simulator), and searches each policy's
+smallest feasible budget. ``format_comparison`` prints the table, ``records_to_json`` the JSON.
+
+# Note: [Smallest feasible budget]
+# Found by bisection between the problem's floor (``Problem.floor_bytes``: no plan of any policy
+# goes below it) and the baseline peak (always feasible: nothing to evict), starting from the
+# budgets already evaluated, to a tolerance of ``search_tolerance`` x peak (default 0.5%). A policy
+# is not guaranteed to be monotone in the budget (a heuristic may fit 50% and miss 55%), so the
+# result is "the smallest budget the bisection found feasible": an upper bound on the true one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import CapuchinError
+from .budget import format_bytes, parse_budget
+from .build import build_plan
+from .plan import Method, Plan
+from .problem import Problem
+from .registry import available, get_policy
+
+DEFAULT_SEARCH_TOLERANCE = 0.005  # of the baseline peak
+
+
+@dataclass(frozen=True)
+class CompareRecord:
+    """One policy at one budget, as the simulator predicts it.
+
+    ``bytes_swapped``: bytes copied to the host per iteration (each swap decision once).
+    ``ops_recomputed``: ops replayed per iteration (replays the simulator actually ran).
+    ``optimality_gap``/``status``: what the policy reports about its own optimality (the ILP);
+    None for heuristics. ``error``: the policy or its plan failed (then ``feasible`` is false).
+    ``smallest_feasible_bytes``: the policy's smallest feasible budget (Note [Smallest feasible
+    budget]); None when not searched.
+    """
+
+    policy: str
+    budget_bytes: int
+    feasible: bool
+    predicted_peak_bytes: int
+    predicted_overhead: float
+    solve_time_s: float
+    bytes_swapped: int = 0
+    ops_recomputed: int = 0
+    decisions: int = 0
+    optimality_gap: float | None = None
+    status: str | None = None
+    error: str | None = None
+    smallest_feasible_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``records``: one per (policy, budget), policies in the order asked, budgets descending."""
+
+    trace: str
+    baseline_peak_bytes: int
+    baseline_time_ns: int
+    floor_bytes: int
+    records: tuple[CompareRecord, ...]
+
+
+def evaluate(problem: Problem, policy: str, budget_bytes: int,
+             params: dict[str, Any] | None = None) -> tuple[CompareRecord, Plan | None]:
+    """Plan ``problem`` at ``budget_bytes`` with ``policy`` and predict it (simulator).
+
+    ``params`` are given to the policy (only those its signature accepts). A budget at or above
+    the baseline peak gets the empty plan, as ``make_plan`` does. Never raises for a policy
+    failure: the record says ``error``.
+    """
+    fn = get_policy(policy)
+    kwargs = _accepted(fn, params or {})
+    t0 = time.perf_counter()
+    try:
+        ds = fn(problem, budget_bytes, **kwargs) if budget_bytes < problem.peak_bytes else []
+        solve_s = time.perf_counter() - t0
+        reported = dict(getattr(ds, "parameters", None) or {})
+        plan, sim = build_plan(problem, ds, policy=policy, budget_bytes=budget_bytes,
+                               parameters={**kwargs, **reported}, solve_time_s=solve_s)
+    except CapuchinError as exc:
+        rec = CompareRecord(policy, int(budget_bytes), False, -1, math.nan,
+                            round(time.perf_counter() - t0, 4), error=str(exc))
+        return rec, None
+    swapped = sum(d.size_bytes for d in plan.records if d.method == Method.SWAP)
+    replayed = sum(len(d.replay_ops) for d, o in zip(plan.records, sim.outcomes, strict=True)
+                   if d.method == Method.RECOMPUTE and o.recompute_ns > 0)
+    gap = reported.get("optimality_gap")
+    rec = CompareRecord(
+        policy=policy, budget_bytes=int(budget_bytes), feasible=bool(plan.predictions.feasible),
+        predicted_peak_bytes=int(sim.peak_bytes), predicted_overhead=float(sim.overhead),
+        solve_time_s=round(solve_s, 4), bytes_swapped=int(swapped), ops_recomputed=int(replayed),
+        decisions=len(plan.records), optimality_gap=None if gap is None else float(gap),
+        status=reported.get("status"))
+    return rec, plan
+
+
+def smallest_feasible_budget(problem: Problem, policy: str, *, params: dict[str, Any] | None = None,
+                             tolerance: float = DEFAULT_SEARCH_TOLERANCE,
+                             known: Sequence[CompareRecord] = ()) -> int:
+    """The smallest budget (bytes) at which ``policy``'s plan is feasible, by bisection; see
+    Note [Smallest feasible budget]. ``known``: records already evaluated for this policy."""
+    peak = problem.peak_bytes
+    floor = min(problem.floor_bytes(), peak)
+    ok = [r.budget_bytes for r in known if r.feasible]
+    bad = [r.budget_bytes for r in known if not r.feasible and r.error is None]
+    hi = min([peak, *ok])
+    lo = max([floor - 1, *(b for b in bad if b < hi)])
+    if lo < floor and hi > floor:  # the floor itself may be reachable
+        if evaluate(problem, policy, floor, params)[0].feasible:
+            return floor
+        lo = floor
+    step = max(1, int(tolerance * peak))
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        if evaluate(problem, policy, mid, params)[0].feasible:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def compare_policies(trace: str | os.PathLike | Any, budgets: str | Sequence[str | int], *,
+                     policies: Sequence[str] | None = None, time_limit_s: float | None = None,
+                     search_smallest: bool = True, params: dict[str, dict[str, Any]] | None = None,
+                     search_tolerance: float = DEFAULT_SEARCH_TOLERANCE) -> Comparison:
+    """Run ``policies`` (default: every registered one) on ``trace`` at each budget.
+
+    ``trace``: a path, a ``Trace`` or a ``Problem``. ``budgets``: ``"8G,6G,60%"`` or a list
+    (bytes, sizes or percentages of the baseline peak; planner/budget.py). ``time_limit_s``: given
+    to policies that take one (the ILP). ``params``: per-policy keyword options. Unknown policy
+    names raise ``UnknownPolicyError`` (listing the valid ones) before anything runs.
+    """
+    from .api import load_problem
+
+    problem = load_problem(trace)
+    names = list(policies) if policies else _default_order(available())
+    for name in names:
+        get_policy(name)
+    items = budgets.split(",") if isinstance(budgets, str) else list(budgets)
+    amounts = sorted({parse_budget(str(b).strip(), problem.peak_bytes) for b in items
+                      if str(b).strip()}, reverse=True)
+    if not amounts:
+        raise CapuchinError("no budget given (e.g. --budget 8G,6G or --budget 60%)")
+    records: list[CompareRecord] = []
+    for name in names:
+        p = dict((params or {}).get(name, {}))
+        if time_limit_s is not None:
+            p.setdefault("time_limit_s", time_limit_s)
+        mine = [evaluate(problem, name, b, p)[0] for b in amounts]
+        if search_smallest:
+            best = smallest_feasible_budget(problem, name, params=p, known=mine,
+                                            tolerance=search_tolerance)
+            mine = [_with(r, smallest_feasible_bytes=best) for r in mine]
+        records.extend(mine)
+    return Comparison(trace=problem.trace_path or str(trace), baseline_peak_bytes=problem.peak_bytes,
+                      baseline_time_ns=problem.time_ns, floor_bytes=problem.floor_bytes(),
+                      records=tuple(records))
+
+
+# ---- output -------------------------------------------------------------------------------------
+def records_to_json(result: Comparison) -> str:
+    """The records as a JSON list (keys of ``CompareRecord``; ``optimality_gap`` and ``status``
+    only where the policy reports them, i.e. the ILP)."""
+    out = []
+    for r in result.records:
+        d = asdict(r)
+        for k in ("optimality_gap", "status", "error"):
+            if d[k] is None:
+                del d[k]
+        if isinstance(d["predicted_overhead"], float) and math.isnan(d["predicted_overhead"]):
+            d["predicted_overhead"] = None
+        out.append(d)
+    return json.dumps(out, indent=1)
+
+
+def format_comparison(result: Comparison) -> str:
+    """The policy x budget table and each policy's smallest feasible budget, as text."""
+    peak = result.baseline_peak_bytes
+    lines = [f"trace {result.trace}: baseline peak {format_bytes(peak)}, iteration "
+             f"{result.baseline_time_ns / 1e6:.2f} ms, floor {format_bytes(result.floor_bytes)} "
+             f"({_pct(result.floor_bytes, peak)} of peak: no plan goes below)"]
+    header = ["policy", "budget", "feasible", "peak", "overhead", "swapped", "recomputed",
+              "solve", "note"]
+    rows = []
+    for r in result.records:
+        if r.error:
+            rows.append([r.policy, _budget(r.budget_bytes, peak), "error", "-", "-", "-", "-",
+                         f"{r.solve_time_s:.2f}s", r.error[:60]])
+            continue
+        note = ""
+        if r.status is not None:
+            note = r.status + (f" gap {r.optimality_gap:.1%}" if r.optimality_gap else "")
+        rows.append([r.policy, _budget(r.budget_bytes, peak), "yes" if r.feasible else "NO",
+                     format_bytes(r.predicted_peak_bytes), f"{r.predicted_overhead:+.1%}",
+                     format_bytes(r.bytes_swapped) if r.bytes_swapped else "0",
+                     f"{r.ops_recomputed} ops", f"{r.solve_time_s:.2f}s", note])
+    lines += _table(header, rows)
+    smallest = {}
+    for r in result.records:
+        if r.smallest_feasible_bytes is not None:
+            smallest[r.policy] = r.smallest_feasible_bytes
+    if smallest:
+        lines.append("")
+        lines.append("smallest feasible budget (bisection, see `capuchin compare --help`):")
+        lines += _table(["policy", "smallest budget", "of peak"],
+                        [[p, format_bytes(b), _pct(b, peak)] for p, b in smallest.items()])
+    return "\n".join(lines)
+
+
+def _budget(b: int, peak: int) -> str:
+    return f"{format_bytes(b)} ({_pct(b, peak)})"
+
+
+def _pct(b: int, peak: int) -> str:
+    return f"{100 * b / peak:.0f}%" if peak else "-"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header).rstrip(), *(fmt.format(*map(str, r)).rstrip() for r in rows)]
+
+
+_ORDER = ["capuchin", "swap", "recompute", "ilp", "dtr", "checkpoint-sqrt", "checkpoint-speed",
+          "vdnn"]
+
+
+def _default_order(names: list[str]) -> list[str]:
+    """capuchin and its variants, the optimum, then the peers; any other policy last."""
+    return [n for n in _ORDER if n in names] + sorted(n for n in names if n not in _ORDER)
+
+
+def _accepted(fn, params: dict[str, Any]) -> dict[str, Any]:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return dict(params)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return dict(params)
+    return {k: v for k, v in params.items() if k in sig.parameters}
+
+
+def _with(r: CompareRecord, **changes) -> CompareRecord:
+    from dataclasses import replace
+
+    return replace(r, **changes)
