@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
-from ..errors import InfeasibleBudgetError
+from ..errors import CapuchinError, InfeasibleBudgetError
 from ..tracer.reader import Trace, load_trace
+from ..tracer.schema import FILE_SUFFIX
 from .budget import format_bytes, parse_budget, parse_rate
 from .build import build_plan
 from .plan import Plan
@@ -110,3 +112,29 @@ def smallest_feasible_budget(problem: Problem, policy_fn, params: dict[str, Any]
         else:
             hi = mid
     return hi
+
+
+class OutputExistsError(CapuchinError):
+    """The output file exists and ``--force`` was not given."""
+
+
+def default_plan_path(trace_path: str | os.PathLike) -> Path:
+    """``<trace stem>.plan.json`` in the current directory (``x.trace.parquet`` -> ``x.plan.json``)."""
+    name = Path(trace_path).name
+    stem = name[: -len(FILE_SUFFIX)] if name.endswith(FILE_SUFFIX) else Path(name).stem
+    return Path(stem + ".plan.json")
+
+
+def plan_file(trace_path: str | os.PathLike, budget: str | int, output=None, *,
+              policy: str = "capuchin", bandwidth: str | float | None = None,
+              iteration: int | None = None, force: bool = False,
+              **params: Any) -> tuple[Plan, Path]:
+    """What ``capuchin plan`` does: ``make_plan`` on a trace file, saved (atomically) to
+    ``output`` (default ``default_plan_path``). Refuses to overwrite without ``force`` (checked
+    before planning)."""
+    out = Path(output) if output is not None else default_plan_path(trace_path)
+    if out.exists() and not force:
+        raise OutputExistsError(f"{out}: exists; use --force to overwrite")
+    plan = make_plan(trace_path, budget, policy, iteration=iteration, bandwidth=bandwidth,
+                     **params)
+    return plan, plan.save(out)

@@ -188,17 +188,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return write_text_atomic(path, self.to_json())
 
     # -- views ------------------------------------------------------------------------------
     @property
@@ -276,6 +266,25 @@ class Plan:
 
         return pd.DataFrame([d.to_dict() for d in self.records],
                             columns=[f.name for f in fields(Decision)])
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` so that it appears whole or not at all, with the usual
+    permissions (mkstemp's are owner-only)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
