@@ -1,0 +1,591 @@
+"""The ``ilp`` policy: Checkmate's MILP, extended with swapping, solved by OR-Tools CP-SAT.
+
+The formulation (Jain et al., *Checkmate*, MLSys'20), written for the decisions a plan can express
+(per storage and access gap: keep, or evict after the evicted-access and bring back before the
+next access by swap or recomputation; planner/plan.py) and extended with POET/OffMate-style swap
+variables. Stages ``t`` are op ranges (planner/coarsen.py), ``D_t`` a stage's baseline duration.
+
+- Candidates ``v`` = (storage, gap ``(e_v, b_v)``) whose gap covers an op over the budget.
+  ``drop_v`` (evict, recompute) and ``swap_v`` (evict, swap) are binaries, ``drop_v + swap_v <= 1``.
+  Checkmate's checkpoint variable is ``S[t, v] = 1 - drop_v - a[v, t]`` in the gap, 1 elsewhere.
+- ``R[b, j]`` (Checkmate's recompute variable): op ``j`` is replayed before op ``b``.
+  ``R[b_v, j] >= drop_v - K_v`` for every op ``j`` of ``v``'s chain (producer and in-place writers,
+  lineage.chain_ops), where ``K_v`` says ``v`` was already regenerated whole and kept by a replay
+  inside its gap (collective recomputation; Checkmate's ``S[t+1] <= S[t] + R[t]``). Checkmate's
+  dependency ``R[t, j] <= R[t, i] + S[t, i]``: for every input ``x`` of a replayed op ``j`` that
+  is not resident and unchanged at ``b`` (lineage's source rule), ``R[b, j'] >= R[b, j]`` for
+  the ops ``j'`` of ``x``'s chain; when ``x`` is resident unless evicted by candidate ``u``,
+  ``R[b, j'] >= R[b, j] + drop_u + swap_u - 1``.
+- Swap (per stage, as POET): ``out[v, t]``/``in[v, t]`` are the ns of ``v``'s device->host and
+  host->device copies done in stage ``t``; per channel and stage, copies fit in the stage's length
+  ``D_t + rc_t + st_t`` (``rc_t = sum R[b, j] dur_j`` over back-accesses ``b`` in ``t``, ``st_t``
+  the stall there); the in-copy follows the out-copy; the part of the in-copy in ``b_v``'s own
+  stage fits in that stage's replay and stall time.
+- ``a[v, t]``: swapped ``v`` is off the device for the whole of stage ``t`` (out-copy done before
+  ``t``'s ops run, in-copy not started before ``t`` ends). Only stages over the budget get one.
+- Memory (Checkmate's ``U``, with ``FREE`` folded into the baseline curve): for every stage whose
+  baseline peak exceeds the budget, ``peak_t - sum_v size_v (drop_v + a[v, t]) <= budget``.
+- Objective: ``sum R[b, j] dur_j + sum st_t`` = the extra ns on the compute stream.
+
+# Note: [Where the ILP and the simulator differ]
+# The simulator (planner/simulator.py) is the judge. At op granularity the ILP is a *relaxation*
+# of it: for any set of candidate choices, its memory is never above the simulator's and its cost
+# never above the simulated extra time. What it leaves out, all in its own favour:
+#   - copies share a channel fractionally within a stage (the simulator runs them one at a time
+#     in issue order), and the in-copy may start at any time (the plan uses ``_trigger``'s rule);
+#   - replay intermediates and storages kept by collective recomputation take no memory;
+#   - an op replayed for two decisions before the same op is paid once; a swapped source that
+#     cannot be replayed is restored on demand at no charge;
+#   - memory is checked only where the baseline is over the budget.
+# Coarse stages break the relaxation the other way (a storage off the device for part of a stage
+# counts as present), so coarse optima are optima of the stage model only.
+# ``solve`` closes the gap by combinatorial Benders cuts: each assignment the ILP proposes is
+# turned into decisions and simulated; an assignment over budget is excluded, otherwise
+# ``objective >= simulated extra time`` is enforced at that assignment. The loop stops when the
+# ILP's bound reaches the best simulated plan: at op granularity, that plan is the simulator's
+# optimum over the same choices (what brute force finds; tests/test_ilp_bruteforce.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import CapuchinError
+from ..coarsen import Stages, coarsen
+from ..lineage import chain_ops
+from ..plan import Decision, Method
+from ..problem import Problem
+from ..registry import register
+
+
+class Choice(str, enum.Enum):
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+Key = tuple[str, int]  # (storage_id, evict_op): one access gap of one storage
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One access gap of an evictable storage. ``chain``: the ops regenerating it (None: not
+    recomputable); ``out_ns``/``in_ns``: its copy times as the simulator computes them."""
+
+    storage_id: str
+    size_bytes: int
+    evict_op: int
+    back_op: int
+    chain: tuple[int, ...] | None
+    out_ns: int
+    in_ns: int
+
+    @property
+    def key(self) -> Key:
+        return (self.storage_id, self.evict_op)
+
+
+@dataclass(frozen=True)
+class IlpResult:
+    """The outcome of ``solve``.
+
+    ``choices``: candidate key -> Choice of the best plan found (simulated when an evaluator was
+    given). ``best_ns``: its extra time (ns); ``bound_ns``: a proven lower bound on the extra time
+    of every plan in the decision space (see Note [Where the ILP and the simulator differ]);
+    ``objective_ns``: the ILP's own objective at its last solution. ``status``: "OPTIMAL"
+    (best == bound), "FEASIBLE", "INFEASIBLE" (no choice fits the budget) or "UNKNOWN"."""
+
+    choices: dict[Key, Choice]
+    status: str
+    objective_ns: int | None
+    bound_ns: int
+    best_ns: int | None
+    solve_time_s: float
+    rounds: int
+    variables: int
+    constraints: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def optimality_gap(self) -> float | None:
+        """(best - bound) / best: 0.0 when proven optimal; None without a plan."""
+        if self.best_ns is None:
+            return None
+        if self.best_ns <= 0:
+            return 0.0
+        return max(0.0, (self.best_ns - self.bound_ns) / self.best_ns)
+
+
+def _import_cp_model():
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise CapuchinError("the ilp policy needs OR-Tools: pip install capuchin[ilp]") from None
+    return cp_model
+
+
+def copy_ns(size_bytes: int, bytes_per_s: float) -> int:
+    """Copy time as the simulator computes it (ns)."""
+    return int(round(size_bytes / bytes_per_s * 1e9))
+
+
+def candidates(problem: Problem, budget_bytes: int, *, swap: bool = True,
+               recompute: bool = True) -> list[Candidate]:
+    """Every access gap of an evictable storage that covers an op over the budget."""
+    live = problem.live_bytes
+    over = [int(k) for k in range(problem.n_ops) if live[k] > budget_bytes]
+    if not over:
+        return []
+    import bisect
+
+    out = []
+    for s in problem.storages.values():
+        if not s.evictable or s.size_bytes <= 0:
+            continue
+        for e, b in s.gaps():
+            i = bisect.bisect_right(over, e)
+            if i >= len(over) or over[i] >= b:
+                continue  # no op over the budget inside the gap
+            chain = chain_ops(problem, s.storage_id, e) if recompute else None
+            if chain is None and not swap:
+                continue
+            out.append(Candidate(
+                s.storage_id, s.size_bytes, e, b, tuple(chain) if chain is not None else None,
+                copy_ns(s.size_bytes, problem.bandwidth_d2h_bytes_per_s) if swap else -1,
+                copy_ns(s.size_bytes, problem.bandwidth_h2d_bytes_per_s) if swap else -1))
+    return out
+
+
+class _Model:
+    """The CP-SAT model (built once, then cut by the Benders loop)."""
+
+    def __init__(self, problem: Problem, stages: Stages, budget_bytes: int,
+                 cands: list[Candidate]):
+        cp_model = _import_cp_model()
+        self.cp_model = cp_model
+        self.problem = problem
+        m = self.m = cp_model.CpModel()
+        st = stages
+        n_st = len(st)
+        self.drop: dict[Key, Any] = {}
+        self.swap: dict[Key, Any] = {}
+        self.R: dict[tuple[int, int], Any] = {}  # (back op, replayed op) -> bool
+        self.cands: dict[Key, Candidate] = {}
+        self.by_storage: dict[str, list[Candidate]] = {}
+        windows: dict[Key, tuple[int, int]] = {}  # stages entirely inside the gap
+        horizon = 4 * (problem.time_ns + sum(max(c.out_ns, 0) + max(c.in_ns, 0) for c in cands)) + 1
+        for c in cands:
+            lo, hi = st.stage_of(c.evict_op) + 1, st.stage_of(c.back_op) - 1
+            if lo > hi:
+                continue  # nothing to gain at this granularity
+            k = c.key
+            if c.chain is not None:
+                self.drop[k] = m.new_bool_var(f"drop{k}")
+            if c.out_ns >= 0:
+                self.swap[k] = m.new_bool_var(f"swap{k}")
+            if k in self.drop and k in self.swap:
+                m.add(self.drop[k] + self.swap[k] <= 1)
+            if k in self.drop or k in self.swap:
+                windows[k] = (lo, hi)
+                self.cands[k] = c
+                self.by_storage.setdefault(c.storage_id, []).append(c)
+
+        # -- recomputation: Checkmate's R and its dependency constraints --------------------------
+        for k in self.drop:
+            c = self.cands[k]
+            for j in c.chain:
+                self._replay(c.back_op, j)
+        for k, d in self.drop.items():
+            c = self.cands[k]
+            kept = []  # regenerated whole (and kept) by a replay before an op inside the gap
+            backs = {b for (b, _j) in self.R if c.evict_op < b < c.back_op}
+            for b in sorted(backs):
+                if all((b, j) in self.R for j in c.chain):
+                    kv = m.new_bool_var(f"kept{k}@{b}")
+                    for j in c.chain:
+                        m.add(kv <= self.R[(b, j)])
+                    kept.append(kv)
+            for j in c.chain:
+                m.add(self.R[(c.back_op, j)] + sum(kept) >= d)
+        rc = [[] for _ in range(n_st)]  # replay terms per stage
+        for (b, j), r in self.R.items():
+            rc[st.stage_of(b)].append(problem.ops[j].duration_ns * r)
+
+        # -- swapping: per-stage copy time on each channel (POET) ---------------------------------
+        stall_stages = sorted({st.stage_of(c.back_op) for k, c in self.cands.items()
+                               if k in self.swap} | {st.stage_of(b) for (b, _j) in self.R})
+        self.stall = {t: m.new_int_var(0, horizon, f"st{t}") for t in stall_stages}
+        pre = [sum(rc[t]) + self.stall.get(t, 0) for t in range(n_st)]
+        length = [st.duration_ns[t] + pre[t] for t in range(n_st)]
+        has_pre = [bool(rc[t]) or t in self.stall for t in range(n_st)]
+        out_load = [[] for _ in range(n_st)]
+        out_pre = [[] for _ in range(n_st)]  # out-copies of storages due back in stage t
+        out_abs = [[] for _ in range(n_st)]  # out-copy parts ending before stage t's ops
+        in_load = [[] for _ in range(n_st)]
+        in_pre = [[] for _ in range(n_st)]
+        self.absent: dict[tuple[Key, int], Any] = {}
+        over = {t for t in range(n_st) if st.peak_bytes[t] > budget_bytes}
+        for k, w in self.swap.items():
+            c = self.cands[k]
+            lo, hi = windows[k]
+            bs = st.stage_of(c.back_op)
+            # the out-copy may run into the back-access's stall (the restore waits for it)
+            out_v = {t: m.new_int_var(0, c.out_ns, f"out{k}{t}") for t in range(lo, bs + 1)}
+            in_v = {t: m.new_int_var(0, c.in_ns, f"in{k}{t}") for t in range(lo, bs + 1)}
+            m.add(sum(out_v.values()) == c.out_ns * w)
+            m.add(sum(in_v.values()) == c.in_ns * w)
+            for t in range(lo, bs):
+                out_load[t].append(out_v[t])
+                in_load[t].append(in_v[t])
+            out_pre[bs].append(out_v[bs])
+            in_pre[bs].append(in_v[bs])
+            for t in range(lo, bs + 1):  # the in-copy follows the out-copy (fractionally)
+                done_out = sum(out_v[u] for u in range(lo, t + 1))
+                started_in = sum(in_v[u] for u in range(lo, t + 1))
+                m.add(c.out_ns * started_in <= c.in_ns * done_out)
+            for t in range(lo, hi + 1):
+                if t not in over:
+                    continue
+                a = m.new_bool_var(f"a{k}{t}")
+                self.absent[(k, t)] = a
+                m.add(a <= w)
+                done = sum(out_v[u] for u in range(lo, t))
+                if has_pre[t]:  # the copy may end during t's replays and stall, before its ops
+                    p = m.new_int_var(0, c.out_ns, f"outpre{k}{t}")
+                    m.add(p <= out_v[t])
+                    out_abs[t].append(p)
+                    done = done + p
+                m.add(done >= c.out_ns * a)
+                m.add(sum(in_v[u] for u in range(lo, t + 1)) <= c.in_ns * (1 - a))
+        for t in range(n_st):
+            if out_load[t] or out_pre[t]:
+                m.add(sum(out_load[t]) + sum(out_pre[t]) <= length[t])
+            if out_abs[t] or (out_pre[t] and st.first_op[t] == st.last_op[t]):
+                m.add(sum(out_abs[t]) + sum(out_pre[t]) <= pre[t])
+            if in_load[t] or in_pre[t]:
+                m.add(sum(in_load[t]) + sum(in_pre[t]) <= length[t])
+            if in_pre[t] and st.first_op[t] == st.last_op[t]:
+                m.add(sum(in_pre[t]) <= pre[t])  # before the op: only its replays and stall
+
+        # -- memory: one constraint per stage over the budget -------------------------------------
+        self.hopeless = []
+        for t in sorted(over):
+            saved = []
+            for k, (lo, hi) in windows.items():
+                if lo <= t <= hi:
+                    size = self.cands[k].size_bytes
+                    if k in self.drop:
+                        saved.append(size * self.drop[k])
+                    if (k, t) in self.absent:
+                        saved.append(size * self.absent[(k, t)])
+            need = st.peak_bytes[t] - budget_bytes
+            if saved:
+                m.add(sum(saved) >= need)
+            else:
+                self.hopeless.append(t)
+        self.objective = (sum(problem.ops[j].duration_ns * r for (_b, j), r in self.R.items())
+                          + sum(self.stall.values()))
+        m.minimize(self.objective)
+
+    def _evicters(self, x: str, b: int) -> list:
+        """drop/swap variables of the candidates that would keep ``x`` out when op ``b``'s
+        before-actions run (lineage.Residency.out_at: ``e < b <= back``)."""
+        return [v for c in self.by_storage.get(x, ()) if c.evict_op < b <= c.back_op
+                for v in (self.drop.get(c.key), self.swap.get(c.key)) if v is not None]
+
+    def _replay(self, b: int, j: int):
+        """Checkmate's R[b, j] with its dependency constraints (lineage.replay_for's rule)."""
+        if (b, j) in self.R:
+            return self.R[(b, j)]
+        m, p = self.m, self.problem
+        r = m.new_bool_var(f"R{b},{j}")
+        self.R[(b, j)] = r
+        op = p.ops[j]
+        for x in op.inputs:
+            if x in op.writes:
+                continue  # the chain being replayed: its earlier ops come first
+            xs = p.storages[x]
+            base_ok = xs.alive_at(b) and not xs.written_between(j, b)
+            ev = self._evicters(x, b) if base_ok else []
+            if base_ok and not ev:
+                continue
+            chain = chain_ops(p, x, j - 1)
+            if chain is None:
+                if not base_ok:
+                    m.add(r == 0)  # op j cannot be replayed before op b
+                # else: only swaps can evict x (no chain, no drop): restored on demand
+                continue
+            for jj in chain:
+                child = self._replay(b, jj)
+                m.add(child >= r + sum(ev) - 1 if ev else child >= r)
+        return r
+
+    # -- Benders loop helpers -----------------------------------------------------------------------
+    def literals(self, choices: Mapping[Key, Choice]) -> list:
+        """Literals all true exactly at ``choices``."""
+        lits = []
+        for k in self.cands:
+            ch = choices.get(k, Choice.KEEP)
+            d, w = self.drop.get(k), self.swap.get(k)
+            if ch == Choice.RECOMPUTE and d is not None:
+                lits.append(d)
+            elif ch == Choice.SWAP and w is not None:
+                lits.append(w)
+            else:
+                lits.extend(x.Not() for x in (d, w) if x is not None)
+        return lits
+
+    def read(self, solver) -> dict[Key, Choice]:
+        out = {}
+        for k in self.cands:
+            if k in self.drop and solver.value(self.drop[k]):
+                out[k] = Choice.RECOMPUTE
+            elif k in self.swap and solver.value(self.swap[k]):
+                out[k] = Choice.SWAP
+            else:
+                out[k] = Choice.KEEP
+        return out
+
+    def hint(self, choices: Mapping[Key, Choice]) -> None:
+        self.m.clear_hints()
+        for k, d in self.drop.items():
+            self.m.add_hint(d, choices.get(k) == Choice.RECOMPUTE)
+        for k, w in self.swap.items():
+            self.m.add_hint(w, choices.get(k) == Choice.SWAP)
+
+
+Evaluator = Callable[[Mapping[Key, Choice]], "int | None"]
+
+
+def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candidate], *,
+          time_limit_s: float = 30.0, evaluate: Evaluator | None = None,
+          warm_start: Mapping[Key, Choice] | None = None, workers: int = 2, seed: int = 0,
+          max_rounds: int = 10_000) -> IlpResult:
+    """Solve the ILP within ``time_limit_s`` seconds (wall clock, the whole loop).
+
+    ``evaluate(choices)`` simulates the plan made of ``choices`` and returns its extra time in ns
+    (None: over budget); with it the Benders loop of Note [Where the ILP and the simulator
+    differ] runs until the bound meets the best simulated plan, without it one solve is made.
+    ``warm_start``: a known plan's choices (e.g. the capuchin hybrid's), given to CP-SAT as a
+    solution hint and, when ``evaluate`` accepts it, taken as the first incumbent.
+    """
+    t0 = time.perf_counter()
+    model = _Model(problem, stages, budget_bytes, cands)
+    cp_model = model.cp_model
+    proto = model.m.proto
+    n_vars, n_cons = len(proto.variables), len(proto.constraints)
+    notes: list[str] = []
+    best: dict[Key, Choice] | None = None
+    best_ns: int | None = None
+    seen: dict[tuple, int | None] = {}
+
+    def consider(ch: Mapping[Key, Choice]) -> int | None:
+        nonlocal best, best_ns
+        sig = tuple(sorted((k, c.value) for k, c in ch.items() if c != Choice.KEEP))
+        if sig not in seen:
+            seen[sig] = evaluate(ch)
+        v = seen[sig]
+        if v is not None and (best_ns is None or v < best_ns):
+            best, best_ns = dict(ch), v
+        return v
+
+    if model.hopeless:
+        notes.append(f"{len(model.hopeless)} stage(s) over the budget with nothing evictable")
+        return IlpResult({}, "INFEASIBLE", None, 0, None, time.perf_counter() - t0, 0, n_vars,
+                         n_cons, tuple(notes))
+    if warm_start is not None:
+        ws = {k: warm_start.get(k, Choice.KEEP) for k in model.cands}
+        model.hint(ws)
+        if evaluate is not None and consider(ws) is None:
+            notes.append("the warm start is over budget in the simulator")
+    bound, objective, status, rounds = 0, None, "UNKNOWN", 0
+    while rounds < max_rounds:
+        left = time_limit_s - (time.perf_counter() - t0)
+        if left <= 0:
+            notes.append("time limit reached")
+            break
+        rounds += 1
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(left, 0.05)
+        solver.parameters.num_workers = workers
+        solver.parameters.random_seed = seed
+        code = solver.solve(model.m)
+        if code == cp_model.INFEASIBLE:
+            # every assignment left is over budget: the best simulated one (if any) is optimal
+            status = "OPTIMAL" if best_ns is not None else "INFEASIBLE"
+            bound = best_ns if best_ns is not None else bound
+            break
+        if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            notes.append(f"CP-SAT stopped without a solution ({solver.status_name(code)})")
+            break
+        ch = model.read(solver)
+        objective = int(round(solver.objective_value))
+        # a round's bound holds for the whole space: cuts only remove simulated assignments
+        bound = max(bound, int(solver.best_objective_bound + 1e-6))
+        if evaluate is None:
+            best, best_ns = ch, objective
+            status = "OPTIMAL" if code == cp_model.OPTIMAL else "FEASIBLE"
+            break
+        v = consider(ch)
+        lits = model.literals(ch)
+        if v is None:  # over budget in the simulator: exclude this assignment
+            model.m.add_bool_or([x.Not() for x in lits])
+        elif v > objective:  # the ILP was optimistic here: tell it the simulated cost
+            model.m.add(model.objective >= v).only_enforce_if(lits)
+        if best_ns is not None and bound >= best_ns:
+            status = "OPTIMAL"
+            break
+        if code != cp_model.OPTIMAL:
+            status = "FEASIBLE"
+            notes.append("time limit reached inside CP-SAT")
+            break
+        if best is not None:
+            model.hint(best)
+    if best_ns is not None:
+        bound = min(bound, best_ns)
+        if status in ("UNKNOWN", "INFEASIBLE"):
+            status = "OPTIMAL" if bound >= best_ns else "FEASIBLE"
+    return IlpResult(dict(best) if best is not None else {}, status, objective, int(bound),
+                     best_ns, time.perf_counter() - t0, rounds, n_vars, n_cons, tuple(notes))
+
+
+def trigger_op(problem: Problem, c: Candidate) -> int:
+    """The in-trigger of a swap (paper §4.4 without the peak-window rule): the latest op in
+    ``(evict, back]`` starting, on the baseline timeline, early enough for the copy to end by
+    the back-access; ``evict + 1`` when none is."""
+    start = problem.start_ns
+    latest = int(start[c.back_op]) - c.in_ns
+    k = c.back_op
+    while k > c.evict_op + 1 and int(start[k]) > latest:
+        k -= 1
+    return k
+
+
+def to_decisions(problem: Problem, cands: Mapping[Key, Candidate],
+                 choices: Mapping[Key, Choice]) -> list[Decision]:
+    """The decisions of ``choices`` (recompute lineage left to the builder, planner/build.py)."""
+    out = []
+    for k, ch in sorted(choices.items()):
+        if ch == Choice.KEEP:
+            continue
+        c = cands[k]
+        if ch == Choice.SWAP:
+            out.append(Decision(c.storage_id, Method.SWAP, c.size_bytes, c.evict_op, c.back_op,
+                                trigger_op=trigger_op(problem, c)))
+        else:
+            out.append(Decision(c.storage_id, Method.RECOMPUTE, c.size_bytes, c.evict_op,
+                                c.back_op))
+    return out
+
+
+def simulated_extra_ns(problem: Problem, budget_bytes: int, decisions: list[Decision]) -> int | None:
+    """Extra ns of ``decisions`` in the simulator (None: over budget or not executable)."""
+    from ...errors import PlanError
+    from ..build import complete_decisions
+    from ..simulator import simulate
+
+    try:
+        sim = simulate(problem, complete_decisions(problem, decisions))
+    except PlanError:
+        return None
+    if sim.peak_bytes > budget_bytes:
+        return None
+    return int(sim.time_ns - problem.time_ns)
+
+
+class IlpDecisions(list):
+    """The ``ilp`` policy's decisions, with the solve's figures in ``parameters`` (for the plan's
+    provenance) and ``result`` (the ``IlpResult``)."""
+
+    parameters: dict[str, Any]
+    result: IlpResult | None
+
+
+DEFAULT_MAX_STAGES = 48
+
+
+@register("ilp")
+def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.0,
+               max_stages: int = DEFAULT_MAX_STAGES, swap: bool = True, recompute: bool = True,
+               warm_start: bool | str = True, workers: int = 2, seed: int = 0,
+               time_limit: float | None = None, **_ignored: Any) -> IlpDecisions:
+    """The optimal plan of the stage model: see the module docstring for the formulation.
+
+    ``time_limit_s`` (alias ``time_limit``): wall-clock limit of the whole solve (s, default 30).
+    ``max_stages``: coarsening target (default 48; ``>= n_ops`` plans at op granularity, where
+    the result is the simulator's optimum over keep/swap/recompute per access gap, if proven).
+    ``swap``/``recompute``: allow each method. ``warm_start``: hint CP-SAT with the ``capuchin``
+    policy's plan (or the policy named) when it is registered. ``workers``/``seed``: CP-SAT's.
+
+    Output contract: decisions on evictable storages, at most one per access gap, evict/back
+    consecutive accesses; swaps carry ``trigger_op`` (rule ``trigger_op``), recomputes leave
+    lineage to the builder. ``result.parameters`` holds ``status`` (OPTIMAL: no plan in the
+    decision space is better, per the simulator; FEASIBLE: time limit), ``optimality_gap``,
+    ``ilp_objective_ns`` (the ILP's bound), ``simulated_extra_ns``, ``solve_time_s``,
+    ``stages``, ``candidates``, ``variables``, ``constraints`` and ``rounds``. When nothing fits
+    the budget the best effort is an empty list (status INFEASIBLE).
+    """
+    if time_limit is not None:
+        time_limit_s = float(time_limit)
+    t0 = time.perf_counter()
+    cands = candidates(problem, budget_bytes, swap=swap, recompute=recompute)
+    n = problem.n_ops
+    pinned: dict[int, int] = {}
+    for c in cands:  # the boundaries that make a gap expressible: after e, before b
+        pinned[c.evict_op + 1] = max(pinned.get(c.evict_op + 1, 0), c.size_bytes)
+        pinned[c.back_op] = max(pinned.get(c.back_op, 0), c.size_bytes)
+    stages = coarsen(problem.durations_ns.tolist(), problem.live_bytes.tolist(),
+                     max_stages=min(max_stages, max(n, 1)), pinned=pinned)
+    by_key = {c.key: c for c in cands}
+    notes: list[str] = []
+    hint = None
+    if warm_start and cands:
+        hint = _warm_start(problem, budget_bytes, by_key,
+                           warm_start if isinstance(warm_start, str) else "capuchin", notes)
+
+    def evaluate(ch):
+        return simulated_extra_ns(problem, budget_bytes, to_decisions(problem, by_key, ch))
+
+    if cands:
+        res = solve(problem, budget_bytes, stages, cands, evaluate=evaluate, warm_start=hint,
+                    time_limit_s=max(0.1, time_limit_s - (time.perf_counter() - t0)),
+                    workers=workers, seed=seed)
+    else:
+        res = IlpResult({}, "OPTIMAL" if problem.peak_bytes <= budget_bytes else "INFEASIBLE",
+                        0, 0, 0 if problem.peak_bytes <= budget_bytes else None, 0.0, 0, 0, 0)
+    out = IlpDecisions(to_decisions(problem, by_key, res.choices))
+    out.result = res
+    out.parameters = {
+        "status": res.status, "optimality_gap": res.optimality_gap,
+        "ilp_objective_ns": res.bound_ns, "simulated_extra_ns": res.best_ns,
+        "solve_time_s": round(time.perf_counter() - t0, 4), "stages": len(stages),
+        "op_level": stages.is_op_level, "candidates": len(cands), "variables": res.variables,
+        "constraints": res.constraints, "rounds": res.rounds, "time_limit_s": time_limit_s,
+        "notes": list(notes) + list(res.notes)}
+    return out
+
+
+def _warm_start(problem: Problem, budget_bytes: int, by_key: Mapping[Key, Candidate],
+                policy: str, notes: list[str]) -> dict[Key, Choice] | None:
+    from ..registry import UnknownPolicyError, get_policy
+
+    try:
+        fn = get_policy(policy)
+    except UnknownPolicyError:
+        notes.append(f"no warm start: policy {policy!r} is not registered")
+        return None
+    try:
+        ds = fn(problem, budget_bytes)
+    except Exception as exc:  # noqa: BLE001 - a warm start is optional
+        notes.append(f"no warm start: policy {policy!r} failed ({type(exc).__name__}: {exc})")
+        return None
+    hint = {}
+    for d in ds:
+        k = (d.storage_id, d.evict_op)
+        if k in by_key:
+            hint[k] = Choice.SWAP if d.method == Method.SWAP else Choice.RECOMPUTE
+    return hint
