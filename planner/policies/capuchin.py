@@ -96,9 +96,11 @@ def _plan(problem: Problem, budget: int, mode: str, max_rounds: int, collective:
                 sim = simulate(problem, decisions)
             else:
                 raise
+        if sim.peak_bytes <= budget:
+            return _prune(problem, decisions, sim, budget)
         if best is None or sim.peak_bytes < best[0]:
             best = (sim.peak_bytes, decisions)
-        if sim.peak_bytes <= budget or not added:
+        if not added:
             break
         excess = sim.op_peak_bytes.astype(np.int64) - budget
         timer = _timer_from(problem, sim, decisions, excess > 0)
@@ -245,3 +247,35 @@ def _finish(problem: Problem, decisions: list[Decision], excess: np.ndarray,
                              keep=tuple(keep))
         out.append(d)
     return sorted(out, key=lambda d: (d.evict_op, d.storage_id))
+
+
+def _prune(problem: Problem, decisions: list[Decision], sim, budget: int) -> list[Decision]:
+    """Drop decisions that cost time but are no longer needed for the budget.
+
+    Greedy selection over-evicts: a recomputation picked for its MSPS can be made redundant by a
+    later, larger one. Removing decision d puts its bytes back on ops evict_op+1..back_op-1 (a
+    conservative estimate); the costliest are tried first, and the pruned plan is kept only if
+    the simulator confirms it still fits.
+    """
+    cost = {d.storage_id: o.stall_ns + o.recompute_ns
+            for d, o in zip(decisions, sim.outcomes, strict=True)}
+    peak = sim.op_peak_bytes.astype(np.int64).copy()
+    removed: set[str] = set()
+    for d in sorted(decisions, key=lambda d: -cost[d.storage_id]):
+        if cost[d.storage_id] <= 0:
+            break
+        lo, hi = d.evict_op + 1, d.back_op
+        if hi > lo and peak[lo:hi].max() + d.size_bytes > budget:
+            continue
+        peak[lo:hi] += d.size_bytes
+        removed.add(d.storage_id)
+    if not removed:
+        return decisions
+    kept = [d for d in decisions if d.storage_id not in removed]
+    try:
+        pruned = _finish(problem, kept, peak - budget, collective=True)
+        if simulate(problem, pruned).peak_bytes <= budget:
+            return pruned
+    except PlanError:
+        pass
+    return decisions
