@@ -187,6 +187,33 @@ def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: fl
 
 # ---- runtime (issue 5) ----------------------------------------------------------------------
 # CLI-RUN-BEGIN
+@main.command(context_settings={"ignore_unknown_options": True,
+                                "allow_interspersed_args": False})
+@click.option("--plan", "plan", type=click.Path(dir_okay=False), default=None,
+              help="Plan file (capuchin plan). Without it, --budget runs in passive mode.")
+@click.option("--budget", default=None, metavar="SIZE",
+              help="Budget in bytes or 8G / 512MiB (default: the plan's).")
+@click.option("--report", "report", type=click.Path(dir_okay=False), default=None,
+              help="Write the per-iteration JSON report there.")
+@click.option("--force", is_flag=True, help="Overwrite an existing report.")
+@click.option("--no-measure", is_flag=True,
+              help="Do not measure peaks with the profiler (faster on CPU).")
+@click.argument("script", type=click.Path(dir_okay=False))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+@_errors_to_exit
+def run(plan, budget, report, force, no_measure, script, script_args):
+    """Run SCRIPT [SCRIPT_ARGS]... to its end, unmodified, enforcing the plan; print a summary."""
+    from .planner.budget import parse_budget
+    from .runtime.launch import run_script
+
+    budget_bytes = parse_budget(budget) if budget is not None else None
+    if plan is None and budget_bytes is None:
+        raise click.UsageError("give --plan PLAN (or --budget SIZE for passive mode)")
+    rep = run_script(script, list(script_args), plan=plan, budget_bytes=budget_bytes,
+                     report_path=report, force=force, measure_memory=not no_measure)
+    click.echo(rep.summary())
+    if report:
+        click.echo(f"wrote {report}")
 # CLI-RUN-END
 
 

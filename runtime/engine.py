@@ -76,6 +76,8 @@ class Runtime:
         self.passive_enabled = passive
         self.measure_memory = measure_memory
         self.report_path = report_path
+        # CAPUCHIN_VERIFY=1: keep a copy of every evicted storage and check it comes back equal
+        self.verify = os.environ.get("CAPUCHIN_VERIFY", "") not in ("", "0")
         self.bandwidth_h2d_bytes_per_s = (plan.provenance.bandwidth_h2d_bytes_per_s
                                           if plan else 12e9)
         # iteration 0 runs everything before the first step (model creation, optimizer state

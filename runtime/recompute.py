@@ -35,6 +35,9 @@ from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_in
 from .state import fill_from, storage_key, writes
 
 
+_NAME_ATTR = "_capuchin_replay_name"
+
+
 class _Slot:
     """A recorded tensor argument: where it lives and how it is viewed."""
 
@@ -131,15 +134,16 @@ def _run_with_rng(rec: Record, args, kwargs):
 class RecomputeEngine:
     """Holds this iteration's records and replays decisions.
 
-    ``names``: storage key -> storage id for the storages recorded ops allocated this iteration
-    (filled by ``record``); ``ensure_resident(storage)`` is the tracker's on-demand restore, used
+    Storages that recorded ops allocated are named on the storage object itself (attribute
+    ``_NAME_ATTR`` = (epoch, id)): a dict keyed by address would hand a dead storage's name to the
+    next storage the allocator puts at the same place (a wrong replay, seen on the transformer); ``ensure_resident(storage)`` is the tracker's on-demand restore, used
     for sources that are themselves evicted; ``may_keep(nbytes)`` says whether memory allows
     keeping an extra regenerated storage (collective recomputation).
     """
 
     def __init__(self, ensure_resident: Callable, may_keep: Callable[[int], bool]):
         self.records: dict[int, Record] = {}
-        self.names: dict[int, str] = {}
+        self.epoch = 0
         self.ensure_resident = ensure_resident
         self.may_keep = may_keep
         self.stats = None
@@ -147,17 +151,17 @@ class RecomputeEngine:
 
     def reset(self) -> None:
         self.records.clear()
-        self.names.clear()
+        self.epoch += 1
 
     # ---- recording ----------------------------------------------------------------------------
     def record(self, k: int, func, args: tuple, kwargs: dict, flat: list, written: tuple,
                seeded: bool) -> Record:
         """Record op ``k`` before it runs (RNG state is captured now)."""
-        names = self.names
         slots = []
         for t in flat:
             st = t.untyped_storage()
-            sid = names.get(storage_key(st))
+            tag = getattr(st, _NAME_ATTR, None)
+            sid = tag[1] if tag is not None and tag[0] == self.epoch else None
             slots.append(_Slot(t, sid, pin=sid is None))
         counter = [0]
         rec = Record(k, func, _template(tuple(args), counter), _template(dict(kwargs), counter),
@@ -178,7 +182,7 @@ class RecomputeEngine:
                 rec.out_sids.append(None)
             else:
                 sid = f"{rec.op_index}:{j}"
-                self.names[key] = sid
+                setattr(t.untyped_storage(), _NAME_ATTR, (self.epoch, sid))
                 rec.out_sids.append(sid)
 
     def source_keys(self, d: Decision) -> set[int]:

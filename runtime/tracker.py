@@ -20,16 +20,22 @@ import time
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ..errors import PlanFormatError
+from ..errors import PlanFormatError, RecomputeError
 from ..planner.plan import Step
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
 from ..tracer.schema import shape_signature
 from .actions import _OUT_ID
+from .backend import byte_view
 from .state import Entry, Reason, Residency, bump_writes, resize, storage_key
 
 _EMPTY: list = []
+
+
+def _snapshot(st) -> torch.Tensor:
+    with _disable_current_modes():
+        return byte_view(st).clone()
 
 
 class TrackerMode(TorchDispatchMode):
@@ -255,6 +261,8 @@ class Executor:
                 self.stats.fallback_swaps += 1
                 self._done_with(d)
         e = Entry(sid, weakref.ref(st, self._died(key)), st.nbytes(), swap, Reason.PLANNED, d)
+        if self.rt.verify:
+            e.extra["copy"] = _snapshot(st)
         self.entries[key] = e
         self.by_sid[sid] = e
         if swap:
@@ -282,6 +290,10 @@ class Executor:
             self.restore(e)
 
     def restore(self, e: Entry, planned: bool = False, k: int | None = None) -> None:
+        with _disable_current_modes(), torch.no_grad():  # Note [Runtime-internal ops]
+            self._restore(e, planned)
+
+    def _restore(self, e: Entry, planned: bool) -> None:
         st = e.storage
         key = storage_key(st) if st is not None else None
         if e.state is Residency.RESIDENT and key not in self.entries:
@@ -299,6 +311,10 @@ class Executor:
                 x = self.by_sid.get(sid)
                 if x is not None:
                     self._forget(x)
+        if self.rt.verify and "copy" in e.extra and st is not None and not _snapshot(st).equal(
+                e.extra["copy"]):
+            raise RecomputeError(f"verify: storage {e.sid} came back with other bytes "
+                                 f"({'swap' if e.swap else 'recompute'})")
         self._forget(e)
         if e.reason is Reason.PASSIVE and key is not None:
             self.passive.restored(key, e.nbytes)
