@@ -13,7 +13,7 @@ from torch import nn
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

@@ -1,0 +1,178 @@
+"""`capuchin trace` / `capuchin show` on bad input: one-line errors, exit codes, no stray files."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+import capuchin
+from capuchin.cli import main
+
+_TRAIN = """
+import sys
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+steps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+for step in range(steps):
+    opt.zero_grad()
+    model(torch.randn(8, 16)).square().mean().backward()
+    {after_backward}
+    opt.step()
+    print("did step", step)
+{at_end}
+"""
+
+
+def _script(tmp_path, name="train.py", after_backward="pass", at_end=""):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(_TRAIN).format(after_backward=after_backward, at_end=at_end))
+    return p
+
+
+def _error_lines(result):
+    return [line for line in result.stderr.splitlines() if line.startswith("capuchin: error:")]
+
+
+def _invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_missing_script(tmp_path):
+    r = _invoke("trace", "-o", tmp_path / "o.parquet", tmp_path / "nope.py")
+    assert r.exit_code == 1
+    (line,) = _error_lines(r)
+    assert "nope.py" in line and "no such script" in line
+    assert not (tmp_path / "o.parquet").exists()
+
+
+def test_script_raising_shows_its_traceback_and_writes_nothing(tmp_path):
+    script = _script(tmp_path, after_backward="if step == 2: raise ValueError('boom at step 2')")
+    out = tmp_path / "o.parquet"
+    r = _invoke("trace", "--iterations", "3", "-o", out, script)
+    assert r.exit_code == 1
+    assert "Traceback" in r.stderr and "train.py" in r.stderr and "boom at step 2" in r.stderr
+    assert "runpy" not in r.stderr  # the script's frames, not capuchin's
+    (line,) = _error_lines(r)
+    assert "ValueError" in line and "no trace written" in line
+    assert not out.exists() and list(tmp_path.glob("*.tmp")) == []
+
+
+def test_script_that_never_steps(tmp_path):
+    script = tmp_path / "nostep.py"
+    script.write_text("import torch\nfor _ in range(3):\n"
+                      "    (torch.randn(4, 4, requires_grad=True) * 2).sum().backward()\n")
+    out = tmp_path / "o.parquet"
+    r = _invoke("trace", "-o", out, script)
+    assert r.exit_code == 1
+    (line,) = _error_lines(r)
+    assert "never called optimizer.step()" in line and "capuchin.step()" in line
+    assert not out.exists()
+
+
+def test_fewer_iterations_than_asked_writes_what_was_recorded(tmp_path):
+    script = _script(tmp_path)
+    out = tmp_path / "o.parquet"
+    r = _invoke("trace", "--iterations", "3", "--warmup", "1", "-o", out, script, "2")
+    assert r.exit_code == 0, r.output
+    assert "ended after 1 of 3" in r.stderr
+    trace = capuchin.load_trace(out)
+    assert trace.meta.iterations == [1]
+    assert trace.meta.extra["requested_iterations"] == 3
+
+
+def test_all_iterations_in_warmup_is_an_error(tmp_path):
+    script = _script(tmp_path)
+    out = tmp_path / "o.parquet"
+    r = _invoke("trace", "--warmup", "5", "-o", out, script, "2")
+    assert r.exit_code == 1
+    (line,) = _error_lines(r)
+    assert "warm-up" in line and not out.exists()
+
+
+def test_script_exit_status(tmp_path):
+    script = _script(tmp_path, at_end="sys.exit(3)")
+    r = _invoke("trace", "--iterations", "5", "-o", tmp_path / "o.parquet", script, "2")
+    assert r.exit_code == 1
+    (line,) = _error_lines(r)
+    assert "status 3" in line
+
+
+def test_script_sees_its_argv_main_and_folder(tmp_path):
+    (tmp_path / "helper_mod_for_trace.py").write_text("VALUE = 7\n")
+    script = _script(tmp_path, at_end=(
+        "import helper_mod_for_trace\n"
+        "assert __name__ == '__main__' and sys.argv[0].endswith('train.py'), sys.argv\n"
+        "assert helper_mod_for_trace.VALUE == 7\n"))
+    r = _invoke("trace", "--iterations", "1", "-o", tmp_path / "o.parquet", script, "3")
+    assert r.exit_code == 0, r.output
+
+
+def test_stopped_cleanly_after_the_recorded_iterations(tmp_path):
+    script = _script(tmp_path)
+    r = _invoke("trace", "--iterations", "2", "--warmup", "1", "-o", tmp_path / "o.parquet",
+                script, "50")
+    assert r.exit_code == 0, r.output
+    assert "did step 2" in r.stdout and "did step 4" not in r.stdout
+
+
+def test_show_corrupt_parquet(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 this is not really parquet")
+    r = _invoke("show", bad)
+    assert r.exit_code == 1
+    (line,) = _error_lines(r)
+    assert "bad.parquet" in line and "Parquet" in line
+
+
+def test_show_foreign_parquet(tmp_path):
+    foreign = tmp_path / "foreign.parquet"
+    pq.write_table(pa.table({"a": [1, 2, 3]}), foreign)
+    r = _invoke("show", foreign)
+    assert r.exit_code == 1
+    (line,) = _error_lines(r)
+    assert "foreign.parquet" in line and "not a capuchin trace" in line
+
+
+def test_show_missing_file(tmp_path):
+    r = _invoke("show", tmp_path / "missing.parquet")
+    assert r.exit_code == 1
+    (line,) = _error_lines(r)
+    assert "missing.parquet" in line
+
+
+@pytest.mark.parametrize("opt", ["--plot", "--chrome"])
+def test_show_plot_options_are_for_plans(tmp_path, opt):
+    trace = tmp_path / "t.parquet"
+    script = _script(tmp_path)
+    assert _invoke("trace", "--iterations", "1", "-o", trace, script).exit_code == 0
+    r = _invoke("show", trace, opt, tmp_path / "x.png")
+    assert r.exit_code == 1 and "apply to plans" in r.stderr
+
+
+def test_api_tracer_in_process(tmp_path):
+    """The Python API: the with-block stops the training after the recorded iterations."""
+    import torch
+
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.Adam(model.parameters())
+    done = []
+    out = tmp_path / "api.parquet"
+    with capuchin.Tracer(out, iterations=2, warmup=1, log=None):
+        for step in range(100):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            done.append(step)
+    assert len(done) == 3  # warm-up + 2 recorded; stopped at the first op of the 4th
+    t = capuchin.load_trace(out)
+    assert t.meta.iterations == [1, 2] and t.meta.regular
+    assert set(t.ops["phase"]) == {"forward", "backward", "optimizer"}
+    with pytest.raises(capuchin.CapuchinError, match="already exists"):
+        with capuchin.Tracer(out, log=None):
+            pass
