@@ -34,7 +34,6 @@ from ..planner.plan import Decision
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
 from .state import fill_from, storage_key, writes
 
-
 _NAME_ATTR = "_capuchin_replay_name"
 
 

@@ -114,7 +114,9 @@ class Executor:
                     self.pending[sid] = 1
                     for k in d.replay_ops:
                         self.op_refs[k] = self.op_refs.get(k, 0) + 1
-        if not self.guided and self.rt.passive_enabled and not self.passive.active:
+        if self.guided:
+            self.passive.active = False  # a plan applies again; divergence may restart it
+        elif self.rt.passive_enabled and not self.passive.active:
             self.passive.start(self._base_bytes())
         self._update_fast()
 

@@ -1,0 +1,265 @@
+"""The runtime on the bundled examples: bitwise-identical training under swap, recompute, hybrid and
+passive mode; divergence; foreign plans; the measured peak; the hot path. Integration tests (real
+torch training, 3 steps each) plus unit tests of the recompute rules."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+
+import pytest
+import torch
+from capuchin.cli import main
+from capuchin.errors import PlanFormatError, RecomputeError
+from capuchin.planner.build import build_plan
+from capuchin.planner.plan import Decision, Method
+from capuchin.planner.problem import Problem
+from capuchin.runtime.engine import Runtime
+from capuchin.runtime.launch import run_script
+from capuchin.runtime.testing import TRACES, hand_plan, run_example, state_mismatches
+from capuchin.tracer.reader import load_trace
+from click.testing import CliRunner
+
+EXAMPLES = ["cnn", "transformer", "mlp"]
+STEPS = ["--steps", "3"]
+
+
+@cache
+def problem(name: str) -> Problem:
+    return Problem.from_trace(load_trace(TRACES / f"{name}.trace.parquet"))
+
+
+@cache
+def reference(name: str, extra: tuple = ()) -> dict:
+    return run_example(TRACES / f"{name}.py", [*STEPS, *extra])
+
+
+def steady(rt: Runtime):
+    return [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+
+
+@pytest.mark.parametrize("method", ["swap", "recompute", "hybrid"])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_plan_trains_bitwise(name, method):
+    plan = hand_plan(problem(name), method, limit=8)
+    assert plan.records, "the hand plan evicts something"
+    rt = Runtime(plan, measure_memory=False)
+    got = run_example(TRACES / f"{name}.py", STEPS, rt)
+    assert state_mismatches(reference(name), got) == []
+    its = steady(rt)
+    assert its and not any(s.diverged for s in its), "the plan was followed in steady iterations"
+    assert all(s.evictions > 0 for s in its)
+    if method in ("swap", "hybrid"):
+        assert all(s.swapped_out_bytes > 0 and s.swapped_in_bytes > 0 for s in its)
+    if method in ("recompute", "hybrid"):
+        assert all(s.recomputed_ops > 0 for s in its)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_passive_tiny_budget_trains_bitwise(name):
+    rt = Runtime(budget_bytes=256 * 1024, measure_memory=False)
+    got = run_example(TRACES / f"{name}.py", STEPS, rt)
+    assert state_mismatches(reference(name), got) == []
+    assert sum(s.passive_evictions for s in rt.report.iterations) > 0
+    assert sum(s.swapped_in_bytes for s in rt.report.iterations) > 0
+
+
+def test_other_batch_size_is_detected_reported_and_trains():
+    plan = hand_plan(problem("cnn"), "hybrid", limit=8)
+    rt = Runtime(plan, measure_memory=False)
+    got = run_example(TRACES / "cnn.py", [*STEPS, "--batch", "8"], rt)
+    assert state_mismatches(reference("cnn", ("--batch", "8")), got) == []
+    its = steady(rt)
+    assert its and all(s.diverged for s in its)
+    assert all(s.evictions == 0 for s in its), "no planned action after the divergence"
+
+
+def test_plan_for_another_script_is_refused(tmp_path):
+    plan = hand_plan(problem("cnn"), "swap", limit=2)
+    path = plan.save(tmp_path / "cnn.plan.json")
+    with pytest.raises(PlanFormatError, match="another script"):
+        run_script(TRACES / "mlp.py", STEPS, plan=path, measure_memory=False)
+
+
+def test_cli_run_report_and_measured_peaks(tmp_path):
+    """``capuchin run`` writes the JSON report; an empty plan's measured peak matches the trace's
+    peak (both are allocator-level numbers) and a swap plan's matches its simulation."""
+    prob = problem("cnn")
+    empty, _ = build_plan(prob, [], policy="none", budget_bytes=prob.peak_bytes)
+    swap = hand_plan(prob, "swap")
+    results = {}
+    for tag, plan in (("empty", empty), ("swap", swap)):
+        p = plan.save(tmp_path / f"{tag}.json")
+        rep = tmp_path / f"{tag}.report.json"
+        r = CliRunner().invoke(main, ["run", "--plan", str(p), "--report", str(rep),
+                                      str(TRACES / "cnn.py"), *STEPS])
+        assert r.exit_code == 0, r.output
+        assert "capuchin run:" in r.output
+        doc = json.loads(rep.read_text())
+        assert doc["budget_bytes"] == plan.budget_bytes
+        keys = {"iteration", "peak_bytes", "time_s", "swapped_out_bytes", "swapped_in_bytes",
+                "recomputed_ops", "stall_s", "late_prefetches", "diverged"}
+        its = [i for i in doc["iterations"] if i["complete"] and i["iteration"] >= 1]
+        assert its and all(keys <= set(i) for i in its)
+        results[tag] = max(i["peak_bytes"] for i in its)
+    assert abs(results["empty"] - prob.peak_bytes) <= 0.10 * prob.peak_bytes
+    pred = swap.predictions.predicted_peak_bytes
+    assert abs(results["swap"] - pred) <= 0.10 * pred
+    assert results["swap"] < results["empty"]
+
+
+def test_hot_path_takes_no_slow_op_in_a_quiet_steady_iteration():
+    prob = problem("mlp")
+    empty, _ = build_plan(prob, [], policy="none", budget_bytes=prob.peak_bytes)
+    rt = Runtime(empty, measure_memory=False)
+    calls = []
+    orig = None
+
+    class Count:
+        def __enter__(self):
+            nonlocal orig
+            rt.__enter__()
+            orig = rt.ex.slow_op
+
+            def slow(func, args, kwargs):
+                calls.append((rt.indexer.iteration, str(func)))
+                return orig(func, args, kwargs)
+
+            rt.ex.slow_op = slow
+            return self
+
+        def __exit__(self, *exc):
+            return rt.__exit__(*exc)
+
+    run_example(TRACES / "mlp.py", STEPS, Count())
+    it2 = [c for c in calls if c[0] == 2]
+    # the boundary op and the profiler markers of Optimizer.step/zero_grad only
+    assert len(it2) <= 6, it2
+    assert steady(rt) and not any(s.diverged for s in steady(rt))
+
+
+# ---- recompute rules on single ops -------------------------------------------------------------
+
+
+def _engine():
+    from capuchin.runtime.recompute import RecomputeEngine
+    from capuchin.runtime.report import IterationStats
+
+    eng = RecomputeEngine(lambda st: None, lambda n: True)
+    eng.stats = IterationStats(iteration=0)
+    eng.reset()
+    return eng
+
+
+def _record_and_run(eng, k, func, *args, **kwargs):
+    from capuchin.runtime.recompute import record_inputs
+
+    flat, written, seeded = record_inputs(func, args, kwargs)
+    rec = eng.record(k, func, args, kwargs, flat, written, seeded)
+    out = func(*args, **kwargs)
+    eng.recorded_outputs(rec, out, {t.untyped_storage()._cdata for t in flat})
+    return out
+
+
+def _drop_and_replay(eng, d, out):
+    st = out.untyped_storage()
+    n = st.nbytes()
+    before = out.clone()
+    st.resize_(0)
+    eng.replay(d, st, n, {})
+    return before
+
+
+def test_r1_r4_inplace_chain_with_rng_replays_bitwise():
+    eng = _engine()
+    x = torch.randn(64, 64)
+    y = _record_and_run(eng, 0, torch.ops.aten.empty_like.default, x)
+    _record_and_run(eng, 1, torch.ops.aten.bernoulli_.float, y, 0.5)
+    _record_and_run(eng, 2, torch.ops.aten.div_.Scalar, y, 0.5)
+    v0 = y._version
+    d = Decision("0:0", Method.RECOMPUTE, y.untyped_storage().nbytes(), 2, 5, replay_ops=(0, 1, 2))
+    rng_before = torch.get_rng_state()
+    before = _drop_and_replay(eng, d, y)
+    assert torch.equal(y, before)
+    assert y._version == v0, "storage-level restore leaves autograd's version counter alone"
+    assert torch.equal(torch.get_rng_state(), rng_before), "the global RNG stream is undisturbed"
+    assert eng.stats.recomputed_ops == 3
+
+
+def test_r2_mutated_source_raises_instead_of_a_wrong_value():
+    from capuchin.runtime.state import bump_writes
+
+    eng = _engine()
+    x = torch.randn(32, 32)
+    y = _record_and_run(eng, 0, torch.ops.aten.mul.Tensor, x, x)
+    assert eng.check_replayable(Decision("0:0", Method.RECOMPUTE, 1, 0, 3, replay_ops=(0,))) is None
+    x.add_(1)
+    bump_writes(x.untyped_storage())  # what the tracker does for every written storage
+    d = Decision("0:0", Method.RECOMPUTE, y.untyped_storage().nbytes(), 0, 3, replay_ops=(0,))
+    assert "written" in eng.check_replayable(d)
+    with pytest.raises(RecomputeError, match="written"):
+        _drop_and_replay(eng, d, y)
+
+
+def test_r5_r6_batch_norm_replay_does_not_touch_running_stats():
+    eng = _engine()
+    x = torch.randn(8, 4, 5, 5)
+    w, b = torch.ones(4), torch.zeros(4)
+    rm, rv = torch.zeros(4), torch.ones(4)
+    out = _record_and_run(eng, 0, torch.ops.aten.native_batch_norm.default, x, w, b, rm, rv,
+                          True, 0.1, 1e-5)
+    stats = (rm.clone(), rv.clone())
+    d = Decision("0:0", Method.RECOMPUTE, out[0].untyped_storage().nbytes(), 0, 3, replay_ops=(0,))
+    before = _drop_and_replay(eng, d, out[0])
+    assert torch.equal(out[0], before)
+    assert torch.equal(rm, stats[0]) and torch.equal(rv, stats[1]), "running stats updated once"
+
+
+# ---- CUDA backend (skipped without a GPU) --------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_backend_roundtrip_streams_events_and_pinned_pool():
+    from capuchin.runtime.backend import CUDABackend
+
+    be = CUDABackend("cuda")
+    t = torch.randn(1 << 20, device="cuda")
+    want = t.clone()
+    st = t.untyped_storage()
+    n = st.nbytes()
+    buf = be.host_buffer(n)
+    assert buf.is_pinned()
+    out = be.copy_out(st, buf)
+    assert be.free_after_copy_out(st, out) and st.nbytes() == 0
+    assert torch.cuda.memory_allocated() < n + want.numel() * 4 + (1 << 20)
+    st.resize_(n)
+    cin = be.copy_in(buf, st, after=out)
+    be.wait_compute(cin)
+    assert torch.equal(t, want)
+    be.release(buf)
+    torch.cuda.synchronize()
+    assert be.host_buffer(n).data_ptr() == buf.data_ptr(), "pinned buffers are reused"
+    be.close()
+
+
+@pytest.mark.gpu
+def test_cuda_plan_trains_bitwise(tmp_path):
+    from capuchin.tracer.record import Tracer
+
+    script = TRACES / "cnn.py"
+    trace = tmp_path / "cnn.cuda.trace.parquet"
+    import runpy
+    import sys
+
+    argv = sys.argv
+    sys.argv = [str(script), "--steps", "4"]
+    try:
+        with Tracer(trace, iterations=1, warmup=1, device="cuda"):
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    plan = hand_plan(Problem.from_trace(load_trace(trace)), "hybrid", limit=8)
+    rt = Runtime(plan, measure_memory=True)
+    got = run_example(script, STEPS, rt)
+    assert state_mismatches(run_example(script, STEPS), got) == []
+    assert all(s.peak_bytes for s in steady(rt))
