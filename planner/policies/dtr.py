@@ -11,12 +11,14 @@ recomputation at its next access.
 # Score of a resident candidate ``s`` (evict the smallest; capuchin.md §4.3 and its [ext] notes on
 # ``simrd``'s h_DTR^eq):
 #     h(s) = (C(s) + sum over distinct evicted-neighbourhood sets N of value(N)) / (M(s) * L(s))
-# ``C(s)``: the time to replay ``s`` (its producer and the in-place writes applied since, ns);
-# ``M(s)``: its size in bytes; ``L(s)``: staleness, ns since its last access on the simulated
-# clock. Evicted storages are grouped by a union-find: evicting ``s`` creates a set of value C(s)
-# merged with the sets of its evicted neighbours (the storages its replay reads, and the
-# storages whose replay reads it); rematerializing ``s`` subtracts C(s) from its set's value
-# (sets never split: the approximation DTR accepts). Optimizations from the DTR slides: only a
+# ``C(s)``: the time to replay ``s`` for its next access with everything alive resident (its
+# producer, the in-place writes applied since, and any source the baseline has already freed,
+# regenerated on the way: DTR keeps such tensors as recomputable thunks and would pay for them
+# too), ns; ``M(s)``: its size in bytes; ``L(s)``: staleness, ns since its last access on the
+# simulated clock. Evicted storages are grouped by a union-find: evicting ``s`` creates a set of
+# value c(s) (its own producer and writes) merged with the sets of its evicted neighbours (the
+# storages its replay reads, and the storages whose replay reads it); rematerializing ``s``
+# subtracts c(s) from its set's value (sets never split: the approximation DTR accepts). Optimizations from the DTR slides: only a
 # random sample of ``ceil(sqrt(n))`` of the ``n`` candidates is scored (fixed seed, so a plan is
 # reproducible), and storages smaller than 0.01 x the mean evictable size are never evicted.
 #
@@ -27,7 +29,10 @@ recomputation at its next access.
 # regenerate for that access (planner/lineage.py) are candidates; rematerialization replays what
 # the builder will replay (dead sources regenerated on the way, dropped ones kept: collective
 # recomputation), so DTR's own bookkeeping and the simulator agree closely, though not exactly
-# (the simulator is the judge of the plan).
+# (the simulator is the judge of the plan; see Note [DTR calibration]). What a plan cannot say:
+# that a tensor the baseline freed, regenerated as a source, stays for later replays; so a chain
+# through freed tensors is replayed again at each access that needs it, where DTR would keep the
+# regenerated tensors. At low budgets this makes this DTR much slower than the real one.
 """
 
 from __future__ import annotations
