@@ -17,6 +17,7 @@ import os
 import platform
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,7 +93,8 @@ class _Iteration:
         self.residents: list[tuple[str, int]] = []  # (storage id, bytes at start)
         self.kinds: dict[str, Kind] = {}  # storage id -> persistent kind seen at the step
         self.elapsed_s = 0.0
-        self.cuda_max_allocated_bytes: int | None = None
+        self.cuda_start_allocated_bytes: int | None = None  # memory_allocated() at the start
+        self.cuda_max_allocated_bytes: int | None = None  # max_memory_allocated() during it
 
 
 class Tracer:
@@ -138,6 +140,9 @@ class Tracer:
         self._cur: _Iteration | None = None
         self._done: dict[int, _Iteration] = {}
         self._params_seen: dict[int, torch.Tensor] = {}
+        # persistent kind of a storage, remembered across iterations: last iteration's gradients
+        # are resident (and often freed by zero_grad before any access) in the next one
+        self._rec_kind: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._iter_started_s = 0.0
 
     # ---- context manager ------------------------------------------------------------------
@@ -180,9 +185,11 @@ class Tracer:
             return
         if it == self.warmup:
             self._start_profiler()
-        if self.device == "cuda":  # pragma: no cover - needs a GPU
-            torch.cuda.reset_peak_memory_stats()
         self._cur = _Iteration(it)
+        if self.device == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._cur.cuda_start_allocated_bytes = torch.cuda.memory_allocated()
         self._recording = True
 
     def _on_iteration_end(self, it: int, last_op: int) -> None:
@@ -190,9 +197,14 @@ class Tracer:
         cur = self._cur
         if self._recording and cur is not None and cur.number == it:
             # names of residents first accessed during the iteration are known only now
-            cur.residents = [(self.indexer.storage_name(r), r.start_nbytes)
-                                   for r in self.indexer.residents
-                                   if r.device_type == self.device]
+            cur.residents = []
+            for r in self.indexer.residents:
+                if r.device_type == self.device:
+                    name = self.indexer.storage_name(r)
+                    cur.residents.append((name, r.start_nbytes))
+                    kind = self._rec_kind.get(r)
+                    if kind is not None:
+                        cur.kinds.setdefault(name, kind)
             cur.elapsed_s = elapsed
             if self.device == "cuda":  # pragma: no cover - needs a GPU
                 torch.cuda.synchronize()
@@ -217,7 +229,9 @@ class Tracer:
     def _on_step(self, optimizer) -> None:
         cur = self._cur
         if cur is None:
-            return
+            if self.indexer.iteration < self.warmup - 1:
+                return
+            cur = _Iteration(-1)  # the last warm-up step: only remember the kinds
         ix = self.indexer
 
         def mark(t, kind):
@@ -225,6 +239,7 @@ class Tracer:
                 rec = ix.storage_rec(t)
                 if rec is not None:
                     cur.kinds.setdefault(ix.storage_name(rec), kind)
+                    self._rec_kind.setdefault(rec, kind)
 
         params = []
         if optimizer is not None:
@@ -308,8 +323,12 @@ class Tracer:
                                  for it in self.recorded},
         }
         if self.device == "cuda":  # pragma: no cover - needs a GPU
-            extra["cuda_max_memory_allocated_bytes"] = {
-                str(it): self._done[it].cuda_max_allocated_bytes for it in self.recorded}
+            # PyTorch's own measurement of each iteration (blocks rounded to 512 bytes; includes
+            # memory no op touched, e.g. the cuBLAS workspace, so compare the rise above start)
+            extra["cuda_memory_allocated_bytes"] = {
+                str(it): {"start": self._done[it].cuda_start_allocated_bytes,
+                          "max": self._done[it].cuda_max_allocated_bytes}
+                for it in self.recorded}
         meta = TraceMeta(
             capuchin_version=__version__,
             torch_version=torch.__version__,
