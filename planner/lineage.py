@@ -7,8 +7,9 @@ policies only say *what* to drop and *when*; the shared plan builder calls it.
 # Note: [Replay chains]
 # To regenerate storage T for its back-access b, replay T's producer and every op that wrote T in
 # place up to its evicted-access (runtime rule R1). Each replayed op j reads storages; a storage x
-# is a *source* (read from memory as it is) when it is alive at b in the baseline, not evicted by
-# the plan at b, and not written in place between j and b (else the runtime refuses, rule R2).
+# is a *source* (read from memory as it is) when it is alive at b in the baseline, not dropped by
+# the plan at b (a swapped-out one is restored on demand), and not written in place between j
+# and b (else the runtime refuses, rule R2).
 # Otherwise x is regenerated too: its producer and its in-place writes before j join the replay.
 # Replayed ops run in their original order, so every reader sees the version it saw originally.
 # A storage dropped by another recompute decision and regenerated whole along the way can be
@@ -89,17 +90,16 @@ def replay_for(problem: Problem, sid: str, evict_op: int, back_op: int,
             if resident is not None:
                 ok = resident(x, j)
             else:
+                # a swapped-out source is restored on demand (a bounded wait) rather than
+                # regenerated through its whole lineage
                 ok = (xs.alive_at(back_op) and not xs.written_between(j, back_op)
-                      and (residency is None or residency.out_at(x, back_op) is None))
+                      and (residency is None
+                           or residency.out_at(x, back_op) in (None, Method.SWAP)))
             if ok:
                 sources[x] = None
                 continue
             more = chain_ops(problem, x, j - 1)
             if more is None:
-                if residency is not None and residency.out_at(x, back_op) == Method.SWAP \
-                        and xs.alive_at(back_op) and not xs.written_between(j, back_op):
-                    sources[x] = None  # restored on demand from host memory
-                    continue
                 return None
             regen[x] = j - 1
             new = [o for o in more if o not in replay]

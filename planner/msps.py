@@ -37,6 +37,7 @@ class RecomputeCandidate:
     ext_time_ns: int = 0
     version: int = 0
     replay_ops: set[int] = field(default_factory=set)
+    temp_bytes: int = 0  # replay temporaries on top of the target at the back-access
 
     @property
     def overhead_ns(self) -> int:
@@ -72,11 +73,56 @@ class MspsQueue:
         c = RecomputeCandidate(sid, self.p.storages[sid].size_bytes, evict_op, back_op,
                                set(srcs), sum(durs[j].duration_ns for j in ops),
                                replay_ops=set(ops))
+        c.temp_bytes = self._temp_bytes(c)
         self.cands[sid] = c
         for x in c.srcs:
             self.users.setdefault(x, set()).add(sid)
         self._push(c)
         return c
+
+    def _temp_bytes(self, c: RecomputeCandidate) -> int:
+        ops = self.p.ops
+        st = self.p.storages
+        made = sum(st[x].size_bytes for j in c.replay_ops for x in ops[j].allocs
+                   if x != c.storage_id)
+        return made + max((ops[j].scratch_bytes for j in c.replay_ops), default=0)
+
+    def _substitute(self, t: RecomputeCandidate, cand: RecomputeCandidate) -> None:
+        """``cand`` used ``t`` as a source but ``t`` is out at cand's back-access: start from
+        t's sources and pay t's recompute too (Algorithm 2, lines 18-21)."""
+        sid = t.storage_id
+        cand.srcs.discard(sid)
+        self.users[sid].discard(cand.storage_id)
+        for x in t.srcs:
+            if x not in cand.srcs:
+                cand.srcs.add(x)
+                self.users.setdefault(x, set()).add(cand.storage_id)
+        cand.rp_time_ns += t.rp_time_ns
+        cand.replay_ops |= t.replay_ops
+        cand.temp_bytes = self._temp_bytes(cand)
+
+    def swapped(self, sid: str, evict_op: int, back_op: int) -> None:
+        """``sid`` was chosen for swapping over (evict_op, back_op): candidates whose replay read
+        it while it is out now regenerate it instead, as with a recomputed source."""
+        t = self.cands.pop(sid, None)
+        if t is None:
+            return
+        t.evict_op, t.back_op = evict_op, back_op
+        for cid in list(self.users.get(sid, ())):
+            cand = self.cands.get(cid)
+            if cand is not None and self._out_at(t, cand.back_op):
+                self._substitute(t, cand)
+                self._push(cand)
+
+    def swap_penalty(self, sid: str, evict_op: int, back_op: int) -> int:
+        """Extra replay time that swapping ``sid`` over (evict_op, back_op) would cause to
+        recomputations already chosen that read it (ns); 0 when ``sid`` cannot be replayed."""
+        c = self.cands.get(sid)
+        if c is None:
+            return 0
+        n = sum(1 for r in self.users.get(sid, ()) if r in self.recomps
+                and evict_op < self.recomps[r].back_op <= back_op)
+        return n * c.rp_time_ns
 
     def _push(self, c: RecomputeCandidate) -> None:
         c.version += 1
@@ -122,14 +168,7 @@ class MspsQueue:
             cand = self.cands.get(cid)
             if cand is None or not self._out_at(t, cand.back_op):
                 continue
-            cand.srcs.discard(sid)
-            self.users[sid].discard(cid)
-            for x in t.srcs:
-                if x not in cand.srcs:
-                    cand.srcs.add(x)
-                    self.users.setdefault(x, set()).add(cid)
-            cand.rp_time_ns += t.rp_time_ns
-            cand.replay_ops |= t.replay_ops
+            self._substitute(t, cand)
             n_users = sum(1 for r in self.users.get(cid, ()) if r in self.recomps)
             cand.ext_time_ns = n_users * cand.rp_time_ns
             self._push(cand)

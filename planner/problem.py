@@ -13,7 +13,8 @@ tracer/schema.py), which is also what the runtime evicts.
 # ``start_ns[k] = sum(duration_ns[:k])`` (gaps between kernels are not counted, which only makes
 # swap hiding look harder). ``live_bytes[k]`` is the memory in use *while op k runs*: storages
 # resident at iteration start, plus those allocated by ops 0..k, minus those freed after ops
-# 0..k-1. The peak is ``max(live_bytes)``.
+# 0..k-1, plus op k's scratch memory (Role.SCRATCH: workspace its kernels use and release before
+# it returns). The peak is ``max(live_bytes)``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class OpInfo:
     frees: tuple[str, ...]  # storages freed right after this op
     seeded: bool = False  # draws random numbers: a replay must restore the RNG state
     signature: str = ""  # tracer.schema.shape_signature of its tensor inputs
+    scratch_bytes: int = 0  # temporary memory inside the op beyond its outputs (Role.SCRATCH)
 
     @property
     def accessed(self) -> tuple[str, ...]:
@@ -64,9 +66,10 @@ class StorageInfo:
     ``accesses``: sorted op indices touching it. ``alloc_op``: the op whose output allocated it
     (also its producer for recomputation); None when it exists at iteration start. ``free_op``:
     freed right after that op; None when still live at iteration end. ``writers``: ops writing it
-    in place, sorted. ``persistent``: parameter, gradient or optimizer state, or not both
-    allocated and freed inside the iteration. ``evictable``: transient, every access is an op, and
-    accessed at least twice (so there is a gap to evict it in).
+    in place, sorted. ``persistent``: parameter, gradient or optimizer state (the paper keeps
+    them resident); everything else is transient, including data resident at iteration start
+    and activations that outlive it. ``evictable``: transient, non-empty, and every access is an
+    op; only storages with an access gap (``gaps()``) can actually be evicted.
     """
 
     storage_id: str
@@ -78,7 +81,7 @@ class StorageInfo:
     writers: tuple[int, ...]
     persistent: bool
     evictable: bool
-    view_of: str | None = None
+    has_views: bool = False  # some access goes through a view of it (eviction is per storage)
 
     @property
     def producer_op(self) -> int | None:
@@ -278,15 +281,16 @@ def ranges_of(mask: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem:
-    role = ev[Col.ROLE].to_numpy()
-    opi = ev[Col.OP].to_numpy()
-    sid = ev[Col.STORAGE].to_numpy()
-    sbytes = ev[Col.STORAGE_BYTES].to_numpy()
-    alloc = ev[Col.ALLOC].to_numpy()
-    kind = ev[Col.KIND].to_numpy()
-    argi = ev[Col.ARG].to_numpy()
-    shapes = ev[Col.SHAPE].to_numpy()
-    view_of = ev[Col.VIEW_OF].to_numpy()
+    # plain lists: indexing numpy arrays element by element is several times slower
+    role = ev[Col.ROLE].tolist()
+    opi = ev[Col.OP].tolist()
+    sid = ev[Col.STORAGE].tolist()
+    sbytes = ev[Col.STORAGE_BYTES].tolist()
+    alloc = ev[Col.ALLOC].tolist()
+    kind = ev[Col.KIND].tolist()
+    argi = ev[Col.ARG].tolist()
+    shapes = ev[Col.SHAPE].tolist()
+    view_of = ev[Col.VIEW_OF].tolist()
 
     op_rows = ev[ev[Col.OP] >= 0].drop_duplicates(Col.OP).sort_values(Col.OP)
     n = int(op_rows[Col.OP].max()) + 1 if len(op_rows) else 0
@@ -314,64 +318,74 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
     views: dict[str, str] = {}
     r_in, r_wr, r_out, r_free, r_res = (Role.INPUT.value, Role.WRITE.value, Role.OUTPUT.value,
                                        Role.FREE.value, Role.RESIDENT.value)
-    for i in range(len(role)):
-        r, k, s = role[i], int(opi[i]), sid[i]
-        b = int(sbytes[i])
+    r_scratch = getattr(Role, "SCRATCH", None)
+    r_scratch = r_scratch.value if r_scratch is not None else None
+    scratch = [0] * n
+    freed_early: set[str] = set()
+    for r, k, s, b, al, kd, ai, shp, v in zip(role, opi, sid, sbytes, alloc, kind, argi, shapes,
+                                              view_of, strict=True):
+        if r == r_scratch:  # op-internal temporary memory, not a storage (schema Role.SCRATCH)
+            if 0 <= k < n:
+                scratch[k] = max(scratch[k], int(b))
+            continue
         if b > size.get(s, -1):
             size[s] = b
-        kd = kind[i]
-        if isinstance(kd, str) and s not in kinds:
+        if s not in kinds and isinstance(kd, str):
             kinds[s] = kd
-        v = view_of[i]
-        if isinstance(v, str) and v:
+        if v.__class__ is str and v:  # nulls arrive as None or NaN depending on the source
             views[s] = v
         if r == r_res:
             resident[s] = None
             continue
         if r == r_free:
-            if k >= 0 and s not in free_op:
+            if k < 0:  # released before the first op: not live during the iteration
+                freed_early.add(s)
+            elif k < n and s not in free_op:
                 free_op[s] = k
                 frees[k].append(s)
             continue
         acc.setdefault(s, []).append(k)
         if r == r_in or r == r_wr:
             inputs[k][s] = None
-            sig_shapes[k].append((int(argi[i]), shapes[i]))
+            sig_shapes[k].append((ai, shp))
             if r == r_wr:
                 writes[k][s] = None
                 wr.setdefault(s, []).append(k)
         elif r == r_out:
             outputs[k][s] = None
-            if alloc[i] is True or alloc[i] == 1:
-                if s not in alloc_op:
-                    alloc_op[s] = k
-                    allocs[k].append(s)
+            if al is True and s not in alloc_op:
+                alloc_op[s] = k
+                allocs[k].append(s)
     ops = []
     for k in range(n):
-        shp = [sh if sh is not None else () for _, sh in sorted(sig_shapes[k], key=lambda x: x[0])]
+        sig = sig_shapes[k]
+        if len(sig) > 1:
+            sig.sort(key=lambda x: -1 if x[0] is None else x[0])
+        shp = [sh if sh is not None else () for _, sh in sig]
         ops.append(OpInfo(k, names[k], phases[k], int(durs[k]), tuple(inputs[k]),
                           tuple(outputs[k]), tuple(writes[k]), tuple(allocs[k]),
-                          tuple(frees[k]), bool(seeded[k]), shape_signature(shp)))
+                          tuple(frees[k]), bool(seeded[k]), shape_signature(shp), scratch[k]))
     storages: dict[str, StorageInfo] = {}
     for s in dict.fromkeys([*resident, *acc]):
         a = sorted(set(acc.get(s, ())))
         kd = Kind(kinds[s]) if s in kinds and kinds[s] in Kind._value2member_map_ else Kind.OTHER
         al = alloc_op.get(s)
         fr = free_op.get(s)
-        persistent = kd in PERSISTENT_KINDS or al is None or fr is None
-        evictable = (not persistent and len(a) >= 2 and size.get(s, 0) > 0 and s not in views
+        persistent = kd in PERSISTENT_KINDS
+        # views share their base's storage; eviction is per storage, so views do not matter
+        evictable = (not persistent and len(a) >= 2 and size.get(s, 0) > 0
                      and all(k >= 0 for k in a))
         storages[s] = StorageInfo(s, size.get(s, 0), kd, al, fr, tuple(a),
                                   tuple(sorted(set(wr.get(s, ())))), persistent, evictable,
-                                  views.get(s))
-    res_bytes = sum(size[s] for s in resident)
+                                  s in views)
+    res_bytes = sum(size[s] for s in resident if s not in freed_early)
     delta = np.zeros(n + 1, dtype=np.int64)
     for s, k in alloc_op.items():
         delta[k] += size[s]
     for s, k in free_op.items():
         if k + 1 <= n:
             delta[k + 1] -= size[s]
-    live = res_bytes + np.cumsum(delta[:n])
+    live = res_bytes + np.cumsum(delta[:n]) + np.asarray(scratch, dtype=np.int64)
     d = np.asarray(durs, dtype=np.int64)
     start = np.concatenate([[0], np.cumsum(d)[:-1]]) if n else np.zeros(0, dtype=np.int64)
     meta = trace.meta

@@ -20,6 +20,7 @@ independent of the policy that made the decisions; every policy's output goes th
 #   ``replay_ops`` on the compute stream (adding their durations) with their outputs allocated;
 #   intermediates are freed after their last use in the replay, except the target and the
 #   ``keep`` storages that are out (collective recomputation, paper §5.3), which stay resident.
+# - An op's scratch memory (``OpInfo.scratch_bytes``) is taken while it runs, replays included.
 # - Sources a replay reads that are swapped out are restored on demand (the runtime does the
 #   same); sources that are dead, dropped, or written since the replayed op read them are errors.
 # - Memory events at the same instant apply frees first.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
@@ -68,11 +70,24 @@ class SimResult:
     baseline_time_ns: int
     baseline_peak_bytes: int
     outcomes: tuple[DecisionOutcome, ...]
-    memory: pd.DataFrame = field(repr=False)
     op_peak_bytes: np.ndarray = field(repr=False)
     op_start_ns: np.ndarray = field(repr=False)
     op_end_ns: np.ndarray = field(repr=False)
-    spans: pd.DataFrame = field(repr=False)
+    _memory: dict = field(repr=False)  # column arrays; DataFrames are built on first use
+    _spans: list = field(repr=False)
+
+    @cached_property
+    def memory(self) -> pd.DataFrame:
+        """One row per memory event: time_ns, live_bytes, op_index, delta_bytes, what,
+        storage_id (what: "op" marks an op's start, then "alloc"/"free")."""
+        return pd.DataFrame(self._memory)
+
+    @cached_property
+    def spans(self) -> pd.DataFrame:
+        """What ran when: stream (compute, d2h, h2d), name, start_ns, end_ns, op_index,
+        storage_id."""
+        return pd.DataFrame(self._spans, columns=["stream", "name", "start_ns", "end_ns",
+                                                  "op_index", "storage_id"])
 
     @property
     def overhead(self) -> float:
@@ -283,11 +298,17 @@ def simulate(problem: Problem, decisions: Sequence[Decision], *,
         for s in op.allocs:
             ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), cop.append(k)
             csid.append(s)
+        if op.scratch_bytes:
+            ct.append(t), cd.append(op.scratch_bytes), ck.append(_ALLOC), cop.append(k)
+            csid.append(f"~{k}")
         t_end = t + op.duration_ns
         if op.duration_ns:
             spans.append(("compute", op.name, t, t_end, k, ""))
         t = t_end
         op_end[k] = t
+        if op.scratch_bytes:
+            ct.append(t), cd.append(-op.scratch_bytes), ck.append(_FREE), cop.append(k)
+            csid.append(f"~{k}")
         for s in op.frees:
             ct.append(t), cd.append(-st[s].size_bytes), ck.append(_FREE), cop.append(k)
             csid.append(s)
@@ -316,16 +337,15 @@ def simulate(problem: Problem, decisions: Sequence[Decision], *,
     outcomes = tuple(
         DecisionOutcome(d.storage_id, d.method, int(stall[i]), int(recomp[i]), **{
             k: int(v) for k, v in info[i].items()}) for i, d in enumerate(decisions))
-    if len(memory):
-        j = int(memory["live_bytes"].to_numpy().argmax())
-        peak, peak_t = int(memory["live_bytes"].iat[j]), int(memory["time_ns"].iat[j])
-        peak_op = int(memory["op_index"].iat[j])
+    live = memory["live_bytes"]
+    if len(live):
+        j = int(live.argmax())
+        peak, peak_t = int(live[j]), int(memory["time_ns"][j])
+        peak_op = int(memory["op_index"][j])
     else:
         peak, peak_t, peak_op = problem.resident_bytes, 0, -1
-    span_df = pd.DataFrame(spans, columns=["stream", "name", "start_ns", "end_ns", "op_index",
-                                           "storage_id"])
     return SimResult(peak, peak_op, peak_t, int(t), problem.time_ns, problem.peak_bytes,
-                     outcomes, memory, op_peak, op_start, op_end, span_df)
+                     outcomes, op_peak, op_start, op_end, memory, spans)
 
 
 def _replay(problem, d: Decision, t: int, k: int, state, decisions, active,
@@ -351,7 +371,13 @@ def _replay(problem, d: Decision, t: int, k: int, state, decisions, active,
                 temps[s] = st[s].size_bytes
                 ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), cop.append(k)
                 csid.append(s)
+        if op.scratch_bytes:
+            ct.append(t), cd.append(op.scratch_bytes), ck.append(_ALLOC), cop.append(k)
+            csid.append(f"~{j}")
         t += op.duration_ns
+        if op.scratch_bytes:
+            ct.append(t), cd.append(-op.scratch_bytes), ck.append(_FREE), cop.append(k)
+            csid.append(f"~{j}")
         for s in list(temps):
             if last_use.get(s, -1) <= pos:
                 ct.append(t), cd.append(-temps.pop(s)), ck.append(_FREE), cop.append(k)
@@ -390,6 +416,6 @@ def _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid):
     op_peak = np.zeros(n, dtype=np.int64)
     if len(live):
         np.maximum.at(op_peak, op_of, live)
-    memory = pd.DataFrame({"time_ns": time, "live_bytes": live, "op_index": op_of,
+    memory = dict({"time_ns": time, "live_bytes": live, "op_index": op_of,
                            "delta_bytes": delta, "what": what, "storage_id": sid})
     return memory, op_peak

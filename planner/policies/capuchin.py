@@ -11,11 +11,20 @@ recompute-only variants. Registered as ``capuchin``, ``swap`` and ``recompute``.
 # budget, the excess is re-read from the simulated curve and another round adds decisions, until
 # it fits or nothing helps any more (then the best plan found is returned and the plan builder
 # marks it infeasible).
+#
+# Note: [Targets]
+# Greedy selection is not monotone in the budget (a larger budget can end in a costlier plan),
+# and its estimates are optimistic. So on problems of up to SEARCH_MAX_OPS ops the policy plans
+# for a fixed grid of targets (the floor, nine steps up to the peak, and three below the floor),
+# independent of the budget, and returns the cheapest of those plans whose simulated peak fits:
+# a larger budget can only choose among more plans, so it never costs more. Larger problems plan
+# for the budget itself, then aim lower while the simulated peak does not fit.
 """
 
 from __future__ import annotations
 
 import heapq
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,14 +86,66 @@ def recompute_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
     return _plan(problem, budget_bytes, "recompute", max_rounds, collective, max_replay_ops)
 
 
+SEARCH_MAX_OPS = 5000  # problems up to this size get the budget-independent target grid
+_GRID_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _plan(problem: Problem, budget: int, mode: str, max_rounds: int, collective: bool,
           max_replay_ops: int) -> list[Decision]:
+    """See Note [Targets]."""
     if problem.n_ops == 0 or problem.peak_bytes <= budget:
         return []
+    args = (mode, max_rounds, collective, max_replay_ops)
+    if problem.n_ops <= SEARCH_MAX_OPS:
+        plans = _GRID_CACHE.setdefault(problem, {}).get(args)
+        if plans is None:
+            plans = _grid_plans(problem, *args)
+            _GRID_CACHE[problem][args] = plans
+        fitting = [(t, -peak, i) for i, (ds, peak, t) in enumerate(plans) if peak <= budget]
+        if fitting:
+            return plans[min(fitting)[2]][0]
+        return min(plans, key=lambda p: p[1])[0] if plans else []
+    floor = problem.floor_bytes()
+    best: tuple[int, list[Decision]] | None = None
+    for target in dict.fromkeys([budget, (budget + floor) // 2, floor, floor * 9 // 10,
+                                 floor // 2]):
+        if target > budget or target <= 0:
+            continue
+        decisions, sim = _attempt(problem, target, *args)
+        if sim is not None and sim.peak_bytes <= budget:
+            return _prune(problem, decisions, sim, budget)
+        if sim is not None and (best is None or sim.peak_bytes < best[0]):
+            best = (sim.peak_bytes, decisions)
+    return best[1] if best else []
+
+
+def _grid_plans(problem: Problem, *args) -> list[tuple[list[Decision], int, int]]:
+    """Plans for a fixed grid of targets between the floor and the peak (and below the floor,
+    as the estimates are optimistic), each pruned against its own target:
+    ``(decisions, simulated peak, simulated time)``."""
+    floor, peak = problem.floor_bytes(), problem.peak_bytes
+    targets = [floor + (peak - floor) * i // 10 for i in range(10)]
+    targets += [floor * 9 // 10, floor * 3 // 4, floor // 2]
+    out = []
+    for t in dict.fromkeys(x for x in targets if 0 < x < peak):
+        decisions, sim = _attempt(problem, t, *args)
+        if sim is None:
+            continue
+        cap = max(t, sim.peak_bytes)
+        decisions = _prune(problem, decisions, sim, cap)
+        sim = simulate(problem, decisions)
+        out.append((decisions, sim.peak_bytes, sim.time_ns))
+    return out
+
+
+def _attempt(problem: Problem, budget: int, mode: str, max_rounds: int, collective: bool,
+             max_replay_ops: int):
+    """Rounds of selection and simulation for one target; (decisions, simulation) of the best
+    round (the first that fits)."""
     excess = problem.live_bytes.astype(np.int64) - budget
     chosen: dict[str, Decision] = {}
     timer = SwapTimer(problem, excess > 0)
-    best: tuple[int, list[Decision]] | None = None
+    best = ([], None)
     for _ in range(max_rounds):
         added = _round(problem, excess, chosen, timer, mode, max_replay_ops)
         decisions = _finish(problem, list(chosen.values()), excess, collective)
@@ -96,15 +157,13 @@ def _plan(problem: Problem, budget: int, mode: str, max_rounds: int, collective:
                 sim = simulate(problem, decisions)
             else:
                 raise
-        if sim.peak_bytes <= budget:
-            return _prune(problem, decisions, sim, budget)
-        if best is None or sim.peak_bytes < best[0]:
-            best = (sim.peak_bytes, decisions)
-        if not added:
+        if best[1] is None or sim.peak_bytes < best[1].peak_bytes:
+            best = (decisions, sim)
+        if sim.peak_bytes <= budget or not added:
             break
         excess = sim.op_peak_bytes.astype(np.int64) - budget
         timer = _timer_from(problem, sim, decisions, excess > 0)
-    return best[1] if best else []
+    return best
 
 
 def _timer_from(problem: Problem, sim, decisions: list[Decision], in_peak) -> SwapTimer:
@@ -199,23 +258,39 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
         return None
 
     def rec_useful(c) -> bool:
-        return c.storage_id not in chosen and useful(c.evict_op + 1, c.back_op - 1)
+        # with swapping available, a replay whose temporaries would push its back-access op
+        # over the budget is not worth it (recompute-only accounts for them and goes on)
+        return (c.storage_id not in chosen and useful(c.evict_op + 1, c.back_op - 1)
+                and (mode == "recompute" or excess[c.back_op] + c.temp_bytes <= 0))
 
     while excess.max() > 0:
         s = next_swap() if mode != "recompute" else None
         r = queue.peek(rec_useful) if queue is not None else None
         if s is None and r is None:
             break
-        if r is None or (s is not None and s[1].overhead_ns <= r.overhead_ns):
+        s_cost = None
+        if s is not None:
+            s_cost = s[1].overhead_ns + (queue.swap_penalty(s[0].storage_id, s[0].evict_op,
+                                                            s[0].back_op) if queue else 0)
+        if r is not None and mode == "hybrid" and (s is None or s_cost > r.overhead_ns):
+            # Algorithm 1 compares swapping and recomputing the *same* tensor: the tensor with
+            # the best MSPS is swapped instead when that costs less than its recomputation
+            rp = best_pair[r.storage_id]
+            e = timer.estimate(rp.size_bytes, rp.evict_op, rp.back_op, useful)
+            cost = e.overhead_ns + queue.swap_penalty(rp.storage_id, rp.evict_op, rp.back_op)
+            if useful(e.cover_lo, e.cover_hi) and cost <= r.overhead_ns:
+                s, s_cost = (rp, e), cost
+        if r is None or (s is not None and s_cost <= r.overhead_ns):
             p, e = s
             take_swap(p, e)
             if queue is not None:
-                queue.discard(p.storage_id)
+                queue.swapped(p.storage_id, p.evict_op, p.back_op)
         else:
             queue.select(r.storage_id)
             chosen[r.storage_id] = Decision(r.storage_id, Method.RECOMPUTE, r.size_bytes,
                                             r.evict_op, r.back_op)
             excess[r.evict_op + 1:r.back_op] -= r.size_bytes
+            excess[r.back_op] += r.temp_bytes
             added += 1
     return added
 
@@ -249,33 +324,61 @@ def _finish(problem: Problem, decisions: list[Decision], excess: np.ndarray,
     return sorted(out, key=lambda d: (d.evict_op, d.storage_id))
 
 
-def _prune(problem: Problem, decisions: list[Decision], sim, budget: int) -> list[Decision]:
+def _prune(problem: Problem, decisions: list[Decision], sim, budget: int,
+           max_exact: int = 48) -> list[Decision]:
     """Drop decisions that cost time but are no longer needed for the budget.
 
     Greedy selection over-evicts: a recomputation picked for its MSPS can be made redundant by a
-    later, larger one. Removing decision d puts its bytes back on ops evict_op+1..back_op-1 (a
-    conservative estimate); the costliest are tried first, and the pruned plan is kept only if
-    the simulator confirms it still fits.
+    later, larger one, a stalled swap by later swaps. The costliest decisions are tried first:
+    the first ``max_exact`` by re-simulating the plan without them (kept out when it still fits),
+    the rest by a conservative estimate (their bytes back on every op of their gap) confirmed by
+    one final simulation.
     """
     cost = {d.storage_id: o.stall_ns + o.recompute_ns
             for d, o in zip(decisions, sim.outcomes, strict=True)}
+    order = [d for d in sorted(decisions, key=lambda d: -cost[d.storage_id])
+             if cost[d.storage_id] > 0]
+    if not order:
+        return decisions
+    current = decisions
+    excess = sim.op_peak_bytes.astype(np.int64) - budget
+    out_of = {d.storage_id: o for d, o in zip(decisions, sim.outcomes, strict=True)}
+    for d in order[:max_exact]:
+        o = out_of[d.storage_id]
+        back = o.in_start_ns if o.in_start_ns >= 0 else o.back_ns
+        if o.freed_ns >= 0 and back > o.freed_ns:  # ops surely without it: it would add there
+            lo = int(np.searchsorted(sim.op_start_ns, o.freed_ns, side="left"))
+            hi = int(np.searchsorted(sim.op_end_ns, back, side="right"))
+            if hi > lo and excess[lo:hi].max() + d.size_bytes > 0:
+                continue
+        kept = [x for x in current if x.storage_id != d.storage_id]
+        try:
+            trial = _finish(problem, kept, excess, collective=True)
+            tsim = simulate(problem, trial)
+        except PlanError:
+            continue
+        if tsim.peak_bytes <= budget and tsim.time_ns <= sim.time_ns:
+            current, sim = trial, tsim
+            excess = sim.op_peak_bytes.astype(np.int64) - budget
+    rest = [d for d in order[max_exact:] if any(x.storage_id == d.storage_id for x in current)]
+    if not rest:
+        return current
     peak = sim.op_peak_bytes.astype(np.int64).copy()
     removed: set[str] = set()
-    for d in sorted(decisions, key=lambda d: -cost[d.storage_id]):
-        if cost[d.storage_id] <= 0:
-            break
+    for d in rest:
         lo, hi = d.evict_op + 1, d.back_op
         if hi > lo and peak[lo:hi].max() + d.size_bytes > budget:
             continue
         peak[lo:hi] += d.size_bytes
         removed.add(d.storage_id)
     if not removed:
-        return decisions
-    kept = [d for d in decisions if d.storage_id not in removed]
+        return current
+    kept = [d for d in current if d.storage_id not in removed]
     try:
         pruned = _finish(problem, kept, peak - budget, collective=True)
-        if simulate(problem, pruned).peak_bytes <= budget:
+        psim = simulate(problem, pruned)
+        if psim.peak_bytes <= budget and psim.time_ns <= sim.time_ns:
             return pruned
     except PlanError:
         pass
-    return decisions
+    return current
