@@ -28,6 +28,7 @@ independent of the policy that made the decisions; every policy's output goes th
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -191,10 +192,26 @@ def simulate(problem: Problem, decisions: Sequence[Decision], *,
     the producer or an in-place write, sources not matching what the replay reads, a source not
     alive or written since it was read, or an access to a storage that is out.
     """
-    if check:
-        check_decisions(problem, decisions)
     bw_out = float(bandwidth_d2h_bytes_per_s or problem.bandwidth_d2h_bytes_per_s)
     bw_in = float(bandwidth_h2d_bytes_per_s or problem.bandwidth_h2d_bytes_per_s)
+    # the policy's last simulation is usually asked again by the plan builder: remember a few
+    key = (tuple(decisions), bw_out, bw_in, check)
+    for ref, k, res in _MEMO:
+        if ref() is problem and k == key:
+            return res
+    if check:
+        check_decisions(problem, decisions)
+    res = _simulate(problem, decisions, bw_out, bw_in)
+    _MEMO.append((weakref.ref(problem), key, res))
+    del _MEMO[:-2]
+    return res
+
+
+_MEMO: list = []
+
+
+def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
+              bw_in: float) -> SimResult:
     n = problem.n_ops
     ops = problem.ops
     st = problem.storages
