@@ -73,7 +73,8 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
         return plan
     floor = problem.floor_bytes()
     best = smallest_feasible_budget(problem, fn, params,
-                                    start_bytes=max(sim.peak_bytes, floor, budget_bytes + 1))
+                                    start_bytes=max(sim.peak_bytes, floor, budget_bytes + 1),
+                                    steps=10 if problem.n_ops <= 20_000 else 4)
     msg = (f"{problem.trace_path or 'trace'}: budget {format_bytes(budget_bytes)} "
            f"({budget_bytes} B) cannot be met by policy {policy!r}: its plan peaks at "
            f"{format_bytes(sim.peak_bytes)}; the smallest budget it reaches is "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from capuchin.planner.budget import BudgetError, format_bytes, parse_budget, parse_rate
 
 

@@ -6,12 +6,11 @@ import json
 from dataclasses import replace
 
 import pytest
-from click.testing import CliRunner
-
 from capuchin.cli import main
 from capuchin.planner.plan import load_plan
 from capuchin.planner.synthetic import trace_from_ops, transformer_ops
 from capuchin.tracer.reader import write_trace
+from click.testing import CliRunner
 
 
 @pytest.fixture

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
-
 from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.api import make_plan
 from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
 from capuchin.planner.synthetic import random_ops, trace_from_ops
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 POLICIES = ["capuchin", "swap", "recompute"]
 import os

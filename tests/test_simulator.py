@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from capuchin.errors import PlanError
 from capuchin.planner.plan import Decision, Method
 from capuchin.planner.problem import Problem
