@@ -96,7 +96,8 @@ class Runtime:
         self.indexer = _Indexer(self, on_iteration_start=self._iteration_start,
                                 on_iteration_end=self._iteration_end)
         table = compile_plan(self.plan) if self.plan is not None else None
-        swap = SwapEngine(self.backend)
+        swap = SwapEngine(self.backend, self.plan.provenance.bandwidth_d2h_bytes_per_s
+                          if self.plan is not None else 12e9)
         passive = PassiveTracker(self.budget_bytes if self.passive_enabled else None, self.device)
         self.ex = None
         recompute = RecomputeEngine(lambda st: self.ex.ensure_resident(st),

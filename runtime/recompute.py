@@ -269,8 +269,8 @@ class RecomputeEngine:
                     env[sid] = t.untyped_storage()
             del out, args, kwargs, tensors
             self.stats.recomputed_ops += 1
-            for sid in [s for s, last in last_use.items() if last == i and s not in keep]:
-                env.pop(sid, None)  # an intermediate: free after its last use in the replay
+            for sid in [s for s in env if last_use.get(s, -1) <= i and s not in keep]:
+                env.pop(sid)  # an intermediate: free after its last use in the replay (or now)
         got = env.get(d.storage_id)
         if got is None:
             raise RecomputeError(f"recompute of {d.storage_id}: the replayed ops do not produce it")

@@ -7,6 +7,10 @@ back-access, with late-prefetch feedback (paper §4.4, §5.3). Device specifics:
 # tracker between ops; CUDA: at once, ``record_stream`` keeps the block from reuse until the copy
 # has read it). Compute synchronizes with a swap-out only when memory runs short, and then only
 # with the earliest unfinished one (``sync_earliest``, paper §5.3 "delayed synchronization").
+# The plan's memory curve assumes each copy takes ``bytes / bandwidth``; on a loaded CPU host the
+# copy thread can fall far behind and hold memory the plan counted as free. So a swap-out that is
+# ``OVERDUE_FACTOR`` times over its planned duration (plus ``OVERDUE_SLACK_S``) is treated as memory
+# running short: compute waits for it (``sync_overdue``; the wait is a counted stall).
 
 # Note: [Late prefetch feedback]
 # A prefetch still in flight at its back-access was late: the consuming op waits for it (a stall,
@@ -22,14 +26,18 @@ import time
 from .backend import DeviceBackend
 from .state import Entry, Residency, resize
 
+OVERDUE_FACTOR = 2.0
+OVERDUE_SLACK_S = 0.002
+
 
 class SwapEngine:
     """Carries out swap actions on ``Entry`` objects; counts bytes, stalls and late prefetches in
     ``stats`` (an object with ``swapped_out_bytes``, ``swapped_in_bytes``, ``stall_s``,
     ``late_prefetches`` attributes, replaced each iteration by the runtime)."""
 
-    def __init__(self, backend: DeviceBackend):
+    def __init__(self, backend: DeviceBackend, bandwidth_d2h_bytes_per_s: float = 12e9):
         self.backend = backend
+        self.bandwidth_d2h = bandwidth_d2h_bytes_per_s
         self.pending_out: collections.deque[Entry] = collections.deque()
         self.stats = None
 
@@ -43,6 +51,7 @@ class SwapEngine:
             e.buf = self.backend.host_buffer(e.nbytes)
         e.out_copy = self.backend.copy_out(st, e.buf)
         e.state = Residency.SWAPPING_OUT
+        e.extra["out_start_s"] = time.perf_counter()
         self.stats.swapped_out_bytes += e.nbytes
         if self.backend.free_after_copy_out(st, e.out_copy):
             e.state = Residency.OUT
@@ -79,6 +88,23 @@ class SwapEngine:
             q.popleft()
             e.state = Residency.OUT
             freed += e.nbytes
+        return freed
+
+    def sync_overdue(self) -> int:
+        """Wait for pending swap-outs far behind their planned duration (Note [Decoupled
+        swap-out]). Returns bytes freed."""
+        freed = 0
+        now = time.perf_counter()
+        while self.pending_out:
+            e = self.pending_out[0]
+            if e.state is not Residency.SWAPPING_OUT or e.storage is None:
+                self.pending_out.popleft()
+                continue
+            due = e.extra.get("out_start_s", now) + OVERDUE_SLACK_S \
+                + OVERDUE_FACTOR * e.nbytes / self.bandwidth_d2h
+            if now < due:
+                break
+            freed += self.sync_earliest()
         return freed
 
     def sync_earliest(self) -> int:

@@ -158,6 +158,8 @@ class Executor:
                     acts = None
         if self.swap.pending_out:
             self.swap.poll()
+            if self.swap.pending_out:
+                self.swap.sync_overdue()
         keys = _keys(flat) if (self.entries or self.passive.active or self.dependents) else None
         if self.entries:
             for key in keys:
@@ -283,6 +285,8 @@ class Executor:
                 self.by_sid.pop(e.sid, None)
                 if e.swap:
                     self.swap.discard(e)
+                elif e.decision is not None:  # never needed again: unpin its replay's sources
+                    self._done_with(e.decision)
         return cb
 
     # ---- restore ------------------------------------------------------------------------------
