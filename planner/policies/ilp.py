@@ -14,8 +14,8 @@ variables. Stages ``t`` are op ranges (planner/coarsen.py), ``D_t`` a stage's ba
   inside its gap (collective recomputation; Checkmate's ``S[t+1] <= S[t] + R[t]``). Checkmate's
   dependency ``R[t, j] <= R[t, i] + S[t, i]``: for every input ``x`` of a replayed op ``j`` that
   is not resident and unchanged at ``b`` (lineage's source rule), ``R[b, j'] >= R[b, j]`` for
-  the ops ``j'`` of ``x``'s chain; when ``x`` is resident unless evicted by candidate ``u``,
-  ``R[b, j'] >= R[b, j] + drop_u + swap_u - 1``.
+  the ops ``j'`` of ``x``'s chain; when ``x`` is resident unless dropped by candidate ``u``,
+  ``R[b, j'] >= R[b, j] + drop_u - 1`` (a swapped-out source is restored on demand).
 - Swap (per stage, as POET): ``out[v, t]``/``in[v, t]`` are the ns of ``v``'s device->host and
   host->device copies done in stage ``t``; per channel and stage, copies fit in the stage's length
   ``D_t + rc_t + st_t`` (``rc_t = sum R[b, j] dur_j`` over back-accesses ``b`` in ``t``, ``st_t``
@@ -32,10 +32,12 @@ variables. Stages ``t`` are op ranges (planner/coarsen.py), ``D_t`` a stage's ba
 # of it: for any set of candidate choices, its memory is never above the simulator's and its cost
 # never above the simulated extra time. What it leaves out, all in its own favour:
 #   - copies share a channel fractionally within a stage (the simulator runs them one at a time
-#     in issue order), and the in-copy may start at any time (the plan uses ``_trigger``'s rule);
+#     in issue order); the in-copy starts in the in-trigger's stage or later (``trigger_op``);
 #   - replay intermediates and storages kept by collective recomputation take no memory;
-#   - an op replayed for two decisions before the same op is paid once; a swapped source that
-#     cannot be replayed is restored on demand at no charge;
+#   - an op replayed for two decisions before the same op is paid once; a swapped-out source of
+#     a replay is restored on demand (lineage.replay_for) at no charge;
+#   - op durations round up and copy times down to ticks of ``tick_ns`` (the copy schedule's
+#     unit, 1/200 of the iteration by default);
 #   - memory is checked only where the baseline is over the budget.
 # Coarse stages break the relaxation the other way (a storage off the device for part of a stage
 # counts as present), so coarse optima are optima of the stage model only.
@@ -164,7 +166,7 @@ class _Model:
     """The CP-SAT model (built once, then cut by the Benders loop)."""
 
     def __init__(self, problem: Problem, stages: Stages, budget_bytes: int,
-                 cands: list[Candidate]):
+                 cands: list[Candidate], tick_ns: int = 1):
         cp_model = _import_cp_model()
         self.cp_model = cp_model
         self.problem = problem
@@ -177,7 +179,10 @@ class _Model:
         self.cands: dict[Key, Candidate] = {}
         self.by_storage: dict[str, list[Candidate]] = {}
         windows: dict[Key, tuple[int, int]] = {}  # stages entirely inside the gap
-        horizon = 4 * (problem.time_ns + sum(max(c.out_ns, 0) + max(c.in_ns, 0) for c in cands)) + 1
+        # Copy schedules are in ticks of ``q`` ns (small domains solve much faster); durations
+        # round up and copy times down, so the ticked model stays a relaxation.
+        q = self.q = max(1, int(tick_ns))
+        horizon = 4 * (problem.time_ns + sum(max(c.out_ns, 0) + max(c.in_ns, 0) for c in cands)) // q + 1
         for c in cands:
             lo, hi = st.stage_of(c.evict_op) + 1, st.stage_of(c.back_op) - 1
             if lo > hi:
@@ -213,14 +218,14 @@ class _Model:
                 m.add(self.R[(c.back_op, j)] + sum(kept) >= d)
         rc = [[] for _ in range(n_st)]  # replay terms per stage
         for (b, j), r in self.R.items():
-            rc[st.stage_of(b)].append(problem.ops[j].duration_ns * r)
+            rc[st.stage_of(b)].append(-(-problem.ops[j].duration_ns // q) * r)
 
         # -- swapping: per-stage copy time on each channel (POET) ---------------------------------
         stall_stages = sorted({st.stage_of(c.back_op) for k, c in self.cands.items()
                                if k in self.swap} | {st.stage_of(b) for (b, _j) in self.R})
         self.stall = {t: m.new_int_var(0, horizon, f"st{t}") for t in stall_stages}
         pre = [sum(rc[t]) + self.stall.get(t, 0) for t in range(n_st)]
-        length = [st.duration_ns[t] + pre[t] for t in range(n_st)]
+        length = [-(-st.duration_ns[t] // q) + pre[t] for t in range(n_st)]
         has_pre = [bool(rc[t]) or t in self.stall for t in range(n_st)]
         out_load = [[] for _ in range(n_st)]
         out_pre = [[] for _ in range(n_st)]  # out-copies of storages due back in stage t
@@ -233,11 +238,16 @@ class _Model:
             c = self.cands[k]
             lo, hi = windows[k]
             bs = st.stage_of(c.back_op)
+            c_out, c_in = c.out_ns // q, c.in_ns // q
             # the out-copy may run into the back-access's stall (the restore waits for it)
-            out_v = {t: m.new_int_var(0, c.out_ns, f"out{k}{t}") for t in range(lo, bs + 1)}
-            in_v = {t: m.new_int_var(0, c.in_ns, f"in{k}{t}") for t in range(lo, bs + 1)}
-            m.add(sum(out_v.values()) == c.out_ns * w)
-            m.add(sum(in_v.values()) == c.in_ns * w)
+            # the in-copy starts at the in-trigger at the earliest (the simulator waits further
+            # for the channel and the out-copy); before it, the in-copy variables are fixed to 0
+            ts = st.stage_of(trigger_op(problem, c, budget_bytes))
+            out_v = {t: m.new_int_var(0, c_out, f"out{k}{t}") for t in range(lo, bs + 1)}
+            in_v = {t: m.new_int_var(0, c_in if t >= ts else 0, f"in{k}{t}")
+                    for t in range(lo, bs + 1)}
+            m.add(sum(out_v.values()) == c_out * w)
+            m.add(sum(in_v.values()) == c_in * w)
             for t in range(lo, bs):
                 out_load[t].append(out_v[t])
                 in_load[t].append(in_v[t])
@@ -246,7 +256,7 @@ class _Model:
             for t in range(lo, bs + 1):  # the in-copy follows the out-copy (fractionally)
                 done_out = sum(out_v[u] for u in range(lo, t + 1))
                 started_in = sum(in_v[u] for u in range(lo, t + 1))
-                m.add(c.out_ns * started_in <= c.in_ns * done_out)
+                m.add(c_out * started_in <= c_in * done_out)
             for t in range(lo, hi + 1):
                 if t not in over:
                     continue
@@ -255,12 +265,12 @@ class _Model:
                 m.add(a <= w)
                 done = sum(out_v[u] for u in range(lo, t))
                 if has_pre[t]:  # the copy may end during t's replays and stall, before its ops
-                    p = m.new_int_var(0, c.out_ns, f"outpre{k}{t}")
+                    p = m.new_int_var(0, c_out, f"outpre{k}{t}")
                     m.add(p <= out_v[t])
                     out_abs[t].append(p)
                     done = done + p
-                m.add(done >= c.out_ns * a)
-                m.add(sum(in_v[u] for u in range(lo, t + 1)) <= c.in_ns * (1 - a))
+                m.add(done >= c_out * a)
+                m.add(sum(in_v[u] for u in range(lo, t + 1)) <= c_in * (1 - a))
         for t in range(n_st):
             if out_load[t] or out_pre[t]:
                 m.add(sum(out_load[t]) + sum(out_pre[t]) <= length[t])
@@ -288,14 +298,15 @@ class _Model:
             else:
                 self.hopeless.append(t)
         self.objective = (sum(problem.ops[j].duration_ns * r for (_b, j), r in self.R.items())
-                          + sum(self.stall.values()))
+                          + q * sum(self.stall.values()))
         m.minimize(self.objective)
 
-    def _evicters(self, x: str, b: int) -> list:
-        """drop/swap variables of the candidates that would keep ``x`` out when op ``b``'s
-        before-actions run (lineage.Residency.out_at: ``e < b <= back``)."""
-        return [v for c in self.by_storage.get(x, ()) if c.evict_op < b <= c.back_op
-                for v in (self.drop.get(c.key), self.swap.get(c.key)) if v is not None]
+    def _droppers(self, x: str, b: int) -> list:
+        """drop variables of the candidates that would keep ``x`` out when op ``b``'s
+        before-actions run (lineage.Residency.out_at: ``e < b <= back``). A swapped-out source
+        is restored on demand (lineage.replay_for), so swaps do not force a replay."""
+        return [self.drop[c.key] for c in self.by_storage.get(x, ())
+                if c.evict_op < b <= c.back_op and c.key in self.drop]
 
     def _replay(self, b: int, j: int):
         """Checkmate's R[b, j] with its dependency constraints (lineage.replay_for's rule)."""
@@ -310,14 +321,12 @@ class _Model:
                 continue  # the chain being replayed: its earlier ops come first
             xs = p.storages[x]
             base_ok = xs.alive_at(b) and not xs.written_between(j, b)
-            ev = self._evicters(x, b) if base_ok else []
+            ev = self._droppers(x, b) if base_ok else []
             if base_ok and not ev:
                 continue
             chain = chain_ops(p, x, j - 1)
-            if chain is None:
-                if not base_ok:
-                    m.add(r == 0)  # op j cannot be replayed before op b
-                # else: only swaps can evict x (no chain, no drop): restored on demand
+            if chain is None:  # x cannot be regenerated (and cannot be dropped either)
+                m.add(r == 0)  # op j cannot be replayed before op b
                 continue
             for jj in chain:
                 child = self._replay(b, jj)
@@ -363,8 +372,8 @@ Evaluator = Callable[[Mapping[Key, Choice]], "int | None"]
 
 def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candidate], *,
           time_limit_s: float = 30.0, evaluate: Evaluator | None = None,
-          warm_start: Mapping[Key, Choice] | None = None, workers: int = 2, seed: int = 0,
-          max_rounds: int = 10_000) -> IlpResult:
+          warm_start: Mapping[Key, Choice] | None = None, workers: int = 1, seed: int = 0,
+          max_rounds: int = 10_000, tick_ns: int = 1) -> IlpResult:
     """Solve the ILP within ``time_limit_s`` seconds (wall clock, the whole loop).
 
     ``evaluate(choices)`` simulates the plan made of ``choices`` and returns its extra time in ns
@@ -374,7 +383,7 @@ def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candi
     solution hint and, when ``evaluate`` accepts it, taken as the first incumbent.
     """
     t0 = time.perf_counter()
-    model = _Model(problem, stages, budget_bytes, cands)
+    model = _Model(problem, stages, budget_bytes, cands, tick_ns)
     cp_model = model.cp_model
     proto = model.m.proto
     n_vars, n_cons = len(proto.variables), len(proto.constraints)
@@ -413,6 +422,7 @@ def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candi
         solver.parameters.max_time_in_seconds = max(left, 0.05)
         solver.parameters.num_workers = workers
         solver.parameters.random_seed = seed
+        solver.parameters.linearization_level = 2  # the copy schedule is an LP: let CP-SAT see it
         code = solver.solve(model.m)
         if code == cp_model.INFEASIBLE:
             # every assignment left is over budget: the best simulated one (if any) is optimal
@@ -453,19 +463,24 @@ def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candi
                      best_ns, time.perf_counter() - t0, rounds, n_vars, n_cons, tuple(notes))
 
 
-def trigger_op(problem: Problem, c: Candidate) -> int:
-    """The in-trigger of a swap (paper §4.4 without the peak-window rule): the latest op in
-    ``(evict, back]`` starting, on the baseline timeline, early enough for the copy to end by
-    the back-access; ``evict + 1`` when none is."""
+def trigger_op(problem: Problem, c: Candidate, budget_bytes: int) -> int:
+    """The in-trigger of a swap (paper §4.4): the latest op in ``(evict, back]`` starting, on the
+    baseline timeline, early enough for the copy to end by the back-access (``evict + 1`` when
+    none is), moved after the last op of the gap whose baseline memory is over the budget (rule
+    3: never prefetch inside the peak; the copy's lateness becomes a stall instead)."""
     start = problem.start_ns
     latest = int(start[c.back_op]) - c.in_ns
     k = c.back_op
     while k > c.evict_op + 1 and int(start[k]) > latest:
         k -= 1
+    live = problem.live_bytes
+    for j in range(c.back_op - 1, k - 1, -1):
+        if live[j] > budget_bytes:
+            return j + 1
     return k
 
 
-def to_decisions(problem: Problem, cands: Mapping[Key, Candidate],
+def to_decisions(problem: Problem, budget_bytes: int, cands: Mapping[Key, Candidate],
                  choices: Mapping[Key, Choice]) -> list[Decision]:
     """The decisions of ``choices`` (recompute lineage left to the builder, planner/build.py)."""
     out = []
@@ -475,7 +490,7 @@ def to_decisions(problem: Problem, cands: Mapping[Key, Candidate],
         c = cands[k]
         if ch == Choice.SWAP:
             out.append(Decision(c.storage_id, Method.SWAP, c.size_bytes, c.evict_op, c.back_op,
-                                trigger_op=trigger_op(problem, c)))
+                                trigger_op=trigger_op(problem, c, budget_bytes)))
         else:
             out.append(Decision(c.storage_id, Method.RECOMPUTE, c.size_bytes, c.evict_op,
                                 c.back_op))
@@ -506,13 +521,15 @@ class IlpDecisions(list):
 
 
 DEFAULT_MAX_STAGES = 48
+DEFAULT_TICKS = 200  # copy schedules in 1/200ths of the iteration (see _Model)
 
 
 @register("ilp")
 def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.0,
                max_stages: int = DEFAULT_MAX_STAGES, swap: bool = True, recompute: bool = True,
-               warm_start: bool | str = True, workers: int = 2, seed: int = 0,
-               time_limit: float | None = None, **_ignored: Any) -> IlpDecisions:
+               warm_start: bool | str = True, workers: int = 1, seed: int = 0,
+               tick_ns: int | None = None, time_limit: float | None = None,
+               **_ignored: Any) -> IlpDecisions:
     """The optimal plan of the stage model: see the module docstring for the formulation.
 
     ``time_limit_s`` (alias ``time_limit``): wall-clock limit of the whole solve (s, default 30).
@@ -548,16 +565,18 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
                            warm_start if isinstance(warm_start, str) else "capuchin", notes)
 
     def evaluate(ch):
-        return simulated_extra_ns(problem, budget_bytes, to_decisions(problem, by_key, ch))
+        return simulated_extra_ns(problem, budget_bytes, to_decisions(problem, budget_bytes, by_key, ch))
 
     if cands:
+        if tick_ns is None:
+            tick_ns = max(1, problem.time_ns // DEFAULT_TICKS)
         res = solve(problem, budget_bytes, stages, cands, evaluate=evaluate, warm_start=hint,
                     time_limit_s=max(0.1, time_limit_s - (time.perf_counter() - t0)),
-                    workers=workers, seed=seed)
+                    workers=workers, seed=seed, tick_ns=tick_ns)
     else:
         res = IlpResult({}, "OPTIMAL" if problem.peak_bytes <= budget_bytes else "INFEASIBLE",
                         0, 0, 0 if problem.peak_bytes <= budget_bytes else None, 0.0, 0, 0, 0)
-    out = IlpDecisions(to_decisions(problem, by_key, res.choices))
+    out = IlpDecisions(to_decisions(problem, budget_bytes, by_key, res.choices))
     out.result = res
     out.parameters = {
         "status": res.status, "optimality_gap": res.optimality_gap,
