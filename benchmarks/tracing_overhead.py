@@ -9,9 +9,10 @@ other so that both see the same machine load:
     1-2 run the dispatch mode and the op indexer only ("indexed": what a runtime pays per op);
     recorded iterations 4-6 add the profiler with memory events, the record_function markers and
     the per-access rows ("traced"; iteration 3, where the profiler starts, is not counted).
-An iteration's time is the interval between two optimizer step post-hooks. The table shows the
-best (minimum) iteration time of each kind over all rounds: on a shared, loaded host the minimum
-estimates the intrinsic cost far better than a mean or median (other jobs only ever add time).
+An iteration's time is the interval between two optimizer step post-hooks, as wall time and as
+this process's CPU time (all its threads). The table shows the best (minimum) of each over all
+rounds: on a shared, loaded host the minimum estimates the intrinsic cost far better than a mean or
+median (other jobs only ever add time), and CPU time is less disturbed by them than wall time.
 """
 
 from __future__ import annotations
@@ -24,23 +25,26 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
-
 import capuchin
+import torch
 from capuchin.tracer.script import run_script
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ["cnn", "transformer", "mlp"]
 
 
 class _StepClock:
-    def __init__(self):
-        self.times: list[float] = []
-        self.handle = register_optimizer_step_post_hook(lambda *a: self.times.append(time.perf_counter()))
+    """Wall and process-CPU time at every optimizer step end."""
 
-    def intervals(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:])]  # [i-1] = iteration i
+    def __init__(self):
+        self.times: list[tuple[float, float]] = []
+        self.handle = register_optimizer_step_post_hook(
+            lambda *a: self.times.append((time.perf_counter(), time.process_time())))
+
+    def intervals(self) -> list[tuple[float, float]]:
+        """[i-1] = (wall s, CPU s) of iteration i."""
+        return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(self.times, self.times[1:], strict=False)]
 
     def close(self):
         self.handle.remove()
@@ -50,7 +54,7 @@ def _quiet():
     return contextlib.redirect_stdout(io.StringIO())
 
 
-def untraced(script: Path) -> list[float]:
+def untraced(script: Path) -> list[tuple[float, float]]:
     clock = _StepClock()
     try:
         with _quiet():
@@ -60,7 +64,7 @@ def untraced(script: Path) -> list[float]:
     return clock.intervals()[1:7]  # iterations 2..7
 
 
-def traced(script: Path, out: Path) -> tuple[list[float], list[float], int]:
+def traced(script: Path, out: Path) -> tuple[list, list, int]:
     clock = _StepClock()
     try:
         with _quiet(), capuchin.Tracer(out, iterations=4, warmup=3, device="cpu", force=True,
@@ -90,22 +94,25 @@ def main() -> None:
                 i, r, n_ops = traced(script, Path(tmp) / f"{name}.parquet")
                 idx += i
                 rec += r
-            b, i, r = (min(x) * 1e3 for x in (base, idx, rec))
-            rows.append((name, n_ops, b, i, r))
+            wall = [min(x[0] for x in v) * 1e3 for v in (base, idx, rec)]
+            cpu = [min(x[1] for x in v) * 1e3 for v in (base, idx, rec)]
+            rows.append((name, n_ops, *wall, *cpu))
             print(f"  {name}: done", file=sys.stderr)
-    header = ("| example | ops / iteration | untraced ms | indexed ms (ratio) | traced ms (ratio) |\n"
-              "|---|---|---|---|---|")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds, "
-          "median iteration time")
-    print(header)
-    for name, n_ops, b, i, r in rows:
-        print(f"| {name} | {n_ops} | {b:.1f} | {i:.1f} ({i / b:.2f}x) | {r:.1f} ({r / b:.2f}x) |")
+          "best iteration time in ms (ratio to untraced)")
+    print("| example | ops / iteration | untraced wall | indexed wall | traced wall "
+          "| untraced CPU | indexed CPU | traced CPU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, n_ops, bw, iw, rw, bc, ic, rc in rows:
+        print(f"| {name} | {n_ops} | {bw:.0f} | {iw:.0f} ({iw / bw:.2f}x) | {rw:.0f} ({rw / bw:.2f}x) "
+              f"| {bc:.0f} | {ic:.0f} ({ic / bc:.2f}x) | {rc:.0f} ({rc / bc:.2f}x) |")
     if args.csv:
         with open(args.csv, "w") as f:
-            f.write("example,ops_per_iteration,untraced_ms,indexed_ms,traced_ms\n")
+            f.write("example,ops_per_iteration,untraced_wall_ms,indexed_wall_ms,traced_wall_ms,"
+                    "untraced_cpu_ms,indexed_cpu_ms,traced_cpu_ms\n")
             for row in rows:
-                f.write(",".join(str(round(x, 3)) if isinstance(x, float) else str(x)
-                                 for x in row) + "\n")
+                f.write(",".join(f"{x:.3f}" if isinstance(x, float) else str(x) for x in row)
+                        + "\n")
 
 
 if __name__ == "__main__":

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import textwrap
 
+import capuchin
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
-
-import capuchin
 from capuchin.cli import main
+from click.testing import CliRunner
 
 _TRAIN = """
 import sys

@@ -3,9 +3,8 @@ the steady peak against torch.cuda.max_memory_allocated."""
 
 from __future__ import annotations
 
-import pytest
-
 import capuchin
+import pytest
 from capuchin.tracer.schema import Col
 from capuchin.tracer.summary import summarize
 

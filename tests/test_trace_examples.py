@@ -6,16 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-from click.testing import CliRunner
-
 import capuchin
+import pytest
 from capuchin.cli import main
 from capuchin.tracer.record import Tracer
 from capuchin.tracer.schema import Col, Kind, Role
 from capuchin.tracer.script import run_script
 from capuchin.tracer.summary import summarize
 from capuchin.tracer.timing import marker_name
+from click.testing import CliRunner
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 EXAMPLES = ["cnn", "transformer", "mlp"]
@@ -113,7 +112,7 @@ def test_memory_events_balance(traced):
     frees = ev[ev[Col.ROLE] == Role.FREE.value]
     assert frees[Col.STORAGE].is_unique
     last_access = trace.accesses[trace.accesses[Col.ITERATION] == 2].groupby(Col.STORAGE)[Col.OP].max()
-    for sid, k in zip(frees[Col.STORAGE], frees[Col.OP]):
+    for sid, k in zip(frees[Col.STORAGE], frees[Col.OP], strict=True):
         if sid in last_access.index:
             assert k >= last_access[sid], sid
     ops = trace.ops[trace.ops[Col.ITERATION] == 2]

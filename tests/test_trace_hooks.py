@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import collections
 
+import capuchin
 import pytest
 import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-
-import capuchin
 from capuchin.tracer.hooks import (
     OpIndexer,
     flatten_outputs,
@@ -23,6 +20,8 @@ from capuchin.tracer.hooks import (
     written_inputs,
 )
 from capuchin.tracer.schema import Phase
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class _Log(TorchDispatchMode):
@@ -161,7 +160,7 @@ def test_flattening_order_matches_pytree_and_outputs_expand_lists():
     kwargs = {"weight": c, "alpha": 2.0}
     expect = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
     got = flatten_tensors(args, kwargs)
-    assert len(got) == len(expect) and all(x is y for x, y in zip(got, expect))
+    assert len(got) == len(expect) and all(x is y for x, y in zip(got, expect, strict=True))
     outs = flatten_outputs((a, [b, c], 7))
     assert [x.numel() for x in outs] == [1, 2, 3]
 

@@ -53,7 +53,7 @@ def _measure_cpu(n: int, repeats: int) -> Bandwidth:
             best["d2h"] = min(best["d2h"], t1 - t0)
             best["h2d"] = min(best["h2d"], t2 - t1)
     return Bandwidth(n / best["d2h"], n / best["h2d"], n,
-                     "cpu: torch tensor <-> numpy-backed buffer, Tensor.copy_, best of %d" % repeats)
+                     f"cpu: torch tensor <-> numpy-backed buffer, Tensor.copy_, best of {repeats}")
 
 
 def _measure_cuda(n: int, repeats: int) -> Bandwidth:  # pragma: no cover - needs a GPU
@@ -73,4 +73,4 @@ def _measure_cuda(n: int, repeats: int) -> Bandwidth:  # pragma: no cover - need
                 if i:
                     best[direction] = min(best[direction], start.elapsed_time(end) / 1e3)
     return Bandwidth(n / best["d2h"], n / best["h2d"], n,
-                     "cuda: pinned host buffer, side stream, CUDA events, best of %d" % repeats)
+                     f"cuda: pinned host buffer, side stream, CUDA events, best of {repeats}")

@@ -202,7 +202,7 @@ def written_inputs(info: OpInfo, args: tuple, kwargs: dict, flat: list[torch.Ten
     if not info.write_args and not info.unannotated_write_args:
         return ()
     targets: list = []
-    for pos, name in zip(info.write_args, info.write_arg_names):
+    for pos, name in zip(info.write_args, info.write_arg_names, strict=True):
         _collect(args[pos] if pos < len(args) else kwargs.get(name), targets)
     if info.unannotated_write_args:
         t = info.training_arg

@@ -66,9 +66,12 @@ class _TraceMode(TorchDispatchMode):
         super().__init__()
         self.tracer = tracer
         self.indexer = tracer.indexer
+        self.pid = os.getpid()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if os.getpid() != self.pid:  # a forked DataLoader worker inherited the mode: not ours
+            return func(*args, **kwargs)
         op = self.indexer.begin_op(func, args, kwargs)
         if op is None:
             return func(*args, **kwargs)
@@ -356,11 +359,11 @@ class Tracer:
         allocated = set()
         first_role: dict[str, str] = {}
         for (_, _, _, _, _, ins, outs) in cur.ops:
-            for tid, sid, _, _, _, _, _, written, is_param in ins:
+            for _, sid, _, _, _, _, _, written, is_param in ins:
                 first_role.setdefault(sid, Role.WRITE.value if written else Role.INPUT.value)
                 if is_param:
                     kinds.setdefault(sid, Kind.PARAMETER)
-            for tid, sid, _, _, _, _, _, alloc, _ in outs:
+            for _, sid, _, _, _, _, _, alloc, _ in outs:
                 first_role.setdefault(sid, Role.OUTPUT.value)
                 if alloc:
                     allocated.add(sid)
