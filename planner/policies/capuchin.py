@@ -325,7 +325,7 @@ def _finish(problem: Problem, decisions: list[Decision], excess: np.ndarray,
 
 
 def _prune(problem: Problem, decisions: list[Decision], sim, budget: int,
-           max_exact: int = 48) -> list[Decision]:
+           max_exact: int = 24) -> list[Decision]:
     """Drop decisions that cost time but are no longer needed for the budget.
 
     Greedy selection over-evicts: a recomputation picked for its MSPS can be made redundant by a
@@ -351,11 +351,12 @@ def _prune(problem: Problem, decisions: list[Decision], sim, budget: int,
             hi = int(np.searchsorted(sim.op_end_ns, back, side="right"))
             if hi > lo and excess[lo:hi].max() + d.size_bytes > 0:
                 continue
-        kept = [x for x in current if x.storage_id != d.storage_id]
         try:
-            trial = _finish(problem, kept, excess, collective=True)
-            tsim = simulate(problem, trial)
+            trial = _without(problem, current, d)
+            tsim = simulate(problem, trial) if trial is not None else None
         except PlanError:
+            continue
+        if tsim is None:
             continue
         if tsim.peak_bytes <= budget and tsim.time_ns <= sim.time_ns:
             current, sim = trial, tsim
@@ -382,3 +383,22 @@ def _prune(problem: Problem, decisions: list[Decision], sim, budget: int,
     except PlanError:
         pass
     return current
+
+
+def _without(problem: Problem, decisions: list[Decision], gone: Decision) -> list[Decision] | None:
+    """``decisions`` minus ``gone``: the replays that regenerated its storage now read it as a
+    source instead (re-resolved, without collective keeps); the others are unchanged."""
+    sid = gone.storage_id
+    kept = [x for x in decisions if x is not gone]
+    res = Residency(kept)
+    out = []
+    for x in kept:
+        if x.method == Method.RECOMPUTE and (
+                sid in x.keep or any(sid in problem.ops[j].allocs for j in x.replay_ops)):
+            r = replay_for(problem, x.storage_id, x.evict_op, x.back_op, res)
+            if r is None:
+                return None
+            x = Decision(x.storage_id, Method.RECOMPUTE, x.size_bytes, x.evict_op, x.back_op,
+                         replay_ops=tuple(r[0]), sources=tuple(r[1]))
+        out.append(x)
+    return out
