@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import io
 import math
+import os
 import runpy
 import statistics
 import sys
@@ -92,28 +93,25 @@ class _Steps:
         return max(v for k, v in self.peaks.items() if 1 <= k < n)
 
 
-def measure(script, argv, prepare=None, context_factory=None, repeats=2):
-    """(median steady time s, steady peak bytes) of a variant."""
-    times = []
-    for _ in range(repeats):
-        with _Steps(profile=False) as s:
-            _run(script, argv, prepare, context_factory() if context_factory else None)
-        times.append(s.steady_time_s())
+def time_once(script, argv, prepare=None, context=None) -> float:
+    """Median steady iteration time (s) of one run, without the profiler."""
+    with _Steps(profile=False) as s:
+        _run(script, argv, prepare, context)
+    return s.steady_time_s()
+
+
+def peak_once(script, argv, prepare=None, context=None) -> int:
+    """Max steady-iteration peak (bytes) of one run under the profiler."""
     with _Steps(profile=True) as s:
-        _run(script, argv, prepare, context_factory() if context_factory else None)
-    return min(times), s.steady_peak()
+        _run(script, argv, prepare, context)
+    return s.steady_peak()
 
 
-def measure_runtime(script, argv, plan: Plan, repeats=2):
-    times = []
-    for _ in range(repeats):
-        with _Steps(profile=False) as s:
-            _run(script, argv, context=Runtime(plan, measure_memory=False))
-        times.append(s.steady_time_s())
+def runtime_peak(script, argv, plan: Plan):
     rt = Runtime(plan, measure_memory=True)
     _run(script, argv, context=rt)
     steady = [x for x in rt.report.iterations if x.complete and x.iteration >= 1]
-    return min(times), max(x.peak_bytes for x in steady), steady
+    return max(x.peak_bytes for x in steady), steady
 
 
 # ---- the two PyTorch baselines ---------------------------------------------------------------------
@@ -212,19 +210,33 @@ def main() -> None:
         plan = capuchin.make_plan(trace, budget=args.budget, policy="capuchin",
                                   allow_infeasible=True)
         noop, _ = build_plan(prob, [], policy="none", budget_bytes=prob.peak_bytes)
-        base_t, base_p = measure(script, argv, repeats=args.repeats)
-        cap_t, cap_p, steady = measure_runtime(script, argv, plan, args.repeats)
-        noop_t, noop_p, _ = measure_runtime(script, argv, noop, args.repeats)
-        ck_t, ck_p = measure(script, argv, prepare=_checkpointed, repeats=args.repeats)
-        soc_t, soc_p = measure(script, argv, context_factory=_save_on_cpu, repeats=args.repeats)
+        variants = {  # name -> (prepare, context factory)
+            "baseline": (None, lambda: None),
+            "capuchin": (None, lambda plan=plan: Runtime(plan, measure_memory=False)),
+            "noop": (None, lambda noop=noop: Runtime(noop, measure_memory=False)),
+            "checkpoint": (_checkpointed, lambda: None),
+            "save_on_cpu": (None, _save_on_cpu),
+        }
+        # The host is shared: interleave the variants round by round and keep each one's best.
+        best = dict.fromkeys(variants, math.inf)
+        for _ in range(args.repeats):
+            for v, (prep, ctx) in variants.items():
+                best[v] = min(best[v], time_once(script, argv, prep, ctx()))
+        base_t, cap_t, noop_t, ck_t, soc_t = (best[v] for v in variants)
+        base_p = peak_once(script, argv)
+        cap_p, steady = runtime_peak(script, argv, plan)
+        noop_p, _ = runtime_peak(script, argv, noop)
+        ck_p = peak_once(script, argv, _checkpointed)
+        soc_p = peak_once(script, argv, context=_save_on_cpu())
         pred = plan.predictions.predicted_peak_bytes
         rows.append((name, plan.budget_bytes, plan.predictions.feasible, pred, base_t, base_p,
                      cap_t, cap_p, ck_t, ck_p, soc_t, soc_p, noop_t, noop_p,
                      sum(s.stall_s for s in steady) / len(steady),
                      sum(s.late_prefetches for s in steady), any(s.diverged for s in steady)))
         print(f"{name}: done", file=sys.stderr)
-    print(f"\nbudget {args.budget} of each trace's peak; times ms/iteration (median steady, best of "
-          f"{args.repeats}); peaks MiB (allocator, max over steady iterations)\n")
+    print(f"\nbudget {args.budget} of each trace's peak; times ms/iteration (median steady "
+          f"iteration, best of {args.repeats} interleaved rounds); peaks MiB (allocator, max over "
+          f"steady iterations); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
     hdr = ("| example | budget | plan predicts | baseline | capuchin | capuchin / budget | "
            "measured / predicted | stalls, late prefetches | checkpoint sqrt(n) | save_on_cpu | "
            "no-op plan overhead |")

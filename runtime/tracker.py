@@ -160,15 +160,15 @@ class Executor:
             self.swap.poll()
             if self.swap.pending_out:
                 self.swap.sync_overdue()
+        if acts is not None:  # planned first, so a back-access is seen as planned (late check)
+            for step, sid in acts.before:
+                self._before(step, sid, k)
         keys = _keys(flat) if (self.entries or self.passive.active or self.dependents) else None
-        if self.entries:
+        if self.entries:  # on demand: nothing may read an evicted storage
             for key in keys:
                 e = self.entries.get(key)
                 if e is not None:
                     self.restore(e)
-        if acts is not None:
-            for step, sid in acts.before:
-                self._before(step, sid, k)
         written = written_inputs(info, args, kwargs, flat)
         for a in written:
             try:
