@@ -37,7 +37,7 @@ variables. Stages ``t`` are op ranges (planner/coarsen.py), ``D_t`` a stage's ba
 #   - an op replayed for two decisions before the same op is paid once; a swapped-out source of
 #     a replay is restored on demand (lineage.replay_for) at no charge;
 #   - op durations round up and copy times down to ticks of ``tick_ns`` (the copy schedule's
-#     unit, 1/200 of the iteration by default);
+#     unit, 1/100000 of the iteration by default);
 #   - memory is checked only where the baseline is over the budget.
 # Coarse stages break the relaxation the other way (a storage off the device for part of a stage
 # counts as present), so coarse optima are optima of the stage model only.
@@ -299,7 +299,10 @@ class _Model:
                 self.hopeless.append(t)
         self.objective = (sum(problem.ops[j].duration_ns * r for (_b, j), r in self.R.items())
                           + q * sum(self.stall.values()))
-        m.minimize(self.objective)
+        # ties broken towards fewer evictions (lexicographic: time first), so that the Benders
+        # loop does not spend rounds on plans with superfluous free-looking swaps
+        self.scale = len(self.drop) + len(self.swap) + 1
+        m.minimize(self.scale * self.objective + sum(self.drop.values()) + sum(self.swap.values()))
 
     def _droppers(self, x: str, b: int) -> list:
         """drop variables of the candidates that would keep ``x`` out when op ``b``'s
@@ -433,9 +436,9 @@ def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candi
             notes.append(f"CP-SAT stopped without a solution ({solver.status_name(code)})")
             break
         ch = model.read(solver)
-        objective = int(round(solver.objective_value))
+        objective = int(round(solver.objective_value)) // model.scale
         # a round's bound holds for the whole space: cuts only remove simulated assignments
-        bound = max(bound, int(solver.best_objective_bound + 1e-6))
+        bound = max(bound, int(solver.best_objective_bound + 1e-6) // model.scale)
         if evaluate is None:
             best, best_ns = ch, objective
             status = "OPTIMAL" if code == cp_model.OPTIMAL else "FEASIBLE"
@@ -521,7 +524,7 @@ class IlpDecisions(list):
 
 
 DEFAULT_MAX_STAGES = 48
-DEFAULT_TICKS = 200  # copy schedules in 1/200ths of the iteration (see _Model)
+DEFAULT_TICKS = 100_000  # copy schedules in 1/100000ths of the iteration (see _Model)
 
 
 @register("ilp")
