@@ -175,3 +175,31 @@ def test_api_tracer_in_process(tmp_path):
     with pytest.raises(capuchin.CapuchinError, match="already exists"):
         with capuchin.Tracer(out, log=None):
             pass
+
+
+def test_two_optimizers_and_accumulation_end_to_end(tmp_path):
+    """Through `capuchin trace`: two optimizers stepping together and 2-step gradient accumulation
+    make one regular iteration each, holding two forward passes and both optimizers' ops."""
+    script = tmp_path / "two.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        torch.manual_seed(0)
+        enc, head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+        o1 = torch.optim.SGD(enc.parameters(), lr=0.1, momentum=0.9)
+        o2 = torch.optim.Adam(head.parameters())
+        for step in range(6):
+            o1.zero_grad(); o2.zero_grad()
+            for micro in range(2):
+                head(enc(torch.randn(8, 16)).relu()).square().mean().backward()
+            o1.step(); o2.step()
+    """))
+    out = tmp_path / "two.parquet"
+    r = _invoke("trace", "--iterations", "2", "-o", out, script)
+    assert r.exit_code == 0, r.output
+    trace = capuchin.load_trace(out)
+    assert trace.meta.regular and trace.meta.iterations == [1, 2]
+    ops = trace.ops[trace.ops["iteration"] == 2]
+    assert (ops["op_name"] == "aten.addmm.default").sum() == 4  # 2 layers x 2 micro-batches
+    opt = ops[ops["phase"] == "optimizer"]
+    assert len(opt) and opt["op_index"].min() > ops[ops["phase"] == "backward"]["op_index"].max()
+    assert {"aten.lerp_.Scalar", "aten.mul_.Tensor"} <= set(opt["op_name"])  # Adam and SGD
