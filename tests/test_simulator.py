@@ -89,9 +89,9 @@ def test_broken_plans_raise(decision, match):
         simulate(chain(), [decision])
 
 
-def test_overlapping_decisions_on_one_storage_raise():
+def test_two_decisions_on_one_storage_raise():
     d = Decision("A", Method.SWAP, 100, 1, 6)
-    with pytest.raises(PlanError, match="overlapping"):
+    with pytest.raises(PlanError, match="one per storage"):
         simulate(chain(), [d, d])
 
 
