@@ -12,8 +12,9 @@ provenance), so no policy builds a plan by hand.
 # - Output: decisions on evictable storages (``StorageInfo.evictable``), at most one per
 #   storage (the plan format and the runtime key decisions by storage), ``evict_op``/``back_op``
 #   consecutive accesses of the storage, ``size_bytes`` the storage's size. Swap:
-#   ``trigger_op`` in (evict_op, back_op] or None (on demand). Recompute: ``replay_ops``/``sources``/``keep`` may be left empty; the builder
-#   fills them (lineage.resolve_recompute).
+#   ``trigger_op`` in (evict_op, back_op] or None (on demand). Recompute: ``replay_ops``,
+#   ``sources`` and ``keep`` may be left empty; the builder fills them
+#   (lineage.resolve_recompute).
 # - The policy should aim for a simulated peak <= budget; when it cannot, it returns its best
 #   effort and the builder marks the plan infeasible. It must not raise for a budget it cannot
 #   meet. ``[]`` is a valid answer (nothing to evict).
