@@ -53,7 +53,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...errors import CapuchinError
@@ -85,6 +85,7 @@ class Candidate:
     chain: tuple[int, ...] | None
     out_ns: int
     in_ns: int
+    trigger: int | None = None  # a fixed in-trigger (the warm start's); None: ``trigger_op``'s rule
 
     @property
     def key(self) -> Key:
@@ -185,12 +186,10 @@ class _Model:
         horizon = 4 * (problem.time_ns + sum(max(c.out_ns, 0) + max(c.in_ns, 0) for c in cands)) // q + 1
         for c in cands:
             lo, hi = st.stage_of(c.evict_op) + 1, st.stage_of(c.back_op) - 1
-            if lo > hi:
-                continue  # nothing to gain at this granularity
             k = c.key
-            if c.chain is not None:
+            if c.chain is not None:  # a drop frees ops e+1..b-1 exactly, whatever the stages
                 self.drop[k] = m.new_bool_var(f"drop{k}")
-            if c.out_ns >= 0:
+            if c.out_ns >= 0 and lo <= hi:  # a swap needs whole stages to hide its copies in
                 self.swap[k] = m.new_bool_var(f"swap{k}")
             if k in self.drop and k in self.swap:
                 m.add(self.drop[k] + self.swap[k] <= 1)
@@ -281,22 +280,28 @@ class _Model:
             if in_pre[t] and st.first_op[t] == st.last_op[t]:
                 m.add(sum(in_pre[t]) <= pre[t])  # before the op: only its replays and stall
 
-        # -- memory: one constraint per stage over the budget -------------------------------------
+        # -- memory: one constraint per op over the budget (identical ones merged) ---------------
+        # a dropped storage is off the device for ops e+1..b-1; a swapped one for the stages its
+        # ``a`` variable covers
         self.hopeless = []
-        for t in sorted(over):
-            saved = []
-            for k, (lo, hi) in windows.items():
-                if lo <= t <= hi:
-                    size = self.cands[k].size_bytes
-                    if k in self.drop:
-                        saved.append(size * self.drop[k])
-                    if (k, t) in self.absent:
-                        saved.append(size * self.absent[(k, t)])
-            need = st.peak_bytes[t] - budget_bytes
-            if saved:
-                m.add(sum(saved) >= need)
+        live = problem.live_bytes
+        rows: dict[frozenset, tuple[int, list]] = {}
+        drops = sorted(((self.cands[k].evict_op, self.cands[k].back_op, k) for k in self.drop))
+        for op in (int(x) for x in (live > budget_bytes).nonzero()[0]):
+            t = st.stage_of(op)
+            terms = [(("d", k), self.cands[k].size_bytes, self.drop[k]) for e, b, k in drops
+                     if e < op < b]
+            terms += [(("a", k), self.cands[k].size_bytes, a) for (k, tt), a in self.absent.items()
+                      if tt == t]
+            need = int(live[op]) - budget_bytes
+            key = frozenset(x[0] for x in terms)
+            if key not in rows or rows[key][0] < need:
+                rows[key] = (need, terms)
+        for need, terms in rows.values():
+            if terms:
+                m.add(sum(size * v for _n, size, v in terms) >= need)
             else:
-                self.hopeless.append(t)
+                self.hopeless.append(need)
         self.objective = (sum(problem.ops[j].duration_ns * r for (_b, j), r in self.R.items())
                           + q * sum(self.stall.values()))
         # ties broken towards fewer evictions (lexicographic: time first), so that the Benders
@@ -406,7 +411,7 @@ def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candi
         return v
 
     if model.hopeless:
-        notes.append(f"{len(model.hopeless)} stage(s) over the budget with nothing evictable")
+        notes.append("an op over the budget has nothing evictable around it")
         return IlpResult({}, "INFEASIBLE", None, 0, None, time.perf_counter() - t0, 0, n_vars,
                          n_cons, tuple(notes))
     if warm_start is not None:
@@ -471,6 +476,8 @@ def trigger_op(problem: Problem, c: Candidate, budget_bytes: int) -> int:
     baseline timeline, early enough for the copy to end by the back-access (``evict + 1`` when
     none is), moved after the last op of the gap whose baseline memory is over the budget (rule
     3: never prefetch inside the peak; the copy's lateness becomes a stall instead)."""
+    if c.trigger is not None and c.evict_op < c.trigger <= c.back_op:
+        return c.trigger
     start = problem.start_ns
     latest = int(start[c.back_op]) - c.in_ns
     k = c.back_op
@@ -560,12 +567,16 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
         pinned[c.back_op] = max(pinned.get(c.back_op, 0), c.size_bytes)
     stages = coarsen(problem.durations_ns.tolist(), problem.live_bytes.tolist(),
                      max_stages=min(max_stages, max(n, 1)), pinned=pinned)
-    by_key = {c.key: c for c in cands}
     notes: list[str] = []
     hint = None
     if warm_start and cands:
-        hint = _warm_start(problem, budget_bytes, by_key,
-                           warm_start if isinstance(warm_start, str) else "capuchin", notes)
+        hint, triggers = _warm_start(problem, budget_bytes, {c.key for c in cands},
+                                     warm_start if isinstance(warm_start, str) else "capuchin",
+                                     notes)
+        # the warm start's own in-triggers become those of its swaps, so that its plan is a
+        # point of the decision space (and the first incumbent)
+        cands = [replace(c, trigger=triggers[c.key]) if c.key in triggers else c for c in cands]
+    by_key = {c.key: c for c in cands}
 
     def evaluate(ch):
         return simulated_extra_ns(problem, budget_bytes, to_decisions(problem, budget_bytes, by_key, ch))
@@ -591,23 +602,33 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
     return out
 
 
-def _warm_start(problem: Problem, budget_bytes: int, by_key: Mapping[Key, Candidate],
-                policy: str, notes: list[str]) -> dict[Key, Choice] | None:
+def _warm_start(problem: Problem, budget_bytes: int, keys: set[Key], policy: str,
+                notes: list[str]) -> tuple[dict[Key, Choice] | None, dict[Key, int]]:
+    """``policy``'s decisions as choices over ``keys`` and the in-triggers of its swaps."""
     from ..registry import UnknownPolicyError, get_policy
 
     try:
         fn = get_policy(policy)
     except UnknownPolicyError:
         notes.append(f"no warm start: policy {policy!r} is not registered")
-        return None
+        return None, {}
     try:
         ds = fn(problem, budget_bytes)
     except Exception as exc:  # noqa: BLE001 - a warm start is optional
         notes.append(f"no warm start: policy {policy!r} failed ({type(exc).__name__}: {exc})")
-        return None
-    hint = {}
+        return None, {}
+    hint: dict[Key, Choice] = {}
+    triggers: dict[Key, int] = {}
+    outside = 0
     for d in ds:
         k = (d.storage_id, d.evict_op)
-        if k in by_key:
-            hint[k] = Choice.SWAP if d.method == Method.SWAP else Choice.RECOMPUTE
-    return hint
+        if k not in keys:
+            outside += 1  # a gap covering no op over the budget: useless to the ILP
+            continue
+        hint[k] = Choice.SWAP if d.method == Method.SWAP else Choice.RECOMPUTE
+        if d.method == Method.SWAP and d.trigger_op is not None:
+            triggers[k] = d.trigger_op
+    if outside:
+        notes.append(f"warm start: {outside} of {policy!r}'s decisions cover no op over the "
+                     f"budget and were left out")
+    return hint, triggers
