@@ -68,8 +68,9 @@ class StorageInfo:
     freed right after that op; None when still live at iteration end. ``writers``: ops writing it
     in place, sorted. ``persistent``: parameter, gradient or optimizer state (the paper keeps
     them resident); everything else is transient, including data resident at iteration start
-    and activations that outlive it. ``evictable``: transient, non-empty, and every access is an
-    op; only storages with an access gap (``gaps()``) can actually be evicted.
+    and activations that outlive it. ``evictable``: transient, non-empty, accessed at least twice,
+    and every access is an op; only storages with an access gap (``gaps()``) can actually be
+    evicted.
     """
 
     storage_id: str
