@@ -24,7 +24,7 @@ class Bandwidth:
     method: str  # how it was measured
 
 
-def measure_bandwidth(device_type: str, buffer_bytes: int = 32 << 20, repeats: int = 5) -> Bandwidth:
+def measure_bandwidth(device_type: str, buffer_bytes: int = 32 << 20, repeats: int = 10) -> Bandwidth:
     """Best of ``repeats`` timed copies of ``buffer_bytes`` in each direction (after one warm-up).
 
     Run it outside any dispatch mode: it issues torch ops of its own.

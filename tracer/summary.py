@@ -15,7 +15,8 @@ from .schema import Col, Kind, Phase, Role
 class TraceSummary:
     """Summary of the steady iteration of a trace (``meta.steady_iteration``).
 
-    start_bytes: bytes live when the iteration starts (RESIDENT rows).
+    start_bytes: bytes live when the iteration starts (RESIDENT rows); start_bytes_by_kind splits
+        them by ``Kind`` (parameters, gradients, optimizer state, ...).
     peak_bytes: maximum bytes live while an op of the iteration runs, everything included
         (``Trace.memory.op_peak_bytes``: its scratch memory too).
     peak_op_index / peak_op_name / peak_phase: the op during which that maximum is reached.
@@ -38,6 +39,7 @@ class TraceSummary:
     tensors: int
     storages: int
     start_bytes: int
+    start_bytes_by_kind: dict[str, int]
     peak_bytes: int
     peak_op_index: int
     peak_op_name: str
@@ -80,7 +82,10 @@ def summarize(trace: Trace, iteration: int | None = None) -> TraceSummary:
     ops = trace.ops[trace.ops[Col.ITERATION] == it]
     by_phase = {p.value: int((ops[Col.PHASE] == p.value).sum()) for p in Phase}
     acc = ev[ev[Col.ROLE].isin([Role.INPUT.value, Role.WRITE.value, Role.OUTPUT.value])]
-    start = int(ev.loc[ev[Col.ROLE] == Role.RESIDENT.value, Col.STORAGE_BYTES].sum())
+    resident = ev[ev[Col.ROLE] == Role.RESIDENT.value]
+    start = int(resident[Col.STORAGE_BYTES].sum())
+    by_kind = {str(k): int(v) for k, v in
+               resident.groupby(Col.KIND)[Col.STORAGE_BYTES].sum().items() if v}
     mem = trace.memory[trace.memory[Col.ITERATION] == it]
     if len(mem):
         top = mem.loc[mem["op_peak_bytes"].idxmax()]
@@ -107,6 +112,7 @@ def summarize(trace: Trace, iteration: int | None = None) -> TraceSummary:
         tensors=int(acc[Col.TENSOR].nunique()),
         storages=int(ev.loc[ev[Col.ROLE] != Role.SCRATCH.value, Col.STORAGE].nunique()),
         start_bytes=start,
+        start_bytes_by_kind=by_kind,
         peak_bytes=peak,
         peak_op_index=peak_op,
         peak_op_name=peak_name,
@@ -151,7 +157,9 @@ def format_summary(s: TraceSummary) -> str:
     lines += [
         f"ops        {s.ops_per_iteration} per iteration ({phases})",
         f"tensors    {s.tensors} tensors in {s.storages} storages",
-        f"memory     {_mb(s.start_bytes)} live at iteration start",
+        f"memory     {_mb(s.start_bytes)} live at iteration start ("
+        + ", ".join(f"{k} {_mb(v)}" for k, v in sorted(s.start_bytes_by_kind.items(),
+                                                         key=lambda kv: -kv[1])) + ")",
         f"           peak {_mb(s.peak_bytes)} during op {s.peak_op_index} {s.peak_op_name} "
         f"({s.peak_phase}); activations at the peak {_mb(s.activation_bytes_at_peak)}",
         f"           allocated inside the iteration: peak {_mb(s.transient_peak_bytes)}"
