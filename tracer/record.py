@@ -171,6 +171,7 @@ class Tracer:
         finally:
             self.indexer.uninstall()
             self._stop_profiler()
+        self._params_seen.clear()  # do not keep the script's parameters alive
         if exc_type is not None and not stopped:
             return False  # the script failed: nothing is written
         self._write()
