@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The main job on a bundled example: set up, trace -> plan at 50% of the peak -> run under the plan,
 # then print the baseline vs managed peak (PyTorch's allocator accounting) and time per iteration.
-#   bash scripts/example.sh [cnn|transformer|mlp]        (default: cnn; outputs in ./example-out/)
+#   bash scripts/example.sh [transformer|cnn|mlp]   (default: transformer; outputs in ./out/example/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-NAME="${1:-cnn}"
-OUT="example-out"
+NAME="${1:-transformer}"
+OUT="out/example"
 mkdir -p "$OUT"
 SCRIPT="traces/$NAME.py"
 STEPS=5
