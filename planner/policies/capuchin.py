@@ -390,11 +390,11 @@ def _without(problem: Problem, decisions: list[Decision], gone: Decision) -> lis
     source instead (re-resolved, without collective keeps); the others are unchanged."""
     sid = gone.storage_id
     kept = [x for x in decisions if x is not gone]
+    producer = problem.storages[sid].alloc_op
     res = Residency(kept)
     out = []
     for x in kept:
-        if x.method == Method.RECOMPUTE and (
-                sid in x.keep or any(sid in problem.ops[j].allocs for j in x.replay_ops)):
+        if x.method == Method.RECOMPUTE and (sid in x.keep or producer in x.replay_ops):
             r = replay_for(problem, x.storage_id, x.evict_op, x.back_op, res)
             if r is None:
                 return None
