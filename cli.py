@@ -175,7 +175,12 @@ def import_dtr_cmd(log: str, output: str | None, bandwidth: str | None, force: b
 @_errors_to_exit
 def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: float | None,
                 no_search: bool, as_json: bool) -> None:
-    """Run every policy on TRACE at each budget through the one simulator; print a table."""
+    """Run every policy on TRACE at each budget through the one simulator; print a table.
+
+    Per policy and budget: feasible, predicted peak, overhead, bytes swapped, ops recomputed,
+    solve time (and the ILP's status and optimality gap). Then each policy's smallest feasible
+    budget, found by bisection between the trace's floor (what must stay resident) and its peak.
+    """
     from .planner.compare import compare_policies, format_comparison, records_to_json
 
     result = compare_policies(

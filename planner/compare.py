@@ -212,7 +212,8 @@ def format_comparison(result: Comparison) -> str:
             smallest[r.policy] = r.smallest_feasible_bytes
     if smallest:
         lines.append("")
-        lines.append("smallest feasible budget (bisection, see `capuchin compare --help`):")
+        lines.append("smallest feasible budget (bisection between the floor and the peak, to 0.5% "
+                     "of the peak; an upper bound if a policy is not monotone in the budget):")
         lines += _table(["policy", "smallest budget", "of peak"],
                         [[p, format_bytes(b), _pct(b, peak)] for p, b in smallest.items()])
     return "\n".join(lines)
