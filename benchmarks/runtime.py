@@ -190,6 +190,23 @@ def _add_plan(n: int) -> Plan:
     return Plan(prov, Predictions(0, 0, 0, 0), [], [["aten.add.Tensor", "16;16"]] * n)
 
 
+def _steady_malloc() -> None:
+    """Fix glibc's mmap and trim thresholds. By default glibc maps large blocks with mmap and its
+    threshold moves with the free pattern, so one variant's tensors are mapped, unmapped and
+    page-faulted again every iteration while another's come from the heap: on this host that alone
+    changed the same CNN iteration from ~25 ms to ~100 ms. Fixed thresholds give every variant the
+    same allocator behaviour."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, 32 * MIB)  # M_MMAP_THRESHOLD (the largest allowed)
+        libc.mallopt(-1, 1 << 31)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 # ---- main ------------------------------------------------------------------------------------------
 
 
@@ -199,8 +216,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--examples", default="cnn,transformer,mlp")
     ap.add_argument("--budget", default="50%")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads (default 1: on an oversubscribed host, 2 OpenMP threads "
+                         "made the same iteration 1x-10x slower from one run to the next)")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="keep glibc's dynamic mmap threshold (see _steady_malloc)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
+    if not args.default_malloc:
+        _steady_malloc()
     argv = ["--steps", str(args.steps)]
     rows = []
     for name in args.examples.split(","):
@@ -236,7 +260,9 @@ def main() -> None:
         print(f"{name}: done", file=sys.stderr)
     print(f"\nbudget {args.budget} of each trace's peak; times ms/iteration (median steady "
           f"iteration, best of {args.repeats} interleaved rounds); peaks MiB (allocator, max over "
-          f"steady iterations); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
+          f"steady iterations); {args.threads} intra-op thread(s); "
+          f"{'default' if args.default_malloc else 'fixed'} malloc thresholds; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
     hdr = ("| example | budget | plan predicts | baseline | capuchin | capuchin / budget | "
            "measured / predicted | stalls, late prefetches | checkpoint sqrt(n) | save_on_cpu | "
            "no-op plan overhead |")

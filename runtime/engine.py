@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -123,6 +122,9 @@ class Runtime:
                 self._cur.complete = False
                 self._iteration_end(self._cur.iteration, self.indexer.op_index)
             self.ex.restore_all()
+        except Exception:
+            if exc_type is None:
+                raise  # otherwise the script's own error is the one to report
         finally:
             self.ex.mode.__exit__(exc_type, exc, tb)
             self.indexer.uninstall()
@@ -169,7 +171,3 @@ class Runtime:
         if alloc is None:
             return True  # CPU: the plan's simulation decided the keep set fits
         return alloc + nbytes <= self.budget_bytes
-
-
-def run_report_path(path: str | os.PathLike | None) -> Path | None:
-    return Path(path) if path is not None else None
