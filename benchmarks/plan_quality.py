@@ -61,11 +61,26 @@ def main(argv=None) -> int:
     ap.add_argument("--dtr-zip", type=Path, default=DTR_ZIP)
     ap.add_argument("--policies", default=None, help="comma-separated (default: all registered)")
     ap.add_argument("--ilp-time-limit", type=float, default=10.0, help="seconds per ILP solve")
-    ap.add_argument("--ilp-max-ops", type=int, default=3000,
-                    help="skip the ILP on traces with more ops (default 3000)")
-    ap.add_argument("--tolerance", type=float, default=0.01,
-                    help="smallest-budget bisection step, fraction of the peak (default 0.01)")
-    ap.add_argument("--csv", type=Path, default=ROOT / "benchmarks" / "results" / "plan_quality.csv")
+    ap.add_argument(
+        "--ilp-max-ops",
+        type=int,
+        default=3000,
+        help="skip the ILP on traces with more ops (default 3000)",
+    )
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.01,
+        help="smallest-budget bisection step, fraction of the peak (default 0.01)",
+    )
+    ap.add_argument(
+        "--no-search",
+        action="store_true",
+        help="skip the smallest-feasible-budget search (much faster)",
+    )
+    ap.add_argument(
+        "--csv", type=Path, default=ROOT / "benchmarks" / "results" / "plan_quality.csv"
+    )
     args = ap.parse_args(argv)
 
     from capuchin.planner.budget import format_bytes
@@ -81,9 +96,12 @@ def main(argv=None) -> int:
         for name, path in _traces(args, Path(tmp)):
             problem = Problem.from_trace(load_trace(path))
             peak, floor = problem.peak_bytes, problem.floor_bytes()
-            print(f"\n== {name}: {problem.n_ops} ops, peak {format_bytes(peak)}, floor "
-                  f"{format_bytes(floor)} ({floor / peak:.0%}), iteration "
-                  f"{problem.time_ns / 1e6:.1f} ms", flush=True)
+            print(
+                f"\n== {name}: {problem.n_ops} ops, peak {format_bytes(peak)}, floor "
+                f"{format_bytes(floor)} ({floor / peak:.0%}), iteration "
+                f"{problem.time_ns / 1e6:.1f} ms",
+                flush=True,
+            )
             for policy in policies:
                 params = {}
                 skipped = ""
@@ -95,44 +113,72 @@ def main(argv=None) -> int:
                 recs = []
                 if not skipped:
                     recs = [evaluate(problem, policy, int(peak * f), params)[0] for f in FRACTIONS]
-                    smallest = smallest_feasible_budget(problem, policy, params=params,
-                                                        tolerance=args.tolerance, known=recs)
+                    smallest = (
+                        None
+                        if args.no_search
+                        else smallest_feasible_budget(
+                            problem, policy, params=params, tolerance=args.tolerance, known=recs
+                        )
+                    )
                 for i, f in enumerate(FRACTIONS):
                     r = recs[i] if recs else None
-                    rows.append({
-                        "trace": name, "ops": problem.n_ops, "peak_bytes": peak,
-                        "floor_bytes": floor, "policy": policy, "budget_frac": f,
-                        "budget_bytes": int(peak * f),
-                        "feasible": r.feasible if r else "",
-                        "predicted_peak_bytes": r.predicted_peak_bytes if r else "",
-                        "predicted_overhead": (round(r.predicted_overhead, 5)
-                                               if r and not math.isnan(r.predicted_overhead) else ""),
-                        "solve_time_s": r.solve_time_s if r else "",
-                        "status": (r.status or "") if r else "",
-                        "optimality_gap": (r.optimality_gap if r and r.optimality_gap is not None
-                                           else ""),
-                        "error": (r.error or "") if r else "",
-                        "smallest_feasible_bytes": smallest if recs else "",
-                        "smallest_feasible_frac": round(smallest / peak, 4) if recs else "",
-                        "note": skipped,
-                    })
+                    rows.append(
+                        {
+                            "trace": name,
+                            "ops": problem.n_ops,
+                            "peak_bytes": peak,
+                            "floor_bytes": floor,
+                            "policy": policy,
+                            "budget_frac": f,
+                            "budget_bytes": int(peak * f),
+                            "feasible": r.feasible if r else "",
+                            "predicted_peak_bytes": r.predicted_peak_bytes if r else "",
+                            "predicted_overhead": (
+                                round(r.predicted_overhead, 5)
+                                if r and not math.isnan(r.predicted_overhead)
+                                else ""
+                            ),
+                            "solve_time_s": r.solve_time_s if r else "",
+                            "status": (r.status or "") if r else "",
+                            "optimality_gap": (
+                                r.optimality_gap if r and r.optimality_gap is not None else ""
+                            ),
+                            "error": (r.error or "") if r else "",
+                            "smallest_feasible_bytes": smallest if recs and smallest else "",
+                            "smallest_feasible_frac": (
+                                round(smallest / peak, 4) if recs and smallest else ""
+                            ),
+                            "note": skipped,
+                        }
+                    )
                 cells = []
-                for row in rows[-len(FRACTIONS):]:
+                for row in rows[-len(FRACTIONS) :]:
                     if row["note"]:
                         cells.append("-")
                     elif row["error"]:
                         cells.append("error")
                     else:
-                        ovh = f"{row['predicted_overhead']:+.1%}" if row["predicted_overhead"] != "" else "?"
+                        ovh = (
+                            f"{row['predicted_overhead']:+.1%}"
+                            if row["predicted_overhead"] != ""
+                            else "?"
+                        )
                         cells.append(ovh + ("" if row["feasible"] else " (over)"))
                 last = rows[-1]
-                small = (f"{last['smallest_feasible_frac']:.0%}" if last["smallest_feasible_frac"] != ""
-                         else "-")
+                small = (
+                    f"{last['smallest_feasible_frac']:.0%}"
+                    if last["smallest_feasible_frac"] != ""
+                    else "-"
+                )
                 extra = last["note"] or last["status"]
                 if not last["note"] and last["optimality_gap"] != "":
                     extra += f" gap {last['optimality_gap']:.0%}"
-                print(f"  {policy:<17}" + "".join(f"{c:>16}" for c in cells)
-                      + f"{small:>10}  {time.perf_counter() - t0:6.1f}s  {extra}", flush=True)
+                print(
+                    f"  {policy:<17}"
+                    + "".join(f"{c:>16}" for c in cells)
+                    + f"{small:>10}  {time.perf_counter() - t0:6.1f}s  {extra}",
+                    flush=True,
+                )
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     tmp_csv = args.csv.with_suffix(".csv.tmp")
     with open(tmp_csv, "w", newline="") as f:
@@ -150,8 +196,7 @@ def main(argv=None) -> int:
 
 def markdown_table(rows: list[dict]) -> str:
     """One line per (trace, policy): overhead at 80/60/40% of peak and the smallest budget."""
-    head = ("| trace | policy | 80% | 60% | 40% | smallest feasible |\n"
-            "|---|---|---:|---:|---:|---:|")
+    head = "| trace | policy | 80% | 60% | 40% | smallest feasible |\n|---|---|---:|---:|---:|---:|"
     lines = [head]
     by = {}
     for r in rows:
@@ -190,33 +235,56 @@ def aims(rows: list[dict]) -> list[str]:
                 if r is None or r["note"] or r["error"] or not r["feasible"]:
                     continue
                 checked["heuristics"][0] += 1
-                if not cap["feasible"] or cap["predicted_overhead"] > r["predicted_overhead"] + 1e-9:
+                if (
+                    not cap["feasible"]
+                    or cap["predicted_overhead"] > r["predicted_overhead"] + 1e-9
+                ):
                     checked["heuristics"][1] += 1
-                    what = (f"{cap['predicted_overhead']:+.1%}" if cap["feasible"] else "infeasible")
-                    out.append(f"  MISS {t} @ {f:.0%}: capuchin {what} vs {h} "
-                               f"{r['predicted_overhead']:+.1%}")
+                    what = f"{cap['predicted_overhead']:+.1%}" if cap["feasible"] else "infeasible"
+                    out.append(
+                        f"  MISS {t} @ {f:.0%}: capuchin {what} vs {h} "
+                        f"{r['predicted_overhead']:+.1%}"
+                    )
             ilp = by.get((t, "ilp", f))
             if ilp and not ilp["note"] and ilp["status"] == "OPTIMAL" and ilp["feasible"]:
                 checked["ilp"][0] += 1
-                if not cap["feasible"] or cap["predicted_overhead"] > 1.1 * ilp["predicted_overhead"] + 1e-9:
+                if (
+                    not cap["feasible"]
+                    or cap["predicted_overhead"] > 1.1 * ilp["predicted_overhead"] + 1e-9
+                ):
                     checked["ilp"][1] += 1
-                    what = (f"{cap['predicted_overhead']:+.1%}" if cap["feasible"] else "infeasible")
-                    out.append(f"  MISS {t} @ {f:.0%}: capuchin {what} vs optimal ILP "
-                               f"{ilp['predicted_overhead']:+.1%} (> 1.1x)")
+                    what = f"{cap['predicted_overhead']:+.1%}" if cap["feasible"] else "infeasible"
+                    out.append(
+                        f"  MISS {t} @ {f:.0%}: capuchin {what} vs optimal ILP "
+                        f"{ilp['predicted_overhead']:+.1%} (> 1.1x)"
+                    )
         cap, dtr = by.get((t, "capuchin", FRACTIONS[0])), by.get((t, "dtr", FRACTIONS[0]))
-        if cap and dtr and cap["smallest_feasible_bytes"] != "" and dtr["smallest_feasible_bytes"] != "":
+        if (
+            cap
+            and dtr
+            and cap["smallest_feasible_bytes"] != ""
+            and dtr["smallest_feasible_bytes"] != ""
+        ):
             checked["dtr-budget"][0] += 1
             if cap["smallest_feasible_bytes"] > dtr["smallest_feasible_bytes"]:
                 checked["dtr-budget"][1] += 1
-                out.append(f"  MISS {t}: capuchin's smallest feasible budget "
-                           f"{cap['smallest_feasible_frac']:.0%} of peak > DTR's "
-                           f"{dtr['smallest_feasible_frac']:.0%}")
-    out.append(f"  overhead <= every feasible heuristic: {checked['heuristics'][0] - checked['heuristics'][1]}"
-               f"/{checked['heuristics'][0]} comparisons met")
-    out.append(f"  within 10% of the ILP where proven optimal: {checked['ilp'][0] - checked['ilp'][1]}"
-               f"/{checked['ilp'][0]} met")
-    out.append(f"  smallest feasible budget <= DTR's: {checked['dtr-budget'][0] - checked['dtr-budget'][1]}"
-               f"/{checked['dtr-budget'][0]} traces met")
+                out.append(
+                    f"  MISS {t}: capuchin's smallest feasible budget "
+                    f"{cap['smallest_feasible_frac']:.0%} of peak > DTR's "
+                    f"{dtr['smallest_feasible_frac']:.0%}"
+                )
+    out.append(
+        f"  overhead <= every feasible heuristic: {checked['heuristics'][0] - checked['heuristics'][1]}"
+        f"/{checked['heuristics'][0]} comparisons met"
+    )
+    out.append(
+        f"  within 10% of the ILP where proven optimal: {checked['ilp'][0] - checked['ilp'][1]}"
+        f"/{checked['ilp'][0]} met"
+    )
+    out.append(
+        f"  smallest feasible budget <= DTR's: {checked['dtr-budget'][0] - checked['dtr-budget'][1]}"
+        f"/{checked['dtr-budget'][0]} traces met"
+    )
     return out
 
 

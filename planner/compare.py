@@ -163,21 +163,23 @@ def compare_policies(trace: str | os.PathLike | Any, budgets: str | Sequence[str
                                             tolerance=search_tolerance)
             mine = [_with(r, smallest_feasible_bytes=best) for r in mine]
         records.extend(mine)
-    return Comparison(trace=problem.trace_path or str(trace), baseline_peak_bytes=problem.peak_bytes,
-                      baseline_time_ns=problem.time_ns, floor_bytes=problem.floor_bytes(),
-                      records=tuple(records))
+    return Comparison(trace=problem.trace_path or str(trace),
+                      baseline_peak_bytes=problem.peak_bytes, baseline_time_ns=problem.time_ns,
+                      floor_bytes=problem.floor_bytes(), records=tuple(records))
 
 
 # ---- output -------------------------------------------------------------------------------------
 def records_to_json(result: Comparison) -> str:
     """The records as a JSON list (keys of ``CompareRecord``; ``optimality_gap`` and ``status``
-    only where the policy reports them, i.e. the ILP)."""
+    only for policies that report them, i.e. the ILP, where the gap is null when no plan was
+    found; ``error`` only when the policy failed)."""
     out = []
     for r in result.records:
         d = asdict(r)
-        for k in ("optimality_gap", "status", "error"):
-            if d[k] is None:
-                del d[k]
+        if d["status"] is None and d["optimality_gap"] is None:  # a heuristic: nothing to say
+            del d["status"], d["optimality_gap"]
+        if d["error"] is None:
+            del d["error"]
         if isinstance(d["predicted_overhead"], float) and math.isnan(d["predicted_overhead"]):
             d["predicted_overhead"] = None
         out.append(d)

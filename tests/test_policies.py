@@ -7,6 +7,8 @@ whose simulator checks its invariants (it raises ``PlanError`` otherwise).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from capuchin.errors import CapuchinError
@@ -17,6 +19,7 @@ from capuchin.planner.registry import UnknownPolicyError, available, get_policy
 from capuchin.planner.synthetic import trace_from_ops, transformer_ops
 from capuchin.tracer.schema import Phase
 
+DTR_ZIP = Path("/work/shared/data/dtr-logs.zip")
 POLICIES = available()
 BASELINES = ["checkpoint-sqrt", "checkpoint-speed", "vdnn", "dtr"]
 # small enough for the ILP to finish quickly; its own tests exercise the time limit
@@ -139,6 +142,19 @@ def test_dtr_fits_where_recomputation_can():
         plan, sim = run("dtr", problem, int(problem.peak_bytes * frac))
         assert plan.predictions.feasible, frac
         assert plan.records and all(d.method == Method.RECOMPUTE for d in plan.records)
+
+
+@pytest.mark.skipif(not DTR_ZIP.exists(), reason="the DTR logs zip is not on this machine")
+def test_dtr_on_a_real_gpu_trace(tmp_path):
+    """ResNet-32 from the DTR project's logs: DTR's plan fits 60% of the peak, recomputes only."""
+    from capuchin.tracer.dtr_import import import_dtr_log
+    from capuchin.tracer.reader import load_trace
+
+    path = import_dtr_log(f"{DTR_ZIP}/resnet32", tmp_path / "r.trace.parquet")
+    problem = Problem.from_trace(load_trace(path))
+    plan, sim = run("dtr", problem, int(problem.peak_bytes * 0.6))
+    assert plan.predictions.feasible and 0 < sim.overhead < 0.5
+    assert all(d.method == Method.RECOMPUTE for d in plan.records)
 
 
 def test_dtr_is_reproducible_and_seeded():

@@ -311,7 +311,7 @@ def _parse(line: str, source: str, lineno: int) -> dict:
     return d
 
 
-# ---- opening a log: a file, or a member of a zip ---------------------------------------------------
+# ---- opening a log: a file, or a member of a zip -------------------------------------------
 def list_dtr_logs(zip_path: str | os.PathLike) -> list[str]:
     """The ``.log`` members of a DTR logs zip, sorted."""
     with zipfile.ZipFile(zip_path) as zf:
@@ -357,7 +357,7 @@ def _split_zip_path(path: Path) -> tuple[Path, str]:
     raise DtrLogError(f"{path}: no such file (nor a path inside a zip file)")
 
 
-# ---- the API ----------------------------------------------------------------------------------------
+# ---- the API -------------------------------------------------------------------------------
 def dtr_log_events(lines: list[str], source: str = "<log>") -> tuple[pd.DataFrame, bool]:
     """Convert DTR log lines into a trace event table (one iteration, numbered 0).
 

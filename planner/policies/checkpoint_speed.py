@@ -22,7 +22,8 @@ def checkpoint_speed(problem: Problem, budget_bytes: int) -> list[Decision]:
 
     Contract (Note [Policy contract] in planner/registry.py): recompute decisions only, evicted
     after the last forward access, back at the first backward access, replayed from the kept
-    conv/matmul outputs segment-wise (Note [Segment-wise recomputation] in _saved.py). Nothing is evicted when the baseline peak fits;
+    conv/matmul outputs segment-wise (Note [Segment-wise recomputation] in _saved.py). Nothing is
+    evicted when the baseline peak fits;
     otherwise the budget is not consulted (a fixed scheme), so the plan may be infeasible.
     """
     if problem.peak_bytes <= budget_bytes:

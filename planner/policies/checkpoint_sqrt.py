@@ -1,4 +1,4 @@
-"""The ``checkpoint-sqrt`` policy: sublinear checkpointing (Chen et al. 2016) in OpenAI's memory mode.
+"""The ``checkpoint-sqrt`` policy: sublinear checkpointing (Chen et al. 2016), OpenAI's memory mode.
 
 Chen et al. keep ~sqrt(n) checkpoints of the forward pass and recompute each segment between
 two checkpoints when backward reaches it, for O(sqrt(n)) activation memory at the cost of about

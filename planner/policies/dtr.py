@@ -18,21 +18,23 @@ recomputation at its next access.
 # simulated clock. Evicted storages are grouped by a union-find: evicting ``s`` creates a set of
 # value c(s) (its own producer and writes) merged with the sets of its evicted neighbours (the
 # storages its replay reads, and the storages whose replay reads it); rematerializing ``s``
-# subtracts c(s) from its set's value (sets never split: the approximation DTR accepts). Optimizations from the DTR slides: only a
-# random sample of ``ceil(sqrt(n))`` of the ``n`` candidates is scored (fixed seed, so a plan is
-# reproducible), and storages smaller than 0.01 x the mean evictable size are never evicted.
+# subtracts c(s) from its set's value (sets never split: the approximation DTR accepts).
+# Optimizations from the DTR slides: only a random sample of ``ceil(sqrt(n))`` of the ``n``
+# candidates is scored (fixed seed, so a plan is reproducible), and storages smaller than 0.01 x
+# the mean evictable size are never evicted.
 #
 # Differences from DTR proper, forced by the plan format (planner/plan.py): an eviction becomes a
-# decision on the storage's access gap (evicted right after the last access before DTR chose it,
-# so the memory is free earlier than in DTR, never later; back at the next access); a storage is
-# evicted at most once per gap; only storages the problem marks evictable and that the builder can
-# regenerate for that access (planner/lineage.py) are candidates; rematerialization replays what
-# the builder will replay (dead sources regenerated on the way, dropped ones kept: collective
-# recomputation), so DTR's own bookkeeping and the simulator agree closely, though not exactly
-# (the simulator is the judge of the plan; see Note [DTR calibration]). What a plan cannot say:
-# that a tensor the baseline freed, regenerated as a source, stays for later replays; so a chain
-# through freed tensors is replayed again at each access that needs it, where DTR would keep the
-# regenerated tensors. At low budgets this makes this DTR much slower than the real one.
+# decision on the storage's access gap (evicted right after the last access before DTR chose it, so
+# the memory is free earlier than in DTR, never later; back at the next access); a storage is
+# evicted at most once per iteration (the plan has one decision per storage; once back it stays);
+# only storages the problem marks evictable and that the builder can regenerate for that access
+# (planner/lineage.py) are candidates; rematerialization replays what the builder will replay (dead
+# sources regenerated on the way, dropped ones kept: collective recomputation), so DTR's own
+# bookkeeping and the simulator agree closely, though not exactly (the simulator is the judge of
+# the plan; see Note [DTR calibration]). What a plan cannot say: that a tensor the baseline freed,
+# regenerated as a source, stays for later replays; so a chain through freed tensors is replayed
+# again at each access that needs it, where DTR would keep the regenerated tensors. At low budgets
+# this makes this DTR much slower than the real one.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ class _Dtr:
                 self.children.setdefault(u, set()).add(sid)
         self.resident: set[str] = set()
         self.evicted: dict[str, tuple[int, int]] = {}  # storage -> (evict_op, back_op)
+        self.ever: set[str] = set()  # evicted once already: never again this iteration
         self.cand: list[str] = []  # resident candidates (swap-remove list)
         self.cand_pos: dict[str, int] = {}
         self.used = 0
@@ -158,7 +161,7 @@ class _Dtr:
         self.exhausted = False
         s = self.p.storages[sid]
         if (s.evictable and sid in self.parents and s.size_bytes >= self.min_bytes
-                and sid not in self.cand_pos):
+                and sid not in self.cand_pos and sid not in self.ever):
             self.cand_pos[sid] = len(self.cand)
             self.cand.append(sid)
 
@@ -227,7 +230,7 @@ class _Dtr:
             if sid in pinned:
                 continue
             gap = self._gap(sid)
-            if (gap is None or (sid, gap[0]) in self.evictions
+            if (gap is None or sid in self.ever  # one decision per storage (plan format)
                     or self._replay_cost(sid, *gap) is None):
                 continue
             h = self._score(sid, *gap)
@@ -251,6 +254,7 @@ class _Dtr:
         self.evicted[sid] = (e, b)
         self.used -= s.size_bytes
         self.evictions[(sid, e)] = [e, self.op, b, None]
+        self.ever.add(sid)
         self.uf_cost[sid] = float(self._cost(sid, e))
         self.uf.add(sid, self.uf_cost[sid])
         for n in (*self.parents.get(sid, ()), *self.children.get(sid, ())):
@@ -295,7 +299,7 @@ class _Dtr:
         for x in (sid, *kept):
             self._back(x)
 
-    # -- the run ------------------------------------------------------------------------------------
+    # -- the run ---------------------------------------------------------------------------------
     def run(self) -> DtrRun:
         p = self.p
         for sid, s in p.storages.items():
@@ -364,8 +368,8 @@ def simulate_dtr(problem: Problem, budget_bytes: int, *, seed: int = DEFAULT_SEE
 
 
 def decisions_from_run(problem: Problem, run: DtrRun) -> list[Decision]:
-    """One recompute decision per (storage, access gap) DTR evicted in; lineage left to the
-    builder."""
+    """One recompute decision per storage DTR evicted (in the gap it evicted it in); lineage left
+    to the builder."""
     out = []
     for ev in run.evictions:
         s = problem.storages[ev.storage_id]
@@ -380,10 +384,10 @@ def dtr(problem: Problem, budget_bytes: int, *, seed: int = DEFAULT_SEED, sample
         calibration_rounds: int = DEFAULT_CALIBRATION_ROUNDS) -> list[Decision]:
     """DTR's online eviction on the trace, as recompute decisions.
 
-    Contract (Note [Policy contract] in planner/registry.py): recompute decisions only, one per
-    (storage, access gap) DTR evicted in, ``evict_op``/``back_op`` the storage's accesses around
-    the moment DTR evicted it; lineage is resolved by the builder. Nothing is evicted when the
-    baseline peak fits. When DTR runs out of candidates the decisions are still returned (the
+    Contract (Note [Policy contract] in planner/registry.py): recompute decisions only, at most
+    one per storage (the gap DTR evicted it in), ``evict_op``/``back_op`` the storage's accesses
+    around the moment DTR evicted it; lineage is resolved by the builder. Nothing is evicted when
+    the baseline peak fits. When DTR runs out of candidates the decisions are still returned (the
     simulated peak then exceeds the budget and the plan is marked infeasible).
 
     Parameters: ``seed`` (sampling), ``sample`` (score a sqrt(n) sample, DTR's default, or every
