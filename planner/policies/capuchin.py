@@ -361,7 +361,8 @@ def _prune(problem: Problem, decisions: list[Decision], sim, budget: int,
         if tsim.peak_bytes <= budget and tsim.time_ns <= sim.time_ns:
             current, sim = trial, tsim
             excess = sim.op_peak_bytes.astype(np.int64) - budget
-    rest = [d for d in order[max_exact:] if any(x.storage_id == d.storage_id for x in current)]
+    live = {x.storage_id for x in current}
+    rest = [d for d in order[max_exact:] if d.storage_id in live]
     if not rest:
         return current
     peak = sim.op_peak_bytes.astype(np.int64).copy()
