@@ -99,7 +99,9 @@ class MspsQueue:
                 self.users.setdefault(x, set()).add(cand.storage_id)
         cand.rp_time_ns += t.rp_time_ns
         cand.replay_ops |= t.replay_ops
-        cand.temp_bytes = self._temp_bytes(cand)
+        # t is now regenerated on the way: its bytes and its own temporaries join cand's (an
+        # upper bound, kept incremental so long chains do not make the update quadratic)
+        cand.temp_bytes += t.size_bytes + t.temp_bytes
 
     def swapped(self, sid: str, evict_op: int, back_op: int) -> None:
         """``sid`` was chosen for swapping over (evict_op, back_op): candidates whose replay read
