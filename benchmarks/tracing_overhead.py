@@ -1,6 +1,6 @@
 """Tracing overhead: iteration time of each bundled example untraced vs traced, in one process.
 
-    python benchmarks/tracing_overhead.py [--rounds 3] [--csv out.csv]
+    python benchmarks/tracing_overhead.py [--rounds 3] [--threads 1] [--csv out.csv]
 
 For each example script (traces/*.py) and each round, two runs in the same process, one after the
 other so that both see the same machine load:
@@ -82,7 +82,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--csv", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: steadier on a shared host; "
+                        "OpenMP spin-waits inflate CPU time under contention)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in EXAMPLES:
