@@ -177,6 +177,8 @@ class _Model:
         self.drop: dict[Key, Any] = {}
         self.swap: dict[Key, Any] = {}
         self.R: dict[tuple[int, int], Any] = {}  # (back op, replayed op) -> bool
+        self.why: dict[tuple[int, int], list] = {}  # what asks for R[b, j] (the simulator
+        # replays nothing else, so R[b, j] <= sum of them: no replay just to win time)
         self.cands: dict[Key, Candidate] = {}
         self.by_storage: dict[str, list[Candidate]] = {}
         windows: dict[Key, tuple[int, int]] = {}  # stages entirely inside the gap
@@ -203,6 +205,7 @@ class _Model:
             c = self.cands[k]
             for j in c.chain:
                 self._replay(c.back_op, j)
+                self.why[(c.back_op, j)].append(self.drop[k])
         for k, d in self.drop.items():
             c = self.cands[k]
             kept = []  # regenerated whole (and kept) by a replay before an op inside the gap
@@ -215,6 +218,8 @@ class _Model:
                     kept.append(kv)
             for j in c.chain:
                 m.add(self.R[(c.back_op, j)] + sum(kept) >= d)
+        for key, r in self.R.items():
+            m.add(r <= sum(self.why[key]))
         rc = [[] for _ in range(n_st)]  # replay terms per stage
         for (b, j), r in self.R.items():
             rc[st.stage_of(b)].append(-(-problem.ops[j].duration_ns // q) * r)
@@ -223,6 +228,15 @@ class _Model:
         stall_stages = sorted({st.stage_of(c.back_op) for k, c in self.cands.items()
                                if k in self.swap} | {st.stage_of(b) for (b, _j) in self.R})
         self.stall = {t: m.new_int_var(0, horizon, f"st{t}") for t in stall_stages}
+        # compute only waits for a restore (a swap due back, or a swapped source of a replay):
+        # no stall where nothing is restored (the simulator never waits for memory)
+        why: dict[int, list] = {t: [] for t in stall_stages}
+        for k, w in self.swap.items():
+            why[st.stage_of(self.cands[k].back_op)].append(w)
+        for (b, _j), r in self.R.items():
+            why[st.stage_of(b)].append(r)
+        for t, lits in why.items():
+            m.add(self.stall[t] <= horizon * sum(lits))
         pre = [sum(rc[t]) + self.stall.get(t, 0) for t in range(n_st)]
         length = [-(-st.duration_ns[t] // q) + pre[t] for t in range(n_st)]
         has_pre = [bool(rc[t]) or t in self.stall for t in range(n_st)]
@@ -291,8 +305,8 @@ class _Model:
             t = st.stage_of(op)
             terms = [(("d", k), self.cands[k].size_bytes, self.drop[k]) for e, b, k in drops
                      if e < op < b]
-            terms += [(("a", k), self.cands[k].size_bytes, a) for (k, tt), a in self.absent.items()
-                      if tt == t]
+            terms += [(("a", k, t), self.cands[k].size_bytes, a)
+                      for (k, tt), a in self.absent.items() if tt == t]
             need = int(live[op]) - budget_bytes
             key = frozenset(x[0] for x in terms)
             if key not in rows or rows[key][0] < need:
@@ -323,6 +337,7 @@ class _Model:
         m, p = self.m, self.problem
         r = m.new_bool_var(f"R{b},{j}")
         self.R[(b, j)] = r
+        self.why[(b, j)] = []
         op = p.ops[j]
         for x in op.inputs:
             if x in op.writes:
@@ -336,9 +351,17 @@ class _Model:
             if chain is None:  # x cannot be regenerated (and cannot be dropped either)
                 m.add(r == 0)  # op j cannot be replayed before op b
                 continue
+            if ev:  # needed only if op j is replayed *and* x is dropped
+                z = m.new_bool_var(f"need{b},{j},{x}")
+                m.add(z <= r)
+                m.add(z <= sum(ev))
+                m.add(z >= r + sum(ev) - 1)
+            else:
+                z = r
             for jj in chain:
                 child = self._replay(b, jj)
-                m.add(child >= r + sum(ev) - 1 if ev else child >= r)
+                m.add(child >= z)
+                self.why[(b, jj)].append(z)
         return r
 
     # -- Benders loop helpers -----------------------------------------------------------------------
