@@ -14,6 +14,11 @@ iteration starts). Everything else (ops, lineage, tensors, the memory curve) is 
 # the pre-existing tensor it was first seen through. Storages resident at iteration start but never
 # accessed in it are ``"r{n}"`` (n-th in allocation order). The runtime re-derives the same ids
 # as it runs (``tracer.hooks``), which is what ties a plan to live tensors.
+# Tensor ids name *values*: an in-place op's result is op ``k``'s output ``"k:0"`` although it is
+# the same tensor object as its input (so ``relu_`` reading ``"2:0"`` outputs ``"4:0"``), while
+# the storage keeps the one id it got first. A tensor object that no indexed op produced in the
+# iteration (a parameter, a ``.data`` alias, a tensor autograd rebuilt) gets an ``x`` id even when
+# its storage was allocated in the iteration. SCRATCH rows use the pseudo storage id ``"~{k}"``.
 """
 
 from __future__ import annotations
