@@ -56,10 +56,12 @@ def trace(output, force, iterations, warmup, device, script, script_args):
 
     SCRIPT runs as `python SCRIPT SCRIPT_ARGS...` would; iterations are delimited by optimizer
     steps (or capuchin.step()). After warm-up plus the recorded iterations the script is stopped
-    and the trace written. Options after SCRIPT are the script's.
+    and the trace written. Options after SCRIPT (or after `SCRIPT --`) are the script's.
     """
     from .tracer.script import default_output, trace_script
 
+    if script_args[:1] == ("--",):  # `capuchin trace train.py -- --lr 0.1`: the separator is ours
+        script_args = script_args[1:]
     out = output if output is not None else default_output(script)
     path = trace_script(script, list(script_args), output=out, iterations=iterations,
                         warmup=warmup, device=device, force=force)

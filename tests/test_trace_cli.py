@@ -110,6 +110,11 @@ def test_script_sees_its_argv_main_and_folder(tmp_path):
         "assert helper_mod_for_trace.VALUE == 7\n"))
     r = _invoke("trace", "--iterations", "1", "-o", tmp_path / "o.parquet", script, "3")
     assert r.exit_code == 0, r.output
+    # `SCRIPT -- ARGS`: the separator is not passed on
+    r = _invoke("trace", "--iterations", "1", "--force", "-o", tmp_path / "o.parquet", script,
+                "--", "3")
+    assert r.exit_code == 0, r.output
+    assert capuchin.load_trace(tmp_path / "o.parquet").meta.argv == ["3"]
 
 
 def test_stopped_cleanly_after_the_recorded_iterations(tmp_path):
