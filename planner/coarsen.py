@@ -52,7 +52,7 @@ class Stages:
 
     @property
     def is_op_level(self) -> bool:
-        return all(a == b for a, b in zip(self.first_op, self.last_op))
+        return all(a == b for a, b in zip(self.first_op, self.last_op, strict=True))
 
 
 def coarsen(duration_ns: Sequence[int], live_bytes: Sequence[int], *, max_stages: int,

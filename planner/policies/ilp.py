@@ -300,7 +300,7 @@ class _Model:
         self.hopeless = []
         live = problem.live_bytes
         rows: dict[frozenset, tuple[int, list]] = {}
-        drops = sorted(((self.cands[k].evict_op, self.cands[k].back_op, k) for k in self.drop))
+        drops = sorted((self.cands[k].evict_op, self.cands[k].back_op, k) for k in self.drop)
         for op in (int(x) for x in (live > budget_bytes).nonzero()[0]):
             t = st.stage_of(op)
             terms = [(("d", k), self.cands[k].size_bytes, self.drop[k]) for e, b, k in drops
@@ -607,9 +607,18 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
     if cands:
         if tick_ns is None:
             tick_ns = max(1, problem.time_ns // DEFAULT_TICKS)
-        res = solve(problem, budget_bytes, stages, cands, evaluate=evaluate, warm_start=hint,
-                    time_limit_s=max(0.1, time_limit_s - (time.perf_counter() - t0)),
-                    workers=workers, seed=seed, tick_ns=tick_ns)
+        while True:
+            res = solve(problem, budget_bytes, stages, cands, evaluate=evaluate,
+                        warm_start=hint, workers=workers, seed=seed, tick_ns=tick_ns,
+                        time_limit_s=max(0.1, time_limit_s - (time.perf_counter() - t0)))
+            # coarse stages are pessimistic about swaps (see Note [Where the ILP and the
+            # simulator differ]): "infeasible" is only proven at op granularity
+            if res.status != "INFEASIBLE" or stages.is_op_level \
+                    or time.perf_counter() - t0 > time_limit_s / 2:
+                break
+            notes.append(f"no plan with {len(stages)} stages; refined")
+            stages = coarsen(problem.durations_ns.tolist(), problem.live_bytes.tolist(),
+                             max_stages=min(4 * len(stages), n), pinned=pinned)
     else:
         res = IlpResult({}, "OPTIMAL" if problem.peak_bytes <= budget_bytes else "INFEASIBLE",
                         0, 0, 0 if problem.peak_bytes <= budget_bytes else None, 0.0, 0, 0, 0)
