@@ -65,6 +65,9 @@ def capuchin(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
     a replay when they are needed later and memory allows (paper §5.3). ``max_replay_ops``:
     longest replay considered for one recomputation.
 
+    The plan returned is the cheapest fitting one among plans for a fixed grid of targets on
+    problems of up to ``SEARCH_MAX_OPS`` ops (Note [Targets]), so more budget never costs more.
+
     Output contract (registry Note [Policy contract]): at most one decision per storage; swap
     decisions carry their in-trigger, recompute decisions their replay ops, sources and keeps.
     """
@@ -111,7 +114,10 @@ def _plan(problem: Problem, budget: int, mode: str, max_rounds: int, collective:
                                  floor // 2]):
         if target > budget or target <= 0:
             continue
-        decisions, sim = _attempt(problem, target, *args)
+        try:
+            decisions, sim = _attempt(problem, target, *args)
+        except PlanError:
+            continue
         if sim is not None and sim.peak_bytes <= budget:
             return _prune(problem, decisions, sim, budget)
         if sim is not None and (best is None or sim.peak_bytes < best[0]):
@@ -128,7 +134,10 @@ def _grid_plans(problem: Problem, *args) -> list[tuple[list[Decision], int, int]
     targets += [floor * 9 // 10, floor * 3 // 4, floor // 2]
     out = []
     for t in dict.fromkeys(x for x in targets if 0 < x < peak):
-        decisions, sim = _attempt(problem, t, *args)
+        try:
+            decisions, sim = _attempt(problem, t, *args)
+        except PlanError:  # a target whose plan breaks an invariant is skipped, not fatal
+            continue
         if sim is None:
             continue
         cap = max(t, sim.peak_bytes)
