@@ -128,7 +128,11 @@ class MemoryMeter:
     def start(self) -> None:
         if self.device.type == "cuda":
             return
+        import gc
+
         from torch.profiler import ProfilerActivity, profile
+
+        gc.collect()  # garbage of earlier runs is freed now, not inside the window
 
         self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                             record_shapes=False, with_stack=False)
@@ -167,6 +171,7 @@ def cpu_peaks(prof) -> dict[int, int]:
 
     ranges: list[tuple[int, int, int]] = []
     allocs: list[tuple[int, int]] = []
+    first_alloc: list[tuple[int, int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         ev = stack.pop()
@@ -175,9 +180,20 @@ def cpu_peaks(prof) -> dict[int, int]:
             a = ev.extra_fields
             if a.device.type == "cpu":
                 allocs.append((ev.start_time_ns, a.total_allocated))
+                first_alloc.append((ev.start_time_ns, a.total_allocated, a.alloc_size))
         elif ev.tag == _EventType.TorchOp and ev.name.startswith(_RANGE):
             ranges.append((ev.start_time_ns, ev.end_time_ns, int(ev.name[len(_RANGE):])))
     allocs.sort()
+    # Note: [Profiler allocation offset]
+    # The CPU allocator's running total is process-global and never reset: blocks allocated while
+    # an earlier profiler ran and freed while none did are never subtracted. So the total at the
+    # start of this window is subtracted from every value (0 in a fresh process, as with
+    # ``capuchin run``; it matters when several runs are measured in one process).
+    offset = 0
+    if allocs:
+        first = min(first_alloc, key=lambda x: x[0])
+        offset = max(0, first[1] - first[2])
+    allocs = [(t, v - offset) for t, v in allocs]
     peaks: dict[int, int] = {}
     import bisect
 

@@ -26,8 +26,8 @@ import time
 from .backend import DeviceBackend
 from .state import Entry, Residency, resize
 
-OVERDUE_FACTOR = 2.0
-OVERDUE_SLACK_S = 0.002
+OVERDUE_FACTOR = 1.5
+OVERDUE_SLACK_S = 0.0005
 
 
 class SwapEngine:

@@ -356,3 +356,29 @@ def test_r3_copy_on_write_regenerates_before_a_source_is_overwritten(tmp_path):
     its = [s for s in rep.iterations if s.complete and s.iteration >= 1]
     assert its and not any(s.diverged for s in its)
     assert all(s.cow_restores == 1 and s.recomputed_ops == 1 for s in its)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_make_plan_at_50_percent_measured_within_budget_and_simulation(name):
+    """The real pipeline: ``make_plan`` at 50% of the traced peak (or, where the planner proves
+    50% infeasible, at the smallest budget it can reach), run for 3 steps with the allocator-level
+    peak measured: bitwise-identical training, peak <= 1.05 x budget, and within 10% of the
+    simulator's prediction."""
+    import capuchin
+    from capuchin.errors import InfeasibleBudgetError
+
+    trace = TRACES / f"{name}.trace.parquet"
+    try:
+        plan = capuchin.make_plan(trace, budget="50%", policy="capuchin")
+    except InfeasibleBudgetError as exc:
+        plan = capuchin.make_plan(trace, budget=exc.smallest_feasible_bytes, policy="capuchin")
+    assert plan.records
+    rt = Runtime(plan, measure_memory=True)
+    got = run_example(TRACES / f"{name}.py", STEPS, rt)
+    assert state_mismatches(reference(name), got) == []
+    its = steady(rt)
+    assert its and not any(s.diverged for s in its)
+    pred = plan.predictions.predicted_peak_bytes
+    for s in its:
+        assert s.peak_bytes <= 1.05 * plan.budget_bytes, (s.peak_bytes, plan.budget_bytes)
+        assert abs(s.peak_bytes - pred) <= 0.10 * pred, (s.peak_bytes, pred)
