@@ -15,17 +15,24 @@ variables. Stages ``t`` are op ranges (planner/coarsen.py), ``D_t`` a stage's ba
   dependency ``R[t, j] <= R[t, i] + S[t, i]``: for every input ``x`` of a replayed op ``j`` that
   is not resident and unchanged at ``b`` (lineage's source rule), ``R[b, j'] >= R[b, j]`` for
   the ops ``j'`` of ``x``'s chain; when ``x`` is resident unless dropped by candidate ``u``,
-  ``R[b, j'] >= R[b, j] + drop_u - 1`` (a swapped-out source is restored on demand).
+  ``R[b, j'] >= R[b, j] + drop_u - 1`` (a swapped-out source is restored on demand). And
+  ``R[b, j] <= sum of what asks for it``: nothing is replayed that no drop needs.
 - Swap (per stage, as POET): ``out[v, t]``/``in[v, t]`` are the ns of ``v``'s device->host and
   host->device copies done in stage ``t``; per channel and stage, copies fit in the stage's length
   ``D_t + rc_t + st_t`` (``rc_t = sum R[b, j] dur_j`` over back-accesses ``b`` in ``t``, ``st_t``
-  the stall there); the in-copy follows the out-copy; the part of the in-copy in ``b_v``'s own
+  the stall there, allowed only where something is restored); the in-copy follows the out-copy
+  and starts no earlier than the in-trigger's stage; the part of the copies in ``b_v``'s own
   stage fits in that stage's replay and stall time.
 - ``a[v, t]``: swapped ``v`` is off the device for the whole of stage ``t`` (out-copy done before
   ``t``'s ops run, in-copy not started before ``t`` ends). Only stages over the budget get one.
-- Memory (Checkmate's ``U``, with ``FREE`` folded into the baseline curve): for every stage whose
-  baseline peak exceeds the budget, ``peak_t - sum_v size_v (drop_v + a[v, t]) <= budget``.
-- Objective: ``sum R[b, j] dur_j + sum st_t`` = the extra ns on the compute stream.
+- Memory (Checkmate's ``U``, with ``FREE`` folded into the baseline curve): for every op ``k``
+  over the budget, ``live_k - sum size_v drop_v [e_v < k < b_v] - sum size_v a[v, stage(k)]
+  <= budget`` (identical rows merged).
+- Objective: ``sum R[b, j] dur_j + sum st_t`` = the extra ns on the compute stream (ties broken
+  towards fewer evictions).
+
+Sizes (measured, 2-core CPU, see the report): op granularity up to a few hundred ops (the
+bundled cnn/mlp traces: ~2,000 variables); coarser traces are cut to ``max_stages`` stages.
 
 # Note: [Where the ILP and the simulator differ]
 # The simulator (planner/simulator.py) is the judge. At op granularity the ILP is a *relaxation*
@@ -553,7 +560,7 @@ class IlpDecisions(list):
     result: IlpResult | None
 
 
-DEFAULT_MAX_STAGES = 48
+DEFAULT_MAX_STAGES = 128
 DEFAULT_TICKS = 100_000  # copy schedules in 1/100000ths of the iteration (see _Model)
 
 
@@ -566,7 +573,7 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
     """The optimal plan of the stage model: see the module docstring for the formulation.
 
     ``time_limit_s`` (alias ``time_limit``): wall-clock limit of the whole solve (s, default 30).
-    ``max_stages``: coarsening target (default 48; ``>= n_ops`` plans at op granularity, where
+    ``max_stages``: coarsening target (default 128; ``>= n_ops`` plans at op granularity, where
     the result is the simulator's optimum over keep/swap/recompute per access gap, if proven).
     ``swap``/``recompute``: allow each method. ``warm_start``: hint CP-SAT with the ``capuchin``
     policy's plan (or the policy named) when it is registered. ``workers``/``seed``: CP-SAT's.
