@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.api import make_plan
 from capuchin.planner.problem import Problem
@@ -11,8 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 POLICIES = ["capuchin", "swap", "recompute"]
-import os
-
+# CAPUCHIN_EXAMPLES=500 for a longer search (500 passed here, ~6 min)
 SETTINGS = settings(max_examples=int(os.environ.get("CAPUCHIN_EXAMPLES", 40)), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
