@@ -1,4 +1,4 @@
-"""A small CNN trained on synthetic images: conv + batch norm + in-place ReLU + max-pool + linear,
+"""A small CNN trained on synthetic images: 7 x (conv + batch norm + in-place ReLU), max-pool, linear,
 SGD with momentum. An ordinary, unmodified training script (capuchin traces it as is).
 
     python traces/cnn.py --steps 6
@@ -10,11 +10,16 @@ import torch
 from torch import nn
 
 
+def block(c_in: int, c_out: int) -> list[nn.Module]:
+    return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
+
+
 def make_model() -> nn.Module:
+    # Deep enough that activations, not one layer's working set, make the peak (as in real CNNs).
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(inplace=True), nn.Linear(128, 10),
+        *block(3, 16), *block(16, 16), *block(16, 16), *block(16, 16), nn.MaxPool2d(2),
+        *block(16, 32), *block(32, 32), *block(32, 32), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
     )
 
 
@@ -27,7 +32,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     for step in range(args.steps):
         x = torch.randn(args.batch, 3, 32, 32)
