@@ -109,3 +109,14 @@ def test_show_plan_plot_and_chrome(trace_file):
     assert any(e["ph"] == "X" and e["tid"] == 2 for e in ev)  # a swap-out on the d2h stream
     r = run("show", "tf.plan.json", "--json")
     assert r.exit_code == 0 and json.loads(r.output)["policy"] == "capuchin"
+
+
+def test_planning_imports_neither_torch_nor_matplotlib():
+    import subprocess
+    import sys
+
+    code = ("import sys, capuchin.planner.api, capuchin.planner.report, capuchin.planner.registry"
+            " as r; r.available(); print('torch' in sys.modules, 'matplotlib' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
+                         check=True).stdout.strip()
+    assert out == "False False"

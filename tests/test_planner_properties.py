@@ -58,3 +58,35 @@ def test_more_budget_never_costs_more(p, frac, extra, policy):
         assume(False)
     plan_hi = make_plan(p, hi, policy)  # a larger budget is feasible too
     assert plan_hi.predictions.predicted_overhead <= plan_lo.predictions.predicted_overhead + 1e-12
+
+
+@SETTINGS
+@given(problems, st.data())
+def test_simulator_accepts_or_rejects_cleanly(p, data):
+    """Arbitrary decisions (valid or not): lineage completion and the simulator either accept
+    them or raise PlanError, never another exception."""
+    from capuchin.errors import PlanError
+    from capuchin.planner.build import complete_decisions
+    from capuchin.planner.plan import Decision, Method
+
+    sids = sorted(p.storages)
+    n = data.draw(st.integers(0, 6))
+    ds = []
+    for _ in range(n):
+        sid = data.draw(st.sampled_from(sids))
+        s = p.storages[sid]
+        gaps = s.gaps()
+        if gaps and data.draw(st.booleans()):
+            a, b = data.draw(st.sampled_from(gaps))
+        else:
+            a, b = data.draw(st.integers(-1, p.n_ops)), data.draw(st.integers(-1, p.n_ops))
+        method = data.draw(st.sampled_from([Method.SWAP, Method.RECOMPUTE]))
+        trig = data.draw(st.one_of(st.none(), st.integers(min(a, b + 1), max(a, b + 1))))
+        ds.append(Decision(sid, method, s.size_bytes, a, b,
+                           trigger_op=trig if method == Method.SWAP else None))
+    try:
+        sim = simulate(p, complete_decisions(p, ds))
+    except PlanError:
+        return
+    assert sim.peak_bytes >= 0 and sim.time_ns >= p.time_ns
+    assert len(sim.outcomes) == len(ds)
