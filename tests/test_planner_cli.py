@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from capuchin.cli import main
@@ -120,3 +121,29 @@ def test_planning_imports_neither_torch_nor_matplotlib():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
                          check=True).stdout.strip()
     assert out == "False False"
+
+
+BUNDLED = sorted((Path(__file__).resolve().parent.parent / "traces").glob("*.trace.parquet"))
+
+
+def test_bundled_traces_exist():
+    assert {p.name for p in BUNDLED} >= {"cnn.trace.parquet", "mlp.trace.parquet",
+                                          "transformer.trace.parquet"}
+
+
+@pytest.mark.parametrize("trace", BUNDLED, ids=lambda p: p.name)
+def test_plan_bundled_trace_at_half_peak(trace, tmp_path):
+    r = run("plan", trace, "--budget", "50%", "-o", tmp_path / "p.json", "--json")
+    assert r.exit_code in (0, 2), r.output
+    if r.exit_code == 2:  # the message names a budget that then works
+        import re
+
+        best = re.search(r"smallest budget it reaches is [^(]*\((\d+) B\)", r.output)
+        assert best, r.output
+        r = run("plan", trace, "--budget", best.group(1), "-o", tmp_path / "p.json", "--json")
+        assert r.exit_code == 0, r.output
+        return
+    doc = json.loads(r.output)
+    assert doc["predicted_peak_bytes"] <= doc["budget_bytes"] == doc["baseline_peak_bytes"] // 2
+    plan = load_plan(tmp_path / "p.json")
+    assert plan.simulate(trace).peak_bytes == doc["predicted_peak_bytes"]
