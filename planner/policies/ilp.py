@@ -560,7 +560,7 @@ class IlpDecisions(list):
     result: IlpResult | None
 
 
-DEFAULT_MAX_STAGES = 128
+DEFAULT_MAX_STAGES = 256
 DEFAULT_TICKS = 100_000  # copy schedules in 1/100000ths of the iteration (see _Model)
 
 
@@ -573,18 +573,23 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
     """The optimal plan of the stage model: see the module docstring for the formulation.
 
     ``time_limit_s`` (alias ``time_limit``): wall-clock limit of the whole solve (s, default 30).
-    ``max_stages``: coarsening target (default 128; ``>= n_ops`` plans at op granularity, where
+    ``max_stages``: coarsening target (default 256; ``>= n_ops`` plans at op granularity, where
     the result is the simulator's optimum over keep/swap/recompute per access gap, if proven).
     ``swap``/``recompute``: allow each method. ``warm_start``: hint CP-SAT with the ``capuchin``
     policy's plan (or the policy named) when it is registered. ``workers``/``seed``: CP-SAT's.
 
     Output contract: decisions on evictable storages, at most one per access gap, evict/back
-    consecutive accesses; swaps carry ``trigger_op`` (rule ``trigger_op``), recomputes leave
-    lineage to the builder. ``result.parameters`` holds ``status`` (OPTIMAL: no plan in the
-    decision space is better, per the simulator; FEASIBLE: time limit), ``optimality_gap``,
-    ``ilp_objective_ns`` (the ILP's bound), ``simulated_extra_ns``, ``solve_time_s``,
-    ``stages``, ``candidates``, ``variables``, ``constraints`` and ``rounds``. When nothing fits
-    the budget the best effort is an empty list (status INFEASIBLE).
+    consecutive accesses; swaps carry ``trigger_op`` (rule ``trigger_op``, or the warm start's),
+    recomputes leave lineage to the builder. ``.parameters`` (copied into the plan's provenance
+    by ``compare``) holds ``status`` (OPTIMAL: no plan of the decision space is better in the
+    simulator, proven at op granularity, of the stage model otherwise; FEASIBLE: stopped by the
+    time limit; INFEASIBLE: no choice fits the budget; UNKNOWN: no plan found in time),
+    ``optimality_gap`` ((found - bound) / found), ``ilp_objective_ns`` (the proven lower bound
+    on the extra time, ns), ``simulated_extra_ns`` (the returned plan's, ns), ``solve_time_s``,
+    ``stages``, ``op_level``, ``candidates``, ``variables``, ``constraints``, ``rounds`` (Benders
+    rounds) and ``notes``. When nothing fits the budget the best effort is an empty list. A
+    time-limited solve returns the best simulated plan found (at worst the warm start's).
+    Unknown keyword options are accepted and ignored (``compare`` passes shared ones).
     """
     if time_limit is not None:
         time_limit_s = float(time_limit)
