@@ -118,19 +118,28 @@ def runtime_peak(script, argv, plan: Plan):
 
 
 def _checkpointed(g: dict) -> None:
-    """sqrt(n) checkpointing without editing the script: ``nn.Sequential`` models run through
-    ``checkpoint_sequential`` with round(sqrt(len)) segments; the transformer's blocks (its only
+    """sqrt(n) checkpointing without editing the script: ``nn.Sequential`` models run as about
+    round(sqrt(len)) checkpointed segments; the transformer's blocks (its only
     repeated units) are each one checkpoint segment."""
-    from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+    from torch.utils.checkpoint import checkpoint
 
     nn = g["nn"]
 
     class Seq(nn.Sequential):
         def forward(self, x):
-            if not torch.is_grad_enabled():
+            mods = list(self)
+            if not torch.is_grad_enabled() or len(mods) < 2:
                 return super().forward(x)
-            seg = max(1, round(math.sqrt(len(self))))
-            return checkpoint_sequential(self, seg, x, use_reentrant=False)
+            # cut before modules that do not work in place (a segment starting with ReLU(inplace)
+            # would modify the saved segment input), about sqrt(n) segments
+            cuts = [i for i, m in enumerate(mods) if i > 0 and not getattr(m, "inplace", False)]
+            n_seg = max(1, round(math.sqrt(len(mods))))
+            step = max(1, len(cuts) // n_seg)
+            bounds = [0, *cuts[step - 1::step][: n_seg - 1], len(mods)]
+            for a, b in zip(bounds, bounds[1:], strict=False):
+                seg = nn.Sequential(*mods[a:b])
+                x = checkpoint(seg, x, use_reentrant=False)
+            return x
 
     g["nn"] = types.SimpleNamespace(**{k: getattr(nn, k) for k in dir(nn) if not k.startswith("__")})
     g["nn"].Sequential = Seq

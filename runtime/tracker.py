@@ -240,7 +240,7 @@ class Executor:
             if e.swap:
                 self.swap.prefetch(e)
         else:  # RESTORE / RECOMPUTE at the back-access
-            self.restore(e, planned=step is Step.RESTORE, k=k)
+            self.restore(e, planned=step is Step.RESTORE)
 
     def _evict(self, step: Step, sid: str) -> None:
         d = self.table.decisions.get(sid)
@@ -295,7 +295,7 @@ class Executor:
         if e is not None:
             self.restore(e)
 
-    def restore(self, e: Entry, planned: bool = False, k: int | None = None) -> None:
+    def restore(self, e: Entry, planned: bool = False) -> None:
         with _disable_current_modes(), torch.no_grad():  # Note [Runtime-internal ops]
             self._restore(e, planned)
 
