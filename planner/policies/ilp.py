@@ -31,8 +31,10 @@ variables. Stages ``t`` are op ranges (planner/coarsen.py), ``D_t`` a stage's ba
 - Objective: ``sum R[b, j] dur_j + sum st_t`` = the extra ns on the compute stream (ties broken
   towards fewer evictions).
 
-Sizes (measured, 2-core CPU, see the report): op granularity up to a few hundred ops (the
-bundled cnn/mlp traces: ~2,000 variables); coarser traces are cut to ``max_stages`` stages.
+Sizes measured on a shared 2-core CPU: the bundled cnn (216 ops, ~70 candidates, ~12,000
+variables) and mlp (256 ops, ~3,000-4,000 variables) are planned op by op; the transformer (627
+ops) is cut to 256 stages (~27,000 variables). A first solve takes 0.3-4 s; proofs beyond the
+first round usually need the time limit (gaps in the README).
 
 # Note: [Where the ILP and the simulator differ]
 # The simulator (planner/simulator.py) is the judge. At op granularity the ILP is a *relaxation*
