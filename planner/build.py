@@ -24,14 +24,15 @@ _STEP_ORDER = {Step.PREFETCH: 0, Step.RESTORE: 1, Step.RECOMPUTE: 2, Step.EVICT_
 
 def complete_decisions(problem: Problem, decisions: Sequence[Decision]) -> list[Decision]:
     """Decisions with ``size_bytes`` (when 0) and recompute lineage filled in, sorted by
-    (evict_op, storage_id)."""
+    (evict_op, storage_id): the order they are simulated and executed in, so lineage is resolved
+    in that order too (see ``lineage.resolve_recompute``)."""
     out = []
     for d in decisions:
         if d.size_bytes == 0 and d.storage_id in problem.storages:
             d = replace(d, size_bytes=problem.storages[d.storage_id].size_bytes)
         out.append(d)
-    out = resolve_recompute(problem, out)
-    return sorted(out, key=lambda d: (d.evict_op, d.storage_id))
+    out.sort(key=lambda d: (d.evict_op, d.storage_id))
+    return resolve_recompute(problem, out)
 
 
 def action_table(decisions: Sequence[Decision]) -> list[Action]:

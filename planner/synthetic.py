@@ -61,7 +61,8 @@ def trace_from_ops(
     ``(name, duration_ns, inputs, outputs[, writes[, phase]])`` and storage sizes in bytes.
 
     Storages read before being produced exist at iteration start: ``persistent`` ones are
-    parameters, the others inputs. Storages produced inside the iteration are activations, freed
+    parameters, the others inputs. A ``persistent`` storage no op accesses is a resident parameter
+    (it counts in the resident memory). Storages produced inside the iteration are activations, freed
     right after their last access unless listed in ``live_at_end`` (or persistent: gradients).
     ``bandwidth_bytes_per_s`` is both copy directions unless ``bandwidth_h2d_bytes_per_s`` is
     given. ``iterations`` repeats the same iteration (all regular).
@@ -86,6 +87,13 @@ def trace_from_ops(
                 kinds[s] = Kind.PARAMETER if s in persistent else Kind.INPUT
             else:
                 kinds[s] = Kind.GRADIENT if s in persistent else Kind.ACTIVATION
+    # persistent storages no op touches (a frozen parameter) are resident memory all the same
+    for s in persistent:
+        if s not in sizes:
+            raise ValueError(f"storage {s!r} has no size")
+    idle = [s for s in sizes if s in persistent and s not in last]  # in a stable order
+    for s in idle:
+        kinds.setdefault(s, Kind.PARAMETER)
 
     rows: list[dict] = []
     t_ns = 0
@@ -114,9 +122,8 @@ def trace_from_ops(
 
         for s in pre:
             row(Role.RESIDENT, -1, s)
-        for s in sizes:  # resident storages never accessed
-            if s not in last and s in persistent:
-                row(Role.RESIDENT, -1, s)
+        for s in idle:  # resident storages never accessed
+            row(Role.RESIDENT, -1, s)
         seen = set(pre)
         for k, op in enumerate(specs):
             arg = 0
