@@ -116,26 +116,36 @@ def show(path, as_json, plot, chrome):
               help="Override the trace's host<->device bandwidth, both ways (12GB/s, 16e9).")
 @click.option("--iteration", type=int, default=None,
               help="Recorded iteration to plan (default: the trace's steady one).")
+@click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True),
+              default=None, metavar="SECONDS",
+              help="Wall-clock limit of the solve, for policies that search (ilp); ignored, "
+                   "with a note, by the others.")
 @click.option("--force", is_flag=True, help="Overwrite the output file.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_errors_to_exit
-def plan_cmd(trace, budget, output, policy, bandwidth, iteration, force, as_json):
+def plan_cmd(trace, budget, output, policy, bandwidth, iteration, time_limit_s, force, as_json):
     """Compute the swap/recompute plan that fits TRACE's iteration into a memory budget.
 
     Exit status 2 when no plan of the policy fits the budget (the message names the smallest
-    budget that works).
+    budget that works). With --policy ilp the summary gives the solver's status and optimality
+    gap (--json: keys status, optimality_gap).
     """
     import json
 
-    from .planner.api import plan_file
+    from .planner.api import format_solver_report, plan_file, plan_summary
     from .planner.report import format_summary
 
     plan, path = plan_file(trace, budget, output, policy=policy, bandwidth=bandwidth,
-                           iteration=iteration, force=force)
+                           iteration=iteration, force=force, time_limit_s=time_limit_s)
     if as_json:
-        click.echo(json.dumps({**plan.summary(), "output": str(path)}))
+        click.echo(json.dumps({**plan_summary(plan), "output": str(path)}))
     else:
-        click.echo(format_summary(plan, output=path))
+        text = format_summary(plan, output=path)
+        solver = format_solver_report(plan)
+        if solver:  # before the "wrote ..." line
+            head, sep, tail = text.rpartition("\nwrote ")
+            text = f"{head}\n{solver}{sep}{tail}" if sep else f"{text}\n{solver}"
+        click.echo(text)
 # CLI-PLAN-END
 
 

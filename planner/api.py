@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from ..errors import CapuchinError, InfeasibleBudgetError
 from ..tracer.reader import Trace, load_trace
 from ..tracer.schema import FILE_SUFFIX
 from .budget import format_bytes, parse_budget, parse_rate
-from .build import build_plan
+from .build import build_plan, policy_parameters
 from .plan import Plan
 from .problem import Problem
 from .registry import get_policy
@@ -43,32 +44,45 @@ def load_problem(trace: str | os.PathLike | Trace | Problem, *, iteration: int |
 def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "50%",
               policy: str = "capuchin", *, iteration: int | None = None,
               bandwidth: str | float | None = None, allow_infeasible: bool = False,
-              **params: Any) -> Plan:
+              time_limit_s: float | None = None, **params: Any) -> Plan:
     """Plan ``trace`` for ``budget`` with the registered ``policy`` (default ``"capuchin"``).
 
     ``budget``: bytes or text (``"8G"``, ``"8GB"``, ``"60%"`` of the trace's baseline peak; see
     planner/budget.py). ``iteration``: which recorded iteration to plan (default: the steady
     one). ``bandwidth``: overrides the trace's host<->device bandwidths (bytes/s). ``params`` go
-    to the policy.
+    to the policy. ``time_limit_s``: the solve's wall-clock limit (s), given to policies that
+    take a ``time_limit_s`` option (the ``ilp``); for the others it is ignored and the plan's
+    notes say so.
 
-    Returns a complete ``Plan`` whose predictions come from the simulator. A budget at or above
-    the baseline peak gives an empty plan (its notes say so). Raises ``InfeasibleBudgetError``
-    (exit status 2 in the CLI) when the policy's simulated peak stays above the budget, naming
-    the smallest budget it was found to meet, unless ``allow_infeasible`` (then the plan is returned
-    with ``predictions.feasible`` false).
+    Returns a complete ``Plan`` whose predictions come from the simulator. Its
+    ``provenance.parameters`` holds ``params`` and, over them, the figures the policy reports
+    about its own run (``build.policy_parameters``: the ILP's ``status``, ``optimality_gap``,
+    ``ilp_objective_ns``, ``solve_time_s``, ``stages`` ...). A budget at or above the baseline
+    peak gives an empty plan (its notes say so). Raises ``InfeasibleBudgetError`` (exit status 2
+    in the CLI) when the policy's simulated peak stays above the budget, naming the smallest
+    budget it was found to meet, unless ``allow_infeasible`` (then the plan is returned with
+    ``predictions.feasible`` false).
     """
     problem = load_problem(trace, iteration=iteration, bandwidth=bandwidth)
     budget_bytes = parse_budget(budget, problem.peak_bytes)
     fn = get_policy(policy)
+    notes: list[str] = []
+    if time_limit_s is not None:
+        if takes_time_limit(fn):
+            params["time_limit_s"] = float(time_limit_s)
+        else:
+            notes.append(f"time limit {time_limit_s:g} s ignored: policy {policy!r} takes none "
+                         f"(it is not a time-limited search)")
     if budget_bytes >= problem.peak_bytes:
         plan, _ = build_plan(problem, [], policy=policy, budget_bytes=budget_bytes,
-                             parameters=params)
+                             parameters=params, notes=notes)
         return plan
     t0 = time.perf_counter()
     decisions = fn(problem, budget_bytes, **params)
     solve_s = time.perf_counter() - t0
     plan, sim = build_plan(problem, decisions, policy=policy, budget_bytes=budget_bytes,
-                           parameters=params, solve_time_s=solve_s)
+                           parameters=policy_parameters(params, decisions),
+                           solve_time_s=solve_s, notes=notes)
     if plan.predictions.feasible:
         return plan
     floor = problem.floor_bytes()
@@ -84,6 +98,46 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
         plan.predictions.notes.append(msg)
         return plan
     raise InfeasibleBudgetError(msg, smallest_feasible_bytes=int(best))
+
+
+def takes_time_limit(policy_fn) -> bool:
+    """Whether a policy function has a ``time_limit_s`` option of its own (a catch-all
+    ``**kwargs`` does not count: such a policy would silently ignore it)."""
+    try:
+        return "time_limit_s" in inspect.signature(policy_fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def solver_report(plan: Plan) -> dict[str, Any]:
+    """The policy's own account of its optimality, from ``provenance.parameters``: ``status``
+    and ``optimality_gap`` ((found - bound) / found, 0.0 = proven optimal) when the policy
+    reported them (the ``ilp``); empty for heuristics."""
+    p = plan.provenance.parameters or {}
+    return {k: p[k] for k in ("status", "optimality_gap") if k in p}
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """``plan.summary()`` plus ``solver_report(plan)``: what ``capuchin plan --json`` prints."""
+    return {**plan.summary(), **solver_report(plan)}
+
+
+def format_solver_report(plan: Plan) -> str | None:
+    """One line for the human summary (``"solver status OPTIMAL, optimality gap 0.00%"``), or
+    None when the policy reported nothing."""
+    r = solver_report(plan)
+    if not r:
+        return None
+    parts = []
+    if r.get("status") is not None:
+        parts.append(f"solver status {r['status']}")
+    if "optimality_gap" in r:
+        g = r["optimality_gap"]
+        parts.append("optimality gap unknown" if g is None else f"optimality gap {100 * g:.2f}%")
+    tl = plan.provenance.parameters.get("time_limit_s")
+    if tl is not None:
+        parts.append(f"time limit {tl:g} s")
+    return ", ".join(parts)
 
 
 def smallest_feasible_budget(problem: Problem, policy_fn, params: dict[str, Any], *,
@@ -129,7 +183,7 @@ def default_plan_path(trace_path: str | os.PathLike) -> Path:
 def plan_file(trace_path: str | os.PathLike, budget: str | int, output=None, *,
               policy: str = "capuchin", bandwidth: str | float | None = None,
               iteration: int | None = None, force: bool = False,
-              **params: Any) -> tuple[Plan, Path]:
+              time_limit_s: float | None = None, **params: Any) -> tuple[Plan, Path]:
     """What ``capuchin plan`` does: ``make_plan`` on a trace file, saved (atomically) to
     ``output`` (default ``default_plan_path``). Refuses to overwrite without ``force`` (checked
     before planning)."""
@@ -137,5 +191,5 @@ def plan_file(trace_path: str | os.PathLike, budget: str | int, output=None, *,
     if out.exists() and not force:
         raise OutputExistsError(f"{out}: exists; use --force to overwrite")
     plan = make_plan(trace_path, budget, policy, iteration=iteration, bandwidth=bandwidth,
-                     **params)
+                     time_limit_s=time_limit_s, **params)
     return plan, plan.save(out)

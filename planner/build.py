@@ -8,6 +8,7 @@ per-op action table (Note [Action timing] in plan.py), and records provenance an
 from __future__ import annotations
 
 import datetime as _dt
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -83,8 +84,20 @@ def build_plan(problem: Problem, decisions: Sequence[Decision], *, policy: str,
     return plan, sim
 
 
+def policy_parameters(requested: dict[str, Any] | None, decisions: Any) -> dict[str, Any]:
+    """What a plan's ``provenance.parameters`` records: the options the policy was called with
+    (``requested``) and, over them, the figures the policy reported about its own run (a list
+    subclass with a ``parameters`` dict, e.g. the ``ilp`` policy's ``status``,
+    ``optimality_gap``, ``solve_time_s``, ``stages``). One helper for ``api.make_plan`` and
+    ``compare.evaluate``."""
+    reported = getattr(decisions, "parameters", None)
+    return {**(requested or {}), **(dict(reported) if isinstance(reported, dict) else {})}
+
+
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in d.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None  # JSON has no inf/nan: "not known"
         out[k] = v if isinstance(v, str | int | float | bool | type(None) | list | dict) else str(v)
     return out

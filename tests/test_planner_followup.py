@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
-
-from capuchin.planner.build import build_plan
-from capuchin.planner.plan import Decision, Method
+from capuchin.cli import main
+from capuchin.planner.api import make_plan, plan_summary
+from capuchin.planner.build import build_plan, policy_parameters
+from capuchin.planner.plan import Decision, Method, load_plan
 from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
+from capuchin.planner.synthetic import trace_from_ops, transformer_ops
+from capuchin.tracer.reader import write_trace
+from click.testing import CliRunner
 
 # ---- two recompute decisions brought back at the same op (lineage.resolve_recompute) ----------
 
@@ -95,3 +98,67 @@ def test_idle_persistent_storage_is_resident_memory():
 def test_persistent_storage_without_size_is_an_error():
     with pytest.raises(ValueError, match="W"):
         Problem.from_lists([("f", 10, ("x",), ("a",))], {"x": 4, "a": 4}, persistent={"W"})
+
+
+# ---- the policy's reported figures in the plan, `capuchin plan --time-limit` ------------------
+
+def _small_trace(iterations: int = 1):
+    ops, sizes, persistent = transformer_ops(1, 12, hidden_bytes=1 << 14)
+    return trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=12e9,
+                          iterations=iterations)
+
+
+def test_policy_parameters_merges_what_the_policy_reports():
+    class Reported(list):
+        parameters = {"status": "OPTIMAL", "optimality_gap": 0.0, "max_stages": 8}
+
+    assert policy_parameters({"max_stages": 4, "x": 1}, Reported()) == {
+        "max_stages": 8, "x": 1, "status": "OPTIMAL", "optimality_gap": 0.0}
+    assert policy_parameters({"x": 1}, []) == {"x": 1}
+    assert policy_parameters(None, [Decision("A", Method.SWAP, 1, 0, 1)]) == {}
+
+
+def test_make_plan_records_the_ilp_figures_in_the_provenance(tmp_path):
+    pytest.importorskip("ortools")  # the ilp policy's solver
+    p = Problem.from_trace(_small_trace())
+    plan = make_plan(p, "60%", "ilp", time_limit_s=3, max_stages=32, allow_infeasible=True)
+    params = plan.provenance.parameters
+    assert params["status"] in ("OPTIMAL", "FEASIBLE", "INFEASIBLE", "UNKNOWN")
+    assert "optimality_gap" in params and "stages" in params and "ilp_objective_ns" in params
+    assert params["time_limit_s"] == 3.0 and params["max_stages"] == 32
+    assert 0 < params["solve_time_s"] <= plan.provenance.solve_time_s + 1e-3
+    # the figures survive the plan file
+    again = load_plan(plan.save(tmp_path / "p.plan.json"))
+    assert again.provenance.parameters["status"] == params["status"]
+    s = plan_summary(plan)
+    assert s["status"] == params["status"] and s["optimality_gap"] == params["optimality_gap"]
+
+
+def test_time_limit_is_ignored_with_a_note_by_heuristics():
+    p = Problem.from_trace(_small_trace())
+    plan = make_plan(p, "60%", "capuchin", time_limit_s=2)
+    assert any("time limit" in n and "ignored" in n for n in plan.predictions.notes)
+    assert "time_limit_s" not in plan.provenance.parameters
+    assert "optimality_gap" not in plan_summary(plan)  # a heuristic reports nothing
+
+
+def test_cli_plan_ilp_shows_status_and_gap(tmp_path, monkeypatch):
+    pytest.importorskip("ortools")  # the ilp policy's solver
+    monkeypatch.chdir(tmp_path)
+    tr = _small_trace(iterations=2)
+    path = write_trace(tr.events, tr.meta, tmp_path / "tf.trace.parquet")
+    r = CliRunner().invoke(main, ["plan", str(path), "--budget", "60%", "--policy", "ilp",
+                                  "--time-limit", "3", "--json"])
+    assert r.exit_code == 0, r.output  # 60% is above this trace's floor (49%)
+    d = json.loads(r.output)
+    assert d["policy"] == "ilp" and "optimality_gap" in d and d["status"]
+    saved = load_plan(d["output"]).provenance.parameters
+    assert saved["time_limit_s"] == 3.0 and saved["status"] == d["status"]
+    assert saved["optimality_gap"] == d["optimality_gap"]
+    r = CliRunner().invoke(main, ["plan", str(path), "--budget", "60%", "--policy", "ilp",
+                                  "--time-limit", "3", "--force"])
+    assert r.exit_code == 0, r.output
+    assert f"solver status {d['status']}" in r.output and "optimality gap" in r.output
+    r = CliRunner().invoke(main, ["plan", str(path), "--budget", "60%", "--time-limit", "0",
+                                  "--force"])
+    assert r.exit_code != 0  # a time limit must be positive
