@@ -24,6 +24,24 @@ independent of the policy that made the decisions; every policy's output goes th
 # - Sources a replay reads that are swapped out are restored on demand (the runtime does the
 #   same); sources that are dead, dropped, or written since the replayed op read them are errors.
 # - Memory events at the same instant apply frees first.
+#
+# Note: [Swap-out memory and delayed synchronization]
+# The simulator takes no budget and compute never waits for a swap-out. A storage being swapped
+# out stays in device memory from its evicted-access until its device->host copy completes, at
+# out_end_ns = max(end of the evicted-access op, d2h channel free) + size / d2h bandwidth
+# (``DecisionOutcome.out_end_ns`` = ``freed_ns``); every allocation made meanwhile simply adds to
+# the curve. So a plan whose peak is over the budget only because swap-outs are still in flight
+# is reported over budget (the builder marks it infeasible), with no stall charged.
+# The paper's runtime (§5.3, reference/capuchin.md §1.9) would instead, when an allocation does
+# not fit, synchronize the earliest unfinished swap-out (compute stalls until its out_end_ns) and
+# free it, repeating while swap-outs are pending: the same plan fits there, at the cost of that
+# stall. The simulator does not model this wait on purpose: its result would depend on the
+# budget (today one plan has one curve and one time, which the policies, the ILP and
+# ``smallest_feasible_budget`` rely on), and a policy should not lean on it anyway (Capuchin
+# hides a swap only when its free time covers both copies). The judgement is conservative:
+# a plan it calls feasible needs no delayed synchronization; one it calls over budget might run
+# under a Capuchin runtime with stalls. To see whether in-flight swap-outs explain an excess,
+# compare the peak time with the decisions' ``out_end_ns``.
 """
 
 from __future__ import annotations

@@ -162,3 +162,29 @@ def test_cli_plan_ilp_shows_status_and_gap(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, ["plan", str(path), "--budget", "60%", "--time-limit", "0",
                                   "--force"])
     assert r.exit_code != 0  # a time limit must be positive
+
+
+# ---- swap-out memory: freed when the copy completes, compute never waits (simulator Note) -----
+
+
+def test_in_flight_swap_out_counts_in_memory_and_compute_does_not_wait():
+    # A (1000 B) is swapped out after f1 at 1e6 B/s: a 1 ms copy, while f2 and f3 take 20 ns.
+    # The paper's runtime would wait for the copy when f2's output does not fit; the simulator
+    # (Note [Swap-out memory and delayed synchronization]) keeps A in memory until the copy
+    # completes, charges no stall, and reports the peak with A still resident.
+    ops = [("f0", 10, ("x",), ("A",)), ("f1", 10, ("A",), ("B",)), ("f2", 10, ("B",), ("C",)),
+           ("f3", 10, ("C",), ("D",)), ("b", 10, ("D", "A"), ("G",))]
+    sizes = {"x": 4, "A": 1000, "B": 10, "C": 500, "D": 10, "G": 4}
+    p = Problem.from_lists(ops, sizes, live_at_end={"x"}, bandwidth_bytes_per_s=1e6)
+    sim = simulate(p, [Decision("A", Method.SWAP, 1000, 1, 4, trigger_op=None)])
+    out = sim.outcomes[0]
+    copy_ns = round(1000 / 1e6 * 1e9)
+    assert out.out_start_ns == sim.op_end_ns[1] and out.out_end_ns == out.out_start_ns + copy_ns
+    assert out.freed_ns == out.out_end_ns
+    # no compute op waited for the swap-out: f2 and f3 ran back to back after f1
+    assert sim.op_start_ns[2] == sim.op_end_ns[1] and sim.op_start_ns[3] == sim.op_end_ns[2]
+    assert sim.op_end_ns[3] < out.out_end_ns
+    # so A is still resident when C is allocated: f2's peak has x, A, B and C
+    assert sim.op_peak_bytes[2] == 4 + 1000 + 10 + 500
+    # the back-access waits for the (on-demand) swap-in, which follows the swap-out
+    assert out.in_start_ns >= out.out_end_ns and out.stall_ns > 0
