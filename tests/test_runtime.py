@@ -43,12 +43,15 @@ def steady(rt: Runtime):
 def test_plan_trains_bitwise(name, method):
     plan = hand_plan(problem(name), method, limit=8)
     assert plan.records, "the hand plan evicts something"
-    rt = Runtime(plan, measure_memory=False)
+    rt = Runtime(plan, measure_memory=True)
     got = run_example(TRACES / f"{name}.py", STEPS, rt)
     assert state_mismatches(reference(name), got) == []
     its = steady(rt)
     assert its and not any(s.diverged for s in its), "the plan was followed in steady iterations"
     assert all(s.evictions > 0 for s in its)
+    pred = plan.predictions.predicted_peak_bytes  # the simulator's, on the same trace
+    assert all(abs(s.peak_bytes - pred) <= 0.10 * pred for s in its), (
+        [s.peak_bytes for s in its], pred)
     if method in ("swap", "hybrid"):
         assert all(s.swapped_out_bytes > 0 and s.swapped_in_bytes > 0 for s in its)
     if method in ("recompute", "hybrid"):
