@@ -86,8 +86,12 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
     if plan.predictions.feasible:
         return plan
     floor = problem.floor_bytes()
+    # the best effort's own peak is a good first guess, unless the policy gave up (an exact
+    # policy such as the ilp returns no decisions when nothing fits): then search up from the floor
+    gave_up = sim.peak_bytes >= problem.peak_bytes
     best = smallest_feasible_budget(problem, fn, params,
-                                    start_bytes=max(sim.peak_bytes, floor, budget_bytes + 1),
+                                    start_bytes=max(floor if gave_up else sim.peak_bytes, floor,
+                                                    budget_bytes + 1),
                                     steps=10 if problem.n_ops <= 20_000 else 4)
     msg = (f"{problem.trace_path or 'trace'}: budget {format_bytes(budget_bytes)} "
            f"({budget_bytes} B) cannot be met by policy {policy!r}: its plan peaks at "

@@ -188,3 +188,19 @@ def test_in_flight_swap_out_counts_in_memory_and_compute_does_not_wait():
     assert sim.op_peak_bytes[2] == 4 + 1000 + 10 + 500
     # the back-access waits for the (on-demand) swap-in, which follows the swap-out
     assert out.in_start_ns >= out.out_end_ns and out.stall_ns > 0
+
+
+def test_smallest_budget_named_when_the_policy_gives_up_below_the_floor():
+    # below the floor the ilp proves nothing fits and returns no decisions (its plan peaks at the
+    # baseline); the error must still name a budget it reaches, not the baseline peak
+    pytest.importorskip("ortools")
+    from capuchin.errors import InfeasibleBudgetError
+
+    p = Problem.from_trace(_small_trace())
+    below = p.floor_bytes() - 1
+    with pytest.raises(InfeasibleBudgetError) as err:
+        make_plan(p, below, "ilp", time_limit_s=3)
+    best = err.value.smallest_feasible_bytes
+    assert p.floor_bytes() <= best < p.peak_bytes
+    plan = make_plan(p, best, "ilp", time_limit_s=3)
+    assert plan.predictions.feasible and plan.predictions.predicted_peak_bytes <= best
