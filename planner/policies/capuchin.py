@@ -28,8 +28,11 @@ recompute-only variants. Registered as ``capuchin``, ``swap`` and ``recompute``.
 # hybrid re-decides with the simulated costs: a swap whose simulated stall exceeds the time of
 # replaying it becomes a recomputation (all such swaps at once, else the most wasteful one
 # alone), kept only when the re-simulated plan is faster and its peak not higher; repeated
-# until nothing improves. This is Algorithm 1's comparison with measured instead of estimated
-# swap overheads.
+# until nothing improves. A recomputation that waited for a swapped-out source regenerates
+# that source instead, or is swapped itself, when that is cheaper than the wait. This is
+# Algorithm 1's comparison with measured instead of estimated overheads. On the target grid
+# (Note [Targets]) each stalled plan is also switched against the next three grid targets above
+# its peak (more room for the replays' temporaries), still independent of the budget.
 #
 # Note: [Restricted variants]
 # A safety net, not part of the paper: the hybrid also computes the swap-only and the
@@ -189,6 +192,15 @@ def _grid_plans(problem: Problem, *args) -> list[tuple[list[Decision], int, int]
         decisions = _prune(problem, decisions, sim, cap, regen)
         sim = simulate(problem, decisions)
         out.append((decisions, sim.peak_bytes, sim.time_ns))
+        if args[0] != "hybrid" or sim.stall_ns == 0:
+            continue
+        # Note [Stalled swaps] with more room: the plan's stalled decisions switched as far as
+        # the next grid targets above its peak allow (still budget-independent)
+        above = sorted(x for x in targets if sim.peak_bytes < x < peak)[:3]
+        for c in above:
+            ds, csim, _ = _convert_stalled(problem, decisions, sim, c, args[2], args[3], regen)
+            if csim.time_ns < sim.time_ns and csim.peak_bytes <= c:
+                out.append((ds, csim.peak_bytes, csim.time_ns))
     return out
 
 
