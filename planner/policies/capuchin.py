@@ -39,10 +39,15 @@ recompute-only variants. Registered as ``capuchin``, ``swap`` and ``recompute``.
 # recompute-only plans (same machinery, same target grid, cached) and returns whichever of the
 # three fits with the smallest simulated time (when none fits: the lowest peak; ties keep the
 # hybrid's own plan). Greedy hybrid selection can lose to a restricted variant on real traces
-# (e.g. DTR's resnet32 at 43% of peak: hybrid +39.7% vs recompute-only +16.5% before this
-# net), because an early swap taken as "free" makes later recomputations longer or stalls
-# once the copy channel is crowded; with the net, ``capuchin`` is never worse than ``swap`` or
-# ``recompute`` under the simulator. It costs the time of planning the two variants.
+# (e.g. DTR's resnet32 trace at 4 GiB, 43% of peak: the hybrid's own plan +25.3% after Note
+# [Stalled swaps], +46.7% before it, vs recompute-only +16.5%), because swaps taken early as
+# "free" leave the expensive recomputations for later (long replays through evicted
+# intermediates) and still stall once the copy channels are crowded; with the net, ``capuchin`` is never worse than ``swap`` or
+# ``recompute`` under the simulator. It costs the time of planning the two variants (on the
+# bundled transformer trace, 627 ops, about 3x the hybrid's own planning time, most of it the
+# recompute-only grid's pruning), so it is applied only on problems of up to SEARCH_MAX_OPS ops
+# (those that get the target grid); larger problems keep the planner-speed target and get the
+# hybrid's own plan, with no such guarantee.
 """
 
 from __future__ import annotations
@@ -92,8 +97,9 @@ def capuchin(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
     The plan returned is the cheapest fitting one among plans for a fixed grid of targets on
     problems of up to ``SEARCH_MAX_OPS`` ops (Note [Targets]), so more budget never costs more.
     After each simulated round, swaps that stalled longer than their replay would take become
-    recomputations (Note [Stalled swaps]). Safety net: when the swap-only or recompute-only
-    plan fits faster, that plan is returned instead (Note [Restricted variants]).
+    recomputations (Note [Stalled swaps]). Safety net, on problems of up to ``SEARCH_MAX_OPS``
+    ops: when the swap-only or recompute-only plan fits faster, that plan is returned instead
+    (Note [Restricted variants]).
 
     Output contract (registry Note [Policy contract]): at most one decision per storage; swap
     decisions carry their in-trigger, recompute decisions their replay ops, sources and keeps.
@@ -125,7 +131,7 @@ def _plan(problem: Problem, budget: int, mode: str, max_rounds: int, collective:
     """See Note [Targets]; the hybrid also Note [Restricted variants]."""
     if problem.n_ops == 0 or problem.peak_bytes <= budget:
         return []
-    if mode != "hybrid":
+    if mode != "hybrid" or problem.n_ops > SEARCH_MAX_OPS:  # net: Note [Restricted variants]
         return _plan_mode(problem, budget, mode, max_rounds, collective, max_replay_ops)
     best = None
     for m, col, rep in (("hybrid", collective, max_replay_ops), ("recompute", collective,
