@@ -29,7 +29,9 @@ recompute-only variants. Registered as ``capuchin``, ``swap`` and ``recompute``.
 # replaying it becomes a recomputation (all such swaps at once, else the most wasteful one
 # alone), kept only when the re-simulated plan is faster and its peak not higher; repeated
 # until nothing improves. A recomputation that waited for a swapped-out source regenerates
-# that source instead, or is swapped itself, when that is cheaper than the wait. This is
+# that source instead, or is swapped itself, when that is cheaper than the wait; when no stalled
+# decision is left to switch, the one replay that would gain most as a swap (its overhead
+# estimated on the channels as simulated) is tried, one at a time. This is
 # Algorithm 1's comparison with measured instead of estimated overheads. On the target grid
 # (Note [Targets]) each stalled plan is also switched against the next three grid targets above
 # its peak (more room for the replays' temporaries), still independent of the budget.
@@ -255,8 +257,9 @@ def _convert_stalled(problem: Problem, decisions: list[Decision], sim, budget: i
         res = Residency(decisions)
         timer = None
         gains = []  # (time saved estimate, storage, replacement, regenerates its sources)
+        calm = []  # the same for replays that did not stall: swapping them may be cheaper
         for d, o in zip(decisions, sim.outcomes, strict=True):
-            if o.stall_ns <= 0:
+            if o.stall_ns <= 0 and o.recompute_ns <= 0:
                 continue
             if d.method == Method.SWAP:  # recompute it instead
                 r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
@@ -268,10 +271,13 @@ def _convert_stalled(problem: Problem, decisions: list[Decision], sim, budget: i
                             d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op,
                             d.back_op), True))
                 continue
-            # a replay waiting for swapped-out sources: regenerate them, or swap the target
-            r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
-                           resident=_regen_swapped(problem, res, d.back_op),
-                           max_ops=max_replay_ops)
+            # a replay waiting for swapped-out sources: regenerate them, or swap the target;
+            # a replay costlier than swapping given the channels as simulated: swap it
+            r = None
+            if o.stall_ns > 0:
+                r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
+                               resident=_regen_swapped(problem, res, d.back_op),
+                               max_ops=max_replay_ops)
             if r is not None:
                 extra = sum(ops[j].duration_ns for j in r[0]) - o.recompute_ns
                 if extra < o.stall_ns:
@@ -281,17 +287,19 @@ def _convert_stalled(problem: Problem, decisions: list[Decision], sim, budget: i
                 timer = _timer_from(problem, sim, decisions, sim.op_peak_bytes > budget)
             e = timer.estimate(d.size_bytes, d.evict_op, d.back_op)
             if e.overhead_ns < o.stall_ns + o.recompute_ns:
-                gains.append((o.stall_ns + o.recompute_ns - e.overhead_ns, d.storage_id,
-                              Decision(d.storage_id, Method.SWAP, d.size_bytes, d.evict_op,
-                                       d.back_op, trigger_op=e.trigger_op), False))
-        if not gains:
-            break
+                (gains if o.stall_ns > 0 else calm).append((
+                    o.stall_ns + o.recompute_ns - e.overhead_ns, d.storage_id,
+                    Decision(d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op,
+                             trigger_op=e.trigger_op), False))
         gains.sort(key=lambda g: (-g[0], g[1]))
+        calm.sort(key=lambda g: (-g[0], g[1]))
         cap = max(budget, sim.peak_bytes)
         improved = False
-        # all of them at once first (they also free the copy channel for the others), then
-        # the most wasteful alone
-        for batch in (gains, gains[:1]):
+        # stalled decisions: all of them at once first (they also free the copy channel for
+        # the others), then the most wasteful alone; then the one replay that would gain most
+        # as a swap
+        batches = [gains, gains[:1]] if len(gains) > 1 else [gains] if gains else []
+        for batch in batches + ([calm[:1]] if calm else []):
             new = {g[1]: g[2] for g in batch}
             trial = [new.get(d.storage_id, d) for d in decisions]
             more = regen | {g[1] for g in batch if g[3]}
@@ -303,8 +311,6 @@ def _convert_stalled(problem: Problem, decisions: list[Decision], sim, budget: i
                 continue
             if tsim.peak_bytes <= cap and tsim.time_ns < sim.time_ns:
                 decisions, sim, improved, regen = trial, tsim, True, frozenset(more)
-                break
-            if len(gains) == 1:
                 break
         if not improved:
             break
