@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from capuchin.planner.plan import Method
 from capuchin.planner.policies import capuchin as cap
 from capuchin.planner.problem import Problem
