@@ -49,7 +49,8 @@ recompute-only variants. Registered as ``capuchin``, ``swap`` and ``recompute``.
 # bundled transformer trace, 627 ops, about 3x the hybrid's own planning time, most of it the
 # recompute-only grid's pruning), so it is applied only on problems of up to SEARCH_MAX_OPS ops
 # (those that get the target grid); larger problems keep the planner-speed target and get the
-# hybrid's own plan, with no such guarantee.
+# hybrid's own plan, with no such guarantee. When the hybrid's own plan fits at no cost (its
+# simulated time equals the baseline), the variants are not planned at all.
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ def _plan(problem: Problem, budget: int, mode: str, max_rounds: int, collective:
                else sim.peak_bytes)
         if best is None or key < best[0]:  # ties keep the earlier: the hybrid's own plan
             best = (key, decisions)
+        if not key[0] and sim.time_ns <= sim.baseline_time_ns:
+            break  # fits at no cost: nothing can beat it
     return best[1] if best else []
 
 
