@@ -24,24 +24,27 @@ recompute-only variants. Registered as ``capuchin``, ``swap`` and ``recompute``.
 # Algorithm 1 compares a swap's *estimated* overhead with a recomputation's. The estimate sees
 # the copy channel as the swaps chosen so far occupy it, but the simulation can still show a
 # swap stalling much longer (swap-outs delayed behind others, on-demand restores of swapped
-# sources, prefetches pushed later by the peak window). So after every simulated round the
-# hybrid re-decides with the simulated costs: a swap whose simulated stall exceeds the time of
-# replaying it becomes a recomputation (all such swaps at once, else the most wasteful one
-# alone), kept only when the re-simulated plan is faster and its peak not higher; repeated
-# until nothing improves. A recomputation that waited for a swapped-out source regenerates
-# that source instead, or is swapped itself, when that is cheaper than the wait; when no stalled
-# decision is left to switch, the one replay that would gain most as a swap (its overhead
-# estimated on the channels as simulated) is tried, one at a time. This is
-# Algorithm 1's comparison with measured instead of estimated overheads. On the target grid
-# (Note [Targets]) each stalled plan is also switched against the next three grid targets above
-# its peak (more room for the replays' temporaries), still independent of the budget.
+# sources, prefetches pushed later by the peak window). So the hybrid re-decides with the
+# simulated costs (``_convert_stalled``): a swap whose simulated stall exceeds the time of
+# replaying it becomes a recomputation; a recomputation that waited for a swapped-out source
+# regenerates that source instead, or is swapped itself, when that is cheaper than the wait
+# (all such switches at once first, else the most wasteful alone); when no stalled decision is
+# left, the one replay that would gain most as a swap (overhead estimated on the channels as
+# simulated) is tried. A switch is kept only when the re-simulated plan is faster and its peak
+# not above the target; repeated until nothing improves. This is Algorithm 1's comparison with
+# measured instead of estimated overheads. On the target grid (Note [Targets]) the switched
+# plan is *added* next to the unswitched one (each pruned on its own), and every stalled plan
+# is also switched against the next two grid targets above its peak (more room for replay
+# temporaries): the grid only gains plans, so the hybrid never gets worse than without the
+# switching, and it stays budget-independent. Larger problems switch their final plan against
+# the budget.
 #
 # Note: [Restricted variants]
 # A safety net, not part of the paper: the hybrid also computes the swap-only and the
 # recompute-only plans (same machinery, same target grid, cached) and returns whichever of the
 # three fits with the smallest simulated time (when none fits: the lowest peak; ties keep the
 # hybrid's own plan). Greedy hybrid selection can lose to a restricted variant on real traces
-# (e.g. DTR's resnet32 trace at 4 GiB, 43% of peak: the hybrid's own plan +25.3% after Note
+# (e.g. DTR's resnet32 trace at 4 GiB, 43% of peak: the hybrid's own plan +22.5% after Note
 # [Stalled swaps], +46.7% before it, vs recompute-only +16.5%), because swaps taken early as
 # "free" leave the expensive recomputations for later (long replays through evicted
 # intermediates) and still stall once the copy channels are crowded; with the net, ``capuchin`` is never worse than ``swap`` or
@@ -99,8 +102,8 @@ def capuchin(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
 
     The plan returned is the cheapest fitting one among plans for a fixed grid of targets on
     problems of up to ``SEARCH_MAX_OPS`` ops (Note [Targets]), so more budget never costs more.
-    After each simulated round, swaps that stalled longer than their replay would take become
-    recomputations (Note [Stalled swaps]). Safety net, on problems of up to ``SEARCH_MAX_OPS``
+    Decisions that stalled in simulation longer than the other method would cost are switched
+    (Note [Stalled swaps]). Safety net, on problems of up to ``SEARCH_MAX_OPS``
     ops: when the swap-only or recompute-only plan fits faster, that plan is returned instead
     (Note [Restricted variants]).
 
@@ -199,19 +202,24 @@ def _grid_plans(problem: Problem, *args) -> list[tuple[list[Decision], int, int]
             continue
         if sim is None:
             continue
-        cap = max(t, sim.peak_bytes)
-        decisions = _prune(problem, decisions, sim, cap, regen)
-        sim = simulate(problem, decisions)
-        out.append((decisions, sim.peak_bytes, sim.time_ns))
-        if args[0] != "hybrid" or sim.stall_ns == 0:
-            continue
-        # Note [Stalled swaps] with more room: the plan's stalled decisions switched as far as
-        # the next grid targets above its peak allow (still budget-independent)
-        above = sorted(x for x in targets if sim.peak_bytes < x < peak)[:3]
-        for c in above:
-            ds, csim, _ = _convert_stalled(problem, decisions, sim, c, args[2], args[3], regen)
-            if csim.time_ns < sim.time_ns and csim.peak_bytes <= c:
-                out.append((ds, csim.peak_bytes, csim.time_ns))
+        variants = [(decisions, sim, regen)]
+        if args[0] == "hybrid" and sim.stall_ns + sim.recompute_ns > 0:
+            # Note [Stalled swaps]: also the plan with its costly decisions switched (within
+            # the target), pruned on its own: the grid only gains plans
+            cds, csim, cregen = _convert_stalled(problem, decisions, sim, t, args[2], args[3])
+            if cds is not decisions:
+                variants.append((cds, csim, cregen))
+        for ds, vsim, rg in variants:
+            ds = _prune(problem, ds, vsim, max(t, vsim.peak_bytes), rg)
+            vsim = simulate(problem, ds)
+            out.append((ds, vsim.peak_bytes, vsim.time_ns))
+            if args[0] != "hybrid" or vsim.stall_ns == 0:
+                continue
+            # and switched as far as the next grid targets above its peak allow
+            for c in sorted(x for x in targets if vsim.peak_bytes < x < peak)[:2]:
+                cds, csim, _ = _convert_stalled(problem, ds, vsim, c, args[2], args[3], rg)
+                if csim.time_ns < vsim.time_ns and csim.peak_bytes <= c:
+                    out.append((cds, csim.peak_bytes, csim.time_ns))
     return out
 
 
@@ -235,10 +243,6 @@ def _attempt(problem: Problem, budget: int, mode: str, max_rounds: int, collecti
                 sim = simulate(problem, decisions)
             else:
                 raise
-        if mode == "hybrid":  # Note [Stalled swaps]
-            decisions, sim, regen = _convert_stalled(problem, decisions, sim, budget,
-                                                     collective, max_replay_ops, regen)
-            chosen = {d.storage_id: d for d in decisions}
         if best[1] is None or sim.peak_bytes < best[1].peak_bytes:
             best = (decisions, sim, regen)
         if sim.peak_bytes <= budget or not added:
