@@ -33,11 +33,14 @@ recompute-only variants. Registered as ``capuchin``, ``swap`` and ``recompute``.
 # simulated) is tried. A switch is kept only when the re-simulated plan is faster and its peak
 # not above the target; repeated until nothing improves. This is Algorithm 1's comparison with
 # measured instead of estimated overheads. On the target grid (Note [Targets]) the switched
-# plan is *added* next to the unswitched one (each pruned on its own), and every stalled plan
-# is also switched against the next two grid targets above its peak (more room for replay
-# temporaries): the grid only gains plans, so the hybrid never gets worse than without the
-# switching, and it stays budget-independent. Larger problems switch their final plan against
-# the budget.
+# plans are *added* next to the unswitched one (each pruned on its own): the final plan
+# switched; when it stalled, also a second selection that switches after every round before
+# selecting more (this changes which decisions follow; better on some traces, worse on
+# others); and every stalled plan switched against the next two grid targets above its peak
+# (more room for replay temporaries). The grid only gains plans, so the hybrid never gets
+# worse than without the switching, and it stays budget-independent; the price is up to about
+# twice the hybrid's planning time on traces with stalls. Larger problems switch their final
+# plan against the budget.
 #
 # Note: [Restricted variants]
 # A safety net, not part of the paper: the hybrid also computes the swap-only and the
@@ -209,6 +212,11 @@ def _grid_plans(problem: Problem, *args) -> list[tuple[list[Decision], int, int]
             cds, csim, cregen = _convert_stalled(problem, decisions, sim, t, args[2], args[3])
             if cds is not decisions:
                 variants.append((cds, csim, cregen))
+            if sim.stall_ns > 0:  # and switched after every round, which changes the path
+                try:
+                    variants.append(_attempt(problem, t, *args, switch=True))
+                except PlanError:
+                    pass
         for ds, vsim, rg in variants:
             ds = _prune(problem, ds, vsim, max(t, vsim.peak_bytes), rg)
             vsim = simulate(problem, ds)
@@ -224,9 +232,10 @@ def _grid_plans(problem: Problem, *args) -> list[tuple[list[Decision], int, int]
 
 
 def _attempt(problem: Problem, budget: int, mode: str, max_rounds: int, collective: bool,
-             max_replay_ops: int):
-    """Rounds of selection and simulation for one target; (decisions, simulation) of the best
-    round (the first that fits)."""
+             max_replay_ops: int, switch: bool = False):
+    """Rounds of selection and simulation for one target; (decisions, simulation, regen) of
+    the best round (the first that fits). ``switch``: switch stalled decisions after every
+    round, before selecting more (Note [Stalled swaps])."""
     excess = problem.live_bytes.astype(np.int64) - budget
     chosen: dict[str, Decision] = {}
     timer = SwapTimer(problem, excess > 0)
@@ -243,6 +252,10 @@ def _attempt(problem: Problem, budget: int, mode: str, max_rounds: int, collecti
                 sim = simulate(problem, decisions)
             else:
                 raise
+        if switch:
+            decisions, sim, regen = _convert_stalled(problem, decisions, sim, budget,
+                                                     collective, max_replay_ops, regen)
+            chosen = {d.storage_id: d for d in decisions}
         if best[1] is None or sim.peak_bytes < best[1].peak_bytes:
             best = (decisions, sim, regen)
         if sim.peak_bytes <= budget or not added:
