@@ -478,6 +478,19 @@ def _regen_swapped(problem: Problem, res: Residency, back_op: int):
     return resident
 
 
+def _replay(problem: Problem, d: Decision, res: Residency, regen: frozenset):
+    """``replay_for`` of a recompute decision: storages in ``regen`` first try to regenerate
+    their swapped-out sources (``_regen_swapped``); otherwise, or when that finds no replay,
+    the ordinary replay that restores them on demand."""
+    r = None
+    if d.storage_id in regen:
+        r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
+                       resident=_regen_swapped(problem, res, d.back_op))
+    if r is None:
+        r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res)
+    return r
+
+
 def _finish(problem: Problem, decisions: list[Decision], excess: np.ndarray,
             collective: bool, regen: frozenset = frozenset()) -> list[Decision]:
     """Exact lineage for the recompute decisions against the final residency, and collective
@@ -488,12 +501,7 @@ def _finish(problem: Problem, decisions: list[Decision], excess: np.ndarray,
     out = []
     for d in sorted(decisions, key=lambda d: (d.back_op, d.storage_id)):
         if d.method == Method.RECOMPUTE:
-            r = None
-            if d.storage_id in regen:
-                r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
-                               resident=_regen_swapped(problem, res, d.back_op))
-            if r is None:
-                r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res)
+            r = _replay(problem, d, res, regen)
             if r is None:  # its sources vanished under later decisions: swap it instead
                 d = Decision(d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op)
             else:
@@ -586,12 +594,7 @@ def _without(problem: Problem, decisions: list[Decision], gone: Decision,
     out = []
     for x in kept:
         if x.method == Method.RECOMPUTE and (sid in x.keep or producer in x.replay_ops):
-            r = None
-            if x.storage_id in regen:
-                r = replay_for(problem, x.storage_id, x.evict_op, x.back_op, res,
-                               resident=_regen_swapped(problem, res, x.back_op))
-            if r is None:
-                r = replay_for(problem, x.storage_id, x.evict_op, x.back_op, res)
+            r = _replay(problem, x, res, regen)
             if r is None:
                 return None
             x = Decision(x.storage_id, Method.RECOMPUTE, x.size_bytes, x.evict_op, x.back_op,
