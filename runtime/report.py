@@ -4,7 +4,8 @@
 # ``peak_bytes`` comes from PyTorch's own allocator accounting, never from the runtime's
 # bookkeeping: CUDA ``torch.cuda.max_memory_allocated`` (reset at each iteration start); CPU the
 # profiler's allocator events (``torch.profiler`` with ``profile_memory=True``: each allocation
-# and free carries the allocator's running "Total Allocated"), taking the maximum inside each
+# and free with its address and size; live bytes rebuilt by address, Note [Profiler allocation
+# offset]), taking the maximum inside each
 # iteration's ``record_function`` range. The CPU allocator counts only blocks allocated while the
 # profiler runs, so the runtime starts it on entry: with ``capuchin run`` that is before the
 # script, so the model, the data and the optimizer state are counted as in the trace. Host
@@ -166,12 +167,14 @@ class MemoryMeter:
 
 
 def cpu_peaks(prof) -> dict[int, int]:
-    """Peak "Total Allocated" of the CPU allocator inside each ``capuchin.iteration.N`` range."""
+    """Peak of the CPU allocator's live bytes inside each ``capuchin.iteration.N`` range, from
+    the profiler's allocation events (Note [Profiler allocation offset])."""
+    import bisect
+
     from torch._C._profiler import _EventType
 
     ranges: list[tuple[int, int, int]] = []
-    allocs: list[tuple[int, int]] = []
-    first_alloc: list[tuple[int, int, int]] = []
+    events: list[tuple[int, int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         ev = stack.pop()
@@ -179,28 +182,40 @@ def cpu_peaks(prof) -> dict[int, int]:
         if ev.tag == _EventType.Allocation:
             a = ev.extra_fields
             if a.device.type == "cpu":
-                allocs.append((ev.start_time_ns, a.total_allocated))
-                first_alloc.append((ev.start_time_ns, a.total_allocated, a.alloc_size))
+                events.append((ev.start_time_ns, a.ptr, a.alloc_size))
         elif ev.tag == _EventType.TorchOp and ev.name.startswith(_RANGE):
             ranges.append((ev.start_time_ns, ev.end_time_ns, int(ev.name[len(_RANGE):])))
-    allocs.sort()
-    # Note: [Profiler allocation offset]
-    # The CPU allocator's running total is process-global and never reset: blocks allocated while
-    # an earlier profiler ran and freed while none did are never subtracted. So the total at the
-    # start of this window is subtracted from every value (0 in a fresh process, as with
-    # ``capuchin run``; it matters when several runs are measured in one process).
-    offset = 0
-    if allocs:
-        first = min(first_alloc, key=lambda x: x[0])
-        offset = max(0, first[1] - first[2])
-    allocs = [(t, v - offset) for t, v in allocs]
+    times, values = live_bytes_series(events)
     peaks: dict[int, int] = {}
-    import bisect
-
-    times = [t for t, _ in allocs]
     for t0, t1, n in ranges:
         lo = bisect.bisect_left(times, t0)
         hi = bisect.bisect_right(times, t1)
         if hi > lo:
-            peaks[n] = max(v for _, v in allocs[lo:hi])
+            peaks[n] = max(values[lo:hi])
     return peaks
+
+
+def live_bytes_series(events: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
+    """``(times, live bytes after each event)`` from allocator events ``(time_ns, ptr, size)``
+    (size < 0 for a free). Note: [Profiler allocation offset]
+    The allocator's own running total ("Total Allocated") is process-global: a block allocated
+    while an *earlier* profiler ran stays in its size table, and when it is freed inside this
+    window the total drops by its size (seen in CI: -0.9 to -1.5 MB when an earlier test's
+    objects were released mid-iteration). So the total is rebuilt from the events by address:
+    allocations seen in this window count until their own free; a free of a block allocated
+    before the window is ignored, which is what the allocator itself does with blocks allocated
+    before any profiler ran. With ``capuchin run`` (a fresh process, profiler started before the
+    script) both readings agree."""
+    live: dict[int, int] = {}
+    total = 0
+    times: list[int] = []
+    values: list[int] = []
+    for t, ptr, size in sorted(events):
+        if size > 0:
+            total += size - live.get(ptr, 0)
+            live[ptr] = size
+        elif ptr in live:
+            total -= live.pop(ptr)
+        times.append(t)
+        values.append(total)
+    return times, values

@@ -10,6 +10,7 @@ from pathlib import Path
 import capuchin
 import pytest
 from capuchin.cli import main
+from capuchin.runtime.report import live_bytes_series
 from capuchin.tracer.record import Tracer
 from capuchin.tracer.schema import Col, Kind, Role
 from capuchin.tracer.script import run_script
@@ -22,12 +23,13 @@ EXAMPLES = ["cnn", "transformer", "mlp"]
 
 
 def _profiler_total_allocated_peak(prof, until_ns: int) -> int:
-    """PyTorch's own number: the CPU allocator's "Total Allocated" (bytes allocated while profiling,
-    minus their frees) at its highest before ``until_ns``, above its value when the profiler
-    started. The profiler starts at the first op of the first recorded iteration, so before the
-    second recorded iteration this is exactly one iteration's window. (The counter is process-wide
-    and keeps blocks from earlier profiling sessions that were freed while no profiler ran, hence
-    the baseline.)"""
+    """PyTorch's own number: the CPU allocator's live bytes, from the profiler's allocation events
+    (each with its address and size), at their highest before ``until_ns``, counting the blocks
+    allocated while the profiler ran. The profiler starts at the first op of the first recorded
+    iteration, so before the second recorded iteration this is exactly one iteration's window.
+    (Not the allocator's own running total: it is process-wide, and drops when a block that an
+    earlier test's profiler saw allocated is freed inside this window; runtime/report.py Note
+    [Profiler allocation offset].)"""
     from torch._C._profiler import _EventType
 
     events = []
@@ -36,12 +38,9 @@ def _profiler_total_allocated_peak(prof, until_ns: int) -> int:
         n = stack.pop()
         stack.extend(n.children)
         if n.typed[0] == _EventType.Allocation and n.start_time_ns < until_ns:
-            events.append((n.start_time_ns, n.typed[1].alloc_size, n.typed[1].total_allocated))
-    events.sort()
-    # the first allocation (a free of a block older than the profiler reports no total)
-    _, first_size, first_total = next(e for e in events if e[1] > 0)
-    baseline = first_total - first_size
-    return max(total for _, size, total in events if size > 0) - baseline
+            events.append((n.start_time_ns, n.typed[1].ptr, n.typed[1].alloc_size))
+    _, values = live_bytes_series(events)
+    return max(values)
 
 
 def _range_start_ns(prof, name: str) -> int:
