@@ -25,6 +25,10 @@ _EXPORTS = {
     "load_plan": ".planner.plan",
     "Plan": ".planner.plan",
     "make_plan": ".planner.api",
+    "compare_policies": ".planner.compare",
+    "plans_frame": ".planner.views",
+    "memory_curves": ".planner.views",
+    "plot_plans": ".planner.views",
     "parse_budget": ".planner.budget",
     "Runtime": ".runtime.engine",
 }

@@ -184,9 +184,11 @@ def import_dtr_cmd(log: str, output: str | None, bandwidth: str | None, force: b
               help="Time limit per solve for policies that take one (the ILP).")
 @click.option("--no-search", is_flag=True, help="Skip the smallest-feasible-budget search.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of records instead.")
+@click.option("--plot", "plot", type=click.Path(dir_okay=False), default=None,
+              help="Also draw every policy's memory curve at the smallest budget into this PNG.")
 @_errors_to_exit
 def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: float | None,
-                no_search: bool, as_json: bool) -> None:
+                no_search: bool, as_json: bool, plot: str | None) -> None:
     """Run every policy on TRACE at each budget through the one simulator; print a table.
 
     Per policy and budget: feasible, predicted peak, overhead, bytes swapped, ops recomputed,
@@ -199,6 +201,18 @@ def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: fl
         trace, budgets, policies=policies.split(",") if policies else None,
         time_limit_s=time_limit_s, search_smallest=not no_search)
     click.echo(records_to_json(result) if as_json else format_comparison(result))
+    if plot:
+        from pathlib import Path
+
+        from .planner.api import load_problem
+        from .planner.budget import format_bytes
+        from .planner.views import plot_plans
+
+        budget = min(r.budget_bytes for r in result.records)
+        plans = {pol: pl for (pol, b), pl in result.plans.items() if b == budget and pl}
+        out = plot_plans(plans, plot, problem=load_problem(trace),
+                         title=f"{Path(trace).name}: every policy at {format_bytes(budget)}")
+        click.echo(f"wrote {out}", err=as_json)
 # CLI-COMPARE-END
 
 

@@ -20,7 +20,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import CapuchinError
@@ -69,6 +69,21 @@ class Comparison:
     baseline_time_ns: int
     floor_bytes: int
     records: tuple[CompareRecord, ...]
+    # (policy, budget_bytes) -> the plan evaluated there (None when the policy failed)
+    plans: dict[tuple[str, int], Plan | None] = field(default_factory=dict, repr=False,
+                                                      compare=False)
+
+    @property
+    def frame(self):
+        """The records as a pandas DataFrame (one row per policy and budget), with the budget
+        and the predicted peak also as fractions of the baseline peak."""
+        import pandas as pd
+
+        df = pd.DataFrame([asdict(r) for r in self.records])
+        if not df.empty:
+            df["budget_fraction"] = df["budget_bytes"] / self.baseline_peak_bytes
+            df["peak_fraction"] = df["predicted_peak_bytes"] / self.baseline_peak_bytes
+        return df
 
 
 def evaluate(problem: Problem, policy: str, budget_bytes: int,
@@ -153,11 +168,15 @@ def compare_policies(trace: str | os.PathLike | Any, budgets: str | Sequence[str
     if not amounts:
         raise CapuchinError("no budget given (e.g. --budget 8G,6G or --budget 60%)")
     records: list[CompareRecord] = []
+    plans: dict[tuple[str, int], Plan | None] = {}
     for name in names:
         p = dict((params or {}).get(name, {}))
         if time_limit_s is not None:
             p.setdefault("time_limit_s", time_limit_s)
-        mine = [evaluate(problem, name, b, p)[0] for b in amounts]
+        mine = []
+        for b in amounts:
+            rec, plans[name, b] = evaluate(problem, name, b, p)
+            mine.append(rec)
         if search_smallest:
             best = smallest_feasible_budget(problem, name, params=p, known=mine,
                                             tolerance=search_tolerance)
@@ -165,7 +184,7 @@ def compare_policies(trace: str | os.PathLike | Any, budgets: str | Sequence[str
         records.extend(mine)
     return Comparison(trace=problem.trace_path or str(trace),
                       baseline_peak_bytes=problem.peak_bytes, baseline_time_ns=problem.time_ns,
-                      floor_bytes=problem.floor_bytes(), records=tuple(records))
+                      floor_bytes=problem.floor_bytes(), records=tuple(records), plans=plans)
 
 
 # ---- output -------------------------------------------------------------------------------------

@@ -97,3 +97,25 @@ def test_cli_compare_unknown_policy_lists_the_valid_ones(trace_file):
     r = CliRunner().invoke(main, ["compare", str(trace_file), "--budget", "80%", "--policies", "lru"])
     assert r.exit_code != 0
     assert "lru" in r.output and "checkpoint-sqrt" in r.output and "dtr" in r.output
+
+
+def test_frame_and_plans_are_the_records(problem):
+    result = compare_policies(problem, "90%,60%", policies=["capuchin", "dtr"],
+                              search_smallest=False)
+    df = result.frame
+    assert len(df) == len(result.records) == 4
+    for r, row in zip(result.records, df.itertuples(), strict=True):
+        assert (row.policy, row.budget_bytes, row.feasible) == (r.policy, r.budget_bytes, r.feasible)
+        assert row.budget_fraction == r.budget_bytes / problem.peak_bytes
+        plan = result.plans[r.policy, r.budget_bytes]
+        assert plan.predictions.predicted_peak_bytes == r.predicted_peak_bytes
+
+
+def test_cli_compare_plot_draws_every_policy_at_the_smallest_budget(trace_file, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "cmp.png"
+    r = CliRunner().invoke(main, ["compare", str(trace_file), "--budget", "90%,60%",
+                                  "--policies", "capuchin,dtr", "--no-search", "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {png}" in r.output
