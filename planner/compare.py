@@ -227,6 +227,11 @@ def format_comparison(result: Comparison) -> str:
                      format_bytes(r.bytes_swapped) if r.bytes_swapped else "0",
                      f"{r.ops_recomputed} ops", f"{r.solve_time_s:.2f}s", note])
     lines += _table(header, rows)
+    if any(r.policy in ("capuchin", "swap", "recompute") for r in result.records) \
+            and len({r.budget_bytes for r in result.records}) > 1:
+        lines.append("(capuchin, swap and recompute plan a fixed grid of targets once per trace "
+                     "(policies/capuchin.py Note [Targets]): their first budget's solve time "
+                     "includes it, later budgets reuse it)")
     smallest = {}
     for r in result.records:
         if r.smallest_feasible_bytes is not None:

@@ -9,7 +9,9 @@ feedback (swap.py), drops that cannot be replayed exactly become swaps (recomput
 from __future__ import annotations
 
 import os
+import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -24,6 +26,15 @@ from .recompute import RecomputeEngine
 from .report import IterationStats, MemoryMeter, RunReport
 from .swap import SwapEngine
 from .tracker import Executor
+
+
+@dataclass
+class PassiveStats(IterationStats):
+    """``IterationStats`` plus ``passive_short_bytes``: the most that passive mode's resident
+    bytes (plus the next op's allocation) stayed over the budget with nothing left it may evict
+    (Note [Passive budget on CPU] in passive.py); 0 when the budget was kept."""
+
+    passive_short_bytes: int = 0
 
 
 class _Indexer(OpIndexer):
@@ -134,6 +145,15 @@ class Runtime:
             self.backend.close()
         for s in self._iters:
             s.peak_bytes = peaks.get(s.iteration)
+        short = [s for s in self._iters if s.passive_short_bytes > 0]
+        if short and exc_type is None:
+            worst = max(s.passive_short_bytes for s in short)
+            print(f"capuchin: warning: passive mode could not keep {len(short)} iteration(s) "
+                  f"{[s.iteration for s in short][:8]} within the budget of "
+                  f"{self.budget_bytes / 2**20:.1f} MiB: up to {worst / 2**20:.1f} MiB over it "
+                  "with nothing left to evict (parameters, gradients and optimizer state of "
+                  "earlier iterations, and an op's own inputs and outputs stay resident); see "
+                  "passive_short_bytes in the report", file=sys.stderr)
         self.report = RunReport(self.budget_bytes, str(self.device),
                                 self.plan_source if self.plan is not None else None, self._iters)
         if self.report_path is not None and exc_type is None:
@@ -141,7 +161,7 @@ class Runtime:
 
     # ---- iteration callbacks (from the indexer, inside the first op of an iteration) ----------
     def _iteration_start(self, n: int) -> None:
-        self._cur = IterationStats(iteration=n)
+        self._cur = PassiveStats(iteration=n)
         self._t0 = time.perf_counter()
         self._t_step = None
         if self.meter is not None:
@@ -153,6 +173,7 @@ class Runtime:
         if s is None:
             return
         self.ex.restore_all()
+        self.ex.end_iteration()
         end = self._t_step if self._t_step is not None else time.perf_counter()
         s.time_s = end - self._t0
         s.ops = last_op + 1

@@ -6,11 +6,26 @@ iteration that diverged from its plan, and iterations the plan does not cover. I
 storages that ops allocate while it is on (an LRU order of last access) and only ever evicts those
 (Note [Storage-level eviction] in state.py).
 
-Memory: on CUDA the allocator's own count (``memory_allocated``) decides; on a real out-of-memory
-error (the runtime caps the process with ``set_per_process_memory_fraction``) the tracker evicts and
-retries the op. The CPU allocator keeps no count outside the profiler, so on CPU the estimate is
-``base_bytes`` (what was resident when tracking began: the storages reachable from the
-optimizers, or the plan's prediction at the divergence point) plus the tracked storages.
+# Note: [Passive budget on CPU]
+# Memory: on CUDA the allocator's own count (``memory_allocated``) decides; on a real out-of-memory
+# error (the runtime caps the process with ``set_per_process_memory_fraction``) the tracker evicts
+# and retries the op. The CPU allocator keeps no count outside the profiler, so on CPU resident
+# bytes are ``base_bytes`` (what was resident and untracked when tracking began: the storages
+# reachable from the optimizers) plus the tracked storages. Measured against the profiler's
+# allocator events this is exact at op boundaries (the examples: within 0.2 KiB); what it missed
+# was *inside* an op: the op's outputs are allocated before the tracker sees them, so evicting
+# after the op let the measured peak overshoot by the largest output (2 MiB of a 19.6 MiB budget
+# on the transformer, an addmm; +10%). So room is made *before* each op for what it will allocate:
+# the bytes of its evicted inputs that come back, plus its new outputs, predicted by running the
+# op on meta tensors (shapes only, no data, no RNG) the first time a (op, argument shapes) pair
+# is seen, and learned from the real outputs after each run (``new_bytes``). Scratch memory a
+# kernel frees before returning is invisible to both and not budgeted.
+# The storages tracked while a plan is followed (``Executor.watching``) make the estimate complete
+# when a diverged iteration switches to passive mode; a first divergence in an unwatched iteration
+# misses the live outputs of the ops before it (see engine.py, README "## Run").
+# What passive eviction cannot reach (parameters, gradients and optimizer state allocated in an
+# earlier iteration, the op's own inputs and outputs) is counted: ``short_bytes`` is the most the
+# estimate stayed over the budget with nothing left to evict, reported per iteration.
 """
 
 from __future__ import annotations
@@ -19,12 +34,16 @@ import collections
 import weakref
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
+from ..tracer.hooks import flatten_outputs
 from .state import storage_key
+
+_CACHE_MAX = 65536  # (op, argument shapes) pairs remembered; cleared when full
 
 
 class PassiveTracker:
-    def __init__(self, budget_bytes: int, device: torch.device):
+    def __init__(self, budget_bytes: int | None, device: torch.device):
         self.budget_bytes = budget_bytes
         self.device_type = device.type
         self.lru: collections.OrderedDict[int, tuple[weakref.ref, int]] = collections.OrderedDict()
@@ -32,6 +51,7 @@ class PassiveTracker:
         self.tracked_bytes = 0  # tracked and resident
         self.base_bytes = 0
         self.active = False
+        self.new_bytes: dict[tuple, int] = {}  # (op, argument shapes) -> bytes its outputs allocate
 
     def start(self, base_bytes: int) -> None:
         self.active = True
@@ -43,7 +63,30 @@ class PassiveTracker:
     def estimate_bytes(self) -> int:
         return self.base_bytes + self.tracked_bytes
 
-    def track_outputs(self, outs: list, input_keys: set[int]) -> None:
+    # ---- what an op will allocate (Note [Passive budget on CPU]) ---------------------------------
+    def predict(self, func, args: tuple, kwargs: dict) -> tuple[tuple | None, int]:
+        """``(key, bytes)``: the bytes op ``func`` will allocate for new outputs on this device,
+        learned from an earlier run of the same op on the same argument shapes, else computed on
+        meta tensors (0 if the op has no meta kernel; learned after it runs)."""
+        try:
+            key = (func, _sig(args), _sig(kwargs))
+            hash(key)
+        except TypeError:
+            return None, 0
+        n = self.new_bytes.get(key)
+        if n is None:
+            n = _meta_new_bytes(func, args, kwargs)
+            if n is None:
+                return key, 0
+            if len(self.new_bytes) >= _CACHE_MAX:
+                self.new_bytes.clear()
+            self.new_bytes[key] = n
+        return key, n
+
+    def track_outputs(self, outs: list, input_keys: set[int], key: tuple | None = None) -> int:
+        """Track the storages ``outs`` allocated (not inputs, not tracked yet). Returns their bytes
+        and remembers them for ``key`` (from ``predict``)."""
+        new = 0
         for t in outs:
             try:
                 st = t.untyped_storage()
@@ -51,16 +94,22 @@ class PassiveTracker:
                 continue
             if st.device.type != self.device_type:
                 continue
-            key = storage_key(st)
-            if key in input_keys:
+            k = storage_key(st)
+            if k in input_keys:
                 continue
-            if key in self.lru:
-                self.lru.move_to_end(key)
+            if k in self.lru:
+                self.lru.move_to_end(k)
                 continue
             n = st.nbytes()
-            self.lru[key] = (weakref.ref(st, self._died(key)), n)
-            self.in_iteration.add(key)
+            self.lru[k] = (weakref.ref(st, self._died(k)), n)
+            self.in_iteration.add(k)
             self.tracked_bytes += n
+            new += n
+        if key is not None:
+            if len(self.new_bytes) >= _CACHE_MAX:
+                self.new_bytes.clear()
+            self.new_bytes[key] = new
+        return new
 
     def touch(self, keys) -> None:
         lru = self.lru
@@ -103,3 +152,70 @@ class PassiveTracker:
                 continue
             got += n
             yield key, st, n
+
+
+def _sig(x):
+    """A hashable summary of op arguments: tensors by shape, strides and dtype (enough to know
+    what the op allocates), everything else as itself."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.stride() if x.layout is torch.strided else None, x.dtype,
+                x.device.type)
+    if isinstance(x, (list, tuple)):
+        return tuple(_sig(a) for a in x)
+    if isinstance(x, dict):
+        return tuple((k, _sig(v)) for k, v in x.items())
+    return x
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(a) for a in x)
+    return x
+
+
+def _meta_new_bytes(func, args: tuple, kwargs: dict) -> int | None:
+    """Bytes of the new output storages of ``func`` computed on meta tensors (no data is read or
+    written and no generator advances), or None when that is not possible. An op without tensor
+    arguments runs on meta only through its ``device`` argument; without one it is not run (it
+    would run for real)."""
+    try:
+        margs = [_to_meta(a) for a in args]
+        mkw = {k: _to_meta(v) for k, v in kwargs.items()}
+        has_tensor = any(isinstance(a, torch.Tensor) for a in _leaves(margs, mkw))
+        dev = [i for i, a in enumerate(func._schema.arguments) if a.name == "device"]
+        if dev:
+            if dev[0] < len(margs):
+                margs[dev[0]] = torch.device("meta")
+            else:
+                mkw["device"] = torch.device("meta")
+        elif not has_tensor:
+            return None
+        if any(isinstance(a, torch.Tensor) and a.device.type != "meta"
+               for a in _leaves(margs, mkw)):
+            return None
+        ins = {storage_key(a.untyped_storage()) for a in _leaves(margs, mkw)
+               if isinstance(a, torch.Tensor)}
+        with _disable_current_modes(), torch.no_grad():
+            out = func(*margs, **mkw)
+        seen = set()
+        total = 0
+        for o in flatten_outputs(out):
+            st = o.untyped_storage()
+            k = storage_key(st)
+            if k in ins or k in seen:
+                continue
+            seen.add(k)
+            total += st.nbytes()
+        return total
+    except Exception:  # no meta kernel, data-dependent output, ...: learned after the run
+        return None
+
+
+def _leaves(margs, mkw):
+    for a in (*margs, *mkw.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a

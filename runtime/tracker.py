@@ -11,6 +11,17 @@
 # read an evicted storage (Note [Storage-level eviction] in state.py). The shape check (the
 # ``shape_signature`` of the trace) runs on ops with actions, so a run that diverges only in shapes
 # (another batch size) is caught before any of its planned actions runs.
+
+# Note: [Watched iterations]
+# Passive mode can only count and evict storages it saw allocated (Note [Passive budget on CPU] in
+# passive.py). An iteration that diverges midway switches to passive mode with the outputs of its
+# guided ops unseen: their bytes are missing from the estimate and they cannot be evicted. A run
+# that diverged once usually diverges again (another batch size diverges every iteration), so
+# the iteration after a diverged one is *watched*: every op takes the slow path, is checked by
+# name and shapes (so a shape divergence is caught at its first op, not at the first op with an
+# action), and its new storages are tracked while the plan is followed. An iteration that ends
+# without diverging turns watching off again (the hot path returns). Iteration 0 always diverges
+# (it builds the model), so iteration 1 is watched.
 """
 
 from __future__ import annotations
@@ -92,6 +103,8 @@ class Executor:
         self.op_time: dict[int, float] = {}
         self.trigger_now: dict[str, int] = {}  # late-prefetch feedback (Note [Late prefetch ...])
         self.guided = False
+        self.watching = False  # Note [Watched iterations]
+        self.last_diverged = False
         self.warned = False
         self.stats = None
 
@@ -106,6 +119,8 @@ class Executor:
         self.dependents.clear()
         self.passive.new_iteration()
         self.guided = self.table is not None
+        # Note [Watched iterations]
+        self.watching = self.guided and self.last_diverged and self.rt.passive_enabled
         self.pending.clear()
         self.op_refs.clear()
         if self.table is not None:
@@ -120,6 +135,9 @@ class Executor:
             self.passive.start(self._base_bytes())
         self._update_fast()
 
+    def end_iteration(self) -> None:
+        self.last_diverged = self.stats is not None and self.stats.diverged
+
     def restore_all(self) -> None:
         """Iteration end (or step end): every evicted storage comes back."""
         for e in list(self.entries.values()):
@@ -131,7 +149,8 @@ class Executor:
     # ---- fast path switch -------------------------------------------------------------------------
     def _update_fast(self) -> None:
         quiet = (self.guided and not self.entries and not self.swap.pending_out
-                 and not self.recompute.records and not self.passive.active)
+                 and not self.recompute.records and not self.passive.active
+                 and not self.watching)
         self.mode.fast = self.table.fast if quiet else _EMPTY
 
     # ---- the slow path ------------------------------------------------------------------------------
@@ -153,7 +172,8 @@ class Executor:
                 self._diverge(k, info.name, "op")
             else:
                 acts = tbl.ops.get(k)
-                if acts is not None and shape_signature(t.shape for t in flat) != tbl.signatures[k]:
+                if (acts is not None or self.watching) \
+                        and shape_signature(t.shape for t in flat) != tbl.signatures[k]:
                     self._diverge(k, info.name, "shapes")
                     acts = None
         if self.swap.pending_out:
@@ -163,7 +183,14 @@ class Executor:
         if acts is not None:  # planned first, so a back-access is seen as planned (late check)
             for step, sid in acts.before:
                 self._before(step, sid, k)
-        keys = _keys(flat) if (self.entries or self.passive.active or self.dependents) else None
+        passive = self.passive.active
+        watch = passive or (self.watching and self.guided)
+        keys = _keys(flat) if (self.entries or watch or self.dependents) else None
+        pkey = None
+        if passive:  # room first for what the op brings back and allocates (Note [Passive budget on CPU])
+            self.passive.touch(keys)
+            pkey, out_bytes = self.passive.predict(func, args, kwargs)
+            self._enforce_budget(set(keys), out_bytes + self._coming_back(keys))
         if self.entries:  # on demand: nothing may read an evicted storage
             for key in keys:
                 e = self.entries.get(key)
@@ -190,13 +217,8 @@ class Executor:
                     self.live[sid] = weakref.ref(flat[a].untyped_storage())
             if acts.record:
                 rec = self.recompute.record(k, func, args, kwargs, flat, written, info.seeded)
-        if self.passive.active:
-            if keys is None:
-                keys = _keys(flat)
-            self.passive.touch(keys)
-            self._enforce_budget(set(keys))
         out = self._run(func, args, kwargs)
-        if acts is not None or self.passive.active:
+        if acts is not None or watch:
             outs = flatten_outputs(out)
             if keys is None:
                 keys = _keys(flat)
@@ -209,8 +231,9 @@ class Executor:
                     self.recompute.recorded_outputs(rec, out, in_keys)
                 for step, sid in acts.after:
                     self._evict(step, sid)
-            if self.passive.active:
-                self.passive.track_outputs(outs, in_keys)
+            if watch:
+                self.passive.track_outputs(outs, in_keys, pkey)
+            if passive:
                 self._enforce_budget(in_keys | set(_keys(outs)))
         self._update_fast()
         return out
@@ -269,6 +292,7 @@ class Executor:
             e.extra["copy"] = _snapshot(st)
         self.entries[key] = e
         self.by_sid[sid] = e
+        self.passive.evicted(key)  # a tracked storage (watched iteration) leaves the estimate
         if swap:
             self.swap.evict(e)
         else:
@@ -322,13 +346,13 @@ class Executor:
             raise RecomputeError(f"verify: storage {e.sid} came back with other bytes "
                                  f"({'swap' if e.swap else 'recompute'})")
         self._forget(e)
-        if e.reason is Reason.PASSIVE and key is not None:
-            self.passive.restored(key, e.nbytes)
 
     def _forget(self, e: Entry) -> None:
         st = e.storage
         if st is not None:
-            self.entries.pop(storage_key(st), None)
+            key = storage_key(st)
+            self.entries.pop(key, None)
+            self.passive.restored(key, st.nbytes())
         else:
             for key, x in list(self.entries.items()):
                 if x is e:
@@ -425,12 +449,25 @@ class Executor:
                 total += st.nbytes()
         return total
 
-    def _enforce_budget(self, protect: set) -> None:
+    def _coming_back(self, keys: list) -> int:
+        """Bytes the on-demand restore of this op's evicted inputs will allocate."""
+        if not self.entries:
+            return 0
+        total = 0
+        for key in set(keys):
+            e = self.entries.get(key)
+            if e is not None and e.state is Residency.OUT:
+                total += e.nbytes
+        return total
+
+    def _enforce_budget(self, protect: set, extra_bytes: int = 0) -> None:
+        """Evict until resident bytes plus ``extra_bytes`` (what the next op allocates) fit the
+        budget; what cannot be evicted is counted as ``passive_short_bytes``."""
         budget = self.passive.budget_bytes
         if budget is None:
             return
         alloc = self.backend.allocated_bytes()
-        used = alloc if alloc is not None else self.passive.estimate_bytes()
+        used = (alloc if alloc is not None else self.passive.estimate_bytes()) + extra_bytes
         over = used - budget
         if over <= 0:
             return
@@ -438,9 +475,12 @@ class Executor:
             freed = self.swap.sync_earliest()
             over -= freed
         if over > 0:
-            self._evict_passive(over, protect)
+            over -= self._evict_passive(over, protect)
+            if over > self.stats.passive_short_bytes:
+                self.stats.passive_short_bytes = over
 
-    def _evict_passive(self, need: int, protect: set) -> bool:
+    def _evict_passive(self, need: int, protect: set) -> int:
+        """Swap out least recently used storages synchronously; returns the bytes freed."""
         got = 0
         for key, st, n in list(self.passive.victims(need, protect)):
             if key in self.entries:
@@ -452,4 +492,4 @@ class Executor:
             self.passive.evicted(key)
             self.stats.passive_evictions += 1
             got += n
-        return got > 0
+        return got
