@@ -1,6 +1,6 @@
 """Reporting for plans: the human summary, ``capuchin show PLAN``, the memory plot, and the Chrome
 trace of the simulated schedule. Analyses live elsewhere and return data; this module draws.
-matplotlib is imported only inside ``plot_memory``.
+matplotlib is imported only when plotting (``pyplot``).
 """
 
 from __future__ import annotations
@@ -79,13 +79,7 @@ def plot_memory(plan: Plan, sim: SimResult, problem: Problem, out: str | os.Path
     """Baseline vs planned memory over the iteration (ms), the budget line, both peaks marked,
     and below it one bar per evicted storage (largest first, at most ``max_bars``) from the
     moment its memory is freed until it is back: blue = swapped, orange = recomputed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise CapuchinError("plotting needs matplotlib: pip install 'capuchin[plot]'") from None
+    plt = pyplot()
     mib = 2**20
     base = problem.memory()
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 7), sharex=True,
@@ -118,10 +112,27 @@ def plot_memory(plan: Plan, sim: SimResult, problem: Problem, out: str | os.Path
     ax2.plot([], [], color="C0", lw=6, label="swapped out")
     ax2.plot([], [], color="C1", lw=6, label="dropped (recomputed)")
     ax2.legend(loc="upper right", fontsize=8)
+    return save_figure(fig, out)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, imported on first use."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CapuchinError("plotting needs matplotlib: pip install 'capuchin[plot]'") from None
+    return plt
+
+
+def save_figure(fig, out: str | os.PathLike) -> Path:
+    """Lay out, write as PNG (110 dpi) and close ``fig``."""
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     return out
 
 

@@ -100,13 +100,9 @@ def plot_plans(plans: Plans, out: str | os.PathLike, problem: Problem | None = N
                title: str | None = None) -> Path:
     """The memory curves of ``memory_curves`` in one figure (MiB over ms), each plan's budget as
     a dashed line in its colour and each peak marked; the legend gives overhead and peak."""
-    try:
-        import matplotlib
+    from .report import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise CapuchinError("plotting needs matplotlib: pip install 'capuchin[plot]'") from None
+    plt = pyplot()
     named = _named(plans)
     if not named:
         raise CapuchinError("plot_plans: no plans to plot")
@@ -135,8 +131,4 @@ def plot_plans(plans: Plans, out: str | os.PathLike, problem: Problem | None = N
     ax.set_ylabel("device memory (MiB)")
     ax.set_title(title or "memory over the iteration (dashed: budgets)")
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
