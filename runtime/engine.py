@@ -109,6 +109,10 @@ class Runtime:
         swap = SwapEngine(self.backend, self.plan.provenance.bandwidth_d2h_bytes_per_s
                           if self.plan is not None else 12e9)
         passive = PassiveTracker(self.budget_bytes if self.passive_enabled else None, self.device)
+        if self.plan is not None and self.passive_enabled:
+            problem = self._trace_problem()
+            if problem is not None:
+                passive.use_trace_scratch(problem)
         self.ex = None
         recompute = RecomputeEngine(lambda st: self.ex.ensure_resident(st),
                                     self._may_keep)
@@ -158,6 +162,28 @@ class Runtime:
                                 self.plan_source if self.plan is not None else None, self._iters)
         if self.report_path is not None and exc_type is None:
             self.report.save(self.report_path)
+
+    def _trace_problem(self):
+        """The plan's trace, for the scratch memory its ops need (Note [Passive budget on CPU]
+        in passive.py); None when the trace is not found where the plan says (as given, or next
+        to the plan file) or does not load."""
+        from pathlib import Path
+
+        from ..errors import CapuchinError
+        from ..planner.problem import Problem
+        from ..tracer.reader import load_trace
+
+        tp = Path(self.plan.provenance.trace_path or "")
+        cands = [tp]
+        if not tp.is_absolute() and self.plan_source != "<plan>":
+            cands.append(Path(self.plan_source).parent / tp.name)
+        for c in cands:
+            if str(tp) and c.is_file():
+                try:
+                    return Problem.from_trace(load_trace(c))
+                except (CapuchinError, OSError, ValueError, KeyError):
+                    return None
+        return None
 
     # ---- iteration callbacks (from the indexer, inside the first op of an iteration) ----------
     def _iteration_start(self, n: int) -> None:

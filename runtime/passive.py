@@ -19,7 +19,11 @@ storages that ops allocate while it is on (an LRU order of last access) and only
 # the bytes of its evicted inputs that come back, plus its new outputs, predicted by running the
 # op on meta tensors (shapes only, no data, no RNG) the first time a (op, argument shapes) pair
 # is seen, and learned from the real outputs after each run (``new_bytes``). Scratch memory a
-# kernel frees before returning is invisible to both and not budgeted.
+# kernel uses and frees before returning (a convolution's: about its output's size again) is
+# invisible to both; the trace measured it (Role.SCRATCH rows), so when the plan's trace is at
+# hand its scratch is budgeted too: exactly for an op name and input shapes seen in the trace,
+# else at that op name's largest scratch-to-input ratio (``use_trace_scratch``). Without a trace
+# (``Runtime(budget_bytes=...)``) scratch is not budgeted (the CNN's iteration 0: 1.06x).
 # The storages tracked while a plan is followed (``Executor.watching``) make the estimate complete
 # when a diverged iteration switches to passive mode; a first divergence in an unwatched iteration
 # misses the live outputs of the ops before it (see engine.py, README "## Run").
@@ -37,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..tracer.hooks import flatten_outputs
+from ..tracer.schema import shape_signature
 from .state import storage_key
 
 _CACHE_MAX = 65536  # (op, argument shapes) pairs remembered; cleared when full
@@ -52,6 +57,41 @@ class PassiveTracker:
         self.base_bytes = 0
         self.active = False
         self.new_bytes: dict[tuple, int] = {}  # (op, argument shapes) -> bytes its outputs allocate
+        self.scratch_exact: dict[tuple[str, str], int] = {}  # (op name, shape signature) -> bytes
+        self.scratch_ratio: dict[str, float] = {}  # op name -> largest scratch / input bytes
+
+    def use_trace_scratch(self, problem, min_bytes: int = 4096) -> None:
+        """Budget the scratch memory the trace measured (``planner.problem.Problem``)."""
+        for o in problem.ops:
+            if o.scratch_bytes < min_bytes:
+                continue
+            key = (o.name, o.signature)
+            self.scratch_exact[key] = max(self.scratch_exact.get(key, 0), o.scratch_bytes)
+            ins = sum(problem.storages[s].size_bytes for s in set(o.inputs)
+                      if s in problem.storages)
+            if ins > 0:
+                self.scratch_ratio[o.name] = max(self.scratch_ratio.get(o.name, 0.0),
+                                                 o.scratch_bytes / ins)
+
+    def scratch(self, name: str, flat: list) -> int:
+        """Scratch bytes op ``name`` on inputs ``flat`` is expected to use (0 if unknown)."""
+        ratio = self.scratch_ratio.get(name)
+        if ratio is None:
+            return 0
+        n = self.scratch_exact.get((name, shape_signature(t.shape for t in flat)))
+        if n is not None:
+            return n
+        seen = set()
+        ins = 0
+        for t in flat:
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if storage_key(st) not in seen:
+                seen.add(storage_key(st))
+                ins += st.nbytes()
+        return int(ratio * ins)
 
     def start(self, base_bytes: int) -> None:
         self.active = True
