@@ -221,6 +221,9 @@ def _meta_new_bytes(func, args: tuple, kwargs: dict) -> int | None:
     arguments runs on meta only through its ``device`` argument; without one it is not run (it
     would run for real)."""
     try:
+        rets = func._schema.returns
+        if rets and all(r.alias_info is not None for r in rets):
+            return 0  # views and in-place/out= ops return their inputs' storages
         margs = [_to_meta(a) for a in args]
         mkw = {k: _to_meta(v) for k, v in kwargs.items()}
         has_tensor = any(isinstance(a, torch.Tensor) for a in _leaves(margs, mkw))
