@@ -109,9 +109,9 @@ class PassiveTracker:
         learned from an earlier run of the same op on the same argument shapes, else computed on
         meta tensors (0 if the op has no meta kernel; learned after it runs)."""
         try:
-            key = (func, _sig(args), _sig(kwargs))
+            key = (func, _sig(args), _sig(kwargs) if kwargs else ())
             hash(key)
-        except TypeError:
+        except (TypeError, RuntimeError):  # an unhashable argument; a tensor without strides
             return None, 0
         n = self.new_bytes.get(key)
         if n is None:
@@ -198,8 +198,7 @@ def _sig(x):
     """A hashable summary of op arguments: tensors by shape, strides and dtype (enough to know
     what the op allocates), everything else as itself."""
     if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), x.stride() if x.layout is torch.strided else None, x.dtype,
-                x.device.type)
+        return (x.shape, x.stride(), x.dtype)
     if isinstance(x, (list, tuple)):
         return tuple(_sig(a) for a in x)
     if isinstance(x, dict):
