@@ -150,6 +150,9 @@ def resolve_recompute(problem: Problem, decisions: Sequence[Decision]) -> list[D
         d = out[i]
         if d.method != Method.RECOMPUTE:
             continue
+        # kept by an earlier replay (collective recomputation): its own replay will not run
+        # (simulator and runtime skip it), so it regenerates nothing for later decisions
+        replays = res.out_at(d.storage_id, d.back_op) == Method.RECOMPUTE
         if not d.replay_ops:
             r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res)
             if r is None:
@@ -159,7 +162,7 @@ def resolve_recompute(problem: Problem, decisions: Sequence[Decision]) -> list[D
             d = out[i] = replace(d, replay_ops=tuple(ops), sources=tuple(srcs),
                                  keep=tuple(keepable(problem, d, ops, res)))
         # what this replay leaves resident for the decisions brought back after it
-        for x in (d.storage_id, *d.keep):
+        for x in (d.storage_id, *d.keep) if replays else ():
             res.regenerated(x, d.back_op)
     return out
 

@@ -295,3 +295,22 @@ def test_cli_import_dtr_from_inside_the_zip(tmp_path):
     assert load_trace(out).meta.extra["dtr_model"] == "unet"
     r = CliRunner().invoke(main, ["import-dtr", str(DTR_ZIP), "-o", str(out)])
     assert r.exit_code != 0 and "resnet32" in r.output  # lists the members
+
+
+@needs_zip
+def test_dtr_plans_on_the_unet_log_are_valid_plans(converted):
+    """Regression: on U-Net at 40% a replay kept by an earlier replay (its own replay never runs)
+    was taken to keep its intermediates too; the builder then named a dropped storage as a source
+    of a later replay and the simulator refused the plan."""
+    from capuchin.planner.build import complete_decisions
+    from capuchin.planner.registry import get_policy
+    from capuchin.planner.simulator import simulate
+
+    (trace, _), = [v for k, v in converted.items() if k.startswith("unet")]
+    problem = Problem.from_trace(trace)
+    for frac in (0.4, 0.6):
+        budget = int(problem.peak_bytes * frac)
+        ds = complete_decisions(problem, get_policy("dtr")(problem, budget))
+        assert any(d.keep for d in ds), frac  # collective recomputation is exercised
+        sim = simulate(problem, ds)  # raised PlanError at 40% before the fix
+        assert sim.time_ns >= problem.time_ns
