@@ -23,7 +23,10 @@ storages that ops allocate while it is on (an LRU order of last access) and only
 # invisible to both; the trace measured it (Role.SCRATCH rows), so when the plan's trace is at
 # hand its scratch is budgeted too: exactly for an op name and input shapes seen in the trace,
 # else at that op name's largest scratch-to-input ratio (``use_trace_scratch``). Without a trace
-# (``Runtime(budget_bytes=...)``) scratch is not budgeted (the CNN's iteration 0: 1.06x).
+# (``Runtime(budget_bytes=...)``) on CPU, the few ops whose kernels were measured to need
+# workspace get a default (``_CPU_SCRATCH``, from the bundled CNN's trace: a convolution about
+# its output again, its backward about its inputs, batch norm's backward its output); without
+# it the CNN in passive mode alone measured 1.09x its budget.
 # The storages tracked while a plan is followed (``Executor.watching``) make the estimate complete
 # when a diverged iteration switches to passive mode; a first divergence in an unwatched iteration
 # misses the live outputs of the ops before it (see engine.py, README "## Run").
@@ -46,6 +49,12 @@ from .state import storage_key
 
 _CACHE_MAX = 65536  # (op, argument shapes) pairs remembered; cleared when full
 
+# Scratch of CPU kernels measured by the tracer (Role.SCRATCH) on the bundled CNN, as a multiple
+# of the op's new output bytes ("out") or of its input bytes ("in"); used only without a trace.
+_CPU_SCRATCH = {"aten.convolution.default": "out",
+                "aten.convolution_backward.default": "in",
+                "aten.native_batch_norm_backward.default": "out"}
+
 
 class PassiveTracker:
     def __init__(self, budget_bytes: int | None, device: torch.device):
@@ -59,9 +68,11 @@ class PassiveTracker:
         self.new_bytes: dict[tuple, int] = {}  # (op, argument shapes) -> bytes its outputs allocate
         self.scratch_exact: dict[tuple[str, str], int] = {}  # (op name, shape signature) -> bytes
         self.scratch_ratio: dict[str, float] = {}  # op name -> largest scratch / input bytes
+        self.has_trace = False
 
     def use_trace_scratch(self, problem, min_bytes: int = 4096) -> None:
         """Budget the scratch memory the trace measured (``planner.problem.Problem``)."""
+        self.has_trace = True
         for o in problem.ops:
             if o.scratch_bytes < min_bytes:
                 continue
@@ -73,14 +84,23 @@ class PassiveTracker:
                 self.scratch_ratio[o.name] = max(self.scratch_ratio.get(o.name, 0.0),
                                                  o.scratch_bytes / ins)
 
-    def scratch(self, name: str, flat: list) -> int:
-        """Scratch bytes op ``name`` on inputs ``flat`` is expected to use (0 if unknown)."""
+    def scratch(self, name: str, flat: list, out_bytes: int) -> int:
+        """Scratch bytes op ``name`` on inputs ``flat`` (allocating ``out_bytes`` of new
+        outputs) is expected to use (0 if unknown)."""
         ratio = self.scratch_ratio.get(name)
         if ratio is None:
-            return 0
-        n = self.scratch_exact.get((name, shape_signature(t.shape for t in flat)))
-        if n is not None:
-            return n
+            if self.has_trace or self.device_type != "cpu":
+                return 0
+            how = _CPU_SCRATCH.get(name)
+            if how is None:
+                return 0
+            if how == "out":
+                return out_bytes
+            ratio = 1.0
+        else:
+            n = self.scratch_exact.get((name, shape_signature(t.shape for t in flat)))
+            if n is not None:
+                return n
         seen = set()
         ins = 0
         for t in flat:

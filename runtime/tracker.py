@@ -195,7 +195,7 @@ class Executor:
         if passive:  # room first for what the op brings back and allocates (Note [Passive budget on CPU])
             self.passive.touch(keys)
             pkey, out_bytes = self.passive.predict(func, args, kwargs)
-            out_bytes += self.passive.scratch(info.name, flat)
+            out_bytes += self.passive.scratch(info.name, flat, out_bytes)
             self._enforce_budget(set(keys), out_bytes + self._coming_back(keys))
         if self.entries:  # on demand: nothing may read an evicted storage
             for key in keys:
