@@ -28,8 +28,9 @@ storages that ops allocate while it is on (an LRU order of last access) and only
 # its output again, its backward about its inputs, batch norm's backward its output); without
 # it the CNN in passive mode alone measured 1.09x its budget.
 # The storages tracked while a plan is followed (``Executor.watching``) make the estimate complete
-# when a diverged iteration switches to passive mode; a first divergence in an unwatched iteration
-# misses the live outputs of the ops before it (see engine.py, README "## Run").
+# when a diverged iteration switches to passive mode; at a first divergence in an unwatched
+# iteration the tensors autograd saved so far are found through the graph and counted
+# (``Executor._discover``, Note [Watched iterations] in tracker.py).
 # What passive eviction cannot reach (parameters, gradients and optimizer state allocated in an
 # earlier iteration, the op's own inputs and outputs) is counted: ``short_bytes`` is the most the
 # estimate stayed over the budget with nothing left to evict, reported per iteration.
@@ -170,6 +171,15 @@ class PassiveTracker:
                 self.new_bytes.clear()
             self.new_bytes[key] = new
         return new
+
+    def count(self, st) -> None:
+        """Count a resident storage passive mode did not see allocated (never evicted by it)."""
+        k = storage_key(st)
+        if k in self.lru:
+            return
+        n = st.nbytes()
+        self.lru[k] = (weakref.ref(st, self._died(k)), n)
+        self.tracked_bytes += n
 
     def touch(self, keys) -> None:
         lru = self.lru

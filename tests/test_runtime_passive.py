@@ -138,3 +138,31 @@ def test_convolution_scratch_is_budgeted(with_plan):
     for s in its:
         assert s.peak_bytes <= SLACK * plan.budget_bytes, (s.iteration, s.peak_bytes,
                                                             plan.budget_bytes)
+
+
+def test_first_divergence_deep_in_an_unwatched_iteration_counts_what_came_before(monkeypatch):
+    """A divergence by op name at op 100 of every iteration (a plan table altered to expect
+    another op there): the first diverged iteration is not watched, so passive mode starts with
+    the forward's activations unseen; they are found through the autograd graph and counted
+    (without: 1.24x the budget)."""
+    import capuchin.runtime.engine as engine
+    from capuchin.runtime.actions import compile_plan
+
+    def altered(plan):
+        table = compile_plan(plan)
+        table.expected[100] = torch.ops.aten.sin.default
+        table.fast[100] = None
+        return table
+
+    monkeypatch.setattr(engine, "compile_plan", altered)
+    plan = plan50("transformer")
+    rt = Runtime(plan, measure_memory=True)
+    got = run_example(TRACES / "transformer.py", STEPS, rt)
+    assert state_mismatches(reference("transformer"), got) == []
+    its = complete(rt)
+    assert [s.diverged_at for s in its[1:]] == [100, 100]
+    assert its[1].evictions > 0, "the plan was followed up to op 100"
+    for s in its[1:]:
+        assert s.passive_short_bytes == 0
+        assert s.peak_bytes <= SLACK * plan.budget_bytes, (s.iteration, s.peak_bytes,
+                                                            plan.budget_bytes)
