@@ -200,7 +200,7 @@ class Executor:
         watch = passive or (self.watching and self.guided)
         keys = _keys(flat) if (self.entries or watch or self.dependents) else None
         pkey = None
-        if passive:  # room first for what the op brings back and allocates (Note [Passive budget on CPU])
+        if passive:  # room first for what the op allocates (Note [Passive budget on CPU])
             self.passive.touch(keys)
             pkey, out_bytes = self.passive.predict(func, args, kwargs)
             out_bytes += self.passive.scratch(info.name, flat, out_bytes)
@@ -435,8 +435,8 @@ class Executor:
             if e is None or e.state is not Residency.OUT:
                 self._done_with(tbl.decisions[sid])
         if self.rt.passive_enabled and not self.passive.active:
-            if not self.watching and k > 0:
-                self._discover(flat)
+            if not self.watching and k > 0 and self.backend.allocated_bytes() is None:
+                self._discover(flat)  # CPU only: on CUDA the allocator counts everything
             self.passive.start(self._base_bytes())
 
     def _discover(self, flat: list) -> None:
@@ -475,7 +475,7 @@ class Executor:
                     elif isinstance(v, (list, tuple)):
                         found.extend(x for x in v if isinstance(x, torch.Tensor))
                 stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-        persistent = self._optimizer_keys()
+        persistent = {key for key, _ in self._optimizer_storages()}
         for t in found:
             try:
                 st = t.untyped_storage()
@@ -485,24 +485,10 @@ class Executor:
                     and storage_key(st) not in persistent:
                 self.passive.count(st)
 
-    def _optimizer_keys(self) -> set:
-        keys = set()
-        for opt in list(self.ix.optimizers):
-            for g in opt.param_groups:
-                for p in g["params"]:
-                    keys.add(storage_key(p.untyped_storage()))
-                    if p.grad is not None:
-                        keys.add(storage_key(p.grad.untyped_storage()))
-            for st in opt.state.values():
-                keys.update(storage_key(v.untyped_storage()) for v in st.values()
-                            if isinstance(v, torch.Tensor))
-        return keys
-
-    def _base_bytes(self) -> int:
-        """Resident bytes passive mode cannot see on CPU: the optimizers' tensors (parameters,
-        gradients, state) that it does not track. CUDA uses the allocator's count instead."""
+    def _optimizer_storages(self):
+        """The storages of the optimizers' tensors (parameters, gradients, state) on the managed
+        device, each once."""
         seen = set()
-        total = 0
         for opt in list(self.ix.optimizers):
             ts = []
             for g in opt.param_groups:
@@ -510,19 +496,23 @@ class Executor:
                     ts.append(p)
                     if p.grad is not None:
                         ts.append(p.grad)
-            for s in opt.state.values():
-                ts.extend(v for v in s.values() if isinstance(v, torch.Tensor))
+            for st in opt.state.values():
+                ts.extend(v for v in st.values() if isinstance(v, torch.Tensor))
             for t in ts:
                 try:
                     st = t.untyped_storage()
                 except (RuntimeError, NotImplementedError):
                     continue
                 key = storage_key(st)
-                if key in seen or key in self.passive.lru or st.device.type != self.backend.device.type:
-                    continue
-                seen.add(key)
-                total += st.nbytes()
-        return total
+                if key not in seen and st.device.type == self.backend.device.type:
+                    seen.add(key)
+                    yield key, st
+
+    def _base_bytes(self) -> int:
+        """Resident bytes passive mode cannot see on CPU: the optimizers' tensors (parameters,
+        gradients, state) that it does not track. CUDA uses the allocator's count instead."""
+        return sum(st.nbytes() for key, st in self._optimizer_storages()
+                   if key not in self.passive.lru)
 
     def _coming_back(self, keys: list) -> int:
         """Bytes the on-demand restore of this op's evicted inputs will allocate."""
