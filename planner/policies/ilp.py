@@ -172,13 +172,113 @@ def candidates(problem: Problem, budget_bytes: int, *, swap: bool = True,
     return out
 
 
+# -- sizing the model to the time limit -----------------------------------------------------------
+# Note: [Sizing the model to the time limit]
+# Building the model costs Python time proportional to its size (CP-SAT calls per variable and
+# constraint), and its size grows with the candidates' recompute closures (Checkmate's R over the
+# upstream of every dropped storage) and the swaps' copy schedules (window stages squared). On
+# the DTR traces (1,000-4,000 candidates) the full model has up to millions of variables and took
+# minutes to build whatever the time limit. So the policy ranks the candidates (``_ranked``: the
+# warm start's first, then by bytes freed over the budget per ns of their cheaper method), admits
+# the longest prefix whose *estimated* size (``_admitted``: a dry run of the closure with every
+# candidate as a possible dropper, so an overestimate) fits what the time left can build
+# (``UNITS_PER_S``, measured here and halved), and builds it under a deadline; a build that runs
+# past it is abandoned (``_OutOfTime``) and a smaller prefix tried. A model restricted to a prefix
+# proves nothing about the candidates it left out: its status is never OPTIMAL (unless the plan
+# costs nothing), and the bound reported is 0 (its own is in the notes).
+UNITS_PER_S = 60_000  # model units (variables + constraints) built per second (measured 115,000-230,000)
+BUILD_SHARE = 0.4  # of the time left, at most this much goes to building the model
+WARM_START_SHARE = 0.4  # of the time left, at most this much goes to (each) warm start
+WARM_STARTS = ("capuchin", "dtr")  # tried in turn until one returns in time
+
+
+def _ranked(problem: Problem, budget_bytes: int, cands: list[Candidate],
+            first: Mapping[Key, Any] | None) -> list[Candidate]:
+    """``cands`` most useful first: those in ``first`` (the warm start's choices), then by bytes
+    times over-budget ops covered per ns of the cheaper method's estimated cost (the recompute
+    chain's duration; the copy time not hidden by the gap, so a swap fitting its gap is free)."""
+    import numpy as np
+
+    over_before = np.concatenate(([0], np.cumsum(problem.live_bytes > budget_bytes)))
+    start = problem.start_ns
+    dur = problem.durations_ns
+
+    def score(c: Candidate) -> float:
+        covered = int(over_before[c.back_op] - over_before[c.evict_op + 1])
+        cost = float("inf")
+        if c.chain is not None:
+            cost = float(sum(int(dur[j]) for j in c.chain))
+        if c.out_ns >= 0:
+            gap_ns = int(start[c.back_op]) - int(start[c.evict_op + 1])
+            cost = min(cost, float(max(0, c.out_ns + c.in_ns - gap_ns)))
+        return c.size_bytes * covered / (1.0 + cost)
+
+    return sorted(cands, key=lambda c: (not first or c.key not in first, -score(c), c.key))
+
+
+def _admitted(problem: Problem, stages: Stages, budget_bytes: int, ranked: list[Candidate],
+              cap_units: float) -> int:
+    """How many of ``ranked`` (a prefix) fit a model of about ``cap_units`` units: an upper
+    estimate of the variables, constraints and terms ``_Model`` creates for them (its recompute
+    closure is dry-run with every recomputable candidate as a possible dropper)."""
+    p = problem
+    gaps: dict[str, list[tuple[int, int]]] = {}
+    for c in ranked:
+        if c.chain is not None:
+            gaps.setdefault(c.storage_id, []).append((c.evict_op, c.back_op))
+    over_stage = [pk > budget_bytes for pk in stages.peak_bytes]
+    seen: set[tuple[int, int]] = set()
+    units = 0.0
+    for i, c in enumerate(ranked):
+        if c.chain is not None:
+            units += 4 + 3 * len(c.chain)
+            stack = [(c.back_op, j) for j in c.chain]
+            while stack:
+                b, j = stack.pop()
+                units += 1
+                if (b, j) in seen:
+                    continue
+                seen.add((b, j))
+                units += 3
+                op = p.ops[j]
+                for x in op.inputs:
+                    if x in op.writes:
+                        continue
+                    xs = p.storages[x]
+                    base_ok = xs.alive_at(b) and not xs.written_between(j, b)
+                    ev = base_ok and any(e < b <= bb for e, bb in gaps.get(x, ()))
+                    if base_ok and not ev:
+                        continue
+                    chain = chain_ops(p, x, j - 1)
+                    if chain is None:
+                        units += 1
+                        continue
+                    units += 4 if ev else 0
+                    stack.extend((b, jj) for jj in chain)
+        if c.out_ns >= 0:
+            lo, bs = stages.stage_of(c.evict_op) + 1, stages.stage_of(c.back_op)
+            if lo < bs:
+                w = bs - lo + 1
+                units += 8 + 9 * w + 6 * sum(over_stage[lo:bs])
+        if units > cap_units:
+            return i
+    return len(ranked)
+
+
+class _OutOfTime(Exception):
+    """Model building ran past its deadline (caught by the policy, which builds a smaller one)."""
+
+
 class _Model:
     """The CP-SAT model (built once, then cut by the Benders loop)."""
 
     def __init__(self, problem: Problem, stages: Stages, budget_bytes: int,
-                 cands: list[Candidate], tick_ns: int = 1):
+                 cands: list[Candidate], tick_ns: int = 1, deadline: float | None = None):
+        t_build = time.perf_counter()
+        self.deadline = deadline
         cp_model = _import_cp_model()
         self.cp_model = cp_model
+        lsum = cp_model.LinearExpr.sum  # one node per sum (Python's sum nests one per term)
         self.problem = problem
         m = self.m = cp_model.CpModel()
         st = stages
@@ -212,23 +312,29 @@ class _Model:
         # -- recomputation: Checkmate's R and its dependency constraints --------------------------
         for k in self.drop:
             c = self.cands[k]
+            self._check_clock()
             for j in c.chain:
                 self._replay(c.back_op, j)
                 self.why[(c.back_op, j)].append(self.drop[k])
+        self._check_clock()
+        import bisect
+
+        r_backs = sorted({b for (b, _j) in self.R})
         for k, d in self.drop.items():
             c = self.cands[k]
+            self._check_clock()
             kept = []  # regenerated whole (and kept) by a replay before an op inside the gap
-            backs = {b for (b, _j) in self.R if c.evict_op < b < c.back_op}
-            for b in sorted(backs):
+            for b in r_backs[bisect.bisect_right(r_backs, c.evict_op):
+                             bisect.bisect_left(r_backs, c.back_op)]:
                 if all((b, j) in self.R for j in c.chain):
                     kv = m.new_bool_var(f"kept{k}@{b}")
                     for j in c.chain:
                         m.add(kv <= self.R[(b, j)])
                     kept.append(kv)
             for j in c.chain:
-                m.add(self.R[(c.back_op, j)] + sum(kept) >= d)
+                m.add(self.R[(c.back_op, j)] + lsum(kept) >= d)
         for key, r in self.R.items():
-            m.add(r <= sum(self.why[key]))
+            m.add(r <= lsum(self.why[key]))
         rc = [[] for _ in range(n_st)]  # replay terms per stage
         for (b, j), r in self.R.items():
             rc[st.stage_of(b)].append(-(-problem.ops[j].duration_ns // q) * r)
@@ -245,8 +351,8 @@ class _Model:
         for (b, _j), r in self.R.items():
             why[st.stage_of(b)].append(r)
         for t, lits in why.items():
-            m.add(self.stall[t] <= horizon * sum(lits))
-        pre = [sum(rc[t]) + self.stall.get(t, 0) for t in range(n_st)]
+            m.add(self.stall[t] <= horizon * lsum(lits))
+        pre = [lsum(rc[t]) + self.stall.get(t, 0) for t in range(n_st)]
         length = [-(-st.duration_ns[t] // q) + pre[t] for t in range(n_st)]
         has_pre = [bool(rc[t]) or t in self.stall for t in range(n_st)]
         out_load = [[] for _ in range(n_st)]
@@ -258,6 +364,7 @@ class _Model:
         over = {t for t in range(n_st) if st.peak_bytes[t] > budget_bytes}
         for k, w in self.swap.items():
             c = self.cands[k]
+            self._check_clock()
             lo, hi = windows[k]
             bs = st.stage_of(c.back_op)
             c_out, c_in = c.out_ns // q, c.in_ns // q
@@ -268,40 +375,47 @@ class _Model:
             out_v = {t: m.new_int_var(0, c_out, f"out{k}{t}") for t in range(lo, bs + 1)}
             in_v = {t: m.new_int_var(0, c_in if t >= ts else 0, f"in{k}{t}")
                     for t in range(lo, bs + 1)}
-            m.add(sum(out_v.values()) == c_out * w)
-            m.add(sum(in_v.values()) == c_in * w)
+            # prefix sums as variables (``co[t]``: ns of the out-copy done by the end of stage
+            # t; ``ci`` the in-copy's), so that every constraint has O(1) terms (spelled out,
+            # the prefix sums of a window of w stages have w²/2 terms)
+            co, ci = {lo: out_v[lo]}, {lo: in_v[lo]}
+            for t in range(lo + 1, bs + 1):
+                co[t] = m.new_int_var(0, c_out, f"co{k}{t}")
+                ci[t] = m.new_int_var(0, c_in if t >= ts else 0, f"ci{k}{t}")
+                m.add(co[t] == co[t - 1] + out_v[t])
+                m.add(ci[t] == ci[t - 1] + in_v[t])
+            m.add(co[bs] == c_out * w)
+            m.add(ci[bs] == c_in * w)
             for t in range(lo, bs):
                 out_load[t].append(out_v[t])
                 in_load[t].append(in_v[t])
             out_pre[bs].append(out_v[bs])
             in_pre[bs].append(in_v[bs])
             for t in range(lo, bs + 1):  # the in-copy follows the out-copy (fractionally)
-                done_out = sum(out_v[u] for u in range(lo, t + 1))
-                started_in = sum(in_v[u] for u in range(lo, t + 1))
-                m.add(c_out * started_in <= c_in * done_out)
+                m.add(c_out * ci[t] <= c_in * co[t])
             for t in range(lo, hi + 1):
                 if t not in over:
                     continue
                 a = m.new_bool_var(f"a{k}{t}")
                 self.absent[(k, t)] = a
                 m.add(a <= w)
-                done = sum(out_v[u] for u in range(lo, t))
+                done = co[t - 1] if t > lo else 0
                 if has_pre[t]:  # the copy may end during t's replays and stall, before its ops
                     p = m.new_int_var(0, c_out, f"outpre{k}{t}")
                     m.add(p <= out_v[t])
                     out_abs[t].append(p)
                     done = done + p
                 m.add(done >= c_out * a)
-                m.add(sum(in_v[u] for u in range(lo, t + 1)) <= c_in * (1 - a))
+                m.add(ci[t] <= c_in * (1 - a))
         for t in range(n_st):
             if out_load[t] or out_pre[t]:
-                m.add(sum(out_load[t]) + sum(out_pre[t]) <= length[t])
+                m.add(lsum(out_load[t] + out_pre[t]) <= length[t])
             if out_abs[t] or (out_pre[t] and st.first_op[t] == st.last_op[t]):
-                m.add(sum(out_abs[t]) + sum(out_pre[t]) <= pre[t])
+                m.add(lsum(out_abs[t] + out_pre[t]) <= pre[t])
             if in_load[t] or in_pre[t]:
-                m.add(sum(in_load[t]) + sum(in_pre[t]) <= length[t])
+                m.add(lsum(in_load[t] + in_pre[t]) <= length[t])
             if in_pre[t] and st.first_op[t] == st.last_op[t]:
-                m.add(sum(in_pre[t]) <= pre[t])  # before the op: only its replays and stall
+                m.add(lsum(in_pre[t]) <= pre[t])  # before the op: only its replays and stall
 
         # -- memory: one constraint per op over the budget (identical ones merged) ---------------
         # a dropped storage is off the device for ops e+1..b-1; a swapped one for the stages its
@@ -310,27 +424,44 @@ class _Model:
         live = problem.live_bytes
         rows: dict[frozenset, tuple[int, list]] = {}
         drops = sorted((self.cands[k].evict_op, self.cands[k].back_op, k) for k in self.drop)
+        absent_at: dict[int, list] = {}
+        for (k, t), a in self.absent.items():
+            absent_at.setdefault(t, []).append((("a", k, t), self.cands[k].size_bytes, a))
+        active: dict[Key, tuple] = {}  # drops whose gap covers the current op (a sweep)
+        i_drop = 0
         for op in (int(x) for x in (live > budget_bytes).nonzero()[0]):
+            self._check_clock()
+            while i_drop < len(drops) and drops[i_drop][0] < op:
+                e, b, k = drops[i_drop]
+                active[k] = (("d", k), self.cands[k].size_bytes, self.drop[k], b)
+                i_drop += 1
+            for k in [k for k, x in active.items() if x[3] <= op]:
+                del active[k]
             t = st.stage_of(op)
-            terms = [(("d", k), self.cands[k].size_bytes, self.drop[k]) for e, b, k in drops
-                     if e < op < b]
-            terms += [(("a", k, t), self.cands[k].size_bytes, a)
-                      for (k, tt), a in self.absent.items() if tt == t]
+            terms = [x[:3] for x in active.values()] + absent_at.get(t, [])
             need = int(live[op]) - budget_bytes
             key = frozenset(x[0] for x in terms)
             if key not in rows or rows[key][0] < need:
                 rows[key] = (need, terms)
         for need, terms in rows.values():
             if terms:
-                m.add(sum(size * v for _n, size, v in terms) >= need)
+                m.add(cp_model.LinearExpr.weighted_sum([v for _n, _s, v in terms],
+                                                       [size for _n, size, _v in terms]) >= need)
             else:
                 self.hopeless.append(need)
-        self.objective = (sum(problem.ops[j].duration_ns * r for (_b, j), r in self.R.items())
-                          + q * sum(self.stall.values()))
+        self.objective = (cp_model.LinearExpr.weighted_sum(
+            list(self.R.values()), [problem.ops[j].duration_ns for (_b, j) in self.R])
+            + q * lsum(list(self.stall.values())))
         # ties broken towards fewer evictions (lexicographic: time first), so that the Benders
         # loop does not spend rounds on plans with superfluous free-looking swaps
         self.scale = len(self.drop) + len(self.swap) + 1
-        m.minimize(self.scale * self.objective + sum(self.drop.values()) + sum(self.swap.values()))
+        m.minimize(self.scale * self.objective + lsum(list(self.drop.values()))
+                   + lsum(list(self.swap.values())))
+        self.build_s = time.perf_counter() - t_build
+
+    def _check_clock(self) -> None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise _OutOfTime()
 
     def _droppers(self, x: str, b: int) -> list:
         """drop variables of the candidates that would keep ``x`` out when op ``b``'s
@@ -343,6 +474,7 @@ class _Model:
         """Checkmate's R[b, j] with its dependency constraints (lineage.replay_for's rule)."""
         if (b, j) in self.R:
             return self.R[(b, j)]
+        self._check_clock()
         m, p = self.m, self.problem
         r = m.new_bool_var(f"R{b},{j}")
         self.R[(b, j)] = r
@@ -413,7 +545,8 @@ Evaluator = Callable[[Mapping[Key, Choice]], "int | None"]
 def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candidate], *,
           time_limit_s: float = 30.0, evaluate: Evaluator | None = None,
           warm_start: Mapping[Key, Choice] | None = None, workers: int = 1, seed: int = 0,
-          max_rounds: int = 10_000, tick_ns: int = 1) -> IlpResult:
+          max_rounds: int = 10_000, tick_ns: int = 1, build_deadline: float | None = None,
+          seen: dict | None = None) -> IlpResult:
     """Solve the ILP within ``time_limit_s`` seconds (wall clock, the whole loop).
 
     ``evaluate(choices)`` simulates the plan made of ``choices`` and returns its extra time in ns
@@ -421,20 +554,23 @@ def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candi
     differ] runs until the bound meets the best simulated plan, without it one solve is made.
     ``warm_start``: a known plan's choices (e.g. the capuchin hybrid's), given to CP-SAT as a
     solution hint and, when ``evaluate`` accepts it, taken as the first incumbent.
+    ``build_deadline``: a ``time.perf_counter()`` instant; building the model past it raises
+    ``_OutOfTime``. ``seen``: a cache of ``evaluate``'s results (by the assignment's non-keep
+    choices), shared by the caller's calls.
     """
     t0 = time.perf_counter()
-    model = _Model(problem, stages, budget_bytes, cands, tick_ns)
+    model = _Model(problem, stages, budget_bytes, cands, tick_ns, deadline=build_deadline)
     cp_model = model.cp_model
     proto = model.m.proto
     n_vars, n_cons = len(proto.variables), len(proto.constraints)
     notes: list[str] = []
     best: dict[Key, Choice] | None = None
     best_ns: int | None = None
-    seen: dict[tuple, int | None] = {}
+    seen = {} if seen is None else seen
 
     def consider(ch: Mapping[Key, Choice]) -> int | None:
         nonlocal best, best_ns
-        sig = tuple(sorted((k, c.value) for k, c in ch.items() if c != Choice.KEEP))
+        sig = _signature(ch)
         if sig not in seen:
             seen[sig] = evaluate(ch)
         v = seen[sig]
@@ -449,7 +585,9 @@ def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candi
     if warm_start is not None:
         ws = {k: warm_start.get(k, Choice.KEEP) for k in model.cands}
         model.hint(ws)
-        if evaluate is not None and consider(ws) is None:
+        whole = sum(c != Choice.KEEP for c in ws.values()) == \
+            sum(c != Choice.KEEP for c in warm_start.values())
+        if evaluate is not None and consider(ws) is None and whole:
             notes.append("the warm start is over budget in the simulator")
     bound, objective, status, rounds = 0, None, "UNKNOWN", 0
     while rounds < max_rounds:
@@ -501,6 +639,10 @@ def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candi
             status = "OPTIMAL" if bound >= best_ns else "FEASIBLE"
     return IlpResult(dict(best) if best is not None else {}, status, objective, int(bound),
                      best_ns, time.perf_counter() - t0, rounds, n_vars, n_cons, tuple(notes))
+
+
+def _signature(ch: Mapping[Key, Choice]) -> tuple:
+    return tuple(sorted((k, c.value) for k, c in ch.items() if c != Choice.KEEP))
 
 
 def trigger_op(problem: Problem, c: Candidate, budget_bytes: int) -> int:
@@ -596,43 +738,100 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
     if time_limit is not None:
         time_limit_s = float(time_limit)
     t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
     cands = candidates(problem, budget_bytes, swap=swap, recompute=recompute)
     n = problem.n_ops
-    pinned: dict[int, int] = {}
-    for c in cands:  # the boundaries that make a gap expressible: after e, before b
-        pinned[c.evict_op + 1] = max(pinned.get(c.evict_op + 1, 0), c.size_bytes)
-        pinned[c.back_op] = max(pinned.get(c.back_op, 0), c.size_bytes)
-    stages = coarsen(problem.durations_ns.tolist(), problem.live_bytes.tolist(),
-                     max_stages=min(max_stages, max(n, 1)), pinned=pinned)
     notes: list[str] = []
     hint = None
     if warm_start and cands:
-        hint, triggers = _warm_start(problem, budget_bytes, {c.key for c in cands},
-                                     warm_start if isinstance(warm_start, str) else "capuchin",
-                                     notes)
+        # the capuchin hybrid can take minutes on a cold start (its plans are cached per
+        # problem, so not after a ``compare`` has run it); DTR's greedy is a fast fallback
+        hint, triggers = None, {}
+        for policy in ([warm_start] if isinstance(warm_start, str) else WARM_STARTS):
+            left = deadline - time.perf_counter()
+            hint, triggers = _warm_start(problem, budget_bytes, {c.key for c in cands}, policy,
+                                         notes, timeout_s=WARM_START_SHARE * left)
+            if hint is not None:
+                break
         # the warm start's own in-triggers become those of its swaps, so that its plan is a
         # point of the decision space (and the first incumbent)
         cands = [replace(c, trigger=triggers[c.key]) if c.key in triggers else c for c in cands]
     by_key = {c.key: c for c in cands}
+    seen: dict[tuple, int | None] = {}
 
     def evaluate(ch):
         return simulated_extra_ns(problem, budget_bytes, to_decisions(problem, budget_bytes, by_key, ch))
 
+    def pins(cs: list[Candidate]) -> dict[int, int]:
+        pinned: dict[int, int] = {}
+        for c in cs:  # the boundaries that make a gap expressible: after e, before b
+            pinned[c.evict_op + 1] = max(pinned.get(c.evict_op + 1, 0), c.size_bytes)
+            pinned[c.back_op] = max(pinned.get(c.back_op, 0), c.size_bytes)
+        return pinned
+
+    def stages_for(cs: list[Candidate], target: int) -> Stages:
+        return coarsen(problem.durations_ns.tolist(), problem.live_bytes.tolist(),
+                       max_stages=min(target, max(n, 1)), pinned=pins(cs))
+
+    stages = stages_for(cands, max_stages)
+    incumbent: tuple[dict[Key, Choice], int] | None = None
+    if hint is not None:  # the warm start as a whole, whatever the model below admits
+        v = seen.setdefault(_signature(hint), evaluate(hint))
+        if v is not None:
+            incumbent = (dict(hint), v)
+    restricted = False
+    res = None
     if cands:
         if tick_ns is None:
             tick_ns = max(1, problem.time_ns // DEFAULT_TICKS)
-        while True:
-            res = solve(problem, budget_bytes, stages, cands, evaluate=evaluate,
-                        warm_start=hint, workers=workers, seed=seed, tick_ns=tick_ns,
-                        time_limit_s=max(0.1, time_limit_s - (time.perf_counter() - t0)))
+        ranked = _ranked(problem, budget_bytes, cands, hint)
+        n_keep = len(ranked)
+        while True:  # see Note [Sizing the model to the time limit]
+            left = deadline - time.perf_counter()
+            cap = UNITS_PER_S * BUILD_SHARE * left
+            n_keep = min(n_keep, _admitted(problem, stages, budget_bytes, ranked, cap))
+            if n_keep == 0:
+                notes.append(f"time limit: no model fits the {left:.1f} s left")
+                break
+            kept = ranked[:n_keep]
+            restricted = n_keep < len(ranked)
+            if restricted:
+                stages = stages_for(kept, max_stages)
+            try:
+                res = solve(problem, budget_bytes, stages, kept, evaluate=evaluate,
+                            warm_start=hint, workers=workers, seed=seed, tick_ns=tick_ns,
+                            time_limit_s=max(0.1, deadline - time.perf_counter()),
+                            build_deadline=time.perf_counter() + BUILD_SHARE * left, seen=seen)
+            except _OutOfTime:
+                notes.append(f"model of {n_keep} candidates not built in time")
+                n_keep //= 4
+                continue
             # coarse stages are pessimistic about swaps (see Note [Where the ILP and the
             # simulator differ]): "infeasible" is only proven at op granularity
-            if res.status != "INFEASIBLE" or stages.is_op_level \
+            if res.status != "INFEASIBLE" or restricted or stages.is_op_level \
                     or time.perf_counter() - t0 > time_limit_s / 2:
                 break
             notes.append(f"no plan with {len(stages)} stages; refined")
-            stages = coarsen(problem.durations_ns.tolist(), problem.live_bytes.tolist(),
-                             max_stages=min(4 * len(stages), n), pinned=pinned)
+            max_stages = min(4 * len(stages), n)
+            stages = stages_for(cands, max_stages)
+        if res is None:
+            res = IlpResult({}, "UNKNOWN", None, 0, None, time.perf_counter() - t0, 0, 0, 0)
+        if restricted:
+            notes.append(f"model restricted to {n_keep} of {len(ranked)} candidates (Note "
+                         f"[Sizing the model to the time limit]); its own bound "
+                         f"{res.bound_ns} ns holds for those only")
+            # nothing is proven about the candidates left out; only a free plan is optimal
+            status = res.status
+            if res.best_ns is not None:
+                status = "OPTIMAL" if res.best_ns <= 0 else "FEASIBLE"
+            elif status == "INFEASIBLE":
+                status = "UNKNOWN"
+            res = replace(res, status=status, bound_ns=0)
+        if incumbent is not None and (res.best_ns is None or incumbent[1] < res.best_ns):
+            status = "OPTIMAL" if incumbent[1] <= res.bound_ns else "FEASIBLE"
+            res = replace(res, choices=incumbent[0], best_ns=incumbent[1], status=status,
+                          bound_ns=min(res.bound_ns, incumbent[1]))
+            notes.append("returned the hint's own plan: the model found nothing better in time")
     else:
         res = IlpResult({}, "OPTIMAL" if problem.peak_bytes <= budget_bytes else "INFEASIBLE",
                         0, 0, 0 if problem.peak_bytes <= budget_bytes else None, 0.0, 0, 0, 0)
@@ -649,8 +848,10 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
 
 
 def _warm_start(problem: Problem, budget_bytes: int, keys: set[Key], policy: str,
-                notes: list[str]) -> tuple[dict[Key, Choice] | None, dict[Key, int]]:
-    """``policy``'s decisions as choices over ``keys`` and the in-triggers of its swaps."""
+                notes: list[str], timeout_s: float | None = None
+                ) -> tuple[dict[Key, Choice] | None, dict[Key, int]]:
+    """``policy``'s decisions as choices over ``keys`` and the in-triggers of its swaps; None
+    when the policy is unknown, fails, or does not return within ``timeout_s`` seconds."""
     from ..registry import UnknownPolicyError, get_policy
 
     try:
@@ -659,7 +860,10 @@ def _warm_start(problem: Problem, budget_bytes: int, keys: set[Key], policy: str
         notes.append(f"no warm start: policy {policy!r} is not registered")
         return None, {}
     try:
-        ds = fn(problem, budget_bytes)
+        ds = _bounded(lambda: fn(problem, budget_bytes), timeout_s)
+    except _OutOfTime:
+        notes.append(f"no warm start: policy {policy!r} took more than {timeout_s:.1f} s")
+        return None, {}
     except Exception as exc:  # noqa: BLE001 - a warm start is optional
         notes.append(f"no warm start: policy {policy!r} failed ({type(exc).__name__}: {exc})")
         return None, {}
@@ -678,3 +882,46 @@ def _warm_start(problem: Problem, budget_bytes: int, keys: set[Key], policy: str
         notes.append(f"warm start: {outside} of {policy!r}'s decisions cover no op over the "
                      f"budget and were left out")
     return hint, triggers
+
+
+def _bounded(fn: Callable[[], Any], timeout_s: float | None) -> Any:
+    """``fn()``, given at most ``timeout_s`` seconds (``_OutOfTime`` after that).
+
+    A policy cannot be interrupted from inside, so with a timeout it runs in a forked child
+    (which sees the parent's memory, e.g. the capuchin policy's cache of plans for this
+    problem) and its result comes back pickled; the child is terminated when it runs late.
+    Without ``fork`` (not POSIX) ``fn`` runs here, unbounded."""
+    import multiprocessing as mp
+
+    if timeout_s is None:
+        return fn()
+    try:
+        ctx = mp.get_context("fork")
+    except ValueError:  # pragma: no cover - platform dependent
+        return fn()
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            out: tuple[str, Any] = ("ok", fn())
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            out = ("error", f"{type(exc).__name__}: {exc}")
+        send.send(out)
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if not recv.poll(max(0.0, timeout_s)):
+            raise _OutOfTime()
+        kind, value = recv.recv()
+    except EOFError:
+        raise CapuchinError("the warm-start process ended without a result") from None
+    finally:
+        recv.close()
+        if proc.is_alive():
+            proc.terminate()
+        proc.join()
+    if kind == "error":
+        raise CapuchinError(value)
+    return value
