@@ -153,10 +153,19 @@ class Executor:
 
     def restore_all(self) -> None:
         """Iteration end (or step end): every evicted storage comes back."""
+        restored = False
         for e in list(self.entries.values()):
             if e.storage is not None:
                 self.restore(e)
+                restored = True
         self.swap.poll()
+        if restored and self.passive.active and self.passive.budget_bytes is not None:
+            # all of it resident at once: over the budget, that is a shortfall too
+            alloc = self.backend.allocated_bytes()
+            over = (alloc if alloc is not None else self.passive.estimate_bytes()) \
+                - self.passive.budget_bytes
+            if over > self.stats.passive_short_bytes:
+                self.stats.passive_short_bytes = over
         self._update_fast()
 
     # ---- fast path switch -------------------------------------------------------------------------
