@@ -781,7 +781,10 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
             incumbent = (dict(hint), v)
     restricted = False
     res = None
-    if cands:
+    if incumbent is not None and incumbent[1] == 0:  # nothing costs less than nothing
+        res = IlpResult(incumbent[0], "OPTIMAL", 0, 0, incumbent[1], time.perf_counter() - t0,
+                        0, 0, 0, ("the warm start's plan costs no extra time",))
+    elif cands:
         if tick_ns is None:
             tick_ns = max(1, problem.time_ns // DEFAULT_TICKS)
         ranked = _ranked(problem, budget_bytes, cands, hint)
@@ -790,11 +793,11 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
             left = deadline - time.perf_counter()
             cap = UNITS_PER_S * BUILD_SHARE * left
             n_keep = min(n_keep, _admitted(problem, stages, budget_bytes, ranked, cap))
+            restricted = n_keep < len(ranked)
             if n_keep == 0:
                 notes.append(f"time limit: no model fits the {left:.1f} s left")
                 break
             kept = ranked[:n_keep]
-            restricted = n_keep < len(ranked)
             if restricted:
                 stages = stages_for(kept, max_stages)
             try:
