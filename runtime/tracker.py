@@ -75,6 +75,9 @@ class TrackerMode(TorchDispatchMode):
         return self.ex.slow_op(func, args, kwargs or {})
 
 
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}  # autograd node class -> its "_saved_*" names
+
+
 def _grad_fn(t):
     try:
         return t.grad_fn
@@ -451,7 +454,7 @@ class Executor:
     def _discover(self, flat: list) -> None:
         """A divergence in an unwatched iteration (Note [Watched iterations]): find what the ops
         before it left resident and passive mode never saw: the op's inputs, the live tensors that
-        are part of an autograd graph (one scan of the garbage collector's objects, about 50 ms:
+        are part of an autograd graph (one scan of the garbage collector's objects, ~50-100 ms:
         the script's activations; detached data is not this iteration's) and the tensors
         autograd saved behind them and behind the backward node running now. They are counted,
         not evicted (nothing says this iteration allocated them). Python frames are not read:
@@ -460,8 +463,10 @@ class Executor:
 
         with _disable_current_modes(), torch.no_grad():
             found = list(flat)
-            found.extend(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)
-                         and _grad_fn(o) is not None)
+            tensor = torch.Tensor  # activations are plain tensors; an exact type test is cheap
+            live = [o for o in gc.get_objects() if type(o) is tensor]
+            found.extend(o for o in live if o.grad_fn is not None)
+            del live
             stack = [_grad_fn(t) for t in found]
             node = torch._C._current_autograd_node()
             if node is not None:
@@ -472,9 +477,11 @@ class Executor:
                 if node is None or node in seen:
                     continue
                 seen.add(node)
-                for attr in dir(node):
-                    if not attr.startswith("_saved_"):
-                        continue
+                names = _SAVED_ATTRS.get(type(node))
+                if names is None:
+                    names = _SAVED_ATTRS[type(node)] = tuple(
+                        a for a in dir(node) if a.startswith("_saved_"))
+                for attr in names:
                     try:
                         v = getattr(node, attr)
                     except Exception:  # freed by a backward already, or not a tensor
