@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -26,15 +25,6 @@ from .recompute import RecomputeEngine
 from .report import IterationStats, MemoryMeter, RunReport
 from .swap import SwapEngine
 from .tracker import Executor
-
-
-@dataclass
-class PassiveStats(IterationStats):
-    """``IterationStats`` plus ``passive_short_bytes``: the most that passive mode's resident
-    bytes (plus the next op's allocation) stayed over the budget with nothing left it may evict
-    (Note [Passive budget on CPU] in passive.py); 0 when the budget was kept."""
-
-    passive_short_bytes: int = 0
 
 
 class _Indexer(OpIndexer):
@@ -187,7 +177,7 @@ class Runtime:
 
     # ---- iteration callbacks (from the indexer, inside the first op of an iteration) ----------
     def _iteration_start(self, n: int) -> None:
-        self._cur = PassiveStats(iteration=n)
+        self._cur = IterationStats(iteration=n)
         self._t0 = time.perf_counter()
         self._t_step = None
         if self.meter is not None:

@@ -50,6 +50,10 @@ class IterationStats:
     refused: int = 0  # planned evictions of storages that may not be evicted
     trigger_moves: int = 0  # in-triggers moved earlier after a late prefetch
     complete: bool = True  # ended by an optimizer step (or capuchin.step())
+    # the most that passive mode's resident bytes (plus the next op's allocation) stayed over the
+    # budget with nothing left it may evict (Note [Passive budget on CPU] in passive.py); 0 when
+    # the budget was kept
+    passive_short_bytes: int = 0
 
 
 @dataclass
@@ -110,6 +114,10 @@ class RunReport:
         lines.append(f"  diverged from the plan: {len(div)} iteration(s)"
                      + (f" {div[:8]}" if div else "")
                      + f"; passive evictions {sum(s.passive_evictions for s in its)}")
+        short = max((s.passive_short_bytes for s in its), default=0)
+        if short:
+            lines.append(f"  budget not reachable: up to {_mb(short)} over it with nothing left "
+                         f"to evict (passive_short_bytes in the report)")
         return "\n".join(lines)
 
 

@@ -103,6 +103,7 @@ def test_unreachable_budget_is_reported_not_silently_exceeded(capfd):
     doc = rt.report.to_dict()
     assert all(i["passive_short_bytes"] > 0 for i in doc["iterations"] if i["complete"])
     assert "passive mode could not keep" in capfd.readouterr().err
+    assert "budget not reachable" in rt.report.summary()
 
 
 def test_output_prediction_on_meta_draws_no_random_numbers():
