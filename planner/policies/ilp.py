@@ -31,10 +31,12 @@ variables. Stages ``t`` are op ranges (planner/coarsen.py), ``D_t`` a stage's ba
 - Objective: ``sum R[b, j] dur_j + sum st_t`` = the extra ns on the compute stream (ties broken
   towards fewer evictions).
 
-Sizes measured on a shared 2-core CPU: the bundled cnn (216 ops, ~70 candidates, ~12,000
-variables) and mlp (256 ops, ~3,000-4,000 variables) are planned op by op; the transformer (627
-ops) is cut to 256 stages (~27,000 variables). A first solve takes 0.3-4 s; proofs beyond the
-first round usually need the time limit (gaps in the README).
+Sizes measured on a shared 2-core CPU: the bundled cnn (216 ops, ~70 candidates, ~18,000
+variables) and mlp (256 ops, ~4,000-6,000 variables) are planned op by op; the transformer (627
+ops) is cut to 256 stages (~27,000-37,000 variables). A first solve takes 0.3-4 s; proofs beyond
+the first round usually need the time limit (gaps in the README). On the DTR traces (1,250-7,900
+ops, 850-4,300 candidates) the whole model has up to millions of variables: the policy builds
+only what its time limit allows (Note [Sizing the model to the time limit]).
 
 # Note: [Where the ILP and the simulator differ]
 # The simulator (planner/simulator.py) is the judge. At op granularity the ILP is a *relaxation*
@@ -265,6 +267,9 @@ def _admitted(problem: Problem, stages: Stages, budget_bytes: int, ranked: list[
     return len(ranked)
 
 
+PREFIX_TERMS_MAX = 2_000_000  # above this, prefix-sum variables (see _Model)
+
+
 class _OutOfTime(Exception):
     """Model building ran past its deadline (caught by the policy, which builds a smaller one)."""
 
@@ -362,6 +367,11 @@ class _Model:
         in_pre = [[] for _ in range(n_st)]
         self.absent: dict[tuple[Key, int], Any] = {}
         over = {t for t in range(n_st) if st.peak_bytes[t] > budget_bytes}
+        # Prefix sums spelled out have w²/2 terms for a window of w stages: fine for small
+        # models (and CP-SAT searches them better: the bundled transformer at 50%), too slow to
+        # build for big ones, which get prefix-sum variables (O(1) terms per constraint).
+        prefix_vars = sum((st.stage_of(self.cands[k].back_op) - windows[k][0] + 1) ** 2
+                          for k in self.swap) > PREFIX_TERMS_MAX
         for k, w in self.swap.items():
             c = self.cands[k]
             self._check_clock()
@@ -375,15 +385,20 @@ class _Model:
             out_v = {t: m.new_int_var(0, c_out, f"out{k}{t}") for t in range(lo, bs + 1)}
             in_v = {t: m.new_int_var(0, c_in if t >= ts else 0, f"in{k}{t}")
                     for t in range(lo, bs + 1)}
-            # prefix sums as variables (``co[t]``: ns of the out-copy done by the end of stage
-            # t; ``ci`` the in-copy's), so that every constraint has O(1) terms (spelled out,
-            # the prefix sums of a window of w stages have w²/2 terms)
+            # ``co[t]``: ns of the out-copy done by the end of stage t; ``ci`` the in-copy's
             co, ci = {lo: out_v[lo]}, {lo: in_v[lo]}
-            for t in range(lo + 1, bs + 1):
-                co[t] = m.new_int_var(0, c_out, f"co{k}{t}")
-                ci[t] = m.new_int_var(0, c_in if t >= ts else 0, f"ci{k}{t}")
-                m.add(co[t] == co[t - 1] + out_v[t])
-                m.add(ci[t] == ci[t - 1] + in_v[t])
+            if prefix_vars:
+                for t in range(lo + 1, bs + 1):
+                    co[t] = m.new_int_var(0, c_out, f"co{k}{t}")
+                    ci[t] = m.new_int_var(0, c_in if t >= ts else 0, f"ci{k}{t}")
+                    m.add(co[t] == co[t - 1] + out_v[t])
+                    m.add(ci[t] == ci[t - 1] + in_v[t])
+            else:
+                outs = [out_v[t] for t in range(lo, bs + 1)]
+                ins = [in_v[t] for t in range(lo, bs + 1)]
+                for t in range(lo + 1, bs + 1):
+                    co[t] = lsum(outs[:t - lo + 1])
+                    ci[t] = lsum(ins[:t - lo + 1])
             m.add(co[bs] == c_out * w)
             m.add(ci[bs] == c_in * w)
             for t in range(lo, bs):
@@ -734,6 +749,11 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
     rounds) and ``notes``. When nothing fits the budget the best effort is an empty list. A
     time-limited solve returns the best simulated plan found (at worst the warm start's).
     Unknown keyword options are accepted and ignored (``compare`` passes shared ones).
+
+    The time limit covers the whole call: the warm start (at most 40% of the time left, in a
+    forked child; ``capuchin``, then ``dtr`` if it did not return in time), building the model
+    (sized to the time left: Note [Sizing the model to the time limit]) and the simulate-and-cut
+    loop; measured overrun on the DTR traces: under half a second (README).
     """
     if time_limit is not None:
         time_limit_s = float(time_limit)
@@ -797,7 +817,8 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
             if n_keep == 0:
                 notes.append(f"time limit: no model fits the {left:.1f} s left")
                 break
-            kept = ranked[:n_keep]
+            keep = {c.key for c in ranked[:n_keep]}
+            kept = [c for c in cands if c.key in keep]  # in trace order: the model's is CP-SAT's
             if restricted:
                 stages = stages_for(kept, max_stages)
             try:
