@@ -81,7 +81,24 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--csv", type=Path, default=ROOT / "benchmarks" / "results" / "plan_quality.csv"
     )
+    ap.add_argument(
+        "--from-csv",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="plan nothing: read the rows of earlier runs (e.g. one without and one with only "
+        "the ILP), merge them (later files win per trace, policy and budget), write --csv and "
+        "print the table and the aims",
+    )
     args = ap.parse_args(argv)
+    if args.from_csv:
+        rows = merge_csv(args.from_csv)
+        _write_csv(rows, args.csv)
+        print(markdown_table(rows))
+        print()
+        print("\n".join(aims(rows)))
+        print(f"\nwrote {args.csv} ({len(rows)} rows) from {len(args.from_csv)} file(s)")
+        return 0
 
     from capuchin.planner.budget import format_bytes
     from capuchin.planner.compare import _default_order, evaluate, smallest_feasible_budget
@@ -179,19 +196,54 @@ def main(argv=None) -> int:
                     + f"{small:>10}  {time.perf_counter() - t0:6.1f}s  {extra}",
                     flush=True,
                 )
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    tmp_csv = args.csv.with_suffix(".csv.tmp")
-    with open(tmp_csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["trace"])
-        w.writeheader()
-        w.writerows(rows)
-    tmp_csv.replace(args.csv)
+    _write_csv(rows, args.csv)
     print()
     print(markdown_table(rows))
     print()
     print("\n".join(aims(rows)))
     print(f"\nwrote {args.csv} ({len(rows)} rows) in {time.perf_counter() - t_all:.0f} s")
     return 0
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_csv = path.with_suffix(".csv.tmp")
+    with open(tmp_csv, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["trace"])
+        w.writeheader()
+        w.writerows(rows)
+    tmp_csv.replace(path)
+
+
+_NUMERIC = {"ops": int, "peak_bytes": int, "floor_bytes": int, "budget_bytes": int,
+            "budget_frac": float, "predicted_peak_bytes": int, "predicted_overhead": float,
+            "solve_time_s": float, "optimality_gap": float, "smallest_feasible_bytes": int,
+            "smallest_feasible_frac": float}
+
+
+def merge_csv(paths: list[Path]) -> list[dict]:
+    """Rows of earlier runs, typed as ``main`` makes them ("" stays "" where a value is
+    missing); a later file's row replaces an earlier one for the same trace, policy, budget."""
+    merged: dict[tuple, dict] = {}
+    for path in paths:
+        with open(path, newline="") as f:
+            for raw in csv.DictReader(f):
+                row = dict(raw)
+                for k, typ in _NUMERIC.items():
+                    if row.get(k, "") != "":
+                        row[k] = typ(row[k])
+                if row.get("feasible", "") != "":
+                    row["feasible"] = row["feasible"] == "True"
+                merged[row["trace"], row["policy"], row["budget_frac"]] = row
+    from capuchin.planner.compare import _default_order
+    from capuchin.planner.registry import available
+
+    traces = list(dict.fromkeys(k[0] for k in merged))
+    order = _default_order(available())
+    rank = {p: i for i, p in enumerate(order)}
+    return sorted(merged.values(), key=lambda r: (traces.index(r["trace"]),
+                                                  rank.get(r["policy"], len(order)),
+                                                  -r["budget_frac"]))
 
 
 def markdown_table(rows: list[dict]) -> str:
