@@ -40,7 +40,7 @@ def _check_honest(p: dict) -> None:
 
 def test_large_trace_returns_within_its_time_limit_with_a_plan_that_fits(big_problem):
     budget = int(big_problem.peak_bytes * 0.5)
-    limit_s = 3.0
+    limit_s = 6.0  # room for the DTR fallback warm start (~0.2 s here) on a slower machine
     assert len(ilp.candidates(big_problem, budget)) > 1000  # the case the limit used to break
     t0 = time.perf_counter()
     ds = ilp.ilp_policy(big_problem, budget, time_limit_s=limit_s)

@@ -178,17 +178,23 @@ def candidates(problem: Problem, budget_bytes: int, *, swap: bool = True,
 # Note: [Sizing the model to the time limit]
 # Building the model costs Python time proportional to its size (CP-SAT calls per variable and
 # constraint), and its size grows with the candidates' recompute closures (Checkmate's R over the
-# upstream of every dropped storage) and the swaps' copy schedules (window stages squared). On
-# the DTR traces (1,000-4,000 candidates) the full model has up to millions of variables and took
-# minutes to build whatever the time limit. So the policy ranks the candidates (``_ranked``: the
-# warm start's first, then by bytes freed over the budget per ns of their cheaper method), admits
-# the longest prefix whose *estimated* size (``_admitted``: a dry run of the closure with every
-# candidate as a possible dropper, so an overestimate) fits what the time left can build
-# (``UNITS_PER_S``, measured here and halved), and builds it under a deadline; a build that runs
-# past it is abandoned (``_OutOfTime``) and a smaller prefix tried. A model restricted to a prefix
-# proves nothing about the candidates it left out: its status is never OPTIMAL (unless the plan
-# costs nothing), and the bound reported is 0 (its own is in the notes).
-UNITS_PER_S = 60_000  # model units (variables + constraints) built per second (measured 115,000-230,000)
+# upstream of every dropped storage) and the swaps' copy schedules (a window of stages each). On
+# the DTR traces (850-4,300 candidates) the full model has up to millions of variables (InceptionV4
+# at 60%: 765,000 variables, 1.36 million constraints, 83 s to build before this note, 15 s now),
+# whatever the time limit. So the policy (1) runs the warm start in a forked child for at most
+# WARM_START_SHARE of the time left (``_bounded``; capuchin, then DTR's greedy: the hybrid takes
+# minutes on a cold start), and returns its plan at once when it costs nothing; (2) ranks the
+# candidates (``_ranked``: the warm start's first, then by bytes freed over the budget per ns of
+# their cheaper method) and admits the longest prefix whose *estimated* size (``_admitted``: a dry
+# run of the closure with every candidate as a possible dropper, so an overestimate) can be built
+# in BUILD_SHARE of the time left at UNITS_PER_S; (3) builds it under that deadline: a build that
+# runs past it is abandoned (``_OutOfTime``) and a quarter of the prefix tried; (4) returns the
+# best simulated plan, at worst the warm start's. A model restricted to a prefix proves nothing
+# about the candidates it left out: its status is never OPTIMAL (unless the plan costs nothing),
+# and the bound reported is 0 (its own is in the notes). Small models are unaffected (all
+# candidates fit; the model is the same as without this note).
+UNITS_PER_S = 60_000  # model units (~variables + constraints) built per second (measured
+# 115,000-275,000 on the shared 2-core machine)
 BUILD_SHARE = 0.4  # of the time left, at most this much goes to building the model
 WARM_START_SHARE = 0.4  # of the time left, at most this much goes to (each) warm start
 WARM_STARTS = ("capuchin", "dtr")  # tried in turn until one returns in time
