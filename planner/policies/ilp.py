@@ -920,10 +920,10 @@ def _bounded(fn: Callable[[], Any], timeout_s: float | None) -> Any:
     A policy cannot be interrupted from inside, so with a timeout it runs in a forked child
     (which sees the parent's memory, e.g. the capuchin policy's cache of plans for this
     problem) and its result comes back pickled; the child is terminated when it runs late.
-    Without ``fork`` (not POSIX) ``fn`` runs here, unbounded."""
+    Without ``fork`` (not POSIX), or in a daemonic process, ``fn`` runs here, unbounded."""
     import multiprocessing as mp
 
-    if timeout_s is None:
+    if timeout_s is None or mp.current_process().daemon:  # a daemon may not have children
         return fn()
     try:
         ctx = mp.get_context("fork")
