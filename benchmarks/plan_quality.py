@@ -5,7 +5,7 @@ overhead (the one simulator, planner/simulator.py), and every policy's smallest 
 (bisection, planner/compare.py). Prints a table per trace, a check of capuchin's aims, and writes
 everything as CSV.
 
-    python benchmarks/plan_quality.py                       # all traces, CSV in benchmarks/results/
+    python benchmarks/plan_quality.py                       # all traces (~27 min here), CSV in benchmarks/results/
     python benchmarks/plan_quality.py --traces traces/cnn.trace.parquet --no-dtr
     python benchmarks/plan_quality.py --ilp-time-limit 20 --ilp-max-ops 3000   # skip the ILP above
 
