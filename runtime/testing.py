@@ -9,6 +9,7 @@ exercises the runtime far more than a budget-driven policy would.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import runpy
 import sys
@@ -69,6 +70,23 @@ def _modules(g: dict):
         if isinstance(v, torch.nn.Module) and id(v) not in seen:
             seen.add(id(v))
             yield name, v
+
+
+STEPS = ("--steps", "3")  # the tests' training length for a bundled example
+
+
+@functools.cache
+def reference(name: str, extra: tuple = ()) -> dict[str, torch.Tensor]:
+    """Final state of bundled example ``name`` trained without capuchin for ``STEPS`` (and
+    ``extra`` arguments); computed once per process."""
+    return run_example(TRACES / f"{name}.py", [*STEPS, *extra])
+
+
+def train_mismatches(name: str, runtime, extra: tuple = ()) -> list[str]:
+    """Train bundled example ``name`` for ``STEPS`` (and ``extra``) under ``runtime``; the names
+    whose final tensors are not ``torch.equal`` to training without capuchin."""
+    got = run_example(TRACES / f"{name}.py", [*STEPS, *extra], runtime)
+    return state_mismatches(reference(name, extra), got)
 
 
 def state_mismatches(a: dict, b: dict) -> list[str]:

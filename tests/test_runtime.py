@@ -16,22 +16,23 @@ from capuchin.planner.plan import Decision, Method
 from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.launch import run_script
-from capuchin.runtime.testing import TRACES, hand_plan, run_example, state_mismatches
+from capuchin.runtime.testing import (
+    STEPS,
+    TRACES,
+    hand_plan,
+    run_example,
+    state_mismatches,
+    train_mismatches,
+)
 from capuchin.tracer.reader import load_trace
 from click.testing import CliRunner
 
 EXAMPLES = ["cnn", "transformer", "mlp"]
-STEPS = ["--steps", "3"]
 
 
 @cache
 def problem(name: str) -> Problem:
     return Problem.from_trace(load_trace(TRACES / f"{name}.trace.parquet"))
-
-
-@cache
-def reference(name: str, extra: tuple = ()) -> dict:
-    return run_example(TRACES / f"{name}.py", [*STEPS, *extra])
 
 
 def steady(rt: Runtime):
@@ -44,8 +45,7 @@ def test_plan_trains_bitwise(name, method):
     plan = hand_plan(problem(name), method, limit=8)
     assert plan.records, "the hand plan evicts something"
     rt = Runtime(plan, measure_memory=True)
-    got = run_example(TRACES / f"{name}.py", STEPS, rt)
-    assert state_mismatches(reference(name), got) == []
+    assert train_mismatches(name, rt) == []
     its = steady(rt)
     assert its and not any(s.diverged for s in its), "the plan was followed in steady iterations"
     assert all(s.evictions > 0 for s in its)
@@ -69,8 +69,7 @@ def test_planner_plans_train_bitwise(name, policy):
                               allow_infeasible=True)
     assert plan.records
     rt = Runtime(plan, measure_memory=False)
-    got = run_example(TRACES / f"{name}.py", STEPS, rt)
-    assert state_mismatches(reference(name), got) == []
+    assert train_mismatches(name, rt) == []
     its = steady(rt)
     assert its and not any(s.diverged for s in its)
     if policy == "swap":
@@ -82,8 +81,7 @@ def test_planner_plans_train_bitwise(name, policy):
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_passive_tiny_budget_trains_bitwise(name):
     rt = Runtime(budget_bytes=256 * 1024, measure_memory=False)
-    got = run_example(TRACES / f"{name}.py", STEPS, rt)
-    assert state_mismatches(reference(name), got) == []
+    assert train_mismatches(name, rt) == []
     assert sum(s.passive_evictions for s in rt.report.iterations) > 0
     assert sum(s.swapped_in_bytes for s in rt.report.iterations) > 0
 
@@ -91,8 +89,7 @@ def test_passive_tiny_budget_trains_bitwise(name):
 def test_other_batch_size_is_detected_reported_and_trains():
     plan = hand_plan(problem("cnn"), "hybrid", limit=8)
     rt = Runtime(plan, measure_memory=False)
-    got = run_example(TRACES / "cnn.py", [*STEPS, "--batch", "8"], rt)
-    assert state_mismatches(reference("cnn", ("--batch", "8")), got) == []
+    assert train_mismatches("cnn", rt, ("--batch", "8")) == []
     its = steady(rt)
     assert its and all(s.diverged for s in its)
     assert all(s.evictions == 0 for s in its), "no planned action after the divergence"
@@ -318,8 +315,7 @@ def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
     plan = hand_plan(problem("cnn"), "swap", limit=4, trigger_lead=1)
     triggers = {d.storage_id: d.trigger_op for d in plan.records}
     rt = Runtime(plan, measure_memory=False)
-    got = run_example(TRACES / "cnn.py", STEPS, rt)
-    assert state_mismatches(reference("cnn"), got) == []
+    assert train_mismatches("cnn", rt) == []
     its = steady(rt)
     assert sum(s.late_prefetches for s in its) > 0
     assert sum(s.trigger_moves for s in its) > 0
@@ -398,8 +394,7 @@ def test_make_plan_at_50_percent_measured_within_budget_and_simulation(name):
         plan = capuchin.make_plan(trace, budget=exc.smallest_feasible_bytes, policy="capuchin")
     assert plan.records
     rt = Runtime(plan, measure_memory=True)
-    got = run_example(TRACES / f"{name}.py", STEPS, rt)
-    assert state_mismatches(reference(name), got) == []
+    assert train_mismatches(name, rt) == []
     its = steady(rt)
     assert its and not any(s.diverged for s in its)
     pred = plan.predictions.predicted_peak_bytes

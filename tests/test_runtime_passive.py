@@ -13,15 +13,9 @@ import pytest
 import torch
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.passive import PassiveTracker
-from capuchin.runtime.testing import TRACES, run_example, state_mismatches
+from capuchin.runtime.testing import TRACES, train_mismatches
 
-STEPS = ["--steps", "3"]
 SLACK = 1.05
-
-
-@cache
-def reference(name: str, extra: tuple = ()) -> dict:
-    return run_example(TRACES / f"{name}.py", [*STEPS, *extra])
 
 
 @cache
@@ -40,8 +34,7 @@ def test_iteration_0_under_a_50_percent_plan_measures_within_budget():
     optimizer state) runs in passive mode; its measured peak was 1.10 x the budget."""
     plan = plan50("transformer")
     rt = Runtime(plan, measure_memory=True)
-    got = run_example(TRACES / "transformer.py", STEPS, rt)
-    assert state_mismatches(reference("transformer"), got) == []
+    assert train_mismatches("transformer", rt) == []
     it0 = rt.report.iterations[0]
     assert it0.iteration == 0 and it0.complete and it0.diverged
     assert it0.passive_evictions > 0, "iteration 0 needs passive eviction at this budget"
@@ -59,8 +52,7 @@ def test_diverged_iterations_measure_within_budget_and_train_bitwise():
     plan = plan50("transformer")
     extra = ("--batch", "12")
     rt = Runtime(plan, measure_memory=True)
-    got = run_example(TRACES / "transformer.py", [*STEPS, *extra], rt)
-    assert state_mismatches(reference("transformer", extra), got) == []
+    assert train_mismatches("transformer", rt, extra) == []
     its = complete(rt)
     assert len(its) == 3 and all(s.diverged for s in its)
     # iteration 2 is watched (iteration 1 diverged): every op's shapes are checked, so the
@@ -76,8 +68,7 @@ def test_diverged_iterations_measure_within_budget_and_train_bitwise():
 def test_passive_only_measures_within_a_reachable_budget():
     budget = plan50("transformer").budget_bytes
     rt = Runtime(budget_bytes=budget, measure_memory=True)
-    got = run_example(TRACES / "transformer.py", STEPS, rt)
-    assert state_mismatches(reference("transformer"), got) == []
+    assert train_mismatches("transformer", rt) == []
     its = complete(rt)
     assert all(s.passive_evictions > 0 for s in its)
     for s in its:
@@ -92,8 +83,7 @@ def test_unreachable_budget_is_reported_not_silently_exceeded(capfd):
     the budget plus that shortfall."""
     budget = 256 * 1024
     rt = Runtime(budget_bytes=budget, measure_memory=True)
-    got = run_example(TRACES / "transformer.py", STEPS, rt)
-    assert state_mismatches(reference("transformer"), got) == []
+    assert train_mismatches("transformer", rt) == []
     its = complete(rt)
     assert all(s.passive_short_bytes > 0 for s in its)
     assert all(s.peak_bytes > SLACK * budget for s in its)
@@ -132,8 +122,7 @@ def test_convolution_scratch_is_budgeted(with_plan):
     plan = plan50("cnn")
     rt = Runtime(plan if with_plan else None, budget_bytes=None if with_plan else plan.budget_bytes,
                  measure_memory=True)
-    got = run_example(TRACES / "cnn.py", STEPS, rt)
-    assert state_mismatches(reference("cnn"), got) == []
+    assert train_mismatches("cnn", rt) == []
     its = complete(rt) if not with_plan else complete(rt)[:1]
     assert its and all(s.passive_evictions > 0 and s.passive_short_bytes == 0 for s in its)
     for s in its:
@@ -158,8 +147,7 @@ def test_first_divergence_deep_in_an_unwatched_iteration_counts_what_came_before
     monkeypatch.setattr(engine, "compile_plan", altered)
     plan = plan50("transformer")
     rt = Runtime(plan, measure_memory=True)
-    got = run_example(TRACES / "transformer.py", STEPS, rt)
-    assert state_mismatches(reference("transformer"), got) == []
+    assert train_mismatches("transformer", rt) == []
     its = complete(rt)
     assert [s.diverged_at for s in its[1:]] == [100, 100]
     assert its[1].evictions > 0, "the plan was followed up to op 100"
