@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..tracer.hooks import flatten_outputs
 from ..tracer.schema import shape_signature
-from .state import storage_key
+from .state import storage_key, storages
 
 _CACHE_MAX = 65536  # (op, argument shapes) pairs remembered; cleared when full
 
@@ -102,17 +102,7 @@ class PassiveTracker:
             n = self.scratch_exact.get((name, shape_signature(t.shape for t in flat)))
             if n is not None:
                 return n
-        seen = set()
-        ins = 0
-        for t in flat:
-            try:
-                st = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                continue
-            if storage_key(st) not in seen:
-                seen.add(storage_key(st))
-                ins += st.nbytes()
-        return int(ratio * ins)
+        return int(ratio * sum(st.nbytes() for _, st in storages(flat)))
 
     def start(self, base_bytes: int) -> None:
         self.active = True
@@ -139,9 +129,7 @@ class PassiveTracker:
             n = _meta_new_bytes(func, args, kwargs)
             if n is None:
                 return key, 0
-            if len(self.new_bytes) >= _CACHE_MAX:
-                self.new_bytes.clear()
-            self.new_bytes[key] = n
+            self._remember(key, n)
         return key, n
 
     def track_outputs(self, outs: list, input_keys: set[int], key: tuple | None = None) -> int:
@@ -167,10 +155,14 @@ class PassiveTracker:
             self.tracked_bytes += n
             new += n
         if key is not None:
-            if len(self.new_bytes) >= _CACHE_MAX:
-                self.new_bytes.clear()
-            self.new_bytes[key] = new
+            self._remember(key, new)
         return new
+
+    def _remember(self, key: tuple, n: int) -> None:
+        """What op ``key`` allocates (bounded cache: cleared when full)."""
+        if len(self.new_bytes) >= _CACHE_MAX:
+            self.new_bytes.clear()
+        self.new_bytes[key] = n
 
     def count(self, st) -> None:
         """Count a resident storage passive mode did not see allocated (never evicted by it)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,21 @@ def storage_key(st: torch.UntypedStorage) -> int:
     """Identity of a live storage: its StorageImpl address (stable while it lives; see Note
     [Storage identity] in tracer/hooks.py). Never used across iterations."""
     return st._cdata
+
+
+def storages(tensors) -> Iterator[tuple[int, torch.UntypedStorage]]:
+    """``(storage_key, storage)`` of each distinct storage behind ``tensors``, in order; tensors
+    without a storage (some subclasses, sparse tensors) are skipped."""
+    seen = set()
+    for t in tensors:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        k = storage_key(st)
+        if k not in seen:
+            seen.add(k)
+            yield k, st
 
 
 def resize(st: torch.UntypedStorage, nbytes: int) -> None:

@@ -43,7 +43,7 @@ from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_in
 from ..tracer.schema import shape_signature
 from .actions import _OUT_ID
 from .backend import byte_view
-from .state import Entry, Reason, Residency, bump_writes, resize, storage_key
+from .state import Entry, Reason, Residency, bump_writes, resize, storage_key, storages
 
 _EMPTY: list = []
 
@@ -492,21 +492,15 @@ class Executor:
                         found.extend(x for x in v if isinstance(x, torch.Tensor))
                 stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
         persistent = {key for key, _ in self._optimizer_storages()}
-        for t in found:
-            try:
-                st = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                continue
-            if st.device.type == self.backend.device.type \
-                    and storage_key(st) not in persistent:
+        for key, st in storages(found):
+            if st.device.type == self.backend.device.type and key not in persistent:
                 self.passive.count(st)
 
     def _optimizer_storages(self):
         """The storages of the optimizers' tensors (parameters, gradients, state) on the managed
         device, each once."""
-        seen = set()
+        ts = []
         for opt in list(self.ix.optimizers):
-            ts = []
             for g in opt.param_groups:
                 for p in g["params"]:
                     ts.append(p)
@@ -514,15 +508,9 @@ class Executor:
                         ts.append(p.grad)
             for st in opt.state.values():
                 ts.extend(v for v in st.values() if isinstance(v, torch.Tensor))
-            for t in ts:
-                try:
-                    st = t.untyped_storage()
-                except (RuntimeError, NotImplementedError):
-                    continue
-                key = storage_key(st)
-                if key not in seen and st.device.type == self.backend.device.type:
-                    seen.add(key)
-                    yield key, st
+        for key, st in storages(ts):
+            if st.device.type == self.backend.device.type:
+                yield key, st
 
     def _base_bytes(self) -> int:
         """Resident bytes passive mode cannot see on CPU: the optimizers' tensors (parameters,
