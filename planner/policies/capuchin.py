@@ -186,10 +186,7 @@ def _plan_mode(problem: Problem, budget: int, mode: str, max_rounds: int, collec
     """One mode's plan for ``budget`` (Note [Targets])."""
     args = (mode, max_rounds, collective, max_replay_ops)
     if problem.n_ops <= SEARCH_MAX_OPS:
-        plans = _GRID_CACHE.setdefault(problem, {}).get(args)
-        if plans is None:
-            plans = _grid_plans(problem, *args)
-            _GRID_CACHE[problem][args] = plans
+        plans = _grid(problem, args)
         fitting = [(t, -peak, i) for i, (ds, peak, t) in enumerate(plans) if peak <= budget]
         if fitting:
             return plans[min(fitting)[2]][0]
@@ -209,6 +206,14 @@ def _plan_mode(problem: Problem, budget: int, mode: str, max_rounds: int, collec
         if sim is not None and (best is None or sim.peak_bytes < best[0]):
             best = (sim.peak_bytes, decisions)
     return best[1] if best else []
+
+
+def _grid(problem: Problem, args: tuple) -> list[tuple[list[Decision], int, int]]:
+    """``_grid_plans(problem, *args)``, made once per problem and cached."""
+    cache = _GRID_CACHE.setdefault(problem, {})
+    if args not in cache:
+        cache[args] = _grid_plans(problem, *args)
+    return cache[args]
 
 
 def _grid_plans(problem: Problem, *args) -> list[tuple[list[Decision], int, int]]:
@@ -262,11 +267,8 @@ def _recompute_first(problem: Problem, budget: int, max_rounds: int, collective:
     the replays that a swap makes cheaper (as simulated) switched, none above its plan's own
     peak. Each conversion is made once per grid plan and cached (budget-independent)."""
     key = ("recompute", max_rounds, collective, max_replay_ops)
-    cache = _GRID_CACHE.setdefault(problem, {})
-    plans = cache.get(key)
-    if plans is None:
-        plans = cache[key] = _grid_plans(problem, *key)
-    done = cache.setdefault(("recompute-first", *key[1:]), {})
+    plans = _grid(problem, key)
+    done = _GRID_CACHE[problem].setdefault(("recompute-first", *key[1:]), {})
     out = []
     for i, (ds, peak, t) in enumerate(plans):
         if peak > budget:
