@@ -191,6 +191,19 @@ class Plan:
         return write_text_atomic(path, self.to_json())
 
     # -- views ------------------------------------------------------------------------------
+    def trace_file(self, plan_path: str | os.PathLike | None = None) -> Path | None:
+        """The plan's trace on disk: ``provenance.trace_path`` as stored (as given on the
+        command line), else the same path, or just its name, next to the plan file at
+        ``plan_path``; None when none of them is a file."""
+        tp = self.provenance.trace_path
+        if not tp:
+            return None
+        cands = [Path(tp)]
+        if plan_path is not None:
+            here = Path(plan_path).parent
+            cands += [here / tp, here / Path(tp).name]
+        return next((c for c in cands if c.is_file()), None)
+
     @property
     def budget_bytes(self) -> int:
         return self.provenance.budget_bytes

@@ -62,14 +62,11 @@ def show_plan(path: str | os.PathLike, as_json: bool = False, plot: str | None =
 def _resimulate(plan: Plan, path) -> tuple[Problem, SimResult]:
     from ..tracer.reader import load_trace
 
-    tp = plan.provenance.trace_path
-    # the path is stored as given on the command line: also look next to the plan file
-    here = Path(path).parent
-    found = [c for c in (Path(tp), here / tp, here / Path(tp).name) if tp and c.is_file()]
-    if not found:
-        raise CapuchinError(f"{path}: the plan's trace {tp or '(none)'} is not there; "
-                            f"--plot and --chrome re-simulate the plan on its trace")
-    problem = Problem.from_trace(load_trace(found[0]), iteration=plan.provenance.iteration)
+    found = plan.trace_file(path)
+    if found is None:
+        raise CapuchinError(f"{path}: the plan's trace {plan.provenance.trace_path or '(none)'} "
+                            f"is not there; --plot and --chrome re-simulate the plan on its trace")
+    problem = Problem.from_trace(load_trace(found), iteration=plan.provenance.iteration)
     return problem, plan.simulate(problem)
 
 

@@ -157,23 +157,17 @@ class Runtime:
         """The plan's trace, for the scratch memory its ops need (Note [Passive budget on CPU]
         in passive.py); None when the trace is not found where the plan says (as given, or next
         to the plan file) or does not load."""
-        from pathlib import Path
-
         from ..errors import CapuchinError
         from ..planner.problem import Problem
         from ..tracer.reader import load_trace
 
-        tp = Path(self.plan.provenance.trace_path or "")
-        cands = [tp]
-        if not tp.is_absolute() and self.plan_source != "<plan>":
-            cands.append(Path(self.plan_source).parent / tp.name)
-        for c in cands:
-            if str(tp) and c.is_file():
-                try:
-                    return Problem.from_trace(load_trace(c))
-                except (CapuchinError, OSError, ValueError, KeyError):
-                    return None
-        return None
+        found = self.plan.trace_file(None if self.plan_source == "<plan>" else self.plan_source)
+        if found is None:
+            return None
+        try:
+            return Problem.from_trace(load_trace(found))
+        except (CapuchinError, OSError, ValueError, KeyError):
+            return None
 
     # ---- iteration callbacks (from the indexer, inside the first op of an iteration) ----------
     def _iteration_start(self, n: int) -> None:
