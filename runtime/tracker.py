@@ -164,11 +164,7 @@ class Executor:
         self.swap.poll()
         if restored and self.passive.active and self.passive.budget_bytes is not None:
             # all of it resident at once: over the budget, that is a shortfall too
-            alloc = self.backend.allocated_bytes()
-            over = (alloc if alloc is not None else self.passive.estimate_bytes()) \
-                - self.passive.budget_bytes
-            if over > self.stats.passive_short_bytes:
-                self.stats.passive_short_bytes = over
+            self._short(self._resident_bytes() - self.passive.budget_bytes)
         self._update_fast()
 
     # ---- fast path switch -------------------------------------------------------------------------
@@ -535,18 +531,24 @@ class Executor:
         budget = self.passive.budget_bytes
         if budget is None:
             return
-        alloc = self.backend.allocated_bytes()
-        used = (alloc if alloc is not None else self.passive.estimate_bytes()) + extra_bytes
-        over = used - budget
+        over = self._resident_bytes() + extra_bytes - budget
         if over <= 0:
             return
         while over > 0 and self.swap.pending_out:
             freed = self.swap.sync_earliest()
             over -= freed
         if over > 0:
-            over -= self._evict_passive(over, protect)
-            if over > self.stats.passive_short_bytes:
-                self.stats.passive_short_bytes = over
+            self._short(over - self._evict_passive(over, protect))
+
+    def _resident_bytes(self) -> int:
+        """Device bytes in use: the allocator's count (CUDA), else passive mode's estimate."""
+        alloc = self.backend.allocated_bytes()
+        return alloc if alloc is not None else self.passive.estimate_bytes()
+
+    def _short(self, over: int) -> None:
+        """Record that the budget was exceeded by ``over`` bytes with nothing left to evict."""
+        if over > self.stats.passive_short_bytes:
+            self.stats.passive_short_bytes = over
 
     def _evict_passive(self, need: int, protect: set) -> int:
         """Swap out least recently used storages synchronously; returns the bytes freed."""
