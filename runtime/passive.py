@@ -149,11 +149,8 @@ class PassiveTracker:
             if k in self.lru:
                 self.lru.move_to_end(k)
                 continue
-            n = st.nbytes()
-            self.lru[k] = (weakref.ref(st, self._died(k)), n)
             self.in_iteration.add(k)
-            self.tracked_bytes += n
-            new += n
+            new += self._track(k, st)
         if key is not None:
             self._remember(key, new)
         return new
@@ -167,11 +164,15 @@ class PassiveTracker:
     def count(self, st) -> None:
         """Count a resident storage passive mode did not see allocated (never evicted by it)."""
         k = storage_key(st)
-        if k in self.lru:
-            return
+        if k not in self.lru:
+            self._track(k, st)
+
+    def _track(self, k: int, st) -> int:
+        """Start counting storage ``st`` (key ``k``) until it dies; returns its bytes."""
         n = st.nbytes()
         self.lru[k] = (weakref.ref(st, self._died(k)), n)
         self.tracked_bytes += n
+        return n
 
     def touch(self, keys) -> None:
         lru = self.lru
