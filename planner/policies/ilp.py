@@ -165,7 +165,6 @@ def _admitted(problem: Problem, stages: Stages, budget_bytes: int, ranked: list[
     return len(ranked)
 
 
-
 def to_decisions(problem: Problem, budget_bytes: int, cands: Mapping[Key, Candidate],
                  choices: Mapping[Key, Choice]) -> list[Decision]:
     """The decisions of ``choices`` (recompute lineage left to the builder, planner/build.py)."""
