@@ -319,8 +319,7 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
     views: dict[str, str] = {}
     r_in, r_wr, r_out, r_free, r_res = (Role.INPUT.value, Role.WRITE.value, Role.OUTPUT.value,
                                        Role.FREE.value, Role.RESIDENT.value)
-    r_scratch = getattr(Role, "SCRATCH", None)
-    r_scratch = r_scratch.value if r_scratch is not None else None
+    r_scratch = Role.SCRATCH.value
     scratch = [0] * n
     freed_early: set[str] = set()
     for r, k, s, b, al, kd, ai, shp, v in zip(role, opi, sid, sbytes, alloc, kind, argi, shapes,
