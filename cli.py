@@ -195,22 +195,23 @@ def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: fl
     solve time (and the ILP's status and optimality gap). Then each policy's smallest feasible
     budget, found by bisection between the trace's floor (what must stay resident) and its peak.
     """
+    from .planner.api import load_problem
     from .planner.compare import compare_policies, format_comparison, records_to_json
 
+    problem = load_problem(trace)  # once: the table and the plot use the same
     result = compare_policies(
-        trace, budgets, policies=policies.split(",") if policies else None,
+        problem, budgets, policies=policies.split(",") if policies else None,
         time_limit_s=time_limit_s, search_smallest=not no_search)
     click.echo(records_to_json(result) if as_json else format_comparison(result))
     if plot:
         from pathlib import Path
 
-        from .planner.api import load_problem
         from .planner.budget import format_bytes
         from .planner.views import plot_plans
 
         budget = min(r.budget_bytes for r in result.records)
         plans = {pol: pl for (pol, b), pl in result.plans.items() if b == budget and pl}
-        out = plot_plans(plans, plot, problem=load_problem(trace),
+        out = plot_plans(plans, plot, problem=problem,
                          title=f"{Path(trace).name}: every policy at {format_bytes(budget)}")
         click.echo(f"wrote {out}", err=as_json)
 # CLI-COMPARE-END
