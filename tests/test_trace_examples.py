@@ -3,7 +3,6 @@ measurement of the same iteration and for stable ids; `capuchin show --json` on 
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 
@@ -56,16 +55,8 @@ def traced(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(name) / f"{name}.trace.parquet"
     tracer = Tracer(out, iterations=2, warmup=1, device="cpu", log=None,
                     script=str(TRACES / f"{name}.py"), argv=["--steps", "3"])
-    # The allocator's counter is process-wide: garbage of earlier tests that the cyclic collector
-    # happens to free inside the window would lower PyTorch's number (seen in CI: -0.9 MB). Collect
-    # it first and keep the collector out of the window; the scripts' own frees are refcounted.
-    gc.collect()
-    gc.disable()
-    try:
-        with tracer:
-            run_script(TRACES / f"{name}.py", ["--steps", "3"])
-    finally:
-        gc.enable()
+    with tracer:
+        run_script(TRACES / f"{name}.py", ["--steps", "3"])
     return name, out, tracer
 
 
