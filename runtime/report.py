@@ -137,11 +137,7 @@ class MemoryMeter:
     def start(self) -> None:
         if self.device.type == "cuda":
             return
-        import gc
-
         from torch.profiler import ProfilerActivity, profile
-
-        gc.collect()  # garbage of earlier runs is freed now, not inside the window
 
         self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                             record_shapes=False, with_stack=False)
