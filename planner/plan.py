@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import PlanFormatError
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2  # docs/plan-format.md
 PLAN_FORMAT = "capuchin.plan"
 
 
@@ -71,6 +71,7 @@ class Decision:
     keep: tuple[str, ...] = ()
     predicted_stall_ns: int = 0  # swap: exposed wait at the back-access (simulated)
     predicted_recompute_ns: int = 0  # recompute: replay time added to compute (simulated)
+    wraps: bool = False  # evicted in iteration i, back before ``back_op`` of iteration i+1 (swap only)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -138,7 +139,12 @@ class Predictions:
 @dataclass
 class Plan:
     """A complete, executable plan. ``ops`` is the planned iteration's op signature list
-    ``[[name, shape_signature], ...]`` by op index, which the runtime checks each op against."""
+    ``[[name, shape_signature], ...]`` by op index, which the runtime checks each op against.
+
+    ``kind`` names the kind of iteration this plan covers; ``kinds`` holds the plans of the
+    trace's other kinds of iteration (each a ``Plan`` sharing this one's provenance, with no
+    ``kinds`` of its own). ``op_scratch_bytes`` is the per-op scratch the trace measured (empty:
+    none known). See docs/plan-format.md."""
 
     provenance: Provenance
     predictions: Predictions
@@ -146,20 +152,48 @@ class Plan:
     ops: list[list[str]]
     actions: list[Action] = field(default_factory=list)
     schema_version: int = PLAN_SCHEMA_VERSION
+    kind: str = "train"
+    op_scratch_bytes: list[int] = field(default_factory=list)
+    kinds: list[Plan] = field(default_factory=list)
 
     # -- serialization: the only one ------------------------------------------------------
+    def _kind_doc(self) -> dict[str, Any]:
+        """The fields one kind of iteration has (top level and each entry of ``kinds``)."""
+        return {
+            "kind": self.kind,
+            "iteration": self.provenance.iteration,
+            "predictions": {**asdict(self.predictions),
+                            "predicted_overhead": self.predictions.predicted_overhead},
+            "decisions": [d.to_dict() for d in self.records],
+            "ops": self.ops,
+            "op_scratch_bytes": list(self.op_scratch_bytes),
+            "actions": [[a.op_index, a.step.value, a.storage_id] for a in self.actions],
+        }
+
     def to_json(self) -> str:
         doc = {
             "format": PLAN_FORMAT,
             "schema_version": self.schema_version,
             "provenance": asdict(self.provenance),
-            "predictions": {**asdict(self.predictions),
-                            "predicted_overhead": self.predictions.predicted_overhead},
-            "decisions": [d.to_dict() for d in self.records],
-            "ops": self.ops,
-            "actions": [[a.op_index, a.step.value, a.storage_id] for a in self.actions],
+            **self._kind_doc(),
+            "kinds": [k._kind_doc() for k in self.kinds],
         }
+        del doc["iteration"]  # provenance.iteration
         return json.dumps(doc, indent=1)
+
+    @classmethod
+    def _from_kind_doc(cls, doc: dict[str, Any], provenance: Provenance) -> Plan:
+        pred = dict(doc["predictions"])
+        pred.pop("predicted_overhead", None)
+        return cls(
+            provenance=provenance,
+            predictions=Predictions(**pred),
+            records=[Decision.from_dict(d) for d in doc["decisions"]],
+            ops=[list(o) for o in doc["ops"]],
+            actions=[Action(int(k), Step(s), str(sid)) for k, s, sid in doc["actions"]],
+            kind=str(doc.get("kind", "train")),
+            op_scratch_bytes=[int(b) for b in doc.get("op_scratch_bytes", [])],
+        )
 
     @classmethod
     def from_json(cls, text: str, source: str = "<string>") -> Plan:
@@ -174,15 +208,12 @@ class Plan:
                 f"{source}: plan schema version {doc.get('schema_version')}, this capuchin reads "
                 f"version {PLAN_SCHEMA_VERSION}; make the plan again with `capuchin plan`")
         try:
-            pred = dict(doc["predictions"])
-            pred.pop("predicted_overhead", None)
-            return cls(
-                provenance=Provenance(**doc["provenance"]),
-                predictions=Predictions(**pred),
-                records=[Decision.from_dict(d) for d in doc["decisions"]],
-                ops=[list(o) for o in doc["ops"]],
-                actions=[Action(int(k), Step(s), str(sid)) for k, s, sid in doc["actions"]],
-            )
+            prov = Provenance(**doc["provenance"])
+            plan = cls._from_kind_doc(doc, prov)
+            for k in doc.get("kinds", []):
+                kprov = Provenance(**{**asdict(prov), "iteration": int(k["iteration"])})
+                plan.kinds.append(cls._from_kind_doc(k, kprov))
+            return plan
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanFormatError(f"{source}: plan is malformed ({type(exc).__name__}: {exc})") from None
 
