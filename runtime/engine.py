@@ -123,8 +123,10 @@ class Runtime:
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             self.indexer.finish()
-            if self._cur is not None:  # ops after the last step: an incomplete iteration
-                self._cur.complete = False
+            if self._cur is not None:  # ops after the last step: an incomplete iteration,
+                self._cur.complete = False  # no divergence (Note [End of run] in tracker.py)
+                self._cur.diverged, self._cur.diverged_at = False, None
+                self.ex.warning = self.ex.foreign = None
                 self._iteration_end(self._cur.iteration, self.indexer.op_index)
             self.ex.restore_all()
         except Exception:
@@ -196,6 +198,7 @@ class Runtime:
         self._t_step = time.perf_counter()
         with _disable_current_modes(), torch.no_grad():
             self.ex.restore_all()
+        self.ex.step_ended()
 
     def _may_keep(self, nbytes: int) -> bool:
         alloc = self.backend.allocated_bytes()

@@ -26,6 +26,15 @@
 # left resident through the autograd graph (the tensors of a live graph and what they saved): at a
 # divergence at op 100 of the transformer the measured peak went 1.24x -> 0.98x the budget. It
 # misses resident tensors outside any graph (data made under no_grad, detached results).
+
+# Note: [End of run]
+# Only a step ends an iteration, so the ops a script runs after its last step (a final evaluation,
+# saving, printing a metric) form an incomplete last iteration that usually matches no plan. That
+# is not a divergence: the warning of a divergence, and the refusal of a plan made for another
+# script, are held until a step ends the iteration (``Executor.step_ended``); when the run ends
+# first, the incomplete iteration is reported with ``complete: false`` and not as diverged. While
+# held, the iteration runs as after any divergence: planned actions stop, passive mode keeps the
+# budget.
 """
 
 from __future__ import annotations
@@ -120,6 +129,8 @@ class Executor:
         self.watching = False  # Note [Watched iterations]
         self.last_diverged = False
         self.warned = False
+        self.warning: str | None = None  # Note [End of run]: printed when a step ends the iteration
+        self.foreign: PlanFormatError | None = None  # likewise raised at that step
         self.stats = None
 
     # ---- iteration lifecycle (called by the Runtime) --------------------------------------------
@@ -148,6 +159,16 @@ class Executor:
         elif self.rt.passive_enabled and not self.passive.active:
             self.passive.start(self._base_bytes())
         self._update_fast()
+
+    def step_ended(self) -> None:
+        """A step ended the current iteration: a divergence in it was real (Note [End of run])."""
+        if self.foreign is not None:
+            err, self.foreign = self.foreign, None
+            raise err
+        if self.warning is not None:
+            print(self.warning, file=sys.stderr)
+            self.warned = True
+            self.warning = None
 
     def end_iteration(self) -> None:
         st = self.stats  # iteration 0 builds the model: its divergence predicts nothing
@@ -426,18 +447,19 @@ class Executor:
         st.diverged_at = k
         tbl = self.table
         exp_name = tbl.names[k] if k < tbl.n_ops else "the end of the iteration"
+        # Note [End of run]: both the refusal and the warning wait for the step that ends the
+        # iteration; code after the last step (evaluation, saving, printing) is no iteration.
         if (what == "op" and self.ix.iteration == self.rt.first_checked_iteration
                 and k < max(4, tbl.n_ops // 50)):
-            raise PlanFormatError(
+            self.foreign = PlanFormatError(
                 f"{self.rt.plan_source}: plan was made for another script or trace: op {k} of "
                 f"iteration {self.ix.iteration} is {name}, the plan expects {exp_name}")
         if not self.warned and self.ix.iteration >= self.rt.first_checked_iteration:
-            self.warned = True
-            print(f"capuchin: warning: iteration {self.ix.iteration} diverges from the plan at op "
-                  f"{k} ({what}: got {name}, expected {exp_name}); planned actions stop for the "
-                  "rest of the iteration, evicted storages come back on demand"
-                  + (", passive mode keeps the budget" if self.rt.passive_enabled else ""),
-                  file=sys.stderr)
+            self.warning = (
+                f"capuchin: warning: iteration {self.ix.iteration} diverges from the plan at op "
+                f"{k} ({what}: got {name}, expected {exp_name}); planned actions stop for the "
+                "rest of the iteration, evicted storages come back on demand"
+                + (", passive mode keeps the budget" if self.rt.passive_enabled else ""))
         for sid in list(self.pending):  # decisions not dropped yet will not be
             e = self.by_sid.get(sid)
             if e is None or e.state is not Residency.OUT:
