@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import os
 
 from capuchin.errors import InfeasibleBudgetError
@@ -47,6 +49,7 @@ def test_feasible_plans_fit_and_infeasible_ones_name_a_feasible_budget(p, frac, 
     assert len({(d.storage_id, d.evict_op) for d in plan.records}) == len(plan.records)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(problems, st.floats(0.2, 1.0), st.floats(0.0, 0.5), st.sampled_from(POLICIES))
 def test_more_budget_never_costs_more(p, frac, extra, policy):
