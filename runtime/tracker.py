@@ -40,8 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..errors import PlanFormatError, RecomputeError
 from ..planner.plan import Step
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
-from ..tracer.schema import shape_signature
-from .actions import _OUT_ID
+from ..tracer.schema import IdKind, id_kind, shape_signature
 from .backend import byte_view
 from .state import Entry, Reason, Residency, bump_writes, resize, storage_key, storages
 
@@ -293,7 +292,7 @@ class Executor:
         st = ref() if ref is not None else None
         if d is None or st is None:
             return
-        if not _OUT_ID.match(sid) or not st.resizable() or st.nbytes() == 0 \
+        if id_kind(sid) is not IdKind.OUTPUT or not st.resizable() or st.nbytes() == 0 \
                 or st.device.type != self.backend.device.type:
             # Only storages an op allocated in this iteration are evicted (Note [Storage-level
             # eviction]); parameters, inputs and optimizer state are refused.

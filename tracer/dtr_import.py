@@ -45,7 +45,7 @@ import pandas as pd
 from .. import __version__
 from ..errors import CapuchinError, TraceFormatError
 from .reader import write_trace
-from .schema import FILE_SUFFIX, Col, Kind, Phase, Role, TraceMeta
+from .schema import FILE_SUFFIX, Col, Kind, Phase, Role, TraceMeta, input_id, resident_id
 
 PCIE3_X16_BYTES_PER_S = 12e9  # the paper's PCIe 3.0 x16 figure, each direction (capuchin.md §1.4)
 DTR_DEVICE_NAME = "NVIDIA Titan V"  # where the DTR authors recorded the logs (data/README.md)
@@ -183,7 +183,7 @@ class _Converter:
     def _access(self, op: int, role: Role, arg: int, tensor: int) -> None:
         t = self.tensors[tensor]
         if t.name is None:  # a constant's first access names it (Note [Tensor and storage ids])
-            t.name = f"x{op}:{arg}"
+            t.name = input_id(op, arg)
             st = self.storages[t.storage]
             if st.name is None:
                 st.name = t.name
@@ -227,7 +227,7 @@ class _Converter:
         unnamed = 0
         for k, st in enumerate(self.storages):
             if st.name is None and k not in dropped:
-                st.name = f"r{unnamed}"
+                st.name = resident_id(unnamed)
                 unnamed += 1
 
         def kind(t: _Tensor) -> Kind:

@@ -30,7 +30,7 @@ from ..errors import CapuchinError, ScriptError
 from .bandwidth import measure_bandwidth
 from .hooks import OpEvent, OpIndexer, describe_args
 from .reader import write_trace
-from .schema import COLUMNS, Col, Kind, Phase, Role, TraceMeta, shape_signature
+from .schema import COLUMNS, Col, Kind, Phase, Role, TraceMeta, scratch_id, shape_signature
 from .timing import marker_name, parse_profile
 
 try:
@@ -430,7 +430,7 @@ class Tracer:
             if peak is not None:
                 scratch = peak - sum(o[3] for o in outs if o[7])
                 if scratch > 0:
-                    row(k, Role.SCRATCH.value, f"~{k}", scratch, **common)
+                    row(k, Role.SCRATCH.value, scratch_id(k), scratch, **common)
             while fi < len(frees) and frees[fi][0] <= k:
                 row(k, Role.FREE.value, frees[fi][1], frees[fi][2], name=name, phase=phase)
                 fi += 1
