@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import os
 
+import pytest
 from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.api import make_plan
 from capuchin.planner.problem import Problem

@@ -3,9 +3,8 @@ from a tiny config with random weights (no download), dropout active, trained a 
 
 from __future__ import annotations
 
-import pytest
-
 import capuchin
+import pytest
 from capuchin.tracer.schema import Col, Phase
 from capuchin.tracer.summary import summarize
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from capuchin.tracer.schema import (
     IdKind,
     TensorId,
