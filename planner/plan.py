@@ -20,12 +20,12 @@ from __future__ import annotations
 import enum
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from ..errors import PlanFormatError
+from ..outputs import write_text
 
 PLAN_SCHEMA_VERSION = 2  # docs/plan-format.md
 PLAN_FORMAT = "capuchin.plan"
@@ -217,9 +217,9 @@ class Plan:
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanFormatError(f"{source}: plan is malformed ({type(exc).__name__}: {exc})") from None
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write atomically."""
-        return write_text_atomic(path, self.to_json())
+    def save(self, path: str | os.PathLike, *, force: bool = True) -> Path:
+        """Write atomically; without ``force`` an existing file is kept (``OutputExistsError``)."""
+        return write_text(path, self.to_json(), force=force)
 
     # -- views ------------------------------------------------------------------------------
     def trace_file(self, plan_path: str | os.PathLike | None = None) -> Path | None:
@@ -310,25 +310,6 @@ class Plan:
 
         return pd.DataFrame([d.to_dict() for d in self.records],
                             columns=[f.name for f in fields(Decision)])
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` so that it appears whole or not at all, with the usual
-    permissions (mkstemp's are owner-only)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

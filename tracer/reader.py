@@ -8,7 +8,6 @@ all.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -18,31 +17,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import TraceFormatError
+from ..outputs import atomic_write
 from .schema import ACCESS_ROLES, META_KEY, SCHEMA, SCHEMA_VERSION, Col, Role, TraceMeta
 
 
-def write_trace(events: pd.DataFrame | pa.Table, meta: TraceMeta, path: str | os.PathLike) -> Path:
-    """Write ``events`` (columns of ``SCHEMA``) and ``meta`` to ``path`` atomically."""
+def write_trace(events: pd.DataFrame | pa.Table, meta: TraceMeta, path: str | os.PathLike, *,
+                force: bool = True) -> Path:
+    """Write ``events`` (columns of ``SCHEMA``) and ``meta`` to ``path`` atomically; without
+    ``force`` an existing file is kept (``OutputExistsError``). See Note [Output files]."""
     path = Path(path)
     table = events if isinstance(events, pa.Table) else _to_table(events)
     table = table.replace_schema_metadata({META_KEY: meta.to_bytes()})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_write(path, force=force) as tmp:
         pq.write_table(table, tmp, compression="zstd")
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; give it a normal file's mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
-
-
-def _umask() -> int:
-    mask = os.umask(0o22)
-    os.umask(mask)
-    return mask
 
 
 def _to_table(events: pd.DataFrame) -> pa.Table:
