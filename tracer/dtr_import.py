@@ -44,6 +44,7 @@ import pandas as pd
 
 from .. import __version__
 from ..errors import CapuchinError, TraceFormatError
+from ..outputs import check_output
 from .reader import write_trace
 from .schema import FILE_SUFFIX, Col, Kind, Phase, Role, TraceMeta, input_id, resident_id
 
@@ -54,10 +55,6 @@ _SEEDED_NAME = re.compile(r"dropout|droupout|bernoulli|rand|multinomial", re.IGN
 
 class DtrLogError(TraceFormatError):
     """A DTR log cannot be read or does not follow the format (names the file and the line)."""
-
-
-class OutputExistsError(CapuchinError):
-    """The output file exists and ``--force`` was not given."""
 
 
 @dataclass
@@ -389,9 +386,8 @@ def import_dtr_log(log: str | os.PathLike, out: str | os.PathLike | None = None,
     if not bandwidth_bytes_per_s > 0:
         raise CapuchinError(f"bandwidth must be positive, got {bandwidth_bytes_per_s}")
     lines, name = read_dtr_log_lines(log)
-    out_path = Path(out) if out is not None else Path(default_trace_name(name))
-    if out_path.exists() and not force:
-        raise OutputExistsError(f"{out_path}: exists; use --force to overwrite")
+    out_path = check_output(out if out is not None else default_trace_name(name), force=force,
+                            inputs=[log])
     events, marker = dtr_log_events(lines, source=name)
     fields = name.split("-")
     meta = TraceMeta(
@@ -417,4 +413,4 @@ def import_dtr_log(log: str | os.PathLike, out: str | os.PathLike | None = None,
             "shapes": "unknown (DTR logs record sizes only)",
         },
     )
-    return write_trace(events, meta, out_path)
+    return write_trace(events, meta, out_path, force=force)

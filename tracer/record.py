@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import __version__
 from ..errors import CapuchinError, ScriptError
+from ..outputs import check_output
 from .bandwidth import measure_bandwidth
 from .hooks import OpEvent, OpIndexer, describe_args
 from .reader import write_trace
@@ -150,8 +151,7 @@ class Tracer:
 
     # ---- context manager ------------------------------------------------------------------
     def __enter__(self) -> Tracer:
-        if self.path.exists() and not self.force:
-            raise CapuchinError(f"{self.path}: already exists; use --force (force=True) to overwrite")
+        check_output(self.path, force=self.force, inputs=[self.script or None])
         self.device = resolve_device(self.device_request)
         self.bandwidth = measure_bandwidth(self.device)
         self.indexer = OpIndexer(on_iteration_start=self._on_iteration_start,
@@ -350,7 +350,7 @@ class Tracer:
             steady_iteration=self.recorded[-1],
             extra=extra,
         )
-        write_trace(events, meta, self.path)
+        write_trace(events, meta, self.path, force=self.force)
 
     def _rows(self, cur: _Iteration, times) -> pd.DataFrame:
         it = cur.number
