@@ -193,3 +193,21 @@ def plan_file(trace_path: str | os.PathLike, budget: str | int, output=None, *,
     plan = make_plan(trace_path, budget, policy, iteration=iteration, bandwidth=bandwidth,
                      time_limit_s=time_limit_s, **params)
     return plan, plan.save(out, force=force)
+
+
+def plan_files(trace_path: str | os.PathLike, budget: str | int, output=None, *,
+               force: bool = False, **kw: Any) -> list[tuple[Plan, Path]]:
+    """``plan_file`` for a trace, or for every rank's trace of a distributed job (Note [Per-rank
+    files] in distributed.py): when ``trace_path`` does not exist but ``t.rank{R}.parquet`` do,
+    each is planned (a ``%`` budget is a share of that rank's own peak) and written to the
+    output's per-rank name (``p.json`` -> ``p.rank{R}.json``). Every output is checked before any
+    planning, so a refused one leaves nothing half-written."""
+    from ..distributed import rank_path, ranked_files
+
+    ranks = ranked_files(trace_path) if not Path(trace_path).exists() else {}
+    if not ranks:
+        return [plan_file(trace_path, budget, output, force=force, **kw)]
+    base = output if output is not None else default_plan_path(trace_path)
+    outs = {r: check_output(rank_path(base, r), force=force, inputs=[t])
+            for r, t in ranks.items()}
+    return [plan_file(t, budget, outs[r], force=force, **kw) for r, t in ranks.items()]

@@ -62,6 +62,17 @@ class ActionTable:
                 self.fast[k] = None
         return a
 
+    def late_match(self, k: int, func) -> bool:
+        """Op ``k`` is ``func`` although no OpOverload was known for its name when the plan was
+        compiled: ops of libraries the script imports later (``torch.ops.fsdp.*`` exists once
+        FSDP2 is imported) resolve at their first call, by name."""
+        if self.expected[k] is not None or str(func) != self.names[k]:
+            return False
+        self.expected[k] = func
+        if k not in self.ops:
+            self.fast[k] = func
+        return True
+
     def move_before(self, step: Step, sid: str, src: int, dst: int) -> None:
         """Move a before-step from op ``src`` to op ``dst`` (late prefetch feedback)."""
         a = self.ops.get(src)

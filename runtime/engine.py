@@ -6,6 +6,15 @@ named: on-demand restores (tracker.py), passive eviction over budget (passive.py
 guard, with the device's memory accounting in memory.py), late-prefetch feedback (tracker.py),
 drops that cannot be replayed exactly become swaps (recompute.py). It reads the plan alone: no
 trace is loaded at run time.
+
+# Note: [Reads outside ops]
+# An evicted storage comes back when an op reads it; a script may also read bytes without any op.
+# ``torch.save`` (a checkpoint, often written after the last step, where passive mode may have
+# evicted what it saves) is the common case: the runtime replaces ``torch.save`` while it runs
+# with one that restores every evicted storage first (found writing 0-byte storages into a
+# checkpoint of a torchrun job). Others (``Tensor.numpy()`` views, ``data_ptr()`` handed to an
+# extension) are not covered: between steps, after the step-end restore, nothing is evicted
+# until the next op runs.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import time
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..distributed import default_warmup, per_rank, world
 from ..errors import PlanFormatError
 from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
@@ -27,6 +37,16 @@ from .recompute import RecomputeEngine
 from .report import IterationStats, MemoryMeter, RunReport
 from .swap import SwapEngine
 from .tracker import Executor
+
+
+def rank_plan_path(plan: str | os.PathLike) -> str | os.PathLike:
+    """This rank's plan under a world of several ranks (``p.rank{R}.json`` when it exists, else
+    ``p.json`` itself: one plan for every rank); ``plan`` as given in a single process."""
+    if world()[1] > 1:
+        mine = per_rank(plan)
+        if mine.is_file() or not os.path.exists(plan):
+            return mine
+    return plan
 
 
 class _Indexer(OpIndexer):
@@ -62,6 +82,7 @@ class Runtime:
                  passive: bool = True, measure_memory: bool = True,
                  report_path: str | os.PathLike | None = None):
         if isinstance(plan, (str, os.PathLike)):
+            plan = rank_plan_path(plan)  # Note [Per-rank files] in distributed.py
             self.plan_source = str(plan)
             plan = load_plan(plan)
         else:
@@ -84,7 +105,7 @@ class Runtime:
                                           if plan else 12e9)
         # iteration 0 runs everything before the first step (model creation, optimizer state
         # init), so it never matches a steady plan; a foreign plan is refused at iteration 1.
-        self.first_checked_iteration = 1
+        self.first_checked_iteration = default_warmup()  # Note [Distributed warm-up]
         self.report: RunReport | None = None
         self._iters: list[IterationStats] = []
         self._cur: IterationStats | None = None
@@ -118,8 +139,21 @@ class Runtime:
         if self.meter is not None:
             self.meter.start()
         self.indexer.install()
+        self._patch_save()
         self.ex.mode.__enter__()
         return self
+
+    def _patch_save(self) -> None:
+        """Note [Reads outside ops]: ``torch.save`` reads storages' bytes directly, not through
+        an op, so everything evicted comes back first."""
+        save = self._save = torch.save
+
+        def capuchin_save(*args, **kwargs):
+            with _disable_current_modes(), torch.no_grad():
+                self.ex.restore_all()
+            return save(*args, **kwargs)
+
+        torch.save = capuchin_save
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
@@ -135,6 +169,7 @@ class Runtime:
                 raise  # otherwise the script's own error is the one to report
         finally:
             self.ex.mode.__exit__(exc_type, exc, tb)
+            torch.save = self._save
             self.indexer.uninstall()
             peaks = self.meter.finish() if self.meter is not None else {}
             if self._fraction_set:
@@ -152,7 +187,8 @@ class Runtime:
                   "earlier iterations, and an op's own inputs and outputs stay resident); see "
                   "passive_short_bytes in the report", file=sys.stderr)
         self.report = RunReport(self.budget_bytes, str(self.device),
-                                self.plan_source if self.plan is not None else None, self._iters)
+                                self.plan_source if self.plan is not None else None, self._iters,
+                                self.first_checked_iteration)
         if self.report_path is not None and exc_type is None:
             self.report.save(self.report_path)
 

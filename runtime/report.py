@@ -63,6 +63,9 @@ class RunReport:
     device: str
     plan: str | None
     iterations: list[IterationStats]
+    # iterations before it run before any plan applies (model building, warm-up): not counted
+    # as diverged in the summary (Note [Distributed warm-up] in distributed.py)
+    first_checked_iteration: int = 1
 
     def to_dict(self) -> dict:
         return {"format": REPORT_FORMAT, "version": REPORT_VERSION,
@@ -102,8 +105,8 @@ class RunReport:
             f"{_mb(sum(s.swapped_in_bytes for s in its))}; recomputed ops "
             f"{sum(s.recomputed_ops for s in its)}; stalls {sum(s.stall_s for s in its) * 1e3:.1f} ms;"
             f" late prefetches {sum(s.late_prefetches for s in its)}")
-        # iteration 0 builds the model and the optimizer state: no plan covers it (not counted)
-        div = [s.iteration for s in its if s.diverged and s.iteration > 0]
+        div = [s.iteration for s in its
+               if s.diverged and s.iteration >= self.first_checked_iteration]
         lines.append(f"  diverged from the plan: {len(div)} iteration(s)"
                      + (f" {div[:8]}" if div else "")
                      + f"; passive evictions {sum(s.passive_evictions for s in its)}")

@@ -26,7 +26,7 @@ def run_script(script: str | os.PathLike, args: Sequence[str] = ()) -> None:
 
 
 def trace_script(script: str | os.PathLike, args: Sequence[str] = (), *,
-                 output: str | os.PathLike | None = None, iterations: int = 3, warmup: int = 1,
+                 output: str | os.PathLike | None = None, iterations: int = 3, warmup: int | None = None,
                  device: str = "auto", force: bool = False,
                  log: Callable[[str], None] | None = None) -> Path:
     """Trace ``script`` (run with ``args``) into ``output`` (default ``<stem>.trace.parquet``).
@@ -46,4 +46,4 @@ def trace_script(script: str | os.PathLike, args: Sequence[str] = (), *,
                     script=str(script), argv=list(args), **kwargs)
     with tracer:
         run_as_main(path, args, consequence="; no trace written")
-    return out
+    return tracer.path
