@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compiled import CompileGuard
 from .schema import Phase, input_id, output_id, resident_id
 
 # Note: [Iteration boundaries]
@@ -382,9 +383,12 @@ class OpIndexer:
             self._handles = [register_optimizer_step_pre_hook(self._pre_step),
                              register_optimizer_step_post_hook(self._post_step)]
             _ACTIVE.append(self)
+            CompileGuard.install()  # Note [torch.compile] in tracer/compiled.py
         return self
 
     def uninstall(self) -> None:
+        if self._handles:
+            CompileGuard.uninstall()
         for h in self._handles:
             h.remove()
         self._handles = []
