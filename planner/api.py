@@ -64,6 +64,14 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
     budget it was found to meet, unless ``allow_infeasible`` (then the plan is returned with
     ``predictions.feasible`` false).
     """
+    if iteration is None and not isinstance(trace, Problem):
+        tr = trace if isinstance(trace, Trace) else load_trace(trace)
+        kinds = iteration_kinds(tr)
+        if len(kinds) > 1 and len(kinds[0][1]) > 1:  # Note [Iteration kinds]
+            return _plan_kinds(tr, kinds, budget, policy, bandwidth=bandwidth,
+                               allow_infeasible=allow_infeasible, time_limit_s=time_limit_s,
+                               **params)
+        trace = tr
     problem = load_problem(trace, iteration=iteration, bandwidth=bandwidth)
     budget_bytes = parse_budget(budget, problem.peak_bytes)
     fn = get_policy(policy)
@@ -103,6 +111,47 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
         plan.predictions.notes.append(msg)
         return plan
     raise InfeasibleBudgetError(msg, smallest_feasible_bytes=int(best))
+
+
+# Note: [Iteration kinds]
+# A script whose iterations are not all alike (a training loop that also evaluates every N
+# steps: that iteration holds the evaluation pass too; the first step of an epoch) records
+# several kinds of iteration. ``iteration_kinds`` groups the recorded iterations by their op
+# names; when the most frequent kind was recorded at least twice, ``make_plan`` plans each kind
+# on its last recorded iteration, under one absolute budget (a ``%`` budget is a share of the
+# highest peak of all kinds), and returns the most frequent kind's plan ("train") with the others
+# in ``Plan.kinds`` ("kind1", "kind2", ... in order of frequency). The runtime picks the kind as
+# each iteration runs (Note [Iteration kinds] in runtime/tracker.py). A trace whose iterations
+# all differ is still refused (``--iteration N`` plans one of them).
+
+
+def iteration_kinds(trace: Trace) -> list[tuple[str, list[int]]]:
+    """The kinds of iteration a trace recorded: ``[(kind, [iterations...]), ...]``, the most
+    frequent first (ties: the one recorded last first), named "train", "kind1", ... ."""
+    from ..tracer.schema import Col
+
+    ops = trace.ops.sort_values([Col.ITERATION, Col.OP], kind="stable")
+    groups: dict[tuple, list[int]] = {}
+    for it, names in ops.groupby(Col.ITERATION, sort=True)[Col.OP_NAME]:
+        groups.setdefault(tuple(names), []).append(int(it))
+    order = sorted(groups.values(), key=lambda its: (-len(its), -its[-1]))
+    return [("train" if i == 0 else f"kind{i}", its) for i, its in enumerate(order)]
+
+
+def _plan_kinds(trace: Trace, kinds: list[tuple[str, list[int]]], budget: str | int,
+                policy: str, **kw: Any) -> Plan:
+    problems = [load_problem(trace, iteration=its[-1], bandwidth=kw.get("bandwidth"))
+                for _, its in kinds]
+    budget_bytes = parse_budget(budget, max(p.peak_bytes for p in problems))
+    kw.pop("bandwidth", None)
+    plans = []
+    for (kind, _its), problem in zip(kinds, problems, strict=True):
+        plan = make_plan(problem, budget_bytes, policy, **kw)
+        plan.kind = kind
+        plans.append(plan)
+    main, *others = plans
+    main.kinds = others
+    return main
 
 
 def takes_time_limit(policy_fn) -> bool:

@@ -49,6 +49,7 @@ class ActionTable:
     ops: dict[int, OpActions]
     fast: list
     decisions: dict[str, Decision]
+    kind: str = "train"
 
     @property
     def n_ops(self) -> int:
@@ -108,4 +109,5 @@ def compile_plan(plan: Plan) -> ActionTable:
     for a in plan.actions:
         (at(a.op_index).before if a.before else at(a.op_index).after).append((a.step, a.storage_id))
     fast = [None if k in ops else f for k, f in enumerate(expected)]
-    return ActionTable([o[0] for o in plan.ops], expected, signatures, ops, fast, decisions)
+    return ActionTable([o[0] for o in plan.ops], expected, signatures, ops, fast, decisions,
+                       plan.kind)

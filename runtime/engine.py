@@ -129,6 +129,8 @@ class Runtime:
         self.ex = Executor(self, self.indexer, table, swap, recompute,
                            lambda ex: BudgetGuard(budget, self.device, memory, swap, ex),
                            self.backend)
+        if self.plan is not None:  # Note [Iteration kinds] in tracker.py
+            self.ex.kind_tables += [compile_plan(k) for k in self.plan.kinds]
         self._iters = []
         self.meter = MemoryMeter(self.device) if self.measure_memory else None
         if self.device.type == "cuda" and self.budget_bytes:

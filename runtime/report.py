@@ -51,6 +51,7 @@ class IterationStats:
     refused: int = 0  # planned evictions of storages that may not be evicted
     trigger_moves: int = 0  # in-triggers moved earlier after a late prefetch
     complete: bool = True  # ended by an optimizer step (or capuchin.step())
+    kind: str | None = None  # the plan's kind of iteration it ran under (Note [Iteration kinds])
     # the most that passive mode's resident bytes (plus the next op's allocation) stayed over the
     # budget with nothing left it may evict (Note [Passive budget on CPU] in passive.py); 0 when
     # the budget was kept

@@ -27,6 +27,15 @@
 # divergence at op 100 of the transformer the measured peak went 1.24x -> 0.98x the budget. It
 # misses resident tensors outside any graph (data made under no_grad, detached results).
 
+# Note: [Iteration kinds]
+# A plan may cover several kinds of iteration (training steps, steps that also evaluate, the
+# first step of an epoch: docs/plan-format.md ``kinds``). Every iteration starts under the plan's
+# main kind; at the first op that does not match it, the runtime looks for another kind whose
+# plan has the same ops (names and shapes) up to there and this op next, and continues under that
+# kind's plan (``Executor._switch_kind``); only when none matches is it a divergence. The kinds of
+# a trace usually part at their first ops (an evaluation pass before the training step), so
+# little of the new kind's plan is lost. Each iteration's kind is in the report (``kind``).
+
 # Note: [End of run]
 # Only a step ends an iteration, so the ops a script runs after its last step (a final evaluation,
 # saving, printing a metric) form an incomplete last iteration that usually matches no plan. That
@@ -116,7 +125,7 @@ class Executor:
         self.pending: dict[str, int] = {}  # recompute decisions still to come back this iteration
         self.op_refs: dict[int, int] = {}  # op index -> pending decisions that replay it
         self.op_time: dict[int, float] = {}
-        self.trigger_now: dict[str, int] = {}  # late-prefetch feedback (Note [Late prefetch ...])
+        self.trigger_now: dict = {}  # late-prefetch feedback (Note [Late prefetch ...])
         self.guided = False
         self.watching = False  # Note [Watched iterations]
         self.last_diverged = False
@@ -124,6 +133,9 @@ class Executor:
         self.warning: str | None = None  # Note [End of run]: printed when a step ends the iteration
         self.foreign: PlanFormatError | None = None  # likewise raised at that step
         self.stats = None
+        # Note [Iteration kinds]: the plan of each kind, the first one the plan's main kind
+        self.kind_tables: list = [table] if table is not None else []
+        self._prefix: dict[tuple[int, int], int] = {}  # common (name, shapes) prefix of 2 kinds
 
     # ---- iteration lifecycle (called by the Runtime) --------------------------------------------
     def begin_iteration(self, stats) -> None:
@@ -136,9 +148,20 @@ class Executor:
         self.dependents.clear()
         guard = self.guard
         guard.new_iteration()
+        if self.kind_tables:  # Note [Iteration kinds]: every iteration starts as the main kind
+            self.table = self.kind_tables[0]
+            stats.kind = self.table.kind
         self.guided = self.table is not None
         # Note [Watched iterations]
         self.watching = self.guided and self.last_diverged and self.rt.passive_enabled
+        self._count_pending()
+        if self.guided:
+            guard.stop()  # a plan applies again; divergence may restart it
+        elif self.rt.passive_enabled and not guard.active:
+            guard.start()
+        self._update_fast()
+
+    def _count_pending(self) -> None:
         self.pending.clear()
         self.op_refs.clear()
         if self.table is not None:
@@ -147,11 +170,44 @@ class Executor:
                     self.pending[sid] = 1
                     for k in d.replay_ops:
                         self.op_refs[k] = self.op_refs.get(k, 0) + 1
-        if self.guided:
-            guard.stop()  # a plan applies again; divergence may restart it
-        elif self.rt.passive_enabled and not guard.active:
-            guard.start()
-        self._update_fast()
+
+    def _switch_kind(self, k: int, func, flat: list) -> bool:
+        """Note [Iteration kinds]: op ``k`` does not match the current kind's plan; take the
+        plan of another kind whose ops ``0..k-1`` are those of the current one and whose op
+        ``k`` is this op (name, and shapes where it has actions). Everything evicted comes back
+        first and the new kind's plan applies from op ``k`` on (its actions on earlier ops are
+        not carried out: their storages simply stay resident)."""
+        cur = self.table
+        sig = None
+        for t in self.kind_tables:
+            if t is cur or k >= t.n_ops:
+                continue
+            key = (id(cur), id(t))
+            if key not in self._prefix:
+                n = 0
+                for a, b in zip(zip(cur.names, cur.signatures), zip(t.names, t.signatures)):
+                    if a != b:
+                        break
+                    n += 1
+                self._prefix[key] = n
+            if self._prefix[key] < k:
+                continue
+            if func is not t.expected[k] and not t.late_match(k, func):
+                continue
+            if t.ops.get(k) is not None:
+                sig = sig if sig is not None else shape_signature(x.shape for x in flat)
+                if sig != t.signatures[k]:
+                    continue
+            with _disable_current_modes(), torch.no_grad():
+                self.restore_all()
+            self.table = t
+            self.live.clear()
+            self.dependents.clear()
+            self.recompute.reset()
+            self._count_pending()
+            self.stats.kind = t.kind
+            return True
+        return False
 
     def step_ended(self) -> None:
         """A step ended the current iteration: a divergence in it was real (Note [End of run])."""
@@ -203,13 +259,20 @@ class Executor:
         if self.guided:
             tbl = self.table
             if k >= tbl.n_ops or (func is not tbl.expected[k] and not tbl.late_match(k, func)):
-                self._diverge(k, info.name, "op", flat)
+                if self._switch_kind(k, func, flat):
+                    tbl = self.table
+                    acts = tbl.ops.get(k)
+                else:
+                    self._diverge(k, info.name, "op", flat)
             else:
                 acts = tbl.ops.get(k)
                 if (acts is not None or self.watching) \
                         and shape_signature(t.shape for t in flat) != tbl.signatures[k]:
-                    self._diverge(k, info.name, "shapes", flat)
-                    acts = None
+                    if self._switch_kind(k, func, flat):
+                        acts = self.table.ops.get(k)
+                    else:
+                        self._diverge(k, info.name, "shapes", flat)
+                        acts = None
         if self.swap.pending_out:
             self.swap.poll()
             if self.swap.pending_out:
@@ -414,7 +477,10 @@ class Executor:
 
     def _late_feedback(self, e: Entry) -> None:
         d = e.decision
-        trig = self.trigger_now.get(d.storage_id, d.trigger_op)
+        # by storage id in the main kind's plan, by (kind, storage id) in the others'
+        tkey = (d.storage_id if self.table is self.kind_tables[0]
+                else (self.table.kind, d.storage_id))
+        trig = self.trigger_now.get(tkey, d.trigger_op)
         if trig is None:
             return
         bw = self.rt.bandwidth_h2d_bytes_per_s
@@ -430,7 +496,7 @@ class Executor:
         new = max(lo, min(new, trig - 1))
         if new < trig:
             self.table.move_before(Step.PREFETCH, d.storage_id, trig, new)
-            self.trigger_now[d.storage_id] = new
+            self.trigger_now[tkey] = new
             self.stats.trigger_moves += 1
 
     # ---- divergence and passive mode ------------------------------------------------------------
