@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -42,7 +43,8 @@ from .tracker import Executor
 def rank_plan_path(plan: str | os.PathLike) -> str | os.PathLike:
     """This rank's plan under a world of several ranks (``p.rank{R}.json`` when it exists, else
     ``p.json`` itself: one plan for every rank); ``plan`` as given in a single process."""
-    if world()[1] > 1:
+    rank, size = world()
+    if size > 1 and not Path(plan).stem.endswith(f".rank{rank}"):
         mine = per_rank(plan)
         if mine.is_file() or not os.path.exists(plan):
             return mine

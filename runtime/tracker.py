@@ -185,7 +185,8 @@ class Executor:
             key = (id(cur), id(t))
             if key not in self._prefix:
                 n = 0
-                for a, b in zip(zip(cur.names, cur.signatures), zip(t.names, t.signatures)):
+                for a, b in zip(zip(cur.names, cur.signatures, strict=True),
+                                zip(t.names, t.signatures, strict=True), strict=False):
                     if a != b:
                         break
                     n += 1

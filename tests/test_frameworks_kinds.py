@@ -58,3 +58,27 @@ def test_iterations_that_all_differ_are_still_refused(tmp_path):
     assert [len(its) for _, its in kinds] == [1, 1]
     with pytest.raises(IrregularTraceError, match="--iteration"):
         make_plan(trace, "75%")
+
+
+@pytest.mark.slow
+def test_hugging_face_trainer_with_evaluation_steps(tmp_path):
+    """Trainer(eval_strategy="steps", eval_steps=2): the iteration after every second step also
+    evaluates; both kinds are planned and followed, training bitwise identical (every
+    parameter, gradient, optimizer state and buffer)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    script = HERE / "hf_trainer_eval.py"
+    trace = load_trace(trace_script(script, ["--steps", "8"], output=tmp_path / "t.parquet",
+                                    log=lambda m: None))
+    assert iteration_kinds(trace) == [("train", [1, 3]), ("kind1", [2])]
+    plan = make_plan(trace, "70%")
+    assert plan.records and plan.kinds[0].records
+    rt = Runtime(plan)
+    got = run_example(script, ["--steps", "7"], rt)
+    ref = run_example(script, ["--steps", "7"])
+    assert len(ref) > 100 and state_mismatches(ref, got) == []
+    its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+    assert [s.kind for s in its] == ["train", "kind1"] * 3
+    assert not any(s.diverged for s in its) and all(s.evictions > 0 for s in its)
+    assert all(s.peak_bytes <= plan.budget_bytes for s in its), (
+        [s.peak_bytes for s in its], plan.budget_bytes)

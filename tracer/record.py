@@ -19,7 +19,6 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 
 import pandas as pd
 import torch

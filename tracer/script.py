@@ -26,7 +26,8 @@ def run_script(script: str | os.PathLike, args: Sequence[str] = ()) -> None:
 
 
 def trace_script(script: str | os.PathLike, args: Sequence[str] = (), *,
-                 output: str | os.PathLike | None = None, iterations: int = 3, warmup: int | None = None,
+                 output: str | os.PathLike | None = None, iterations: int = 3,
+                 warmup: int | None = None,
                  device: str = "auto", force: bool = False,
                  log: Callable[[str], None] | None = None) -> Path:
     """Trace ``script`` (run with ``args``) into ``output`` (default ``<stem>.trace.parquet``).

@@ -16,7 +16,7 @@ model = nn.Sequential(nn.Embedding(vocab, dim), nn.TransformerEncoder(layer, 2),
                       nn.Linear(dim, vocab))
 compiled = torch.compile(model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(args.steps):
+for _ in range(args.steps):
     tokens = torch.randint(0, vocab, (32, 65))
     logits = compiled(tokens[:, :-1])
     loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))

@@ -37,7 +37,7 @@ else:
     net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5, init_sync=False)
 opt = torch.optim.Adam(net.parameters(), lr=1e-3)
 gen = torch.Generator().manual_seed(1 + rank)  # each rank its own data
-for step in range(args.steps):
+for _ in range(args.steps):
     x = torch.randn(1024, 64, generator=gen)
     y = torch.randint(0, 10, (1024,), generator=gen)
     loss = nn.functional.cross_entropy(net(x), y)

@@ -27,5 +27,5 @@ def closure():
     return loss
 
 
-for step in range(args.steps):
+for _ in range(args.steps):
     opt.step(closure)

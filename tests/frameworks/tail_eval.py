@@ -17,7 +17,7 @@ for _ in range(6):
     layers += [nn.Linear(256, 256), nn.ReLU()]
 model = nn.Sequential(*layers, nn.Linear(256, 10))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-for step in range(args.steps):
+for _ in range(args.steps):
     x = torch.randn(1024, 64)
     y = torch.randint(0, 10, (1024,))
     loss = nn.functional.cross_entropy(model(x), y)
