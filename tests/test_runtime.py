@@ -236,6 +236,18 @@ def test_r5_r6_batch_norm_replay_does_not_touch_running_stats():
     assert torch.equal(rm, stats[0]) and torch.equal(rv, stats[1]), "running stats updated once"
 
 
+def test_comparison_sees_batch_norm_running_stats(monkeypatch):
+    """The runtime tests compare module buffers too (``state_dict()``): with rule R5 off, the
+    CNN's recompute plan replays batch norm with its running statistics unsandboxed, and the
+    comparison catches it (nothing else differs: the statistics do not feed training)."""
+    import capuchin.runtime.recompute as recompute
+
+    monkeypatch.setattr(recompute, "SANDBOX_WRITES", False)
+    plan = hand_plan(problem("cnn"), "recompute", limit=8)
+    bad = train_mismatches("cnn", Runtime(plan, measure_memory=False))
+    assert bad and all(k.endswith(("running_mean", "running_var")) for k in bad), bad
+
+
 # ---- CUDA backend (skipped without a GPU) --------------------------------------------------------
 
 
