@@ -59,6 +59,9 @@ class Decision:
     in-place ops that wrote the storage after it, and any evicted intermediates, paper §5.3
     collective recomputation); ``sources`` the storages they read that must be resident;
     ``keep`` the intermediate targets regenerated along the way that the runtime may keep.
+    ``out_done_op`` (swap, written by the planner): the first op that starts after the simulated
+    swap-out completed; the runtime waits for the copy there if it is still running, so memory
+    is never held longer than the plan's curve assumes.
     """
 
     storage_id: str
@@ -73,6 +76,7 @@ class Decision:
     predicted_stall_ns: int = 0  # swap: exposed wait at the back-access (simulated)
     predicted_recompute_ns: int = 0  # recompute: replay time added to compute (simulated)
     wraps: bool = False  # evicted in iteration i, back before ``back_op`` of iteration i+1 (swap only)
+    out_done_op: int | None = None  # swap: the simulated swap-out is complete before this op
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -145,7 +149,8 @@ class Plan:
     ``kind`` names the kind of iteration this plan covers; ``kinds`` holds the plans of the
     trace's other kinds of iteration (each a ``Plan`` sharing this one's provenance, with no
     ``kinds`` of its own). ``op_scratch_bytes`` is the per-op scratch the trace measured (empty:
-    none known). See docs/plan-format.md."""
+    none known); ``op_peak_bytes`` the simulated peak of device memory while each op runs under
+    this plan (empty: not known). See docs/plan-format.md."""
 
     provenance: Provenance
     predictions: Predictions
@@ -155,6 +160,7 @@ class Plan:
     schema_version: int = PLAN_SCHEMA_VERSION
     kind: str = "train"
     op_scratch_bytes: list[int] = field(default_factory=list)
+    op_peak_bytes: list[int] = field(default_factory=list)
     kinds: list[Plan] = field(default_factory=list)
 
     # -- serialization: the only one ------------------------------------------------------
@@ -168,6 +174,7 @@ class Plan:
             "decisions": [d.to_dict() for d in self.records],
             "ops": self.ops,
             "op_scratch_bytes": list(self.op_scratch_bytes),
+            "op_peak_bytes": list(self.op_peak_bytes),
             "actions": [[a.op_index, a.step.value, a.storage_id] for a in self.actions],
         }
 
@@ -194,6 +201,7 @@ class Plan:
             actions=[Action(k, Step(s), sid) for k, s, sid in doc["actions"]],
             kind=doc.get("kind", "train"),
             op_scratch_bytes=list(doc.get("op_scratch_bytes", [])),
+            op_peak_bytes=[int(b) for b in doc.get("op_peak_bytes", [])],
         )
 
     @classmethod

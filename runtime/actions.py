@@ -25,11 +25,12 @@ class OpActions:
     name_inputs: list[tuple[int, str]] = field(default_factory=list)  # (flat arg, storage id)
     name_outputs: list[tuple[int, str]] = field(default_factory=list)  # (flat output, storage id)
     record: bool = False  # a recompute decision replays this op
+    sync_out: list[str] = field(default_factory=list)  # swap-outs the plan has complete by now
 
     @property
     def empty(self) -> bool:
         return not (self.before or self.after or self.name_inputs or self.name_outputs
-                    or self.record)
+                    or self.record or self.sync_out)
 
 
 def resolve_op(name: str):
@@ -49,6 +50,7 @@ class ActionTable:
     ops: dict[int, OpActions]
     fast: list
     decisions: dict[str, Decision]
+    op_peak_bytes: list[int] = field(default_factory=list)  # the plan's simulated curve
 
     @property
     def n_ops(self) -> int:
@@ -85,6 +87,8 @@ def compile_plan(plan: Plan) -> ActionTable:
         if d.method is Method.RECOMPUTE:
             for k in d.replay_ops:
                 at(k).record = True
+        elif d.out_done_op is not None:
+            at(d.out_done_op).sync_out.append(d.storage_id)
     for sid in sorted(named):
         try:
             tid = TensorId.parse(sid)
@@ -97,4 +101,5 @@ def compile_plan(plan: Plan) -> ActionTable:
     for a in plan.actions:
         (at(a.op_index).before if a.before else at(a.op_index).after).append((a.step, a.storage_id))
     fast = [None if k in ops else f for k, f in enumerate(expected)]
-    return ActionTable([o[0] for o in plan.ops], expected, signatures, ops, fast, decisions)
+    return ActionTable([o[0] for o in plan.ops], expected, signatures, ops, fast, decisions,
+                       list(plan.op_peak_bytes))

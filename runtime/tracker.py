@@ -108,6 +108,8 @@ class Executor:
         self.op_refs: dict[int, int] = {}  # op index -> pending decisions that replay it
         self.op_time: dict[int, float] = {}
         self.trigger_now: dict[str, int] = {}  # late-prefetch feedback (Note [Late prefetch ...])
+        # bytes that moved in-triggers keep resident at each op, beyond the plan's simulation
+        self.moved_bytes = [0] * (table.n_ops if table is not None else 0)
         self.guided = False
         self.watching = False  # Note [Watched iterations]
         self.last_diverged = False
@@ -194,6 +196,10 @@ class Executor:
             if self.swap.pending_out:
                 self.swap.sync_overdue()
         if acts is not None:  # planned first, so a back-access is seen as planned (late check)
+            for sid in acts.sync_out:  # Note [Decoupled swap-out] in swap.py
+                e = self.by_sid.get(sid)
+                if e is not None and e.state is Residency.SWAPPING_OUT:
+                    self.swap.finish_out(e)
             for step, sid in acts.before:
                 self._before(step, sid, k)
         guard = self.guard
@@ -392,6 +398,8 @@ class Executor:
                 self.recompute.records.pop(k, None)
 
     def _late_feedback(self, e: Entry) -> None:
+        """Move a late prefetch's in-trigger earlier for the next iteration (Note [Late prefetch
+        feedback] in swap.py), never to where it would take the plan over its budget."""
         d = e.decision
         trig = self.trigger_now.get(d.storage_id, d.trigger_op)
         if trig is None:
@@ -406,11 +414,30 @@ class Executor:
             while j > lo and (self.op_time.get(j) is None or self.op_time[j] > t_trig - shift_s):
                 j -= 1
             new = j
-        new = max(lo, min(new, trig - 1))
+        new = self._fits_from(max(lo, min(new, trig - 1)), trig, e.nbytes)
         if new < trig:
             self.table.move_before(Step.PREFETCH, d.storage_id, trig, new)
             self.trigger_now[d.storage_id] = new
             self.stats.trigger_moves += 1
+            for i in range(new, trig):
+                self.moved_bytes[i] += e.nbytes
+        else:
+            self.stats.trigger_moves_refused += 1
+
+    def _fits_from(self, new: int, trig: int, nbytes: int) -> int:
+        """The earliest op in ``[new, trig)`` from which ``nbytes`` more stay resident up to
+        ``trig`` within the budget (Note [Late prefetch feedback] in swap.py): the plan's
+        simulated peak per op plus what earlier moves added; ``trig`` when none fits, or when
+        the plan carries no simulated curve."""
+        peak = self.table.op_peak_bytes
+        budget = self.rt.budget_bytes
+        if len(peak) < trig or budget is None:
+            return trig
+        moved = self.moved_bytes
+        j = trig
+        while j > new and peak[j - 1] + moved[j - 1] + nbytes <= budget:
+            j -= 1
+        return j
 
     # ---- divergence and passive mode ------------------------------------------------------------
     def _diverge(self, k: int, name: str, what: str, flat: list = ()) -> None:

@@ -236,6 +236,18 @@ def test_r5_r6_batch_norm_replay_does_not_touch_running_stats():
     assert torch.equal(rm, stats[0]) and torch.equal(rv, stats[1]), "running stats updated once"
 
 
+def test_comparison_sees_batch_norm_running_stats(monkeypatch):
+    """The runtime tests compare module buffers too (``state_dict()``): with rule R5 off, the
+    CNN's recompute plan replays batch norm with its running statistics unsandboxed, and the
+    comparison catches it (nothing else differs: the statistics do not feed training)."""
+    import capuchin.runtime.recompute as recompute
+
+    monkeypatch.setattr(recompute, "SANDBOX_WRITES", False)
+    plan = hand_plan(problem("cnn"), "recompute", limit=8)
+    bad = train_mismatches("cnn", Runtime(plan, measure_memory=False))
+    assert bad and all(k.endswith(("running_mean", "running_var")) for k in bad), bad
+
+
 # ---- CUDA backend (skipped without a GPU) --------------------------------------------------------
 
 
@@ -401,3 +413,96 @@ def test_make_plan_at_50_percent_measured_within_budget_and_simulation(name):
     for s in its:
         assert s.peak_bytes <= 1.05 * plan.budget_bytes, (s.peak_bytes, plan.budget_bytes)
         assert abs(s.peak_bytes - pred) <= 0.10 * pred, (s.peak_bytes, pred)
+
+
+_CKPT_SCRIPT = '''
+import argparse
+import torch
+from torch.utils.checkpoint import checkpoint
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=6)
+a = p.parse_args()
+torch.manual_seed(0)
+blocks = torch.nn.ModuleList(
+    torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    for _ in range(6))
+head = torch.nn.Linear(256, 10)
+params = [*blocks.parameters(), *head.parameters()]
+opt = torch.optim.Adam(params, lr=1e-3)
+x = torch.randn(256, 256)
+y = torch.randint(0, 10, (256,))
+for step in range(a.steps):
+    h = x
+    for i, b in enumerate(blocks):
+        h = checkpoint(b, h, use_reentrant=False) if i % 2 == 0 else b(h)
+    loss = torch.nn.functional.cross_entropy(head(h), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+'''
+
+
+@cache
+def _ckpt_trace(tmp_dir):
+    from capuchin.tracer.script import trace_script
+
+    script = tmp_dir / "ckpt.py"
+    script.write_text(_CKPT_SCRIPT)
+    return script, trace_script(script, [], output=tmp_dir / "ckpt.trace.parquet",
+                                log=lambda _: None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slow_copies", [True, False])
+def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, slow_copies):
+    """A model that already uses ``torch.utils.checkpoint``, planned at just above its smallest
+    feasible budget (+0.2%: the allocator's accounting of this script runs 15-34 KB above the
+    trace's), 20 steps: every iteration's measured peak stays within the budget and training is
+    bitwise identical. With every host->device copy slowed by 3 ms, prefetches are late and
+    their in-triggers move earlier; without the budget check on the move (``_fits_from``) the
+    peaks measured +208 KB over the budget. Without the wait for swap-outs at their simulated
+    completion (``Decision.out_done_op``) they measured +216 KB (slowed) and +222 KB (full
+    speed) over it."""
+    import capuchin
+    import capuchin.runtime.engine as engine
+    from capuchin.errors import InfeasibleBudgetError
+    from capuchin.runtime.backend import backend_for
+
+    script, trace = _ckpt_trace(tmp_path_factory.mktemp("ckpt"))
+    try:
+        capuchin.make_plan(trace, budget="10%", policy="capuchin")
+        raise AssertionError("10% should be infeasible")
+    except InfeasibleBudgetError as exc:
+        budget = int(exc.smallest_feasible_bytes * 1.002)
+    plan = capuchin.make_plan(trace, budget=budget, policy="capuchin")
+    assert plan.records and plan.op_peak_bytes
+
+    class _SlowDst:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def copy_(self, src):
+            import time
+
+            time.sleep(0.003)
+            return self.inner.copy_(src)
+
+    def slow_backend(device, plan=None):
+        be = backend_for(device, plan)
+        submit = be._h2d.submit
+        be._h2d.submit = lambda dst, src, n, after=None: submit(_SlowDst(dst), src, n, after)
+        return be
+
+    if slow_copies:
+        monkeypatch.setattr(engine, "backend_for", slow_backend)
+    rt = Runtime(plan, measure_memory=True)
+    got = run_example(script, ["--steps", "20"], rt)
+    assert state_mismatches(run_example(script, ["--steps", "20"]), got) == []
+    its = [s for s in rt.report.iterations if s.complete]
+    assert len(its) == 20
+    if slow_copies:
+        assert sum(s.late_prefetches for s in its) > 0 and sum(s.trigger_moves for s in its) > 0
+        assert sum(s.trigger_moves_refused for s in its) > 0, "the check never had to refuse"
+    for s in its:
+        assert s.peak_bytes <= budget, (s.iteration, s.peak_bytes, budget)
