@@ -159,10 +159,17 @@ def _umask() -> int:
 
 def raise_on_sigterm():
     """Make SIGTERM raise ``Terminated`` in the main thread, so that ``finally`` blocks (the
-    temporary files of ``atomic_write``) run as they do for SIGINT. Returns the previous handler
+    temporary files of ``atomic_write``) run as they do for SIGINT; forked children die of it as
+    they would have without the handler. Returns the previous handler
     for ``restore_sigterm`` (None outside the main thread, where nothing changes)."""
 
+    pid = os.getpid()
+
     def handler(signum, frame):
+        if os.getpid() != pid:  # a forked child (a bounded solve, a DataLoader worker): die
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as it would have without us
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         raise Terminated(signum)
 
     try:

@@ -344,17 +344,22 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _obj(v: Any, where: str, required: dict[str, Any], optional: dict[str, Any]) -> None:
-    """``v`` is an object with the ``required`` keys, maybe the ``optional`` ones, no others;
-    each value checked by its function (called with the value and its path)."""
+def _obj(v: Any, where: str, required: dict[str, Any], optional: dict[str, Any],
+         known: Any = None) -> None:
+    """``v`` is an object with the ``required`` keys and maybe the ``optional`` ones, each value
+    checked by its function (called with the value and its path). ``known``: a dataclass whose
+    fields are the only keys allowed (a field added to it later, with a default, is accepted
+    unchecked); None: other keys are allowed (and ignored by ``from_json``)."""
     if not isinstance(v, dict):
         raise _Bad(where, f"expected an object, got {type(v).__name__}")
     missing = [k for k in required if k not in v]
     if missing:
         raise _Bad(where, f"missing {', '.join(missing)}")
-    unknown = [k for k in v if k not in required and k not in optional]
-    if unknown:
-        raise _Bad(where, f"unknown field(s) {', '.join(map(str, unknown))}")
+    if known is not None:
+        allowed = {f.name for f in fields(known)} | set(required) | set(optional)
+        unknown = [k for k in v if k not in allowed]
+        if unknown:
+            raise _Bad(where, f"unknown field(s) {', '.join(map(str, unknown))}")
     for k, check in {**required, **optional}.items():
         if k in v:
             check(v[k], f"{where}.{k}" if where else k)
@@ -425,7 +430,7 @@ def check_plan_doc(doc: dict[str, Any]) -> None:
     _obj(doc, "", {"format": _str, "schema_version": _int_min(0), "provenance": _anything,
                    **kind_fields},
          {"op_scratch_bytes": _anything, "kinds": _list_of(_object)})
-    _obj(doc["provenance"], "provenance", _PROVENANCE, {"capuchin_version": _str})
+    _obj(doc["provenance"], "provenance", _PROVENANCE, {"capuchin_version": _str}, Provenance)
     _check_kind(doc, "")
     for i, k in enumerate(doc.get("kinds", [])):
         where = f"kinds[{i}]"
@@ -436,7 +441,7 @@ def check_plan_doc(doc: dict[str, Any]) -> None:
 def _check_kind(doc: dict[str, Any], at: str) -> None:
     """One kind of iteration: predictions, ops, op_scratch_bytes, decisions, actions, each op
     index within this kind's ``ops`` and each action's storage one of its decisions."""
-    _obj(doc["predictions"], f"{at}predictions", _PREDICTIONS, _PREDICTIONS_OPT)
+    _obj(doc["predictions"], f"{at}predictions", _PREDICTIONS, _PREDICTIONS_OPT, Predictions)
     ops = doc["ops"]
     if not isinstance(ops, list) or not all(
             isinstance(o, list) and len(o) == 2 and all(isinstance(x, str) for x in o)
@@ -469,7 +474,7 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
              {"trigger_op": op_index_or_null, "replay_ops": _list_of(op_index),
               "sources": _list_of(_str), "keep": _list_of(_str),
               "predicted_stall_ns": _int_min(0), "predicted_recompute_ns": _int_min(0),
-              "wraps": _bool})
+              "wraps": _bool}, Decision)
         if d["method"] not in {m.value for m in Method}:
             raise _Bad(f"{where}.method", f"{d['method']!r} is not 'swap' or 'recompute'")
         if d["storage_id"] in methods:
