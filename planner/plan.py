@@ -429,12 +429,13 @@ def check_plan_doc(doc: dict[str, Any]) -> None:
                    "ops": _anything, "actions": _anything}
     _obj(doc, "", {"format": _str, "schema_version": _int_min(0), "provenance": _anything,
                    **kind_fields},
-         {"op_scratch_bytes": _anything, "kinds": _list_of(_object)})
+         {"op_scratch_bytes": _anything, "op_peak_bytes": _anything, "kinds": _list_of(_object)})
     _obj(doc["provenance"], "provenance", _PROVENANCE, {"capuchin_version": _str}, Provenance)
     _check_kind(doc, "")
     for i, k in enumerate(doc.get("kinds", [])):
         where = f"kinds[{i}]"
-        _obj(k, where, {**kind_fields, "iteration": _int_min(0)}, {"op_scratch_bytes": _anything})
+        _obj(k, where, {**kind_fields, "iteration": _int_min(0)},
+             {"op_scratch_bytes": _anything, "op_peak_bytes": _anything})
         _check_kind(k, where + ".")
 
 
@@ -458,10 +459,11 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
         if v is not None:
             op_index(v, where)
 
-    scratch = doc.get("op_scratch_bytes", [])
-    _list_of(_int_min(0))(scratch, f"{at}op_scratch_bytes")
-    if scratch and len(scratch) != n:
-        raise _Bad(f"{at}op_scratch_bytes", f"{len(scratch)} entries for {n} ops")
+    for per_op in ("op_scratch_bytes", "op_peak_bytes"):  # one int per op, or empty
+        values = doc.get(per_op, [])
+        _list_of(_int_min(0))(values, f"{at}{per_op}")
+        if values and len(values) != n:
+            raise _Bad(f"{at}{per_op}", f"{len(values)} entries for {n} ops")
     decisions = doc["decisions"]
     if not isinstance(decisions, list):
         raise _Bad(f"{at}decisions", f"expected a list, got {type(decisions).__name__}")
