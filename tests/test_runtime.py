@@ -129,7 +129,33 @@ def test_cli_run_report_and_measured_peaks(tmp_path):
     assert results["swap"] < results["empty"]
 
 
-def test_hot_path_takes_no_slow_op_in_a_quiet_steady_iteration():
+def test_empty_plan_installs_no_dispatch_mode_and_reports_its_iterations():
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    prob = problem("mlp")
+    empty, _ = build_plan(prob, [], policy="none", budget_bytes=prob.peak_bytes)
+    rt = Runtime(empty, measure_memory=True)
+    modes = []
+    h = register_optimizer_step_post_hook(lambda *a: modes.append(_get_current_dispatch_mode()))
+    try:
+        assert train_mismatches("mlp", rt) == []
+    finally:
+        h.remove()
+    assert modes and all(m is None for m in modes)
+    its = rt.report.iterations
+    assert [s.iteration for s in its] == [0, 1, 2]
+    assert all(s.time_s > 0 and s.peak_bytes for s in its)
+    assert all(s.peak_bytes <= 1.05 * prob.peak_bytes for s in its[1:]), (
+        [s.peak_bytes for s in its], prob.peak_bytes)
+
+
+def test_hot_path_takes_no_slow_op_in_a_quiet_steady_iteration(monkeypatch):
+    """A plan whose ops need nothing but the check: the hot path (an empty plan installed as a
+    plan, which it normally is not: Note [Empty plan] in engine.py)."""
+    import capuchin.runtime.engine as engine
+
+    monkeypatch.setattr(engine, "_empty", lambda plan: False)
     prob = problem("mlp")
     empty, _ = build_plan(prob, [], policy="none", budget_bytes=prob.peak_bytes)
     rt = Runtime(empty, measure_memory=False)
