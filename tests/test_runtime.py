@@ -129,7 +129,33 @@ def test_cli_run_report_and_measured_peaks(tmp_path):
     assert results["swap"] < results["empty"]
 
 
-def test_hot_path_takes_no_slow_op_in_a_quiet_steady_iteration():
+def test_empty_plan_installs_no_dispatch_mode_and_reports_its_iterations():
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    prob = problem("mlp")
+    empty, _ = build_plan(prob, [], policy="none", budget_bytes=prob.peak_bytes)
+    rt = Runtime(empty, measure_memory=True)
+    modes = []
+    h = register_optimizer_step_post_hook(lambda *a: modes.append(_get_current_dispatch_mode()))
+    try:
+        assert train_mismatches("mlp", rt) == []
+    finally:
+        h.remove()
+    assert modes and all(m is None for m in modes)
+    its = rt.report.iterations
+    assert [s.iteration for s in its] == [0, 1, 2]
+    assert all(s.time_s > 0 and s.peak_bytes for s in its)
+    assert all(s.peak_bytes <= 1.05 * prob.peak_bytes for s in its[1:]), (
+        [s.peak_bytes for s in its], prob.peak_bytes)
+
+
+def test_hot_path_takes_no_slow_op_in_a_quiet_steady_iteration(monkeypatch):
+    """A plan whose ops need nothing but the check: the hot path (an empty plan installed as a
+    plan, which it normally is not: Note [Empty plan] in engine.py)."""
+    import capuchin.runtime.engine as engine
+
+    monkeypatch.setattr(engine, "_empty", lambda plan: False)
     prob = problem("mlp")
     empty, _ = build_plan(prob, [], policy="none", budget_bytes=prob.peak_bytes)
     rt = Runtime(empty, measure_memory=False)
@@ -388,6 +414,66 @@ def test_r3_copy_on_write_regenerates_before_a_source_is_overwritten(tmp_path):
     its = [s for s in rep.iterations if s.complete and s.iteration >= 1]
     assert its and not any(s.diverged for s in its)
     assert all(s.cow_restores == 1 and s.recomputed_ops == 1 for s in its)
+
+
+_READ_SCRIPT = """
+import sys
+import torch
+import capuchin
+
+torch.manual_seed(0)
+other = "--other" in sys.argv
+for step in range(4):
+    a = torch.randn(256, 256)
+    b = torch.randn(256, 256)
+    y = a * 2
+    z = (y if other and step >= 2 else b) + 1  # the same op on the same shapes as traced
+    w = y * 3  # y's back-access
+    ref = (a * 2 if other and step >= 2 else b * 1) + 1  # the same ops either way
+    assert torch.equal(z, ref), "read a dropped storage"
+    assert torch.equal(w, a * 6), "wrong recomputation"
+    capuchin.step()
+"""
+
+
+def test_guarded_hot_path_never_lets_an_op_read_an_evicted_storage(tmp_path):
+    """A plan drops ``y`` between its producer and its back-access; the run then reads ``y`` in
+    between with an op that has the same name and shapes as the traced one (so the op check
+    passes and the op has no action). The guarded hot path sends it to the slow path, which
+    regenerates ``y`` first: the script's own checks pass. (With the argument check removed
+    from ``TrackerMode.__torch_dispatch__`` the test process died of a segmentation fault: the
+    kernel read the dropped storage.)"""
+    import runpy
+    import sys
+
+    from capuchin.planner.build import action_table
+    from capuchin.planner.plan import Plan, Predictions, Provenance
+    from capuchin.tracer.record import Tracer
+
+    script = tmp_path / "read.py"
+    script.write_text(_READ_SCRIPT)
+    trace = tmp_path / "read.trace.parquet"
+    argv = sys.argv
+    sys.argv = [str(script)]
+    try:
+        with Tracer(trace, iterations=1, warmup=1, device="cpu", log=None):
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    prob = Problem.from_trace(load_trace(trace))
+    names = [o.name for o in prob.ops]
+    mul = names.index("aten.mul.Tensor")
+    back = names.index("aten.mul.Tensor", mul + 1)
+    y = prob.ops[mul].allocs[0]
+    d = Decision(y, Method.RECOMPUTE, prob.storages[y].size_bytes, mul, back,
+                 replay_ops=(mul,), sources=prob.ops[mul].inputs)
+    prov = Provenance("hand", {}, prob.peak_bytes, str(trace), "", 1, "cpu", 12e9, 12e9, "", 0.0)
+    plan = Plan(prov, Predictions(0, 0, 0, 0), [d], prob.op_signatures(), action_table([d]))
+    rep = run_script(script, ["--other"], plan=plan.save(tmp_path / "read.plan.json"),
+                     measure_memory=False)
+    its = [s for s in rep.iterations if s.complete and s.iteration >= 1]
+    assert its and not any(s.diverged for s in its)
+    assert all(s.evictions == 1 and s.recomputed_ops == 1 for s in its)
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
