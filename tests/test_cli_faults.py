@@ -376,3 +376,22 @@ def test_13_dtr_logs_are_found_beside_the_repository_or_by_variable(monkeypatch,
     monkeypatch.setenv(DTR_LOGS_VARIABLE, str(tmp_path / "missing.zip"))
     with pytest.raises(CapuchinError, match="missing.zip"):
         dtr_logs_path()
+
+
+# ---- one writer for every output ------------------------------------------------------------------
+def test_every_writer_gives_a_new_files_mode_and_leaves_no_temporary(work):
+    from capuchin.planner.plan import load_plan
+    from capuchin.runtime.report import RunReport
+
+    old = os.umask(0o022)
+    try:
+        tr = load_trace("t.trace.parquet")
+        written = [write_trace(tr.events, tr.meta, work / "out" / "w.trace.parquet"),
+                   load_plan("p.json").save(work / "out" / "w.plan.json"),
+                   RunReport(budget_bytes=None, device="cpu", plan=None, iterations=[]).save(
+                       work / "out" / "w.report.json")]
+    finally:
+        os.umask(old)
+    for path in written:
+        assert (path.stat().st_mode & 0o777) == 0o644, path  # as `open(path, "w")` would
+    assert sorted(p.name for p in (work / "out").iterdir()) == sorted(p.name for p in written)
