@@ -103,6 +103,7 @@ def test_1_show_never_writes_over_the_plan_nor_an_existing_file_without_force(wo
 
 
 # ---- 2. run shows the script's traceback, then one line -----------------------------------------
+@pytest.mark.slow
 def test_2_run_prints_the_scripts_traceback_then_one_line(work):
     (work / "bad.py").write_text(textwrap.dedent("""
         import torch
@@ -147,6 +148,7 @@ def test_3_run_plan_import_show_check_outputs_first(work):
 
 
 # ---- 4. a file that appears during the run is never replaced without --force ----------------------
+@pytest.mark.slow
 def test_4_trace_does_not_replace_a_file_written_while_it_ran(work):
     (work / "racer.py").write_text(TRAIN.replace(
         "    opt.step()\n",
@@ -303,6 +305,7 @@ SLOW_WRITE = textwrap.dedent("""
 """) + TRAIN
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, EXIT_TERMINATED),
                                        (signal.SIGINT, EXIT_INTERRUPTED)])
 def test_10_signal_during_the_write_leaves_no_temporary_and_the_target_intact(work, sig, code):
@@ -356,6 +359,7 @@ def test_12_usage_errors_are_not_the_infeasible_budget_code(work):
     assert cli("plan", "t.trace.parquet", "--budget", "1K").exit_code == 2  # infeasible
 
 
+@pytest.mark.slow
 def test_12_sigint_exits_130(work):
     (work / "stop.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
     r = cli_process("trace", "-o", "s.parquet", "stop.py", cwd=work)
