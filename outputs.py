@@ -5,9 +5,10 @@ never replaced without ``force``. No torch.
 # A command calls ``check_output`` on each file it will write before it does any work (tracing,
 # planning, training), so that a bad path costs nothing: the path must not be a folder nor one of
 # the command's inputs (not even with --force: the input is read while the output is written),
-# must not exist unless ``force``, must have a suffix the writer understands, and its folder must
-# be one where a file can be created (probed by creating and removing a temporary file: as root,
-# ``os.access`` says yes on read-only file systems and in /proc).
+# must not exist unless ``force``, must have a suffix the writer understands, and its folder (or
+# the nearest existing one above it, where the writer will create it) must be one where a file can
+# be created (probed by creating and removing a temporary file: as root, ``os.access`` says yes on
+# read-only file systems and in /proc).
 #
 # ``atomic_write`` then writes through a hidden temporary file ``.NAME.XXXXXXXX.tmp`` in the same
 # folder, which is removed on any exit from the block: an exception, KeyboardInterrupt (SIGINT),
@@ -77,11 +78,7 @@ def check_output(path: str | os.PathLike, *, force: bool = False,
         existing = existing.parent
     if not existing.is_dir():
         raise CapuchinError(f"{p}: {existing} is not a folder")
-    if existing == folder:
-        _probe(folder, p)
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        raise CapuchinError(f"{p}: cannot create folder {folder} (no write permission in "
-                            f"{existing})")
+    _probe(existing, p)  # the folder, or where the writer will create it
     return p
 
 
