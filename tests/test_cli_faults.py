@@ -299,7 +299,8 @@ SLOW_WRITE = textwrap.dedent("""
     _write = pq.write_table
     def slow_write(table, where, **kwargs):
         _write(table, where, **kwargs)
-        Path("writing").write_text(str(where))
+        Path("writing.part").write_text(str(where))
+        Path("writing.part").rename("writing")  # whole, for the test that waits for it
         time.sleep(120)
     pq.write_table = slow_write
 """) + TRAIN
@@ -321,8 +322,9 @@ def test_10_signal_during_the_write_leaves_no_temporary_and_the_target_intact(wo
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the write never began"
             time.sleep(0.05)
-        tmp = Path((work / "writing").read_text())
-        assert tmp.parent == work and tmp.name.startswith(".t.parquet.") and tmp.exists()
+        tmp = work / (work / "writing").read_text()  # relative to the command's folder
+        assert tmp.parent.resolve() == work.resolve() and tmp.name.startswith(".t.parquet.")
+        assert tmp.exists()
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -332,6 +334,36 @@ def test_10_signal_during_the_write_leaves_no_temporary_and_the_target_intact(wo
     assert err.strip().splitlines()[-1] in ("capuchin: terminated", "capuchin: interrupted")
     assert not tmp.exists() and [p.name for p in work.glob(".t.parquet*")] == []
     assert (work / "t.parquet").read_bytes() == b"the previous trace"
+
+
+def test_10_sigterm_while_a_library_user_writes_removes_the_temporary_and_kills(tmp_path):
+    """Outside the command (a script using capuchin.Tracer, or Plan.save) SIGTERM still kills
+    the process, after the temporary file is gone."""
+    (tmp_path / "writer.py").write_text(textwrap.dedent("""
+        import time
+        from pathlib import Path
+        from capuchin.outputs import atomic_write
+        with atomic_write("out.txt") as tmp:
+            tmp.write_text("partial")
+            Path("writing.part").write_text(str(tmp))
+            Path("writing.part").rename("writing")
+            time.sleep(120)
+    """))
+    proc = subprocess.Popen([sys.executable, "writer.py"], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "writing").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        tmp = tmp_path / (tmp_path / "writing").read_text()
+        assert tmp.exists()
+        proc.terminate()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGTERM
+    assert not tmp.exists() and not (tmp_path / "out.txt").exists()
 
 
 # ---- 11. the ILP's time limit ---------------------------------------------------------------------
