@@ -103,6 +103,7 @@ def test_1_show_never_writes_over_the_plan_nor_an_existing_file_without_force(wo
 
 
 # ---- 2. run shows the script's traceback, then one line -----------------------------------------
+@pytest.mark.slow
 def test_2_run_prints_the_scripts_traceback_then_one_line(work):
     (work / "bad.py").write_text(textwrap.dedent("""
         import torch
@@ -147,6 +148,7 @@ def test_3_run_plan_import_show_check_outputs_first(work):
 
 
 # ---- 4. a file that appears during the run is never replaced without --force ----------------------
+@pytest.mark.slow
 def test_4_trace_does_not_replace_a_file_written_while_it_ran(work):
     (work / "racer.py").write_text(TRAIN.replace(
         "    opt.step()\n",
@@ -297,12 +299,14 @@ SLOW_WRITE = textwrap.dedent("""
     _write = pq.write_table
     def slow_write(table, where, **kwargs):
         _write(table, where, **kwargs)
-        Path("writing").write_text(str(where))
+        Path("writing.part").write_text(str(where))
+        Path("writing.part").rename("writing")  # whole, for the test that waits for it
         time.sleep(120)
     pq.write_table = slow_write
 """) + TRAIN
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, EXIT_TERMINATED),
                                        (signal.SIGINT, EXIT_INTERRUPTED)])
 def test_10_signal_during_the_write_leaves_no_temporary_and_the_target_intact(work, sig, code):
@@ -318,8 +322,9 @@ def test_10_signal_during_the_write_leaves_no_temporary_and_the_target_intact(wo
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the write never began"
             time.sleep(0.05)
-        tmp = Path((work / "writing").read_text())
-        assert tmp.parent == work and tmp.name.startswith(".t.parquet.") and tmp.exists()
+        tmp = work / (work / "writing").read_text()  # relative to the command's folder
+        assert tmp.parent.resolve() == work.resolve() and tmp.name.startswith(".t.parquet.")
+        assert tmp.exists()
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -329,6 +334,36 @@ def test_10_signal_during_the_write_leaves_no_temporary_and_the_target_intact(wo
     assert err.strip().splitlines()[-1] in ("capuchin: terminated", "capuchin: interrupted")
     assert not tmp.exists() and [p.name for p in work.glob(".t.parquet*")] == []
     assert (work / "t.parquet").read_bytes() == b"the previous trace"
+
+
+def test_10_sigterm_while_a_library_user_writes_removes_the_temporary_and_kills(tmp_path):
+    """Outside the command (a script using capuchin.Tracer, or Plan.save) SIGTERM still kills
+    the process, after the temporary file is gone."""
+    (tmp_path / "writer.py").write_text(textwrap.dedent("""
+        import time
+        from pathlib import Path
+        from capuchin.outputs import atomic_write
+        with atomic_write("out.txt") as tmp:
+            tmp.write_text("partial")
+            Path("writing.part").write_text(str(tmp))
+            Path("writing.part").rename("writing")
+            time.sleep(120)
+    """))
+    proc = subprocess.Popen([sys.executable, "writer.py"], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "writing").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        tmp = tmp_path / (tmp_path / "writing").read_text()
+        assert tmp.exists()
+        proc.terminate()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGTERM
+    assert not tmp.exists() and not (tmp_path / "out.txt").exists()
 
 
 # ---- 11. the ILP's time limit ---------------------------------------------------------------------
@@ -356,6 +391,7 @@ def test_12_usage_errors_are_not_the_infeasible_budget_code(work):
     assert cli("plan", "t.trace.parquet", "--budget", "1K").exit_code == 2  # infeasible
 
 
+@pytest.mark.slow
 def test_12_sigint_exits_130(work):
     (work / "stop.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
     r = cli_process("trace", "-o", "s.parquet", "stop.py", cwd=work)
@@ -376,3 +412,22 @@ def test_13_dtr_logs_are_found_beside_the_repository_or_by_variable(monkeypatch,
     monkeypatch.setenv(DTR_LOGS_VARIABLE, str(tmp_path / "missing.zip"))
     with pytest.raises(CapuchinError, match="missing.zip"):
         dtr_logs_path()
+
+
+# ---- one writer for every output ------------------------------------------------------------------
+def test_every_writer_gives_a_new_files_mode_and_leaves_no_temporary(work):
+    from capuchin.planner.plan import load_plan
+    from capuchin.runtime.report import RunReport
+
+    old = os.umask(0o022)
+    try:
+        tr = load_trace("t.trace.parquet")
+        written = [write_trace(tr.events, tr.meta, work / "out" / "w.trace.parquet"),
+                   load_plan("p.json").save(work / "out" / "w.plan.json"),
+                   RunReport(budget_bytes=None, device="cpu", plan=None, iterations=[]).save(
+                       work / "out" / "w.report.json")]
+    finally:
+        os.umask(old)
+    for path in written:
+        assert (path.stat().st_mode & 0o777) == 0o644, path  # as `open(path, "w")` would
+    assert sorted(p.name for p in (work / "out").iterdir()) == sorted(p.name for p in written)

@@ -430,9 +430,7 @@ def import_dtr_log(log: str | os.PathLike, out: str | os.PathLike | None = None,
     """
     if not bandwidth_bytes_per_s > 0:
         raise CapuchinError(f"bandwidth must be positive, got {bandwidth_bytes_per_s}")
-    if out is not None:  # before reading the log; the default name needs the log's name
-        check_output(out, force=force, inputs=[log])
-    lines, name = read_dtr_log_lines(log)
+    lines, name = read_dtr_log_lines(log)  # a missing log is the first thing to say
     out_path = check_output(out if out is not None else default_trace_name(name), force=force,
                             inputs=[log])
     events, marker = dtr_log_events(lines, source=name, require_complete=True)
