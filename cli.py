@@ -48,10 +48,13 @@ def main() -> None:
               help="Iterations to run before recording.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True, help="Device whose memory and timeline are traced.")
+@click.option("--budget", default=None, metavar="SIZE",
+              help="Trace within SIZE of device memory (8G, 512MiB, bytes) by passive eviction; "
+                   "the trace still records the unmanaged program.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @_errors_to_exit
-def trace(output, force, iterations, warmup, device, script, script_args):
+def trace(output, force, iterations, warmup, device, budget, script, script_args):
     """Record a tensor access trace of an unmodified training SCRIPT.
 
     SCRIPT runs as `python SCRIPT SCRIPT_ARGS...` would; iterations are delimited by optimizer
@@ -60,11 +63,19 @@ def trace(output, force, iterations, warmup, device, script, script_args):
     """
     from .tracer.script import default_output, trace_script
 
+    budget_bytes = None
+    if budget is not None:
+        from .planner.budget import BudgetError, parse_budget
+
+        if str(budget).strip().endswith("%"):
+            raise BudgetError(f"--budget {budget}: a percentage needs a peak, and tracing is what "
+                              "measures it; give a size (8G, 512MiB, bytes)")
+        budget_bytes = parse_budget(budget)
     if script_args[:1] == ("--",):  # `capuchin trace train.py -- --lr 0.1`: the separator is ours
         script_args = script_args[1:]
     out = output if output is not None else default_output(script)
     path = trace_script(script, list(script_args), output=out, iterations=iterations,
-                        warmup=warmup, device=device, force=force)
+                        warmup=warmup, device=device, force=force, budget_bytes=budget_bytes)
     click.echo(f"capuchin: wrote {path}", err=True)
 # CLI-TRACE-END
 
