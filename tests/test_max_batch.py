@@ -6,16 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import capuchin
 import pytest
 import torch
-from click.testing import CliRunner
-
-import capuchin
 from capuchin.cli import main
 from capuchin.maxbatch import MaxBatchError, run_steps
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.script import trace_script
 from capuchin.tracer.summary import summarize
+from click.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "traces"
