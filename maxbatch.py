@@ -21,6 +21,15 @@ policy, verified by a real run.
 # (max over every iteration, the first, passive one included) against memory, and the time per
 # sample (median step-to-step time / value, steps after the first) against plain training at
 # unmanaged's own largest value.
+
+# Note: [Verified, not only planned]
+# The answer is a value that was *run*: when the verifying run's measured peak is more than
+# VERIFY_TOLERANCE (5%, the runtime's own standard for a plan) over memory, the next smaller value
+# whose plan fits is verified instead, up to VERIFY_TRIES runs; ``rejected`` lists the values
+# given up and ``planned_max`` the value the plans alone allowed. Seen on the CPU runtime: a
+# prefetch that arrives late makes the runtime move its in-trigger earlier for the next
+# iteration (runtime/swap.py), which the plan's simulated peak does not include (+5.5% of memory
+# on traces/hf_resnet.py at batch 13, in 2 of 3 runs at load 9).
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ from typing import Any
 from .errors import CapuchinError, ScriptError
 
 COMPARISON_POLICIES = ("checkpoint-sqrt", "dtr", "swap", "recompute")
+VERIFY_TOLERANCE = 0.05  # Note [Verified, not only planned]
+VERIFY_TRIES = 3
 UNMANAGED = "unmanaged"
 
 
@@ -94,6 +105,9 @@ class MaxBatchResult:
     unmanaged_time_per_sample_s: float | None
     time_per_sample_ratio: float | None
     verify_steps: int
+    verified: bool | None = None  # the verifying run stayed within VERIFY_TOLERANCE of memory
+    planned_max: int | None = None  # the chosen policy's largest value by its plans alone
+    rejected: list[dict] = field(default_factory=list)  # values whose verifying run was over
     runs: dict[str, dict] = field(default_factory=dict)  # policy -> PolicyRun (time_all)
     candidates: list[dict] = field(default_factory=list)
     search_s: float = 0.0
@@ -124,10 +138,16 @@ class MaxBatchResult:
             lines.append(f"  {name:<16} {v:>7}{x}{t}{mark}")
         for name, why in self.not_applicable.items():
             lines.append(f"  {name:<16}     n/a ({why})")
+        for rej in self.rejected:
+            lines.append(f"rejected: {self.arg} {rej['value']} measured "
+                         f"{rej['peak_bytes'] / self.memory_bytes:.3f} x memory in its "
+                         "verifying run")
         if self.verified_peak_bytes is not None:
             lines.append(f"verified: {self.verify_steps} steps at {self.arg} {self.chosen} under "
                          f"the {self.policy} plan: measured peak {mb(self.verified_peak_bytes)} "
-                         f"= {self.verified_peak_bytes / self.memory_bytes:.3f} x memory")
+                         f"= {self.verified_peak_bytes / self.memory_bytes:.3f} x memory"
+                         + ("" if self.verified else
+                            f" (NOT within {VERIFY_TOLERANCE:.0%} of memory)"))
         if self.time_per_sample_ratio is not None:
             lines.append(f"time per sample {self.time_per_sample_s * 1e3:.3f} ms vs "
                          f"{self.unmanaged_time_per_sample_s * 1e3:.3f} ms unmanaged at "
@@ -226,19 +246,40 @@ def max_batch(script: str | os.PathLike, script_args: Sequence[str] = (), *,
                                 else None),
             verified_peak_bytes=None, verified_steady_peak_bytes=None, time_per_sample_s=None,
             unmanaged_time_per_sample_s=None, time_per_sample_ratio=None, verify_steps=steps,
-            plan=plan)
+            planned_max=chosen, plan=plan)
         if verify and chosen:
-            log(f"max-batch: verifying: {steps} steps at {flag} {chosen} under the {policy} plan")
-            run = run_steps(path, [*script_args, flag, str(chosen)], steps, plan=plan,
-                            device=dev, keep_state=keep_state)
+            run = None
+            for attempt in range(VERIFY_TRIES):  # Note [Verified, not only planned]
+                log(f"max-batch: verifying: {steps} steps at {flag} {chosen} under the {policy} "
+                    "plan")
+                run = run_steps(path, [*script_args, flag, str(chosen)], steps, plan=plan,
+                                device=dev, keep_state=keep_state)
+                log(f"max-batch:   measured peak {_mb(run.peak_bytes)} "
+                    f"({(run.peak_bytes or 0) / memory_bytes:.3f} x memory), "
+                    f"{(run.time_per_sample_s or 0) * 1e3:.3f} ms/sample")
+                over = run.peak_bytes is not None and \
+                    run.peak_bytes > (1 + VERIFY_TOLERANCE) * memory_bytes
+                if not over or attempt == VERIFY_TRIES - 1:
+                    break
+                lower = chosen - 1
+                while lower >= min_value and not search.fits(lower, policy):
+                    lower -= 1
+                if lower < min_value:
+                    break
+                result.rejected.append({"value": chosen, "peak_bytes": run.peak_bytes})
+                log(f"max-batch:   over memory by more than {VERIFY_TOLERANCE:.0%}: "
+                    f"trying {flag} {lower}")
+                chosen = lower
+                plan = search.plan(chosen, policy)
+                result.plan = plan
+                result.predicted_overhead = plan.predictions.predicted_overhead
+            result.chosen = best[policy] = chosen
+            result.verified = not over
             result.verified_peak_bytes = run.peak_bytes
             result.verified_steady_peak_bytes = run.steady_peak_bytes
             result.time_per_sample_s = run.time_per_sample_s
             result.verified_state = getattr(run, "state", None)
             result.runs[policy] = _run_dict(run)
-            log(f"max-batch:   measured peak {_mb(run.peak_bytes)} "
-                f"({(run.peak_bytes or 0) / memory_bytes:.3f} x memory), "
-                f"{(run.time_per_sample_s or 0) * 1e3:.3f} ms/sample")
             if unmanaged:
                 log(f"max-batch: timing plain training: {steps} steps at {flag} {unmanaged}")
                 base = run_steps(path, [*script_args, flag, str(unmanaged)], steps, plan=None,
