@@ -38,6 +38,7 @@ import contextlib
 import gc
 import io
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -432,9 +433,13 @@ class _Search:
             return MaxBatchError(f"{self.script}: the script does not accept {self.flag} "
                                  f"(its own error: {unknown[-1].strip()})")
         if isinstance(exc, ScriptError):
+            # runmain's "SCRIPT raised TYPE: message" (or "exited with status N"): name the value
             msg = str(exc)
-            last = text[-1].strip() if text else ""
-            return MaxBatchError(f"{msg} at {self.flag} {value}" + (f": {last}" if last else ""))
+            m = re.match(r"^(.*) raised ([\w.]+): (.*)$", msg)
+            if m:
+                return MaxBatchError(f"{m.group(1)}: the script raised {m.group(2)} at "
+                                     f"{self.flag} {value}: {m.group(3)}")
+            return MaxBatchError(f"{msg} at {self.flag} {value}")
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "(no message)"
         return MaxBatchError(f"{self.script}: the script raised {type(exc).__name__} at "
                              f"{self.flag} {value}: {first}")
