@@ -349,6 +349,8 @@ class OpIndexer:
     uses its own attribute names on tensors and storages.
     """
 
+    guards_compile = True  # refuse torch.compile while installed (Note [torch.compile])
+
     def __init__(self, on_iteration_start: Callable | None = None,
                  on_iteration_end: Callable | None = None, on_free: Callable | None = None,
                  on_step: Callable | None = None):
@@ -383,11 +385,12 @@ class OpIndexer:
             self._handles = [register_optimizer_step_pre_hook(self._pre_step),
                              register_optimizer_step_post_hook(self._post_step)]
             _ACTIVE.append(self)
-            CompileGuard.install()  # Note [torch.compile] in tracer/compiled.py
+            if self.guards_compile:
+                CompileGuard.install()  # Note [torch.compile] in tracer/compiled.py
         return self
 
     def uninstall(self) -> None:
-        if self._handles:
+        if self._handles and self.guards_compile:
             CompileGuard.uninstall()
         for h in self._handles:
             h.remove()
