@@ -17,6 +17,7 @@ from ..errors import InfeasibleBudgetError
 from ..outputs import check_output
 from ..tracer.reader import Trace, load_trace
 from ..tracer.schema import FILE_SUFFIX
+from ..tracer.summary import iteration_kinds
 from .budget import format_bytes, parse_budget, parse_rate
 from .build import build_plan, policy_parameters
 from .plan import Plan
@@ -129,19 +130,6 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
 # in ``Plan.kinds`` ("kind1", "kind2", ... in order of frequency). The runtime picks the kind as
 # each iteration runs (Note [Iteration kinds] in runtime/tracker.py). A trace whose iterations
 # all differ is still refused (``--iteration N`` plans one of them).
-
-
-def iteration_kinds(trace: Trace) -> list[tuple[str, list[int]]]:
-    """The kinds of iteration a trace recorded: ``[(kind, [iterations...]), ...]``, the most
-    frequent first (ties: the one recorded last first), named "train", "kind1", ... ."""
-    from ..tracer.schema import Col
-
-    ops = trace.ops.sort_values([Col.ITERATION, Col.OP], kind="stable")
-    groups: dict[tuple, list[int]] = {}
-    for it, names in ops.groupby(Col.ITERATION, sort=True)[Col.OP_NAME]:
-        groups.setdefault(tuple(names), []).append(int(it))
-    order = sorted(groups.values(), key=lambda its: (-len(its), -its[-1]))
-    return [("train" if i == 0 else f"kind{i}", its) for i, its in enumerate(order)]
 
 
 def _plan_kinds(trace: Trace, kinds: list[tuple[str, list[int]]], budget: str | int,

@@ -26,6 +26,8 @@ def test_evaluation_every_other_step_is_planned_and_run_kind_by_kind(tmp_path):
     assert not trace.meta.regular
     # iteration 2 also runs the evaluation pass of step 1; 1 and 3 only train
     assert iteration_kinds(trace) == [("train", [1, 3]), ("kind1", [2])]
+    shown = CliRunner().invoke(main, ["show", str(tmp_path / "t.parquet")])
+    assert "kinds      train: iterations [1, 3]; kind1: iterations [2]" in shown.output
     plan = make_plan(trace, "75%")
     assert plan.kind == "train" and [k.kind for k in plan.kinds] == ["kind1"]
     assert plan.records and plan.kinds[0].records
