@@ -49,3 +49,21 @@ def test_dynamo_disabled_trains_bitwise_under_a_plan(tmp_path, monkeypatch):
     assert len(its) == 3 and not any(s.diverged for s in its)
     assert all(s.evictions > 0 and s.peak_bytes <= plan.budget_bytes for s in its), (
         [s.peak_bytes for s in its], plan.budget_bytes)
+
+
+def test_a_model_compiled_before_capuchin_started_is_refused_at_its_first_call():
+    """The Python API after torch.compile: Dynamo would skip the compiled model for the mode;
+    the first call raises instead, naming the script's line."""
+    from capuchin.errors import CapuchinError
+    from torch import nn
+    from torch._dynamo.convert_frame import CatchErrorsWrapper
+
+    original = CatchErrorsWrapper._handle_skip
+    model = nn.Linear(8, 2)
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CapuchinError, match=r"test_frameworks_compile.py:\d+: a function compiled"):
+        with Runtime(budget_bytes=10**9, measure_memory=False):
+            compiled(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    assert CatchErrorsWrapper._handle_skip is original
