@@ -67,3 +67,19 @@ def test_a_model_compiled_before_capuchin_started_is_refused_at_its_first_call()
             compiled(torch.randn(4, 8)).sum().backward()
             opt.step()
     assert CatchErrorsWrapper._handle_skip is original
+
+
+def test_an_empty_plan_lets_torch_compile_through(tmp_path, monkeypatch):
+    """A plan that evicts nothing installs no dispatch mode (Note [Empty plan]): Dynamo would
+    compile as without capuchin, so torch.compile is not refused."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # trace quickly, eagerly
+    trace = trace_script(SCRIPT, ["--steps", "4"], output=tmp_path / "t.parquet",
+                         log=lambda m: None)
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+    plan = make_plan(trace, "100%")
+    assert not plan.records
+    original = torch.compile
+    with Runtime(plan, measure_memory=False):
+        assert torch.compile is original
