@@ -2,7 +2,8 @@
 does it (``capuchin trace``, ``capuchin run``, the runtime's test helpers, the benchmarks). No torch.
 
 ``runpy.run_path(script, run_name="__main__")`` with ``sys.argv`` rewritten and the script's folder
-first on ``sys.path`` (memray's ``run`` command does the same), both restored after.
+first on ``sys.path`` (memray's ``run`` command does the same), both restored after, with the
+current directory.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from .errors import CapuchinError, ScriptError
 
 @contextmanager
 def script_environment(script: Path, args: Sequence[str]):
-    """``sys.argv = [script, *args]`` and the script's folder first on ``sys.path``, restored after."""
-    old_argv, old_path = sys.argv, list(sys.path)
+    """``sys.argv = [script, *args]`` and the script's folder first on ``sys.path``; both, and
+    the current directory (a script may change it), restored after."""
+    old_argv, old_path, old_cwd = sys.argv, list(sys.path), os.getcwd()
     sys.argv = [str(script), *args]
     sys.path.insert(0, str(script.resolve().parent))
     try:
@@ -30,6 +32,8 @@ def script_environment(script: Path, args: Sequence[str]):
     finally:
         sys.argv = old_argv
         sys.path[:] = old_path
+        if os.getcwd() != old_cwd:
+            os.chdir(old_cwd)
 
 
 def run_as_main(script: str | os.PathLike, args: Sequence[str] = (), *,

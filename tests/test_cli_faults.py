@@ -147,6 +147,18 @@ def test_3_run_plan_import_show_check_outputs_first(work):
     assert "t.parquet" in line and ".png" in line
 
 
+@pytest.mark.slow
+def test_3_outputs_go_where_they_were_checked_when_the_script_changes_directory(work):
+    (work / "sub").mkdir()
+    (work / "mover.py").write_text("import os\nos.chdir('sub')\n" + TRAIN)
+    r = cli("trace", "-o", "t.parquet", "--iterations", "1", "mover.py")
+    assert r.exit_code == 0, r.output
+    r = cli("run", "--budget", "1G", "--no-measure", "--report", "r.json", "mover.py")
+    assert r.exit_code == 0, r.output
+    assert (work / "t.parquet").is_file() and (work / "r.json").is_file()
+    assert list((work / "sub").iterdir()) == []
+
+
 # ---- 4. a file that appears during the run is never replaced without --force ----------------------
 @pytest.mark.slow
 def test_4_trace_does_not_replace_a_file_written_while_it_ran(work):
