@@ -36,8 +36,13 @@ def script_environment(script: Path, args: Sequence[str]):
             os.chdir(old_cwd)
 
 
-def run_as_main(script: str | os.PathLike, args: Sequence[str] = (), *,
-                run_name: str = "__main__", consequence: str = "") -> dict[str, Any]:
+def run_as_main(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    run_name: str = "__main__",
+    consequence: str = "",
+) -> dict[str, Any]:
     """Run ``script`` with ``args`` as module ``run_name``; returns its globals.
 
     ``sys.exit(0)``/``sys.exit()`` are a normal end (globals then empty). A script that is
@@ -55,15 +60,17 @@ def run_as_main(script: str | os.PathLike, args: Sequence[str] = (), *,
             return runpy.run_path(str(path), run_name=run_name)
         except SystemExit as exc:
             if exc.code not in (None, 0):
-                raise ScriptError(f"{script}: the script exited with status "
-                                  f"{exc.code}{consequence}") from None
+                raise ScriptError(
+                    f"{script}: the script exited with status {exc.code}{consequence}"
+                ) from None
             return {}
         except CapuchinError:
             raise
         except Exception as exc:
             print_script_traceback(exc, path)
-            raise ScriptError(f"{script} raised {type(exc).__name__}: {first_line(exc)}"
-                              f"{consequence}") from None
+            raise ScriptError(
+                f"{script} raised {type(exc).__name__}: {first_line(exc)}{consequence}"
+            ) from None
 
 
 def first_line(exc: BaseException) -> str:
