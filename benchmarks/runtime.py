@@ -202,6 +202,30 @@ def per_op_us(n: int = 20000) -> dict[str, float]:
     return out
 
 
+def swap_cycle_ns_per_byte(sizes=(64 << 10, 2 << 20, 8 << 20), reps: int = 20) -> dict[int, float]:
+    """Mean ns per byte moved of a swap-out and swap-in through the CPU backend, the runtime's own
+    path: copy to a pooled host buffer on the copy thread, free the storage (``resize_(0)``),
+    resize it back and copy in (planner/costs.py: ``swap_action_ns``, ``copy_ns_per_byte``)."""
+    from capuchin.runtime.backend import backend_for
+    from capuchin.runtime.state import resize
+
+    be = backend_for("cpu")
+    out = {}
+    for n in sizes:
+        st = torch.ones(n // 4).untyped_storage()
+        buf = be.host_buffer(n)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            c = be.copy_out(st, buf)
+            c.wait()
+            be.free_after_copy_out(st, c)
+            resize(st, n)
+            be.copy_in(buf, st).wait()
+        out[n] = (time.perf_counter() - t0) / reps / (2 * n) * 1e9
+    be.close()
+    return out
+
+
 def _add_plan(n: int) -> Plan:
     from capuchin.planner.plan import Predictions, Provenance
 
@@ -331,6 +355,9 @@ def main() -> None:
     print()
     for k, v in per_op_us().items():
         print(f"per-op cost, {k}: {v:.2f} µs")
+    for n, v in swap_cycle_ns_per_byte().items():
+        print(f"swap cycle, {n >> 10} KiB: {v:.2f} ns per byte moved ({v * n / 1e3:.0f} µs per "
+              "direction)")
 
 
 if __name__ == "__main__":

@@ -16,14 +16,16 @@ adds ``runtime_cost_ns`` to the simulated iteration for the plan's predicted tim
 # - each swap pays its host-side bookkeeping twice (out and in, ``swap_action_ns``), and each
 #   replayed op the replay machinery (``replay_op_ns``);
 # - on CPU there is no copy engine: the copy threads share the cores with compute, so a swap's
-#   copies (both directions, at the trace's measured bandwidth) are added to the compute time
+#   copies (both directions, at the trace's measured bandwidth or the runtime's measured copy
+#   cost per byte, whichever is slower) are added to the compute time
 #   (``copies_share_compute``); on CUDA the copy engines are separate and the simulator's copy
 #   channels already model them.
 # Sources: ``python benchmarks/runtime.py`` prints the per-op figures (its "per-op cost" lines:
 # a 16-float ``aten.add`` without a mode, through a passthrough mode, on the runtime's hot path and
-# on its slow path) and the table whose "measured / predicted" column checks this model; the
-# figures below are from the run recorded in docs/runtime.md (CPU, 1 intra-op thread, a host
-# shared by other jobs: load average about 9 on 2 cores).
+# on its slow path; a swap cycle through the CPU backend) and the table whose "measured /
+# predicted" column checks this model; the figures below are from the runs recorded in
+# docs/runtime.md (CPU, 1 intra-op thread, a host shared by other jobs: load average about 10 on
+# 2 cores).
 """
 
 from __future__ import annotations
@@ -42,15 +44,25 @@ class RuntimeCosts:
     hot_op_ns: int  # every op, through the dispatch mode (passthrough mode minus no mode)
     guarded_op_ns: int  # more, per op inside an eviction window (the evicted-input check)
     slow_op_ns: int  # more, per op on the slow path (slow path minus hot path)
-    swap_action_ns: int  # per swap-out and per swap-in: host buffer, views, bookkeeping
+    swap_action_ns: int  # per swap-out and per swap-in: copy-thread handoff, views, bookkeeping
     replay_op_ns: int  # per replayed op: argument views, version checks
     copies_share_compute: bool  # no separate copy engine (CPU)
+    copy_ns_per_byte: float = 0.0  # the runtime's own copy path, when slower than the trace's
+    #                                measured bandwidth (fresh pages after a resize, thread handoff)
 
 
-CPU = RuntimeCosts(hot_op_ns=14_000, guarded_op_ns=1_100, slow_op_ns=45_000,
-                   swap_action_ns=150_000, replay_op_ns=50_000, copies_share_compute=True)
-CUDA = RuntimeCosts(hot_op_ns=14_000, guarded_op_ns=1_100, slow_op_ns=45_000,
-                    swap_action_ns=150_000, replay_op_ns=50_000, copies_share_compute=False)
+# hot/guarded/slow: the per-op lines of benchmarks/runtime.py (16.5 - 5.7 µs passthrough minus no
+# mode, +0.7 µs hot path, +33 µs slow path, rounded up; guarded: the argument check, 1.1 µs);
+# swap_action_ns and copy_ns_per_byte: its "swap cycle" lines (a swap-out and swap-in through the
+# CPU backend: 64 KiB cost 200-285 µs per direction, 2-8 MiB 0.30-0.36 ns per byte, means under load
+# 10); replay_op_ns: the slow path's cost again (a replay re-enters the same bookkeeping).
+CPU = RuntimeCosts(hot_op_ns=11_000, guarded_op_ns=1_100, slow_op_ns=34_000,
+                   swap_action_ns=200_000, replay_op_ns=34_000, copies_share_compute=True,
+                   copy_ns_per_byte=0.30)
+# not measured (no GPU here): the host-side costs are those of CPU; the copies run on the copy
+# engines, which the simulator's channels model.
+CUDA = RuntimeCosts(hot_op_ns=11_000, guarded_op_ns=1_100, slow_op_ns=34_000,
+                    swap_action_ns=200_000, replay_op_ns=34_000, copies_share_compute=False)
 
 
 def costs_for(device: str) -> RuntimeCosts:
@@ -78,8 +90,8 @@ def runtime_cost_ns(problem: Problem, decisions: Sequence[Decision],
                 action.add(d.trigger_op)
             if d.out_done_op is not None:
                 action.add(d.out_done_op)
-            copy_ns += d.size_bytes / problem.bandwidth_d2h_bytes_per_s * 1e9
-            copy_ns += d.size_bytes / problem.bandwidth_h2d_bytes_per_s * 1e9
+            for bw in (problem.bandwidth_d2h_bytes_per_s, problem.bandwidth_h2d_bytes_per_s):
+                copy_ns += d.size_bytes * max(1e9 / bw, c.copy_ns_per_byte)
         else:
             action.update(d.replay_ops)
             replays += len(d.replay_ops)
