@@ -13,9 +13,9 @@
 # lookup per tensor argument): a kernel never reads an evicted storage (Note [Storage-level
 # eviction] in state.py), whatever the script does. By the trace, an evicted storage is touched
 # by no op before its back-access (an action op), so in a run that follows the trace only the
-# plan's action ops take the slow path. The shape check (the ``shape_signature`` of the trace)
-# runs on ops with actions, so a run that diverges only in shapes (another batch size) is caught
-# before any of its planned actions runs.
+# plan's action ops and the in-place ops inside eviction windows take the slow path. The shape
+# check (the ``shape_signature`` of the trace) runs on ops with actions, so a run that diverges
+# only in shapes (another batch size) is caught before any of its planned actions runs.
 
 # Note: [Watched iterations]
 # Passive mode can only count and evict storages it saw allocated (Note [Passive budget on CPU] in
@@ -28,9 +28,10 @@
 # without diverging turns watching off again (the hot path returns). Iteration 0 always diverges
 # (it builds the model) and predicts nothing, so it does not start watching. In the first
 # diverged iteration, unwatched, ``BudgetGuard.discover`` (passive.py) counts what the ops
-# before the divergence left resident through the autograd graph (the tensors of a live graph and what they saved): at a
-# divergence at op 100 of the transformer the measured peak went 1.24x -> 0.98x the budget. It
-# misses resident tensors outside any graph (data made under no_grad, detached results).
+# before the divergence left resident through the autograd graph (the tensors of a live graph
+# and what they saved): at a divergence at op 100 of the transformer the measured peak went
+# 1.24x -> 0.98x the budget. It misses resident tensors outside any graph (data made under
+# no_grad, detached results).
 
 # Note: [Iteration kinds]
 # A plan may cover several kinds of iteration (training steps, steps that also evaluate, the

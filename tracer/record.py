@@ -256,12 +256,12 @@ class Tracer:
     def __exit__(self, exc_type, exc, tb) -> bool:
         stopped = exc_type is not None and issubclass(exc_type, StopScript)
         self._mode.__exit__(None, None, None)
-        if self.runtime is not None:
-            try:
-                self.runtime.__exit__(exc_type, exc, tb)
-            finally:
-                self._mark_mode.__exit__(None, None, None)
         try:
+            if self.runtime is not None:  # restores what it evicted; out of the modes below
+                try:
+                    self.runtime.__exit__(exc_type, exc, tb)
+                finally:
+                    self._mark_mode.__exit__(None, None, None)
             if exc_type is None or stopped:
                 self.indexer.finish()
         finally:
