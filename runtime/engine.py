@@ -11,10 +11,10 @@ trace is loaded at run time.
 # An evicted storage comes back when an op reads it; a script may also read bytes without any op.
 # ``torch.save`` (a checkpoint, often written after the last step, where passive mode may have
 # evicted what it saves) is the common case: the runtime replaces ``torch.save`` while it runs
-# with one that restores every evicted storage first (found writing 0-byte storages into a
-# checkpoint of a torchrun job). Others (``Tensor.numpy()`` views, ``data_ptr()`` handed to an
-# extension) are not covered: between steps, after the step-end restore, nothing is evicted
-# until the next op runs.
+# with one that restores every evicted storage first (without it, the state a torchrun job saved
+# after its last step held 0-byte storages and failed to load). Others (``Tensor.numpy()``
+# views, ``data_ptr()`` handed to an extension) are not covered: between steps, after the
+# step-end restore, nothing is evicted until the next op runs.
 """
 
 from __future__ import annotations
