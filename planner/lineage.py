@@ -22,6 +22,8 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from ..errors import PlanError
 from .plan import Decision, Method
 from .problem import Problem
@@ -182,3 +184,62 @@ def keepable(problem: Problem, d: Decision, replay_ops: Sequence[int], res: Resi
                     if chain and all(o in rs for o in chain):
                         out.append(x)
     return out
+
+
+def regen_resident(problem: Problem, res: Residency, back_op: int):
+    """A ``resident`` test for ``replay_for`` under which a replay for ``back_op`` regenerates
+    the sources that ``res`` has swapped out there, instead of restoring them on demand."""
+    st = problem.storages
+
+    def resident(x: str, j: int) -> bool:
+        xs = st[x]
+        return (xs.alive_at(back_op) and not xs.written_between(j, back_op)
+                and res.out_at(x, back_op) is None)
+    return resident
+
+
+def replay_of(problem: Problem, d: Decision, res: Residency, regen: frozenset = frozenset(),
+              max_ops: int = MAX_REPLAY_OPS):
+    """``replay_for`` of a recompute decision: for a storage in ``regen``, first the replay that
+    regenerates its swapped-out sources (``regen_resident``); otherwise, or when that finds
+    none, the ordinary replay that restores them on demand."""
+    r = None
+    if d.storage_id in regen:
+        r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
+                       resident=regen_resident(problem, res, d.back_op), max_ops=max_ops)
+    if r is None:
+        r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res, max_ops=max_ops)
+    return r
+
+
+def finish_decisions(problem: Problem, decisions: Sequence[Decision], excess: np.ndarray,
+                     collective: bool, regen: frozenset = frozenset()) -> list[Decision]:
+    """Exact lineage for the recompute decisions against the residency of ``decisions``, and
+    collective recomputation keeps (paper §5.3) where the estimated memory has room for them:
+    ``excess[k]`` is op k's estimated memory above the budget. The replays of the storages in
+    ``regen`` regenerate their swapped-out sources (``replay_of``). A recomputation whose
+    sources vanish under the other decisions becomes an on-demand swap. Sorted by
+    (evict_op, storage_id)."""
+    res = Residency(decisions)
+    room = -excess.astype(np.int64)  # estimated headroom per op (negative: over budget)
+    out = []
+    for d in sorted(decisions, key=lambda d: (d.back_op, d.storage_id)):
+        if d.method == Method.RECOMPUTE:
+            r = replay_of(problem, d, res, regen)
+            if r is None:
+                d = Decision(d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op)
+            else:
+                ops, srcs = r
+                keep = []
+                if collective:
+                    for x in keepable(problem, d, ops, res):
+                        xb = next(b for e, b, m in res._iv[x] if e < d.back_op <= b)
+                        size = problem.storages[x].size_bytes
+                        if room[d.back_op:xb].min(initial=size) >= size:
+                            room[d.back_op:xb] -= size
+                            keep.append(x)
+                d = Decision(d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op,
+                             d.back_op, replay_ops=tuple(ops), sources=tuple(srcs),
+                             keep=tuple(keep))
+        out.append(d)
+    return sorted(out, key=lambda d: (d.evict_op, d.storage_id))
