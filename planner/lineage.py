@@ -18,6 +18,7 @@ policies only say *what* to drop and *when*; the shared plan builder calls it.
 
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import replace
@@ -78,7 +79,43 @@ def replay_for(problem: Problem, sid: str, evict_op: int, back_op: int,
                max_ops: int = MAX_REPLAY_OPS) -> tuple[list[int], list[str]] | None:
     """``(replay_ops, sources)`` to regenerate ``sid`` (as of ``evict_op``) before op
     ``back_op``; see Note [Replay chains]. ``resident(x, j)`` may override the source test
-    (the Capuchin policy assumes candidates resident); None when it cannot be recomputed."""
+    (the Capuchin policy assumes candidates resident); None when it cannot be recomputed.
+    Memoized per problem (Note [Replay memo])."""
+    regen = isinstance(resident, _RegenResident)
+    if resident is not None and not regen:
+        return _replay_walk(problem, sid, evict_op, back_op, residency, resident, max_ops, None)
+    res = resident.res if regen else residency
+    memo = _REPLAY_MEMO.get(problem)
+    if memo is None:
+        memo = _REPLAY_MEMO[problem] = {}
+    key = (sid, evict_op, back_op, max_ops, regen, res is None)
+    entries = memo.setdefault(key, [])
+    for seen, result in entries:
+        if all(res.out_at(x, back_op) == v for x, v in seen):
+            return None if result is None else (list(result[0]), list(result[1]))
+    seen: list[tuple[str, Method | None]] = []
+    result = _replay_walk(problem, sid, evict_op, back_op, residency, resident, max_ops, seen)
+    entries.insert(0, (tuple(seen), None if result is None else
+                       (tuple(result[0]), tuple(result[1]))))
+    del entries[_MEMO_VARIANTS:]
+    return result
+
+
+# Note: [Replay memo]
+# A replay depends on the problem, the decision's storage and access pair, ``max_ops``, and the
+# residency only through ``out_at(x, back_op)`` of the storages x whose source test reached the
+# residency. The walk records those values; a later call with the same arguments reuses the
+# result when every recorded ``out_at`` is unchanged under its residency, which gives exactly
+# the result a new walk would. Searches re-resolve nearly the same decision list thousands of
+# times, so most walks are saved. Custom ``resident`` tests other than ``regen_resident`` are
+# not memoized.
+_REPLAY_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MEMO_VARIANTS = 4  # residency variants remembered per (storage, access pair)
+
+
+def _replay_walk(problem: Problem, sid: str, evict_op: int, back_op: int,
+                 residency: Residency | None, resident, max_ops: int,
+                 seen: list | None) -> tuple[list[int], list[str]] | None:
     st = problem.storages
     ops = problem.ops
     first = chain_ops(problem, sid, evict_op)
@@ -100,14 +137,22 @@ def replay_for(problem: Problem, sid: str, evict_op: int, back_op: int,
                     regen[x] = j - 1
                 continue
             xs = st[x]
-            if resident is not None:
+            if isinstance(resident, _RegenResident):
+                ok = xs.alive_at(back_op) and not xs.written_between(j, back_op)
+                if ok:
+                    v = resident.res.out_at(x, back_op)
+                    seen.append((x, v))
+                    ok = v is None
+            elif resident is not None:
                 ok = resident(x, j)
             else:
                 # a swapped-out source is restored on demand (a bounded wait) rather than
                 # regenerated through its whole lineage
-                ok = (xs.alive_at(back_op) and not xs.written_between(j, back_op)
-                      and (residency is None
-                           or residency.out_at(x, back_op) in (None, Method.SWAP)))
+                ok = xs.alive_at(back_op) and not xs.written_between(j, back_op)
+                if ok and residency is not None:
+                    v = residency.out_at(x, back_op)
+                    seen.append((x, v))
+                    ok = v in (None, Method.SWAP)
             if ok:
                 sources[x] = None
                 continue
@@ -186,16 +231,23 @@ def keepable(problem: Problem, d: Decision, replay_ops: Sequence[int], res: Resi
     return out
 
 
-def regen_resident(problem: Problem, res: Residency, back_op: int):
+class _RegenResident:
+    """``regen_resident``'s source test: alive at the back-access, not written since the
+    replayed op read it, and not out at all (a swapped-out source is regenerated)."""
+
+    def __init__(self, problem: Problem, res: Residency, back_op: int):
+        self.problem, self.res, self.back_op = problem, res, back_op
+
+    def __call__(self, x: str, j: int) -> bool:
+        xs = self.problem.storages[x]
+        return (xs.alive_at(self.back_op) and not xs.written_between(j, self.back_op)
+                and self.res.out_at(x, self.back_op) is None)
+
+
+def regen_resident(problem: Problem, res: Residency, back_op: int) -> _RegenResident:
     """A ``resident`` test for ``replay_for`` under which a replay for ``back_op`` regenerates
     the sources that ``res`` has swapped out there, instead of restoring them on demand."""
-    st = problem.storages
-
-    def resident(x: str, j: int) -> bool:
-        xs = st[x]
-        return (xs.alive_at(back_op) and not xs.written_between(j, back_op)
-                and res.out_at(x, back_op) is None)
-    return resident
+    return _RegenResident(problem, res, back_op)
 
 
 def replay_of(problem: Problem, d: Decision, res: Residency, regen: frozenset = frozenset(),

@@ -99,7 +99,13 @@ class SimResult:
     def memory(self) -> pd.DataFrame:
         """One row per memory event: time_ns, live_bytes, op_index, delta_bytes, what,
         storage_id (what: "op" marks an op's start, then "alloc"/"free")."""
-        return pd.DataFrame(self._memory)
+        m = dict(self._memory)
+        csid, asid, order, kind = m.pop("_lazy")  # the object columns, built on first use
+        m["what"] = np.array(["free", "alloc", "op"], dtype=object)[kind]
+        m["storage_id"] = np.concatenate([np.asarray(csid, dtype=object),
+                                          np.asarray(asid, dtype=object)])[order]
+        return pd.DataFrame({k: m[k] for k in ("time_ns", "live_bytes", "op_index",
+                                               "delta_bytes", "what", "storage_id")})
 
     @cached_property
     def spans(self) -> pd.DataFrame:
@@ -153,12 +159,20 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
                 raise PlanError(f"{where}: in-trigger op {d.trigger_op} not in "
                                 f"({d.evict_op}, {d.back_op}]")
         else:
-            _check_replay(problem, d, where)
+            checked = _CHECKED.get(problem)
+            if checked is None:
+                checked = _CHECKED[problem] = set()
+            if d not in checked:  # a decision's replay check depends on it and the problem only
+                _check_replay(problem, d, where)
+                checked.add(d)
         by_storage.setdefault(d.storage_id, []).append(d)
     for sid, ds in by_storage.items():
         if len(ds) > 1:  # the plan format and the runtime key decisions by storage
             raise PlanError(f"storage {sid}: {len(ds)} decisions evict it (after ops "
                             f"{sorted(d.evict_op for d in ds)}); a plan has one per storage")
+
+
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # recompute decisions checked
 
 
 def _check_replay(problem: Problem, d: Decision, where: str) -> None:
@@ -441,13 +455,11 @@ def _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid):
     # op of each event: the last compute mark at or before it
     is_mark = kind == _MARK
     op_of = np.cumsum(is_mark) - 1
-    sid = np.concatenate([np.asarray(csid, dtype=object), np.asarray(asid, dtype=object)])[order]
-    what = np.array(["free", "alloc", "op"], dtype=object)[kind]
     if len(op_of) and op_of[0] < 0:  # async events before op 0 cannot exist (copies follow ops)
         op_of = np.maximum(op_of, 0)
     op_peak = np.zeros(n, dtype=np.int64)
     if len(live):
         np.maximum.at(op_peak, op_of, live)
-    memory = dict({"time_ns": time, "live_bytes": live, "op_index": op_of,
-                           "delta_bytes": delta, "what": what, "storage_id": sid})
+    memory = {"time_ns": time, "live_bytes": live, "op_index": op_of, "delta_bytes": delta,
+              "_lazy": (csid, asid, order, kind)}
     return memory, op_peak
