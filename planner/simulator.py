@@ -308,6 +308,7 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
             state[sid] = "in"
             info[active[sid]]["back_ns"] = t
 
+    accessed, pre, post = _op_events(problem)
     for k in range(n):
         op = ops[k]
         op_start[k] = t
@@ -336,28 +337,26 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
                 info[i]["back_ns"] = t
             state[sid] = "in"
             del active[sid]
-        for x in op.accessed:
-            if x in active:
-                raise PlanError(f"op {k} ({op.name}) accesses storage {x}, which the plan "
-                                f"evicted after op {decisions[active[x]].evict_op} and brings "
-                                f"back at op {decisions[active[x]].back_op}")
-        for s in op.allocs:
-            ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), cop.append(k)
-            csid.append(s)
-        if op.scratch_bytes:
-            ct.append(t), cd.append(op.scratch_bytes), ck.append(_ALLOC), cop.append(k)
-            csid.append(f"~{k}")
+        if active and not active.keys().isdisjoint(accessed[k]):
+            x = next(x for x in accessed[k] if x in active)
+            raise PlanError(f"op {k} ({op.name}) accesses storage {x}, which the plan "
+                            f"evicted after op {decisions[active[x]].evict_op} and brings "
+                            f"back at op {decisions[active[x]].back_op}")
+        pd_, pk, ps = pre[k]  # the op's allocations (and scratch) at its start
+        if pd_:
+            m = len(pd_)
+            ct.extend([t] * m), cd.extend(pd_), ck.extend(pk), cop.extend([k] * m)
+            csid.extend(ps)
         t_end = t + op.duration_ns
         if op.duration_ns:
             spans.append(("compute", op.name, t, t_end, k, ""))
         t = t_end
         op_end[k] = t
-        if op.scratch_bytes:
-            ct.append(t), cd.append(-op.scratch_bytes), ck.append(_FREE), cop.append(k)
-            csid.append(f"~{k}")
-        for s in op.frees:
-            ct.append(t), cd.append(-st[s].size_bytes), ck.append(_FREE), cop.append(k)
-            csid.append(s)
+        pd_, pk, ps = post[k]  # its scratch and the storages freed after it, at its end
+        if pd_:
+            m = len(pd_)
+            ct.extend([t] * m), cd.extend(pd_), ck.extend(pk), cop.extend([k] * m)
+            csid.extend(ps)
         for i in evict_at.get(k, ()):
             d = decisions[i]
             sid = d.storage_id
@@ -394,46 +393,86 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
                      outcomes, op_peak, op_start, op_end, memory, spans)
 
 
+def _op_events(problem: Problem):
+    """Per op, once per problem: the storages it touches, and the memory events of its own
+    allocations and scratch at its start and of its scratch and frees at its end, each as
+    (deltas, kinds, storage ids)."""
+    got = _OP_EVENTS.get(problem)
+    if got is not None:
+        return got
+    st = problem.storages
+    accessed, pre, post = [], [], []
+    for op in problem.ops:
+        accessed.append(frozenset(op.accessed))
+        a = [(st[s].size_bytes, _ALLOC, s) for s in op.allocs]
+        f = [(-st[s].size_bytes, _FREE, s) for s in op.frees]
+        if op.scratch_bytes:
+            a.append((op.scratch_bytes, _ALLOC, f"~{op.index}"))
+            f.insert(0, (-op.scratch_bytes, _FREE, f"~{op.index}"))
+        pre.append(tuple(tuple(c) for c in zip(*a)) if a else ((), (), ()))
+        post.append(tuple(tuple(c) for c in zip(*f)) if f else ((), (), ()))
+    got = _OP_EVENTS[problem] = (accessed, pre, post)
+    return got
+
+
+_OP_EVENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_REPLAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # replay event templates
+
+
 def _replay(problem, d: Decision, t: int, k: int, state, decisions, active,
             ct, cd, ck, cop, csid, spans) -> int:
-    """Run a recompute decision's replay on the compute stream; returns the new time."""
+    """Run a recompute decision's replay on the compute stream; returns the new time. The
+    replay's events relative to its start depend only on the decision and which of its
+    ``keep`` storages are out: made once per problem (``_replay_template``)."""
+    keep = tuple(sorted(x for x in d.keep if state.get(x) == "out" and x in active
+                        and decisions[active[x]].method == Method.RECOMPUTE))
+    memo = _REPLAYS.get(problem)
+    if memo is None:
+        memo = _REPLAYS[problem] = {}
+    key = (d.storage_id, d.replay_ops, keep)
+    tpl = memo.get(key)
+    if tpl is None:
+        tpl = memo[key] = _replay_template(problem, d, set(keep))
+    dts, deltas, kinds, sids, dur = tpl
+    m = len(dts)
+    ct.extend([t + x for x in dts]), cd.extend(deltas), ck.extend(kinds)
+    cop.extend([k] * m), csid.extend(sids)
+    for x in keep:  # back early: its own RECOMPUTE will find it resident
+        state[x] = "in"
+    spans.append(("compute", f"recompute {d.storage_id}", t, t + dur, k, d.storage_id))
+    return t + dur
+
+
+def _replay_template(problem, d: Decision, keep: set):
+    """The memory events of ``d``'s replay as (times from its start, deltas, kinds, storage
+    ids, duration): its ops' outputs allocated, intermediates freed after their last use in
+    the replay, except the target and the ``keep`` storages, which stay resident."""
     ops = problem.ops
     st = problem.storages
     last_use: dict[str, int] = {}
     for pos, j in enumerate(d.replay_ops):
         for x in ops[j].inputs:
             last_use[x] = pos
-    keep = {x for x in d.keep if state.get(x) == "out" and x in active
-            and decisions[active[x]].method == Method.RECOMPUTE}
     temps: dict[str, int] = {}
-    t0 = t
+    ct, cd, ck, csid = [], [], [], []
+    t = 0
     for pos, j in enumerate(d.replay_ops):
         op = ops[j]
         for s in op.allocs:
-            if s == d.storage_id or s in keep:
-                ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), cop.append(k)
-                csid.append(s)
-            else:
+            if not (s == d.storage_id or s in keep):
                 temps[s] = st[s].size_bytes
-                ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), cop.append(k)
-                csid.append(s)
+            ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), csid.append(s)
         if op.scratch_bytes:
-            ct.append(t), cd.append(op.scratch_bytes), ck.append(_ALLOC), cop.append(k)
-            csid.append(f"~{j}")
+            ct.append(t), cd.append(op.scratch_bytes), ck.append(_ALLOC), csid.append(f"~{j}")
         t += op.duration_ns
         if op.scratch_bytes:
-            ct.append(t), cd.append(-op.scratch_bytes), ck.append(_FREE), cop.append(k)
-            csid.append(f"~{j}")
+            ct.append(t), cd.append(-op.scratch_bytes), ck.append(_FREE), csid.append(f"~{j}")
         for s in list(temps):
             if last_use.get(s, -1) <= pos:
-                ct.append(t), cd.append(-temps.pop(s)), ck.append(_FREE), cop.append(k)
-                csid.append(s)
+                ct.append(t), cd.append(-temps.pop(s)), ck.append(_FREE), csid.append(s)
     for s, b in temps.items():
-        ct.append(t), cd.append(-b), ck.append(_FREE), cop.append(k), csid.append(s)
-    for x in keep:  # back early: its own RECOMPUTE will find it resident
-        state[x] = "in"
-    spans.append(("compute", f"recompute {d.storage_id}", t0, t, k, d.storage_id))
-    return t
+        ct.append(t), cd.append(-b), ck.append(_FREE), csid.append(s)
+    return tuple(ct), tuple(cd), tuple(ck), tuple(csid), t
 
 
 def _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid):
