@@ -47,6 +47,7 @@ independent of the policy that made the decisions; every policy's output goes th
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -223,20 +224,28 @@ def simulate(problem: Problem, decisions: Sequence[Decision], *,
     """
     bw_out = float(bandwidth_d2h_bytes_per_s or problem.bandwidth_d2h_bytes_per_s)
     bw_in = float(bandwidth_h2d_bytes_per_s or problem.bandwidth_h2d_bytes_per_s)
-    # the policy's last simulation is usually asked again by the plan builder: remember a few
+    # searches simulate the same plan again and again (and the plan builder the policy's
+    # last one): results are remembered per problem, the most recent first, as many as
+    # _MEMO_EVENTS op-slots allow (a result's arrays grow with the number of ops)
     key = (tuple(decisions), bw_out, bw_in, check)
-    for ref, k, res in _MEMO:
-        if ref() is problem and k == key:
-            return res
+    memo = _MEMO.get(problem)
+    if memo is None:
+        memo = _MEMO[problem] = OrderedDict()
+    res = memo.get(key)
+    if res is not None:
+        memo.move_to_end(key)
+        return res
     if check:
         check_decisions(problem, decisions)
     res = _simulate(problem, decisions, bw_out, bw_in)
-    _MEMO.append((weakref.ref(problem), key, res))
-    del _MEMO[:-2]
+    memo[key] = res
+    while len(memo) > max(2, _MEMO_EVENTS // max(1, problem.n_ops)):
+        memo.popitem(last=False)
     return res
 
 
-_MEMO: list = []
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MEMO_EVENTS = 200_000
 
 
 def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
