@@ -61,7 +61,7 @@ class LowerBound:
 
 
 def lower_bound(problem: Problem, budget_bytes: int, *, time_limit_s: float = 120.0,
-                tick_ns: int | None = None) -> LowerBound:
+                tick_ns: int | None = None, cpsat: bool = True) -> LowerBound:
     """See the module docstring. ``time_limit_s``: the whole call's wall-clock limit (the LP
     first, CP-SAT for what is left; the model build is not interrupted). ``tick_ns``: the copy
     schedule's unit (default 1/100000 of the iteration, as the ``ilp`` policy)."""
@@ -91,8 +91,8 @@ def lower_bound(problem: Problem, budget_bytes: int, *, time_limit_s: float = 12
     cp_model = _import_cp_model()
     solver = cp_model.CpSolver()
     left = time_limit_s - (time.perf_counter() - t0)
-    cpsat, status, cp_s = None, "SKIPPED", 0.0
-    if left > 1 and not (lp is not None and math.isinf(lp)):
+    cp_bound, status, cp_s = None, "SKIPPED", 0.0
+    if cpsat and left > 1 and not (lp is not None and math.isinf(lp)):
         t_cp = time.perf_counter()
         solver.parameters.max_time_in_seconds = left
         solver.parameters.num_workers = 1
@@ -101,12 +101,12 @@ def lower_bound(problem: Problem, budget_bytes: int, *, time_limit_s: float = 12
         cp_s = time.perf_counter() - t_cp
         status = solver.status_name(code)
         if code == cp_model.INFEASIBLE:
-            cpsat = math.inf
+            cp_bound = math.inf
         elif code in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN):
             # the tie-break adds at most scale - 1 to scale * objective (_Model.__init__)
-            cpsat = max(0, int(solver.best_objective_bound + 1e-6) // model.scale)
-    bounds = [b for b in (lp, cpsat) if b is not None]
-    return LowerBound(max(bounds, default=0.0), lp, cpsat, len(cands), len(proto.variables),
+            cp_bound = max(0, int(solver.best_objective_bound + 1e-6) // model.scale)
+    bounds = [b for b in (lp, cp_bound) if b is not None]
+    return LowerBound(max(bounds, default=0.0), lp, cp_bound, len(cands), len(proto.variables),
                       len(proto.constraints), lp_s, cp_s, status)
 
 
@@ -134,13 +134,13 @@ def _lp_bound(model) -> float | None:
         for ref, coef in zip(lin.vars, lin.coeffs, strict=True):
             if ref < 0:  # a negated literal: 1 - x
                 const += coef
-                terms.append((xs[-ref - 1], -coef))
+                terms.append((-ref - 1, -coef))
             else:
-                terms.append((xs[ref], coef))
+                terms.append((ref, coef))
         row = lp.Constraint(-inf if lo <= -(2**62) else lo - const,
                             inf if hi >= 2**62 else hi - const)
-        for x, coef in terms:
-            row.SetCoefficient(x, row.GetCoefficient(x) + coef)
+        for i, coef in terms:
+            row.SetCoefficient(xs[i], row.GetCoefficient(xs[i]) + coef)
     obj = lp.Objective()
     for (_b, j), v in model.R.items():
         x = xs[v.Index()]
