@@ -139,7 +139,13 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
     """Static invariants of a plan; raises ``PlanError`` on the first broken one."""
     n = problem.n_ops
     by_storage: dict[str, list[Decision]] = {}
+    checked = _CHECKED.get(problem)
+    if checked is None:
+        checked = _CHECKED[problem] = set()
     for d in decisions:
+        by_storage.setdefault(d.storage_id, []).append(d)
+        if d in checked:  # every check below depends on the decision and the problem only
+            continue
         s = problem.storages.get(d.storage_id)
         where = f"decision {d.storage_id} ({d.method.value} after op {d.evict_op})"
         if s is None:
@@ -160,20 +166,15 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
                 raise PlanError(f"{where}: in-trigger op {d.trigger_op} not in "
                                 f"({d.evict_op}, {d.back_op}]")
         else:
-            checked = _CHECKED.get(problem)
-            if checked is None:
-                checked = _CHECKED[problem] = set()
-            if d not in checked:  # a decision's replay check depends on it and the problem only
-                _check_replay(problem, d, where)
-                checked.add(d)
-        by_storage.setdefault(d.storage_id, []).append(d)
+            _check_replay(problem, d, where)
+        checked.add(d)
     for sid, ds in by_storage.items():
         if len(ds) > 1:  # the plan format and the runtime key decisions by storage
             raise PlanError(f"storage {sid}: {len(ds)} decisions evict it (after ops "
                             f"{sorted(d.evict_op for d in ds)}); a plan has one per storage")
 
 
-_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # recompute decisions checked
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decisions that passed
 
 
 def _check_replay(problem: Problem, d: Decision, where: str) -> None:
@@ -389,8 +390,8 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
 
     memory, op_peak = _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid)
     outcomes = tuple(
-        DecisionOutcome(d.storage_id, d.method, int(stall[i]), int(recomp[i]), **{
-            k: int(v) for k, v in info[i].items()}) for i, d in enumerate(decisions))
+        DecisionOutcome(d.storage_id, d.method, int(stall[i]), int(recomp[i]), **info[i])
+        for i, d in enumerate(decisions))
     live = memory["live_bytes"]
     if len(live):
         j = int(live.argmax())
