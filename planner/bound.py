@@ -62,9 +62,10 @@ class LowerBound:
 
 def lower_bound(problem: Problem, budget_bytes: int, *, time_limit_s: float = 120.0,
                 tick_ns: int | None = None, cpsat: bool = True) -> LowerBound:
-    """See the module docstring. ``time_limit_s``: the whole call's wall-clock limit (the LP
-    first, CP-SAT for what is left; the model build is not interrupted). ``tick_ns``: the copy
-    schedule's unit (default 1/100000 of the iteration, as the ``ilp`` policy)."""
+    """See the module docstring. ``time_limit_s``: wall-clock seconds for the whole call; the
+    model build and the LP run to completion, CP-SAT gets what is left (none: no CP-SAT bound).
+    ``cpsat``: run CP-SAT at all. ``tick_ns``: the copy schedule's unit (default 1/100000 of the
+    iteration, as the ``ilp`` policy)."""
     from .policies._ilp_model import _import_cp_model, _Model
     from .policies.ilp import DEFAULT_TICKS, candidates
 
