@@ -128,3 +128,28 @@ def test_best_of_fastest_fitting_else_lowest_peak():
     low = min((rec, swp), key=lambda ds: t[id(ds)].peak_bytes)
     assert best_of(p, 1, [lambda: rec, lambda: swp]) is low
     assert best_of(p, budget, []) == []
+
+
+def test_best_of_stops_at_a_plan_that_costs_nothing():
+    p = _transformer()
+    budget = int(p.peak_bytes * 0.9)
+    free = pick(grid(p, Capuchin("swap")), budget)
+    assert simulate(p, free).time_ns == p.time_ns  # a zero-cost plan fits 90%
+
+    def candidates():
+        yield lambda: free
+        raise AssertionError("a candidate after a zero-cost fitting plan was made")
+
+    assert best_of(p, budget, candidates()) is free
+
+
+def test_capuchin_skips_the_variants_when_its_plan_costs_nothing():
+    from capuchin.planner import search
+    from capuchin.planner.policies.capuchin import capuchin
+
+    p = _transformer()
+    budget = int(p.peak_bytes * 0.9)
+    ds = capuchin(p, budget)
+    assert simulate(p, ds).time_ns == p.time_ns
+    made = [k[0] for k in search._CACHE[p]]
+    assert made == ["grid"]  # the hybrid's grid only: no recompute-only grid, no conversions

@@ -71,11 +71,15 @@ def capuchin(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
     sw = Switching(collective, max_replay_ops)
     rec = Capuchin("recompute", max_rounds, collective, max_replay_ops)
     swap = Capuchin("swap", max_rounds, False, 0)
-    return best_of(problem, budget_bytes, [
-        lambda: pick(grid(problem, hybrid, sw), budget_bytes),
-        lambda: pick(grid(problem, rec), budget_bytes),
-        lambda: pick(grid(problem, swap), budget_bytes),
-        *(lambda p=p: p.decisions for p in recompute_first(problem, rec, budget_bytes, sw))])
+
+    def candidates():  # a generator: best_of stops early at a plan that costs nothing
+        yield lambda: pick(grid(problem, hybrid, sw), budget_bytes)
+        yield lambda: pick(grid(problem, rec), budget_bytes)
+        yield lambda: pick(grid(problem, swap), budget_bytes)
+        for p in recompute_first(problem, rec, budget_bytes, sw):
+            yield lambda p=p: p.decisions
+
+    return best_of(problem, budget_bytes, candidates())
 
 
 @register("swap")
