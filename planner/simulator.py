@@ -419,8 +419,8 @@ def _op_events(problem: Problem):
         if op.scratch_bytes:
             a.append((op.scratch_bytes, _ALLOC, f"~{op.index}"))
             f.insert(0, (-op.scratch_bytes, _FREE, f"~{op.index}"))
-        pre.append(tuple(tuple(c) for c in zip(*a)) if a else ((), (), ()))
-        post.append(tuple(tuple(c) for c in zip(*f)) if f else ((), (), ()))
+        pre.append(tuple(tuple(c) for c in zip(*a, strict=True)) if a else ((), (), ()))
+        post.append(tuple(tuple(c) for c in zip(*f, strict=True)) if f else ((), (), ()))
     got = _OP_EVENTS[problem] = (accessed, pre, post)
     return got
 
