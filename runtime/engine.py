@@ -126,7 +126,8 @@ class Runtime:
             if self._cur is not None:  # ops after the last step: an incomplete iteration
                 self._cur.complete = False
                 self._iteration_end(self._cur.iteration, self.indexer.op_index)
-            self.ex.restore_all()
+            with _disable_current_modes(), torch.no_grad():
+                self.ex.restore_all(wrapping=True)  # the user's state is whole after the run
         except Exception:
             if exc_type is None:
                 raise  # otherwise the script's own error is the one to report

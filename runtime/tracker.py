@@ -41,7 +41,7 @@ from ..errors import PlanFormatError, RecomputeError
 from ..planner.plan import Step
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
 from ..tracer.schema import shape_signature
-from .actions import _OUT_ID
+from .actions import _IN_ID, _OUT_ID
 from .backend import byte_view
 from .state import Entry, Reason, Residency, bump_writes, resize, storage_key, storages
 
@@ -154,10 +154,15 @@ class Executor:
         self.last_diverged = (st is not None and st.diverged
                               and st.iteration >= self.rt.first_checked_iteration)
 
-    def restore_all(self) -> None:
-        """Iteration end (or step end): every evicted storage comes back."""
+    def restore_all(self, wrapping: bool = False) -> None:
+        """Iteration end (or step end): every evicted storage comes back, except those of
+        wrap-around decisions (``Decision.wraps``: they stay out across the iteration boundary
+        until their back-access in the next iteration or any access) unless ``wrapping``
+        (the end of the run)."""
         restored = False
         for e in list(self.entries.values()):
+            if not wrapping and e.decision is not None and e.decision.wraps and self.guided:
+                continue
             if e.storage is not None:
                 self.restore(e)
                 restored = True
@@ -293,10 +298,12 @@ class Executor:
         st = ref() if ref is not None else None
         if d is None or st is None:
             return
-        if not _OUT_ID.match(sid) or not st.resizable() or st.nbytes() == 0 \
+        if not (_OUT_ID.match(sid) or (d.method.value == "swap" and _IN_ID.match(sid))) \
+                or not st.resizable() or st.nbytes() == 0 \
                 or st.device.type != self.backend.device.type:
-            # Only storages an op allocated in this iteration are evicted (Note [Storage-level
-            # eviction]); parameters, inputs and optimizer state are refused.
+            # Storages are evicted only as the plan names them (Note [Storage-level eviction]):
+            # an op's output, or a tensor that existed before the iteration (parameter,
+            # gradient buffer, optimizer state, input) by swap, never by drop.
             self.stats.refused += 1
             return
         key = storage_key(st)
