@@ -90,7 +90,8 @@ from ..plan import Decision, Method
 from ..problem import Problem
 from ..registry import register
 from ..simulator import simulate
-from ..swapping import SwapEstimate, SwapTimer
+from ..swapping import (SwapEstimate, SwapTimer, WrapEstimate, estimate_wrap, reserve_wrap,
+                        wrap_free_time)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class _Pair:
     evict_op: int
     back_op: int
     free_time_ns: int
+    wraps: bool = False  # a wrap-around gap (problem.py Note [Wrap-around gaps])
 
 
 @register("capuchin")
@@ -153,9 +155,30 @@ _GRID_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _plan(problem: Problem, budget: int, mode: str, max_rounds: int, collective: bool,
           max_replay_ops: int) -> list[Decision]:
-    """See Note [Targets]; the hybrid also Note [Restricted variants]."""
+    """Note [Persistent candidates], then ``_plan_one``."""
     if problem.n_ops == 0 or problem.peak_bytes <= budget:
         return []
+    base = problem.restricted()
+    plans = [_plan_one(base, budget, mode, max_rounds, collective, max_replay_ops)]
+    if base is problem:
+        return plans[0]
+    plans.append(_plan_one(problem, budget, mode, max_rounds, collective, max_replay_ops))
+    best = None
+    for ds in plans:
+        try:
+            sim = simulate(problem, ds)
+        except PlanError:
+            continue
+        key = (sim.peak_bytes > budget, sim.time_ns if sim.peak_bytes <= budget
+               else sim.peak_bytes)
+        if best is None or key < best[0]:  # ties keep the plan without persistent swaps
+            best = (key, ds)
+    return best[1] if best else []
+
+
+def _plan_one(problem: Problem, budget: int, mode: str, max_rounds: int, collective: bool,
+              max_replay_ops: int) -> list[Decision]:
+    """See Note [Targets]; the hybrid also Note [Restricted variants]."""
     if mode != "hybrid" or problem.n_ops > SEARCH_MAX_OPS:  # net: Note [Restricted variants]
         return _plan_mode(problem, budget, mode, max_rounds, collective, max_replay_ops)
     best = None
@@ -342,6 +365,8 @@ def _convert_stalled(problem: Problem, decisions: list[Decision], sim, budget: i
             if o.stall_ns <= 0 and o.recompute_ns <= 0:
                 continue
             if d.method == Method.SWAP:  # recompute it instead
+                if not problem.storages[d.storage_id].evictable:
+                    continue  # persistent: swap only
                 r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
                                max_ops=max_replay_ops)
                 if r is not None:
@@ -417,11 +442,16 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
         return 0
     cnt = np.concatenate([[0], np.cumsum(over)])
     pairs: list[_Pair] = []
+    n = problem.n_ops
     for s in problem.storages.values():
-        if not s.evictable or s.storage_id in chosen:
+        if s.storage_id in chosen or not s.swappable:
             continue
-        for a, b in s.gaps():
-            if cnt[b] - cnt[a + 1] > 0:  # an over-budget op strictly inside the gap
+        for a, b, wraps in problem.swap_gaps(s):
+            if wraps:  # over-budget ops after a, or before b in the next iteration
+                if cnt[n] - cnt[a + 1] + cnt[b] > 0:
+                    pairs.append(_Pair(s.storage_id, s.size_bytes, a, b,
+                                       wrap_free_time(timer, s.size_bytes, a, b), True))
+            elif cnt[b] - cnt[a + 1] > 0:  # an over-budget op strictly inside the gap
                 pairs.append(_Pair(s.storage_id, s.size_bytes, a, b,
                                    timer.free_time(s.size_bytes, a, b)))
     if not pairs:
@@ -432,12 +462,27 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
     def useful(lo: int, hi: int) -> bool:
         return hi >= lo and bool((excess[lo:hi + 1] > 0).any())
 
-    def take_swap(p: _Pair, e: SwapEstimate) -> None:
+    def estimate(p: _Pair) -> SwapEstimate | WrapEstimate:
+        if p.wraps:
+            return estimate_wrap(timer, p.size_bytes, p.evict_op, p.back_op, useful)
+        return timer.estimate(p.size_bytes, p.evict_op, p.back_op, useful)
+
+    def covers(e) -> list[tuple[int, int]]:
+        return list(e.cover) if isinstance(e, WrapEstimate) else [(e.cover_lo, e.cover_hi)]
+
+    def helps(e) -> bool:
+        return any(useful(lo, hi) for lo, hi in covers(e))
+
+    def take_swap(p: _Pair, e: SwapEstimate | WrapEstimate) -> None:
         nonlocal added
         chosen[p.storage_id] = Decision(p.storage_id, Method.SWAP, p.size_bytes, p.evict_op,
-                                        p.back_op, trigger_op=e.trigger_op)
-        timer.reserve(e)
-        excess[e.cover_lo:e.cover_hi + 1] -= p.size_bytes
+                                        p.back_op, trigger_op=e.trigger_op, wraps=p.wraps)
+        if p.wraps:
+            reserve_wrap(timer, e)
+        else:
+            timer.reserve(e)
+        for lo, hi in covers(e):
+            excess[lo:hi + 1] -= p.size_bytes
         added += 1
 
     # -- swaps while they are free (paper §4.5: "swap first, while zero overhead") ---------------
@@ -447,8 +492,8 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
                 continue
             if p.free_time_ns < 0:
                 break  # ranked by free time: no later pair can hide either
-            e = timer.estimate(p.size_bytes, p.evict_op, p.back_op, useful)
-            if e.overhead_ns == 0 and useful(e.cover_lo, e.cover_hi):
+            e = estimate(p)
+            if e.overhead_ns == 0 and helps(e):
                 take_swap(p, e)
                 if excess.max() <= 0:
                     return added
@@ -462,14 +507,15 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
     est: dict[str, SwapEstimate] = {}
     if mode in ("hybrid", "swap"):
         for i, p in enumerate(best_pair.values()):
-            e = timer.estimate(p.size_bytes, p.evict_op, p.back_op, useful)
+            e = estimate(p)
             est[p.storage_id] = e
             heapq.heappush(swaps, (e.overhead_ns, i, p.storage_id))
     queue = None
     if mode in ("hybrid", "recompute"):
         queue = MspsQueue(problem, Residency(chosen.values()), max_replay_ops)
         for p in best_pair.values():
-            queue.add(p.storage_id, p.evict_op, p.back_op)
+            if problem.storages[p.storage_id].evictable:  # persistent: swap only
+                queue.add(p.storage_id, p.evict_op, p.back_op)
 
     def next_swap() -> tuple[_Pair, SwapEstimate] | None:
         while swaps:
@@ -478,8 +524,8 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
                 heapq.heappop(swaps)
                 continue
             p = best_pair[sid]
-            e = timer.estimate(p.size_bytes, p.evict_op, p.back_op, useful)  # channels filled?
-            if not useful(e.cover_lo, e.cover_hi):
+            e = estimate(p)  # channels filled?
+            if not helps(e):
                 heapq.heappop(swaps)
                 continue
             if e.overhead_ns > ov:
@@ -502,7 +548,8 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
         s_cost = None
         if s is not None:
             s_cost = s[1].overhead_ns + (queue.swap_penalty(s[0].storage_id, s[0].evict_op,
-                                                            s[0].back_op) if queue else 0)
+                                                            s[0].back_op)
+                                         if queue and not s[0].wraps else 0)
         if r is not None and mode == "hybrid" and (s is None or s_cost > r.overhead_ns):
             # Algorithm 1 compares swapping and recomputing the *same* tensor: the tensor with
             # the best MSPS is swapped instead when that costs less than its recomputation
@@ -514,7 +561,7 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
         if r is None or (s is not None and s_cost <= r.overhead_ns):
             p, e = s
             take_swap(p, e)
-            if queue is not None:
+            if queue is not None and not p.wraps:
                 queue.swapped(p.storage_id, p.evict_op, p.back_op)
         else:
             queue.select(r.storage_id)
@@ -625,6 +672,8 @@ def _prune(problem: Problem, decisions: list[Decision], sim, budget: int,
     peak = sim.op_peak_bytes.astype(np.int64).copy()
     removed: set[str] = set()
     for d in rest:
+        if d.wraps:  # out on two ranges; only the exact check above prunes it
+            continue
         lo, hi = d.evict_op + 1, d.back_op
         if hi > lo and peak[lo:hi].max() + d.size_bytes > budget:
             continue
