@@ -2,8 +2,10 @@
 same code around the unmodified script (runtime/launch.py).
 
 The runtime carries out the plan; it plans nothing. What it decides while running is small and
-named: on-demand restores (tracker.py), passive eviction over budget (passive.py), late-prefetch
-feedback (swap.py), drops that cannot be replayed exactly become swaps (recompute.py).
+named: on-demand restores (tracker.py), passive eviction over budget (passive.py, the budget
+guard, with the device's memory accounting in memory.py), late-prefetch feedback (tracker.py),
+drops that cannot be replayed exactly become swaps (recompute.py). It reads the plan alone: no
+trace is loaded at run time.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
 from .actions import compile_plan
 from .backend import backend_for
-from .passive import PassiveTracker
+from .passive import BudgetGuard
 from .recompute import RecomputeEngine
 from .report import IterationStats, MemoryMeter, RunReport
 from .swap import SwapEngine
@@ -92,21 +94,20 @@ class Runtime:
 
     # ---- context manager ----------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
-        self.backend = backend_for(self.device)
+        self.backend = backend_for(self.device, self.plan)
         self.indexer = _Indexer(self, on_iteration_start=self._iteration_start,
                                 on_iteration_end=self._iteration_end)
         table = compile_plan(self.plan) if self.plan is not None else None
         swap = SwapEngine(self.backend, self.plan.provenance.bandwidth_d2h_bytes_per_s
                           if self.plan is not None else 12e9)
-        passive = PassiveTracker(self.budget_bytes if self.passive_enabled else None, self.device)
-        if self.plan is not None and self.passive_enabled:
-            problem = self._trace_problem()
-            if problem is not None:
-                passive.use_trace_scratch(problem)
+        memory = self.backend.memory
+        budget = self.budget_bytes if self.passive_enabled else None
         self.ex = None
         recompute = RecomputeEngine(lambda st: self.ex.ensure_resident(st),
                                     self._may_keep)
-        self.ex = Executor(self, self.indexer, table, swap, recompute, passive, self.backend)
+        self.ex = Executor(self, self.indexer, table, swap, recompute,
+                           lambda ex: BudgetGuard(budget, self.device, memory, swap, ex),
+                           self.backend)
         self._iters = []
         self.meter = MemoryMeter(self.device) if self.measure_memory else None
         if self.device.type == "cuda" and self.budget_bytes:
@@ -153,22 +154,6 @@ class Runtime:
                                 self.plan_source if self.plan is not None else None, self._iters)
         if self.report_path is not None and exc_type is None:
             self.report.save(self.report_path)
-
-    def _trace_problem(self):
-        """The plan's trace, for the scratch memory its ops need (Note [Passive budget on CPU]
-        in passive.py); None when the trace is not found where the plan says (as given, or next
-        to the plan file) or does not load."""
-        from ..errors import CapuchinError
-        from ..planner.problem import Problem
-        from ..tracer.reader import load_trace
-
-        found = self.plan.trace_file(None if self.plan_source == "<plan>" else self.plan_source)
-        if found is None:
-            return None
-        try:
-            return Problem.from_trace(load_trace(found))
-        except (CapuchinError, OSError, ValueError, KeyError):
-            return None
 
     # ---- iteration callbacks (from the indexer, inside the first op of an iteration) ----------
     def _iteration_start(self, n: int) -> None:

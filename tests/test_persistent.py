@@ -6,6 +6,8 @@ buffer through ``state_dict()``)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import textwrap
 
 import pytest
@@ -17,7 +19,8 @@ from capuchin.planner.policies.capuchin import capuchin as capuchin_policy
 from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
 from capuchin.runtime.engine import Runtime
-from capuchin.runtime.testing import TRACES, run_example, state_mismatches
+from capuchin.runmain import run_as_main
+from capuchin.runtime.testing import TRACES, state_mismatches
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.schema import Kind
 
@@ -239,7 +242,9 @@ def _trace_and_plan(tmp_path, script, args):
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(script))
     out = tmp_path / "t.trace.parquet"
-    run_example(path, args, capuchin.Tracer(out, iterations=2, warmup=1, device="cpu", log=None))
+    with contextlib.redirect_stdout(io.StringIO()), capuchin.Tracer(
+            out, iterations=2, warmup=1, device="cpu", log=None):
+        run_as_main(path, args)
     problem = Problem.from_trace(load_trace(out))
     return path, problem, persistent_plan(problem)
 
