@@ -245,9 +245,10 @@ def simulate(problem: Problem, decisions: Sequence[Decision], *,
     if check:
         check_decisions(problem, decisions)
     res = _simulate(problem, decisions, bw_out, bw_in)
+    prev: dict = {}
     for _ in range(3):  # Note [Steady state across iterations]
-        if not res._carry:
-            break
+        if all(v == (0, 0) for v in res._carry.values()) and not any(prev.values()):
+            break  # nothing carried over: the first pass was the steady state already
         prev = res._carry
         res = _simulate(problem, decisions, bw_out, bw_in, prev)
         if res._carry == prev:

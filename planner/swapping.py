@@ -217,54 +217,47 @@ def estimate_wrap(timer: SwapTimer, size: int, a: int, b: int, useful=None) -> W
     out_start = _wrap_fit(timer.d2h, int(timer.end[a]), t_out, T)
     out_end = out_start + t_out
     deadline = T + int(timer.start[b])
-    # unrolled op starts: ops a+1..n-1 of iteration i, then ops 0..b of iteration i+1
-    vops = list(range(a + 1, n)) + [n + j for j in range(b + 1)]
+    # unrolled ops: a+1..n-1 of iteration i, then 0..b of iteration i+1 (index v >= n)
+    vops = np.concatenate([np.arange(a + 1, n), n + np.arange(b + 1)])
+    real = np.where(vops >= n, vops - n, vops)
+    shift = np.where(vops >= n, T, 0)
+    vst = timer.start[real] + shift
+    ven = timer.end[real] + shift
 
-    def vstart(v: int) -> int:
-        return int(timer.start[v]) if v < n else T + int(timer.start[v - n])
-
-    def vend(v: int) -> int:
-        return int(timer.end[v]) if v < n else T + int(timer.end[v - n])
-
-    def at(v: int | None) -> WrapEstimate:
-        issue = vstart(v) if v is not None else deadline
+    def at(i: int | None) -> WrapEstimate:
+        issue = int(vst[i]) if i is not None else deadline
         in_start = _wrap_fit(timer.h2d, max(issue, out_end), t_in, T)
         in_end = in_start + t_in
-        cover = [w for w in vops if vstart(w) >= out_end and vend(w) <= in_start]
+        cov = np.flatnonzero((vst >= out_end) & (ven <= in_start))
         rng = []
-        for lo_v, hi_v in ((a + 1, n - 1), (n, n + b - 1)):
-            inside = [w for w in cover if lo_v <= w <= hi_v]
-            if inside:
-                rng.append((inside[0] % n if inside[0] >= n else inside[0],
-                            inside[-1] % n if inside[-1] >= n else inside[-1]))
-        trig = None if v is None else (v - n if v >= n else v)
+        if len(cov):
+            for part in (cov[vops[cov] < n], cov[vops[cov] >= n]):
+                if len(part):  # contiguous in each iteration
+                    rng.append((int(real[part[0]]), int(real[part[-1]])))
+        trig = None if i is None else int(real[i])
         return WrapEstimate(trig, out_start, out_end, in_start, in_end,
                             max(0, in_end - deadline), tuple(rng))
 
     options: list[int | None] = []
+    allowed = timer.prev_ok[real] == real  # outside the peak window
+    last = len(vops) - 1  # the back-access itself: not a trigger
     # latest trigger whose copy ends in time, outside the peak window, channel free
-    latest = deadline - t_in
-    cands = [v for v in vops[:-1] if vstart(v) <= latest and vstart(v) >= out_end]
-    for v in reversed(cands):
-        k = v - n if v >= n else v
-        if k < len(timer.prev_ok) and timer.prev_ok[k] != k:
-            continue  # in the peak window
-        if _wrap_fit(timer.h2d, vstart(v), t_in, T) + t_in <= deadline:
-            options.append(v)
+    ok = np.flatnonzero((vst[:last] <= deadline - t_in) & (vst[:last] >= out_end)
+                        & allowed[:last])
+    for i in ok[::-1][:8]:
+        if _wrap_fit(timer.h2d, int(vst[i]), t_in, T) + t_in <= deadline:
+            options.append(int(i))
             break
     # earliest allowed trigger after the swap-out, and on demand
-    for v in vops[:-1]:
-        if vstart(v) >= out_end:
-            k = v - n if v >= n else v
-            if timer.prev_ok[k] == k:
-                options.append(v)
-                break
+    early = np.flatnonzero((vst[:last] >= out_end) & allowed[:last])
+    if len(early):
+        options.append(int(early[0]))
     options.append(None)
     best = None
-    for v in dict.fromkeys(options):
-        e = at(v)
-        ok = useful is None or any(useful(lo, hi) for lo, hi in e.cover)
-        key = (not ok, e.overhead_ns)
+    for i in dict.fromkeys(options):
+        e = at(i)
+        helps = useful is None or any(useful(lo, hi) for lo, hi in e.cover)
+        key = (not helps, e.overhead_ns)
         if best is None or key < best[0]:
             best = (key, e)
     return best[1]
