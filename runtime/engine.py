@@ -119,7 +119,22 @@ class Runtime:
             self.meter.start()
         self.indexer.install()
         self.ex.mode.__enter__()
+        self._guard_save()
         return self
+
+    def _guard_save(self) -> None:
+        """``torch.save`` reads storages' bytes without an op the tracker could see, so every
+        evicted storage (those kept out across the step by wrap-around decisions, e.g. optimizer
+        state in ``optimizer.state_dict()``) comes back before it runs. Undone at exit."""
+        self._torch_save = torch.save
+        original = self._torch_save
+
+        def save(*args, **kwargs):
+            with _disable_current_modes(), torch.no_grad():
+                self.ex.restore_all(wrapping=True)
+            return original(*args, **kwargs)
+
+        torch.save = save
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
@@ -133,6 +148,7 @@ class Runtime:
             if exc_type is None:
                 raise  # otherwise the script's own error is the one to report
         finally:
+            torch.save = self._torch_save
             self.ex.mode.__exit__(exc_type, exc, tb)
             self.indexer.uninstall()
             peaks = self.meter.finish() if self.meter is not None else {}
