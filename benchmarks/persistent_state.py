@@ -6,6 +6,7 @@ sequence 128, AdamW), measured and compared bitwise with training without capuch
     python benchmarks/persistent_state.py                  # bundled traces + BERT (traced here)
     python benchmarks/persistent_state.py --no-run         # the table only
     python benchmarks/persistent_state.py --traces a.trace.parquet --no-bert
+    python benchmarks/persistent_state.py --bert-budget 500084744   # the BERT run only
 
 "Before" is the same planner with ``Problem.persistent_candidates`` off (``restricted()``:
 activations and inputs only, as planning was before); "after" with them. The smallest feasible
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-run", action="store_true", help="plan only, no BERT run")
     ap.add_argument("--out", type=Path, default=Path("out/persistent"))
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--bert-budget", type=int, default=None,
+                    help="run BERT at this budget (bytes) and skip the table")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -100,8 +103,8 @@ def main(argv=None) -> int:
     print("| trace | ops | peak | floor before | smallest before | floor after | smallest after "
           "| floor breakdown after (working set + fixed) | planning after |")
     print("|---|---|---|---|---|---|---|---|---|")
-    bert_budget = None
-    for name, path in traces:
+    bert_budget = args.bert_budget
+    for name, path in ([] if bert_budget else traces):
         p = Problem.from_trace(load_trace(path))
         row = []
         for prob in (p.restricted(), p):
