@@ -35,10 +35,9 @@ def _state(path: Path, args: list[str], context=None) -> dict:
     """Every module that ran a forward through its ``state_dict()`` plus its parameters'
     gradients, and every stepped optimizer's ``state_dict()`` state."""
     import torch
+    from capuchin.runmain import run_as_main
     from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    from capuchin.runmain import run_as_main
 
     mods: dict = {}
     opts: list = []
@@ -115,7 +114,7 @@ def main(argv=None) -> int:
         b = p.floor_breakdown()
         pk = p.peak_bytes
 
-        def pct(x):
+        def pct(x, pk=pk):
             return f"{format_bytes(x)} ({x / pk:.1%})"
         print(f"| {name} | {p.n_ops} | {format_bytes(pk)} | {pct(row[0][0])} | {pct(row[0][1])} "
               f"| {pct(row[1][0])} | {pct(row[1][1])} | op {b['floor_op']} "

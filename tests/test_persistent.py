@@ -18,8 +18,8 @@ from capuchin.planner.plan import Decision, Method, Plan, Step
 from capuchin.planner.policies.capuchin import capuchin as capuchin_policy
 from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
-from capuchin.runtime.engine import Runtime
 from capuchin.runmain import run_as_main
+from capuchin.runtime.engine import Runtime
 from capuchin.runtime.testing import TRACES, state_mismatches
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.schema import Kind

@@ -103,8 +103,14 @@ from ..plan import Decision, Method
 from ..problem import Problem
 from ..registry import register
 from ..simulator import simulate
-from ..swapping import (SwapEstimate, SwapTimer, WrapEstimate, estimate_wrap, reserve_wrap,
-                        wrap_free_time)
+from ..swapping import (
+    SwapEstimate,
+    SwapTimer,
+    WrapEstimate,
+    estimate_wrap,
+    reserve_wrap,
+    wrap_free_time,
+)
 
 
 @dataclass(frozen=True)
