@@ -343,3 +343,22 @@ def test_hugging_face_bert_trains_bitwise_with_state_out_across_iterations(tmp_p
     its = _steady(rt)
     assert its and not any(s.diverged for s in its)
     assert all(s.swapped_in_bytes > 0 for s in its)
+
+
+def test_show_breaks_the_floor_down(tmp_path):
+    import json
+
+    from capuchin.cli import main
+    from click.testing import CliRunner
+
+    path = TRACES / "mlp.trace.parquet"
+    p = Problem.from_trace(load_trace(path))
+    b = p.floor_breakdown()
+    res = CliRunner().invoke(main, ["show", "--json", str(path)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["floor"] == b
+    res = CliRunner().invoke(main, ["show", str(path)])
+    assert res.exit_code == 0 and "floor " in res.output
+    assert p.ops[b["floor_op"]].name in res.output
+    # the optimizer state and parameters are what moved: the floor without them is higher
+    assert p.restricted().floor_bytes() > b["floor_bytes"]
