@@ -13,7 +13,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from .. import __version__
+from .costs import runtime_cost_ns
 from .lineage import resolve_recompute
 from .plan import Action, Decision, Method, Plan, Predictions, Provenance, Step
 from .problem import Problem
@@ -64,7 +67,8 @@ def build_plan(problem: Problem, decisions: Sequence[Decision], *, policy: str,
     ds = complete_decisions(problem, decisions)
     sim = simulate(problem, ds)
     ds = [replace(d, predicted_stall_ns=o.stall_ns, predicted_recompute_ns=o.recompute_ns,
-                  trigger_earliest=_trigger_earliest(d, sim, budget_bytes))
+                  trigger_earliest=_trigger_earliest(d, sim, budget_bytes),
+                  out_done_op=_out_done_op(sim, d, o))
           for d, o in zip(ds, sim.outcomes, strict=True)]
     feasible = sim.peak_bytes <= budget_bytes
     notes = list(notes)
@@ -78,12 +82,14 @@ def build_plan(problem: Problem, decisions: Sequence[Decision], *, policy: str,
         bandwidth_h2d_bytes_per_s=problem.bandwidth_h2d_bytes_per_s,
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         solve_time_s=round(float(solve_time_s), 4), capuchin_version=__version__)
+    cost = runtime_cost_ns(problem, ds)  # Note [Runtime cost model] in costs.py
     pred = Predictions(baseline_peak_bytes=problem.peak_bytes, baseline_time_ns=problem.time_ns,
-                       predicted_peak_bytes=sim.peak_bytes, predicted_time_ns=sim.time_ns,
-                       feasible=feasible, notes=notes)
+                       predicted_peak_bytes=sim.peak_bytes, predicted_time_ns=sim.time_ns + cost,
+                       feasible=feasible, notes=notes, runtime_cost_ns=cost)
     plan = Plan(provenance=prov, predictions=pred, records=ds, ops=problem.op_signatures(),
                 actions=action_table(ds),
-                op_scratch_bytes=[int(o.scratch_bytes) for o in problem.ops])
+                op_scratch_bytes=[int(o.scratch_bytes) for o in problem.ops],
+                op_peak_bytes=[int(b) for b in sim.op_peak_bytes])
     return plan, sim
 
 
@@ -98,6 +104,17 @@ def _trigger_earliest(d: Decision, sim: SimResult, budget_bytes: int) -> int | N
     over = sim.op_peak_bytes[lo:t] + d.size_bytes > budget_bytes
     idx = over.nonzero()[0]
     return int(lo + idx[-1] + 1) if len(idx) else lo
+
+
+def _out_done_op(sim: SimResult, d: Decision, o) -> int | None:
+    """The first op starting once the simulated swap-out of ``d`` is complete (None: it completes
+    after the back-access's start or the iteration's end, or ``d`` is no swap)."""
+    if d.method != Method.SWAP or o.out_end_ns < 0:
+        return None
+    k = int(np.searchsorted(sim.op_start_ns, o.out_end_ns, side="left"))
+    if k >= len(sim.op_start_ns) or k > d.back_op or k <= d.evict_op:
+        return None
+    return k
 
 
 def policy_parameters(requested: dict[str, Any] | None, decisions: Any) -> dict[str, Any]:
