@@ -67,7 +67,6 @@ def build_plan(problem: Problem, decisions: Sequence[Decision], *, policy: str,
     ds = complete_decisions(problem, decisions)
     sim = simulate(problem, ds)
     ds = [replace(d, predicted_stall_ns=o.stall_ns, predicted_recompute_ns=o.recompute_ns,
-                  trigger_earliest=_trigger_earliest(d, sim, budget_bytes),
                   out_done_op=_out_done_op(sim, d, o))
           for d, o in zip(ds, sim.outcomes, strict=True)]
     feasible = sim.peak_bytes <= budget_bytes
@@ -91,19 +90,6 @@ def build_plan(problem: Problem, decisions: Sequence[Decision], *, policy: str,
                 op_scratch_bytes=[int(o.scratch_bytes) for o in problem.ops],
                 op_peak_bytes=[int(b) for b in sim.op_peak_bytes])
     return plan, sim
-
-
-def _trigger_earliest(d: Decision, sim: SimResult, budget_bytes: int) -> int | None:
-    """The earliest op the runtime's late-prefetch feedback may move ``d``'s in-trigger to: past
-    the last op before the trigger (within the gap) where the simulated memory plus the
-    storage's bytes would exceed the budget (plan-format.md). None: not a prefetched swap."""
-    t = d.trigger_op
-    if d.method != Method.SWAP or t is None or t == d.back_op:
-        return None
-    lo = d.evict_op + 1 if t > d.evict_op else 0  # wraps: trigger in the next iteration
-    over = sim.op_peak_bytes[lo:t] + d.size_bytes > budget_bytes
-    idx = over.nonzero()[0]
-    return int(lo + idx[-1] + 1) if len(idx) else lo
 
 
 def _out_done_op(sim: SimResult, d: Decision, o) -> int | None:

@@ -76,7 +76,6 @@ class Decision:
     predicted_stall_ns: int = 0  # swap: exposed wait at the back-access (simulated)
     predicted_recompute_ns: int = 0  # recompute: replay time added to compute (simulated)
     wraps: bool = False  # evicted in iteration i, back before ``back_op`` of iteration i+1 (swap only)
-    trigger_earliest: int | None = None  # swap: late-prefetch feedback moves the trigger no earlier
     out_done_op: int | None = None  # swap: the simulated swap-out is complete before this op
 
     def to_dict(self) -> dict[str, Any]:
@@ -478,7 +477,7 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
              {"trigger_op": op_index_or_null, "replay_ops": _list_of(op_index),
               "sources": _list_of(_str), "keep": _list_of(_str),
               "predicted_stall_ns": _int_min(0), "predicted_recompute_ns": _int_min(0),
-              "wraps": _bool, "trigger_earliest": op_index_or_null}, Decision)
+              "wraps": _bool}, Decision)
         if d["method"] not in {m.value for m in Method}:
             raise _Bad(f"{where}.method", f"{d['method']!r} is not 'swap' or 'recompute'")
         if d["storage_id"] in methods:

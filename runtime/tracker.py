@@ -505,8 +505,6 @@ class Executor:
         shift_s = 0.05 * e.nbytes / bw if bw > 0 else 0.0
         t_trig = self.op_time.get(trig)
         lo = d.evict_op + 1
-        if d.trigger_earliest is not None:  # never back into the peak (plan-format.md)
-            lo = max(lo, d.trigger_earliest)
         new = trig - 1
         if t_trig is not None:
             j = trig - 1
