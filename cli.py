@@ -142,8 +142,35 @@ def show(path, as_json, plot, chrome, force):
     from .tracer.reader import load_trace
     from .tracer.summary import format_summary, summarize
 
-    summary = summarize(load_trace(path))
-    click.echo(summary.to_json() if as_json else format_summary(summary))
+    trace = load_trace(path)
+    summary = summarize(trace)
+    floor = _floor(trace)  # what no plan can move off the device (Problem.floor_breakdown)
+    if as_json:
+        import json
+
+        doc = json.loads(summary.to_json())
+        if floor is not None:
+            doc["floor"] = floor[0]
+        click.echo(json.dumps(doc))
+    else:
+        click.echo(format_summary(summary) + (f"\n{floor[1]}" if floor is not None else ""))
+
+
+def _floor(trace):
+    """``(Problem.floor_breakdown(), one line)`` of the trace's steady iteration, or None when
+    it has none to plan (irregular, empty)."""
+    from .planner.api import floor_text
+    from .planner.budget import format_bytes
+    from .planner.problem import Problem
+
+    try:
+        problem = Problem.from_trace(trace)
+    except CapuchinError:
+        return None
+    b = problem.floor_breakdown()
+    pct = b["floor_bytes"] / problem.peak_bytes if problem.peak_bytes else 1.0
+    return b, (f"floor {format_bytes(b['floor_bytes'])} ({pct:.0%} of the peak; no plan goes "
+               f"below): {floor_text(problem)}")
 # CLI-SHOW-END
 
 

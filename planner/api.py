@@ -107,7 +107,7 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
            f"({budget_bytes} B) cannot be met by policy {policy!r}: its plan peaks at "
            f"{format_bytes(sim.peak_bytes)}; the smallest budget it reaches is "
            f"{format_bytes(best)} ({best} B); no plan of any policy can go below "
-           f"{format_bytes(floor)} (what must stay resident)")
+           f"{format_bytes(floor)} (what must stay resident: {floor_text(problem)})")
     reported = plan.provenance.parameters or {}
     limit, status = reported.get("time_limit_s"), reported.get("status")
     if limit is not None and status not in ("OPTIMAL", "INFEASIBLE"):
@@ -146,6 +146,18 @@ def _plan_kinds(trace: Trace, kinds: list[tuple[str, list[int]]], budget: str | 
     main, *others = plans
     main.kinds = others
     return main
+
+
+def floor_text(problem: Problem) -> str:
+    """The floor's breakdown in words (``Problem.floor_breakdown``)."""
+    b = problem.floor_breakdown()
+    if b["floor_op"] < 0:
+        return "nothing runs"
+    op = problem.ops[b["floor_op"]]
+    return (f"at op {b['floor_op']} ({op.name}), its own inputs, outputs and scratch "
+            f"{format_bytes(b['working_set_bytes'])} plus {format_bytes(b['fixed_bytes'])} "
+            f"that no access gap frees there; parameters, gradients and optimizer state are "
+            f"swap candidates, across iterations too")
 
 
 def takes_time_limit(policy_fn) -> bool:

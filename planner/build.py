@@ -46,7 +46,8 @@ def action_table(decisions: Sequence[Decision]) -> list[Action]:
     for d in decisions:
         if d.method == Method.SWAP:
             acts.append(Action(d.evict_op, Step.EVICT_SWAP, d.storage_id))
-            if d.trigger_op is not None and d.trigger_op < d.back_op:
+            if d.trigger_op is not None and (d.trigger_op < d.back_op or (
+                    d.wraps and d.trigger_op != d.back_op)):  # wraps: Decision.wraps
                 acts.append(Action(d.trigger_op, Step.PREFETCH, d.storage_id))
             acts.append(Action(d.back_op, Step.RESTORE, d.storage_id))
         else:

@@ -38,6 +38,10 @@ class Residency:
     def __init__(self, decisions: Sequence[Decision]):
         self._iv: dict[str, list[tuple[int, int, Method]]] = {}
         for d in decisions:
+            if d.wraps:  # out after evict_op to the end, and from the start to back_op
+                self._iv.setdefault(d.storage_id, []).extend(
+                    [(-1, d.back_op, d.method), (d.evict_op, 1 << 62, d.method)])
+                continue
             self._iv.setdefault(d.storage_id, []).append((d.evict_op, d.back_op, d.method))
         for v in self._iv.values():
             v.sort()

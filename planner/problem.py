@@ -15,11 +15,26 @@ tracer/schema.py), which is also what the runtime evicts.
 # resident at iteration start, plus those allocated by ops 0..k, minus those freed after ops
 # 0..k-1, plus op k's scratch memory (Role.SCRATCH: workspace its kernels use and release before
 # it returns). The peak is ``max(live_bytes)``.
+
+# Note: [Wrap-around gaps]
+# Parameters, gradient buffers kept between steps and optimizer state are resident when the
+# iteration starts and still alive when it ends; the next iteration uses them again. Such a
+# storage (persistent kind, no producing op in the iteration, not freed in it) has a gap that
+# wraps around the iteration boundary: from its last access ``l`` in iteration i to its first
+# access ``f`` in iteration i+1 (``StorageInfo.wrap = (l, f)``; for optimizer state that is one
+# optimizer step to the next, the whole forward and backward pass). A swap over it is a
+# ``Decision`` with ``wraps`` (docs/plan-format.md): the storage is out on ops l+1..n-1 and
+# 0..f-1, so in the steady state it is absent from the start of each iteration until it is
+# swapped back in. Persistent storages are also swap candidates over their gaps within the
+# iteration (a parameter between its forward and its backward use). They are never recomputed:
+# no op of the iteration produces them from scratch. ``Problem.persistent_candidates`` switches
+# all of this off (``restricted()``), which is how planning was before, for comparison.
 """
 
 from __future__ import annotations
 
 import hashlib
+import weakref
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -107,6 +122,17 @@ class StorageInfo:
     evictable: bool
     has_views: bool = False  # some access goes through a view of it (eviction is per storage)
     communicated: bool = False  # a collective or FSDP touches it (Note [Collectives])
+    wrap: tuple[int, int] | None = None  # Note [Wrap-around gaps]: (last access, first access)
+
+    @property
+    def swappable(self) -> bool:
+        """A swap candidate: evictable, or persistent and non-empty with an access gap within
+        the iteration or across its boundary (Note [Wrap-around gaps]). Persistent storages are
+        never recomputed (no op of the iteration produces them from scratch)."""
+        if self.evictable:
+            return True
+        return (self.persistent and not self.communicated and self.size_bytes > 0 and bool(self.accesses)
+                and self.accesses[0] >= 0 and (self.wrap is not None or bool(self.gaps())))
 
     @property
     def producer_op(self) -> int | None:
@@ -152,6 +178,7 @@ class Problem:
     iteration: int = 0
     trace_path: str = ""
     device: str = "cpu"
+    persistent_candidates: bool = True  # Note [Wrap-around gaps]; False: activations etc. only
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -245,19 +272,68 @@ class Problem:
             threshold_bytes = int(self.peak_bytes * 0.9)
         return ranges_of(self.live_bytes > threshold_bytes)
 
+    def swap_gaps(self, s: StorageInfo) -> list[tuple[int, int, bool]]:
+        """The access gaps ``(evict_op, back_op, wraps)`` a plan may evict ``s`` over: its gaps
+        within the iteration, and its wrap-around gap (Note [Wrap-around gaps]) when it has one.
+        Persistent storages count only when ``persistent_candidates``."""
+        if s.evictable:
+            return [(a, b, False) for a, b in s.gaps()]
+        if not (self.persistent_candidates and s.swappable):
+            return []
+        out = [(a, b, False) for a, b in s.gaps()]
+        if s.wrap is not None:
+            out.append((*s.wrap, True))
+        return out
+
+    def restricted(self) -> Problem:
+        """This problem without the persistent candidates (what planning was before them):
+        the same object when there are none. Cached."""
+        if not self.persistent_candidates or not any(
+                s.swappable and not s.evictable for s in self.storages.values()):
+            return self
+        r = _RESTRICTED.get(self)
+        if r is None:
+            r = _RESTRICTED[self] = replace(self, persistent_candidates=False)
+        return r
+
     def floor_bytes(self) -> int:
         """A lower bound on the peak of any plan: at each op, everything stays but evictable
-        storages inside one of their access gaps. Budgets below it are infeasible."""
+        storages inside one of their access gaps (wrap-around gaps of persistent storages
+        included, Note [Wrap-around gaps]). Budgets below it are infeasible."""
+        return int(self.floor_curve()[0].max()) if self.n_ops else self.resident_bytes
+
+    def floor_curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per op: the bytes no plan can move off the device (``floor_bytes`` is their
+        maximum), and of those the op's own working set (its inputs, outputs and scratch)."""
         n = self.n_ops
-        if n == 0:
-            return self.resident_bytes
         diff = np.zeros(n + 1, dtype=np.int64)
         for s in self.storages.values():
-            if s.evictable:
-                for a, b in s.gaps():
+            for a, b, wraps in self.swap_gaps(s):
+                if wraps:
+                    diff[a + 1] += s.size_bytes
+                    diff[0] += s.size_bytes
+                    diff[b] -= s.size_bytes
+                else:
                     diff[a + 1] += s.size_bytes
                     diff[b] -= s.size_bytes
-        return int((self.live_bytes - np.cumsum(diff[:n])).max())
+        floor = self.live_bytes - np.cumsum(diff[:n])
+        st = self.storages
+        work = np.fromiter((sum(st[x].size_bytes for x in o.accessed) + o.scratch_bytes
+                            for o in self.ops), dtype=np.int64, count=n)
+        return floor, np.minimum(work, floor)
+
+    def floor_breakdown(self) -> dict[str, int]:
+        """What the floor is made of, at the op where it is reached: ``floor_bytes``,
+        ``floor_op``, ``working_set_bytes`` (that op's inputs, outputs and scratch: they must be
+        resident while it runs) and ``fixed_bytes`` (the rest: storages with no access gap
+        around that op, resident state that cannot move there)."""
+        if self.n_ops == 0:
+            return {"floor_bytes": self.resident_bytes, "floor_op": -1,
+                    "working_set_bytes": 0, "fixed_bytes": self.resident_bytes}
+        floor, work = self.floor_curve()
+        k = int(floor.argmax())
+        return {"floor_bytes": int(floor[k]), "floor_op": k,
+                "working_set_bytes": int(work[k]), "fixed_bytes": int(floor[k] - work[k])}
 
     def memory(self) -> pd.DataFrame:
         """The baseline curve: op_index, name, phase, start_ns, duration_ns, live_bytes."""
@@ -284,6 +360,9 @@ class Problem:
     def op_at_time(self, t_ns: float) -> int:
         """The baseline op running at time ``t_ns`` (the last op starting at or before it)."""
         return max(0, int(np.searchsorted(self.start_ns, t_ns, side="right")) - 1)
+
+
+_RESTRICTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def op_fingerprint(ops: Sequence[Sequence[str]]) -> str:
@@ -402,9 +481,15 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
         # views share their base's storage; eviction is per storage, so views do not matter
         evictable = (not persistent and len(a) >= 2 and size.get(s, 0) > 0
                      and all(k >= 0 for k in a) and s not in collective_storages)
+        # Note [Wrap-around gaps]: resident at the start, alive at the end, not a view
+        wrap = None
+        if (persistent and al is None and fr is None and s in resident and s not in freed_early
+                and a and a[0] >= 0 and size.get(s, 0) > 0 
+                and (n - 1 - a[-1]) + a[0] >= 1 and s not in collective_storages):
+            wrap = (a[-1], a[0])
         storages[s] = StorageInfo(s, size.get(s, 0), kd, al, fr, tuple(a),
                                   tuple(sorted(set(wr.get(s, ())))), persistent, evictable,
-                                  s in views, s in collective_storages)
+                                  s in views, s in collective_storages, wrap)
     res_bytes = sum(size[s] for s in resident if s not in freed_early)
     delta = np.zeros(n + 1, dtype=np.int64)
     for s, k in alloc_op.items():

@@ -9,7 +9,9 @@ provenance), so no policy builds a plan by hand.
 # Note: [Policy contract]
 # - Input: a ``Problem`` (read-only) and a budget in bytes (an int > 0). ``params`` are the
 #   policy's keyword options (strings from the CLI are not parsed here: give typed values).
-# - Output: decisions on evictable storages (``StorageInfo.evictable``), at most one per
+# - Output: decisions on evictable storages (``StorageInfo.evictable``; persistent ones that
+#   are ``swappable`` by swap only, over a gap of ``Problem.swap_gaps``, a wrap-around one with
+#   ``wraps``: problem.py Note [Wrap-around gaps]), at most one per
 #   storage (the plan format and the runtime key decisions by storage), ``evict_op``/``back_op``
 #   consecutive accesses of the storage, ``size_bytes`` the storage's size. Swap:
 #   ``trigger_op`` in (evict_op, back_op] or None (on demand). Recompute: ``replay_ops``,

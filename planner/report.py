@@ -34,6 +34,11 @@ def format_summary(plan: Plan, output: str | os.PathLike | None = None) -> str:
         f"{s['recompute_count']} recomputations ({format_bytes(s['recomputed_bytes'])}, "
         f"{s['replayed_ops']} replayed ops); solved in {s['solve_time_s']:.2f} s",
     ]
+    wraps = [d for d in plan.records if d.wraps]
+    if wraps:
+        lines.append(f"{len(wraps)} of the swaps wrap around the iteration boundary "
+                     f"({format_bytes(sum(d.size_bytes for d in wraps))}: out across the "
+                     f"optimizer step until their first use in the next iteration)")
     lines += [f"note: {n}" for n in s["notes"]]
     if plan.kinds:  # Note [Iteration kinds] in planner/api.py
         lines.append(f"kinds of iteration: {plan.kind} (above, iteration {s['iteration']}) and "

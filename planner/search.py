@@ -296,6 +296,8 @@ def switch_stalled(problem: Problem, a: Attempt, bound: int, switching: Switchin
             if o.stall_ns <= 0 and o.recompute_ns <= 0:
                 continue
             if d.method == Method.SWAP:  # recompute it instead
+                if not problem.storages[d.storage_id].evictable:
+                    continue  # persistent: swap only
                 r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
                                max_ops=max_replay_ops)
                 if r is not None:
@@ -406,6 +408,8 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
     peak = sim.op_peak_bytes.astype(np.int64).copy()
     removed: set[str] = set()
     for d in rest:
+        if d.wraps:  # out on two ranges; only the exact check above prunes it
+            continue
         lo, hi = d.evict_op + 1, d.back_op
         if hi > lo and peak[lo:hi].max() + d.size_bytes > budget:
             continue

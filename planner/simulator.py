@@ -24,6 +24,18 @@ independent of the policy that made the decisions; every policy's output goes th
 # - Sources a replay reads that are swapped out are restored on demand (the runtime does the
 #   same); sources that are dead, dropped, or written since the replayed op read them are errors.
 # - Memory events at the same instant apply frees first.
+# - A wrap-around swap (``Decision.wraps``, problem.py Note [Wrap-around gaps]) is evicted after
+#   ``evict_op`` as any swap and comes back before ``back_op`` of the *next* iteration: in the
+#   simulated iteration it is out from the start until its prefetch (or on-demand restore) and
+#   from its swap-out to the end. Its prefetch runs at ``trigger_op`` of the next iteration when
+#   ``trigger_op <= back_op``, else late in this one (then it is resident at the start).
+#
+# Note: [Steady state across iterations]
+# The simulated iteration is one of a steady run, so what a wrap-around swap leaves running at
+# the end carries into the start: a swap-out still copying holds its memory until the copy ends
+# (and the swap-in waits for it), a prefetch still copying makes its back-access wait. The
+# simulation is repeated with the carry of the previous pass (at most 4 passes; it settles in 2
+# when the plan's time does not change the carry).
 #
 # Note: [Swap-out memory and delayed synchronization]
 # The simulator takes no budget and compute never waits for a swap-out. A storage being swapped
@@ -96,6 +108,7 @@ class SimResult:
     op_end_ns: np.ndarray = field(repr=False)
     _memory: dict = field(repr=False)  # column arrays; DataFrames are built on first use
     _spans: list = field(repr=False)
+    _carry: dict = field(default_factory=dict, repr=False)  # Note [Steady state across iterations]
 
     @cached_property
     def memory(self) -> pd.DataFrame:
@@ -151,11 +164,25 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
         where = f"decision {d.storage_id} ({d.method.value} after op {d.evict_op})"
         if s is None:
             raise PlanError(f"{where}: no such storage in the planned iteration")
-        if not s.evictable:
-            raise PlanError(f"{where}: storage is not evictable (persistent, a view, or "
-                            f"accessed once)")
+        if not s.swappable or (not s.evictable and not problem.persistent_candidates):
+            raise PlanError(f"{where}: storage is not evictable (a view, accessed once, or "
+                            f"persistent without a swap candidate gap)")
+        if not s.evictable and d.method != Method.SWAP:
+            raise PlanError(f"{where}: storage is persistent ({s.kind.value}): it can only be "
+                            f"swapped, no op of the iteration produces it")
         if d.size_bytes != s.size_bytes:
             raise PlanError(f"{where}: size {d.size_bytes} B, the storage has {s.size_bytes} B")
+        if d.wraps:
+            if d.method != Method.SWAP or s.wrap != (d.evict_op, d.back_op):
+                raise PlanError(f"{where}: a wrap-around decision must be a swap from the "
+                                f"storage's last access to its first (its wrap-around gap: "
+                                f"{s.wrap})")
+            if d.trigger_op is not None and not (0 <= d.trigger_op < n) or (
+                    d.trigger_op is not None and d.back_op < d.trigger_op <= d.evict_op):
+                raise PlanError(f"{where}: in-trigger op {d.trigger_op} not after op "
+                                f"{d.evict_op} nor up to op {d.back_op}")
+            checked.add(d)
+            continue
         if not (0 <= d.evict_op < d.back_op < n):
             raise PlanError(f"{where}: needs 0 <= evict_op < back_op < {n}, got "
                             f"{d.evict_op}, {d.back_op}")
@@ -240,6 +267,14 @@ def simulate(problem: Problem, decisions: Sequence[Decision], *,
     if check:
         check_decisions(problem, decisions)
     res = _simulate(problem, decisions, bw_out, bw_in)
+    prev: dict = {}
+    for _ in range(3):  # Note [Steady state across iterations]
+        if all(v == (0, 0) for v in res._carry.values()) and not any(prev.values()):
+            break  # nothing carried over: the first pass was the steady state already
+        prev = res._carry
+        res = _simulate(problem, decisions, bw_out, bw_in, prev)
+        if res._carry == prev:
+            break
     memo[key] = res
     while len(memo) > max(2, _MEMO_EVENTS // max(1, problem.n_ops)):
         memo.popitem(last=False)
@@ -251,7 +286,7 @@ _MEMO_EVENTS = 200_000
 
 
 def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
-              bw_in: float) -> SimResult:
+              bw_in: float, carry: dict | None = None) -> SimResult:
     n = problem.n_ops
     ops = problem.ops
     st = problem.storages
@@ -261,7 +296,8 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
     for i, d in enumerate(decisions):
         evict_at.setdefault(d.evict_op, []).append(i)
         back_at.setdefault(d.back_op, []).append(i)
-        if d.method == Method.SWAP and d.trigger_op is not None and d.trigger_op < d.back_op:
+        if d.method == Method.SWAP and d.trigger_op is not None and (
+                d.trigger_op < d.back_op or (d.wraps and d.trigger_op != d.back_op)):
             trig_at.setdefault(d.trigger_op, []).append(i)
     for lst in trig_at.values():
         lst.sort(key=lambda i: (decisions[i].back_op, i))
@@ -291,6 +327,26 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
     t = 0
     op_start = np.zeros(n, dtype=np.int64)
     op_end = np.zeros(n, dtype=np.int64)
+    resident = problem.resident_bytes
+    carry = carry or {}
+    for i, d in enumerate(decisions):  # Note [Steady state across iterations]
+        if not d.wraps:
+            continue
+        sid = d.storage_id
+        active[sid] = i
+        c_out, c_in = carry.get(sid, (0, 0))
+        if d.trigger_op is not None and d.trigger_op > d.evict_op:
+            state[sid] = "swapping_in"  # prefetched late in the previous iteration
+            in_end[sid] = c_in
+            h2d_free = max(h2d_free, c_in)
+        else:
+            state[sid] = "out"
+            out_end[sid] = c_out
+            d2h_free = max(d2h_free, c_out)
+            if c_out > 0:  # its swap-out from the previous iteration is still running
+                at.append(c_out), ad.append(-d.size_bytes), ak.append(_FREE), asid.append(sid)
+            else:
+                resident -= d.size_bytes
 
     def start_swap_in(sid: str, size: int, now: int) -> int:
         nonlocal h2d_free
@@ -385,11 +441,18 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
                 ct.append(t), cd.append(-d.size_bytes), ck.append(_FREE), cop.append(k)
                 csid.append(sid)
                 info[i]["freed_ns"] = t
-    if active:
-        sid = next(iter(active))
-        raise PlanError(f"decision {sid}: still evicted at the end of the iteration")
+    left = [sid for sid, i in active.items() if not decisions[i].wraps]
+    if left:
+        raise PlanError(f"decision {left[0]}: still evicted at the end of the iteration")
+    new_carry = {}
+    for d in decisions:
+        if d.wraps:
+            sid = d.storage_id
+            new_carry[sid] = (max(0, out_end.get(sid, 0) - t),
+                              max(0, in_end.get(sid, 0) - t)
+                              if d.trigger_op is not None and d.trigger_op > d.evict_op else 0)
 
-    memory, op_peak = _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid)
+    memory, op_peak = _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid, resident)
     outcomes = tuple(
         DecisionOutcome(d.storage_id, d.method, int(stall[i]), int(recomp[i]), **info[i])
         for i, d in enumerate(decisions))
@@ -401,7 +464,7 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
     else:
         peak, peak_t, peak_op = problem.resident_bytes, 0, -1
     return SimResult(peak, peak_op, peak_t, int(t), problem.time_ns, problem.peak_bytes,
-                     outcomes, op_peak, op_start, op_end, memory, spans)
+                     outcomes, op_peak, op_start, op_end, memory, spans, new_carry)
 
 
 def _op_events(problem: Problem):
@@ -486,7 +549,7 @@ def _replay_template(problem, d: Decision, keep: set):
     return tuple(ct), tuple(cd), tuple(ck), tuple(csid), t
 
 
-def _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid):
+def _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid, resident):
     n = problem.n_ops
     ct_a = np.asarray(ct, dtype=np.int64)
     at_a = np.asarray(at, dtype=np.int64)
@@ -501,7 +564,7 @@ def _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid):
     time = np.concatenate([ct_a, at_a])[order]
     delta = np.concatenate([np.asarray(cd, dtype=np.int64), np.asarray(ad, dtype=np.int64)])[order]
     kind = np.concatenate([np.asarray(ck, dtype=np.int8), ak_a])[order]
-    live = problem.resident_bytes + np.cumsum(delta)
+    live = resident + np.cumsum(delta)
     # op of each event: the last compute mark at or before it
     is_mark = kind == _MARK
     op_of = np.cumsum(is_mark) - 1

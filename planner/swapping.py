@@ -176,3 +176,120 @@ class SwapTimer:
     def reserve(self, e: SwapEstimate) -> None:
         self.d2h.reserve(e.out_start_ns, e.out_end_ns)
         self.h2d.reserve(e.in_start_ns, e.in_end_ns)
+
+
+@dataclass(frozen=True)
+class WrapEstimate:
+    """A swap over a wrap-around gap (Note [Wrap-around swaps]). Times are on the unrolled
+    timeline: iteration i from 0, iteration i+1 from ``T`` (the iteration time) on."""
+
+    trigger_op: int | None  # op index of the in-trigger (iteration i if > evict_op, else i+1)
+    out_start_ns: int
+    out_end_ns: int
+    in_start_ns: int
+    in_end_ns: int
+    overhead_ns: int  # exposed wait at the back-access (in iteration i+1)
+    cover: tuple[tuple[int, int], ...]  # op ranges (inclusive) run entirely while it is out
+
+
+# Note: [Wrap-around swaps]
+# A storage with a wrap-around gap (problem.py Note [Wrap-around gaps]) is evicted after op ``a``
+# (its last access) and needed before op ``b`` (its first access) of the next iteration. On the
+# unrolled timeline (iteration i+1 starts at ``T``) this is an ordinary gap from end[a] to
+# T + start[b], and the in-trigger search is Note [In-trigger search] on it: the latest op not in
+# the peak window whose copy ends in time with the host->device channel free, either early in
+# iteration i+1 (trigger <= b) or at the end of iteration i (trigger > a). Every iteration repeats
+# the same copies, so the channels are one iteration long and a copy past ``T`` occupies them
+# again from 0 (the steady state). What the swap saves is the ops it covers, in two ranges:
+# after ``a`` to the end of iteration i, and from the start of iteration i+1 up to the swap-in.
+
+
+def _wrap_reserve(ch: Channel, start: int, end: int, period: int) -> None:
+    """Reserve [start, end) on a channel that repeats every ``period`` ns."""
+    if period <= 0 or end <= start:
+        return
+    s, e = start % period, start % period + (end - start)
+    if e <= period:
+        ch.reserve(s, e)
+    else:
+        ch.reserve(s, period)
+        ch.reserve(0, e - period)
+
+
+def _wrap_fit(ch: Channel, earliest: int, dur: int, period: int) -> int:
+    """``first_fit`` at or after ``earliest`` (unrolled time) on a channel repeating every
+    ``period``."""
+    if period <= 0 or earliest < period:
+        return ch.first_fit(earliest, dur)
+    base = (earliest // period) * period
+    return base + ch.first_fit(earliest - base, dur)
+
+
+def estimate_wrap(timer: SwapTimer, size: int, a: int, b: int, useful=None) -> WrapEstimate:
+    """A swap-out after op ``a`` of iteration i, back before op ``b`` of iteration i+1; see
+    Note [Wrap-around swaps]. ``useful(lo, hi)`` as in ``SwapTimer.estimate``."""
+    p = timer.p
+    n = p.n_ops
+    T = int(timer.end[-1]) if n else 0
+    t_out, t_in = timer.out_time(size), timer.in_time(size)
+    out_start = _wrap_fit(timer.d2h, int(timer.end[a]), t_out, T)
+    out_end = out_start + t_out
+    deadline = T + int(timer.start[b])
+    # unrolled ops: a+1..n-1 of iteration i, then 0..b of iteration i+1 (index v >= n)
+    vops = np.concatenate([np.arange(a + 1, n), n + np.arange(b + 1)])
+    real = np.where(vops >= n, vops - n, vops)
+    shift = np.where(vops >= n, T, 0)
+    vst = timer.start[real] + shift
+    ven = timer.end[real] + shift
+
+    def at(i: int | None) -> WrapEstimate:
+        issue = int(vst[i]) if i is not None else deadline
+        in_start = _wrap_fit(timer.h2d, max(issue, out_end), t_in, T)
+        in_end = in_start + t_in
+        cov = np.flatnonzero((vst >= out_end) & (ven <= in_start))
+        rng = []
+        if len(cov):
+            for part in (cov[vops[cov] < n], cov[vops[cov] >= n]):
+                if len(part):  # contiguous in each iteration
+                    rng.append((int(real[part[0]]), int(real[part[-1]])))
+        trig = None if i is None else int(real[i])
+        return WrapEstimate(trig, out_start, out_end, in_start, in_end,
+                            max(0, in_end - deadline), tuple(rng))
+
+    options: list[int | None] = []
+    allowed = timer.prev_ok[real] == real  # outside the peak window
+    last = len(vops) - 1  # the back-access itself: not a trigger
+    # latest trigger whose copy ends in time, outside the peak window, channel free
+    ok = np.flatnonzero((vst[:last] <= deadline - t_in) & (vst[:last] >= out_end)
+                        & allowed[:last])
+    for i in ok[::-1][:8]:
+        if _wrap_fit(timer.h2d, int(vst[i]), t_in, T) + t_in <= deadline:
+            options.append(int(i))
+            break
+    # earliest allowed trigger after the swap-out, and on demand
+    early = np.flatnonzero((vst[:last] >= out_end) & allowed[:last])
+    if len(early):
+        options.append(int(early[0]))
+    options.append(None)
+    best = None
+    for i in dict.fromkeys(options):
+        e = at(i)
+        helps = useful is None or any(useful(lo, hi) for lo, hi in e.cover)
+        key = (not helps, e.overhead_ns)
+        if best is None or key < best[0]:
+            best = (key, e)
+    return best[1]
+
+
+def reserve_wrap(timer: SwapTimer, e: WrapEstimate) -> None:
+    """Reserve a wrap-around swap's copies on the timer's (one-iteration, repeating) channels."""
+    T = int(timer.end[-1]) if len(timer.end) else 0
+    _wrap_reserve(timer.d2h, e.out_start_ns, e.out_end_ns, T)
+    _wrap_reserve(timer.h2d, e.in_start_ns, e.in_end_ns, T)
+
+
+def wrap_free_time(timer: SwapTimer, size: int, a: int, b: int) -> int:
+    """FT (paper Eq. 1) over a wrap-around gap: end of op ``a`` to op ``b`` of the next
+    iteration."""
+    T = int(timer.end[-1]) if len(timer.end) else 0
+    return int(T + timer.start[b] - timer.end[a]) - timer.out_time(size) - timer.in_time(size)

@@ -176,21 +176,23 @@ class Runtime:
         if self.meter is not None:
             self.meter.start()
         self.indexer.install()
-        self._patch_save()
         self.ex.mode.__enter__()
+        self._guard_save()
         return self
 
-    def _patch_save(self) -> None:
-        """Note [Reads outside ops]: ``torch.save`` reads storages' bytes directly, not through
-        an op, so everything evicted comes back first."""
-        save = self._save = torch.save
+    def _guard_save(self) -> None:
+        """``torch.save`` reads storages' bytes without an op the tracker could see, so every
+        evicted storage (those kept out across the step by wrap-around decisions, e.g. optimizer
+        state in ``optimizer.state_dict()``) comes back before it runs. Undone at exit."""
+        self._torch_save = torch.save
+        original = self._torch_save
 
-        def capuchin_save(*args, **kwargs):
+        def save(*args, **kwargs):
             with _disable_current_modes(), torch.no_grad():
-                self.ex.restore_all()
-            return save(*args, **kwargs)
+                self.ex.restore_all(wrapping=True)
+            return original(*args, **kwargs)
 
-        torch.save = capuchin_save
+        torch.save = save
 
     def _enter_empty(self) -> Runtime:
         self.ex = None
@@ -226,13 +228,14 @@ class Runtime:
                 self._cur.diverged, self._cur.diverged_at = False, None
                 self.ex.warning = self.ex.foreign = None
                 self._iteration_end(self._cur.iteration, self.indexer.op_index)
-            self.ex.restore_all()
+            with _disable_current_modes(), torch.no_grad():
+                self.ex.restore_all(wrapping=True)  # the user's state is whole after the run
         except Exception:
             if exc_type is None:
                 raise  # otherwise the script's own error is the one to report
         finally:
+            torch.save = self._torch_save
             self.ex.mode.__exit__(exc_type, exc, tb)
-            torch.save = self._save
             self.indexer.uninstall()
             peaks = self.meter.finish() if self.meter is not None else {}
             if self._fraction_set:

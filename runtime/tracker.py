@@ -17,6 +17,20 @@
 # check (the ``shape_signature`` of the trace) runs on ops with actions, so a run that diverges
 # only in shapes (another batch size) is caught before any of its planned actions runs.
 
+# Note: [Wrap-around storages before the first planned iteration]
+# A wrap-around decision (``Decision.wraps``) keeps a storage out from its last access in one
+# iteration to its first access ``f`` in the next; its id ``x{f}:{a}`` binds it to a live
+# storage only at op ``f``. The first planned iteration would so start with all of them resident
+# (optimizer state above all: iteration 0 creates it and follows no plan), over the budget by
+# their bytes (BERT-MLM: 1.18x). So iteration 0, which follows no plan, keeps the ops of its
+# tail (OpOverload, shapes, weak references to the arguments' storages), and at its end, when
+# that tail matches the end of the plan's op list (same ops, same shapes: the optimizer step),
+# each wrap-around storage whose ``f`` lies in the matched part is named from it and swapped out
+# as if the plan's evicted-access had just run. Not after a checked iteration that diverged:
+# the next one usually diverges too (Note [Watched iterations]). A wrong binding (same ops and
+# shapes, other tensors) costs an extra swap, never a wrong value: any access restores it, and
+# op ``f`` names the right storage.
+
 # Note: [Watched iterations]
 # Passive mode can only count and evict storages it saw allocated (Note [Passive budget on CPU] in
 # passive.py). An iteration that diverges midway switches to passive mode with the outputs of its
@@ -54,6 +68,7 @@
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
 import weakref
@@ -172,6 +187,10 @@ class Executor:
         # Note [Iteration kinds]: the plan of each kind, the first one the plan's main kind
         self.kind_tables: list = [table] if table is not None else []
         self._prefix: dict[tuple[int, int], int] = {}  # common (name, shapes) prefix of 2 kinds
+        # Note [Wrap-around storages before the first planned iteration]
+        wraps = [d.back_op for d in (table.decisions.values() if table is not None else ())
+                 if d.wraps]
+        self._tail = collections.deque(maxlen=table.n_ops - min(wraps)) if wraps else None
 
     # ---- iteration lifecycle (called by the Runtime) --------------------------------------------
     def begin_iteration(self, stats) -> None:
@@ -260,11 +279,41 @@ class Executor:
         st = self.stats  # iteration 0 builds the model: its divergence predicts nothing
         self.last_diverged = (st is not None and st.diverged
                               and st.iteration >= self.rt.first_checked_iteration)
+        if self._tail:
+            if not self.guided and not self.last_diverged:  # iteration 0 (Note [Watched ...])
+                with _disable_current_modes(), torch.no_grad():
+                    self._prebind_wraps()
+            self._tail.clear()
 
-    def restore_all(self) -> None:
-        """Iteration end (or step end): every evicted storage comes back."""
+    def _prebind_wraps(self) -> None:
+        """Note [Wrap-around storages before the first planned iteration]."""
+        tbl = self.table
+        tail = self._tail
+        n = tbl.n_ops
+        m = 0  # length of the common suffix of this iteration's ops and the plan's
+        while m < len(tail) and tail[-1 - m][0] is tbl.expected[n - 1 - m] \
+                and tail[-1 - m][1] == tbl.signatures[n - 1 - m]:
+            m += 1
+        for sid, d in tbl.decisions.items():
+            if not d.wraps or n - d.back_op > m:
+                continue
+            a = int(sid.split(":")[1])
+            refs = tail[len(tail) - (n - d.back_op)][2]
+            st = refs[a]() if a < len(refs) and refs[a] is not None else None
+            if st is not None:
+                self.live[sid] = weakref.ref(st)
+                self._evict(Step.EVICT_SWAP, sid)
+        self.live.clear()
+
+    def restore_all(self, wrapping: bool = False) -> None:
+        """Iteration end (or step end): every evicted storage comes back, except those of
+        wrap-around decisions (``Decision.wraps``: they stay out across the iteration boundary
+        until their back-access in the next iteration or any access) unless ``wrapping``
+        (the end of the run)."""
         restored = False
         for e in list(self.entries.values()):
+            if not wrapping and e.decision is not None and e.decision.wraps and self.guided:
+                continue
             if e.storage is not None:
                 self.restore(e)
                 restored = True
@@ -314,6 +363,14 @@ class Executor:
                     else:
                         self._diverge(k, info.name, "shapes", flat)
                         acts = None
+        if not self.guided and self._tail is not None:  # Note [Wrap-around storages ...]
+            refs = []
+            for t in flat:
+                try:
+                    refs.append(weakref.ref(t.untyped_storage()))
+                except (RuntimeError, NotImplementedError, TypeError):
+                    refs.append(None)
+            self._tail.append((func, shape_signature(t.shape for t in flat), refs))
         if self.swap.pending_out:
             self.swap.poll()
             if self.swap.pending_out:
@@ -411,10 +468,13 @@ class Executor:
         st = ref() if ref is not None else None
         if d is None or st is None:
             return
-        if id_kind(sid) is not IdKind.OUTPUT or not st.resizable() or st.nbytes() == 0 \
+        kind = id_kind(sid)
+        if not (kind is IdKind.OUTPUT or (kind is IdKind.INPUT and d.method.value == "swap")) \
+                or not st.resizable() or st.nbytes() == 0 \
                 or st.device.type != self.backend.device.type:
-            # Only storages an op allocated in this iteration are evicted (Note [Storage-level
-            # eviction]); parameters, inputs and optimizer state are refused.
+            # Storages are evicted only as the plan names them (Note [Storage-level eviction]):
+            # an op's output, or a tensor that existed before the iteration (parameter,
+            # gradient buffer, optimizer state, input) by swap, never by drop.
             self.stats.refused += 1
             return
         key = storage_key(st)

@@ -64,8 +64,9 @@ def test_stalled_decisions_are_switched_in_the_hybrids_own_plan():
     # Before search Note [Stalled swaps], the hybrid's own plan here recomputed a tensor whose replay
     # waited ~44 us for a swapped-out source queued behind five prefetches (+6.9% vs the
     # recompute-only +2.0%). The hybrid's own selection (without the safety net) must now beat
-    # recompute-only and still swap.
-    p = _transformer()
+    # recompute-only and still swap. Activations only: a swapped parameter is a source no replay
+    # can regenerate (its wait is the union's to weigh, policies/capuchin.py _plan).
+    p = _transformer().restricted()
     budget = p.peak_bytes // 2
     own = pick(grid(p, cap.Capuchin("hybrid"), Switching()), budget)
     rec = pick(grid(p, cap.Capuchin("recompute")), budget)

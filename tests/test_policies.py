@@ -127,8 +127,9 @@ def test_plans_pass_the_simulator_and_keep_their_word(policy, make):
         assert plan.predictions.feasible == (sim.peak_bytes <= budget)
         assert plan.predictions.predicted_peak_bytes == sim.peak_bytes
         assert sim.time_ns >= problem.time_ns
-        for d in plan.records:
-            assert problem.storages[d.storage_id].evictable
+        for d in plan.records:  # persistent storages: swapped only (problem.py)
+            s = problem.storages[d.storage_id]
+            assert s.evictable or (s.swappable and d.method.value == "swap")
         # what the plan file says is what the simulator says when it replays it
         again = plan.simulate(problem)
         assert again.peak_bytes == sim.peak_bytes and again.time_ns == sim.time_ns

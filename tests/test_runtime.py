@@ -551,18 +551,25 @@ def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, sl
     peaks measured +208 KB over the budget. Without the wait for swap-outs at their simulated
     completion (``Decision.out_done_op``) they measured +216 KB (slowed) and +222 KB (full
     speed) over it."""
-    import capuchin
     import capuchin.runtime.engine as engine
-    from capuchin.errors import InfeasibleBudgetError
     from capuchin.runtime.backend import backend_for
 
     script, trace = _ckpt_trace(tmp_path_factory.mktemp("ckpt"))
-    try:
-        capuchin.make_plan(trace, budget="10%", policy="capuchin")
-        raise AssertionError("10% should be infeasible")
-    except InfeasibleBudgetError as exc:
-        budget = int(exc.smallest_feasible_bytes * 1.002)
-    plan = capuchin.make_plan(trace, budget=budget, policy="capuchin")
+    # planned without persistent candidates (Problem.restricted): a budget reachable only by
+    # swapping parameters and optimizer state is out of reach of iteration 0, which follows no
+    # plan and whose passive guard does not evict them (docs/persistent-state.md, known limits)
+    from capuchin.planner.api import smallest_feasible_budget
+    from capuchin.planner.registry import get_policy
+
+    problem = Problem.from_trace(load_trace(trace)).restricted()
+    fn = get_policy("capuchin")
+    b10 = problem.peak_bytes // 10
+    assert not build_plan(problem, fn(problem, b10), policy="capuchin",
+                          budget_bytes=b10)[0].predictions.feasible, "10% should be infeasible"
+    budget = int(smallest_feasible_budget(problem, fn, {}, start_bytes=problem.floor_bytes())
+                 * 1.002)
+    plan, _sim = build_plan(problem, fn(problem, budget), policy="capuchin", budget_bytes=budget)
+    assert plan.predictions.feasible
     assert plan.records and plan.op_peak_bytes
 
     class _SlowDst:

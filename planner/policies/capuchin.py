@@ -15,11 +15,23 @@ recompute first, best of variants), which are not part of the paper.
 # still an estimate, every round ends with the simulator: if the *simulated* peak is above the
 # target, the excess is re-read from the simulated curve and another round adds decisions,
 # until it fits or nothing helps any more (then the best plan found is returned).
+#
+# Note: [Persistent candidates]
+# Parameters, gradient buffers and optimizer state are swap candidates too, over their gaps
+# within the iteration and across its boundary (problem.py Note [Wrap-around gaps]; their swap
+# timing: swapping.py Note [Wrap-around swaps]); they are never recomputed. They enter the
+# selection like any access pair, ranked by free time: optimizer state, whose free time is the
+# whole forward and backward pass, is usually swapped at no cost. Because greedy selection is
+# not monotone in its candidates (more candidates can end in a costlier plan), ``capuchin`` and
+# ``swap`` plan without them first (``Problem.restricted()``) and, unless that plan fits at no
+# cost, with them too, and return the better plan under the simulator (ties: the one without),
+# so the persistent candidates never make a plan worse.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +54,14 @@ from ..search import (
     timer_from,
 )
 from ..simulator import simulate
-from ..swapping import SwapEstimate, SwapTimer
+from ..swapping import (
+    SwapEstimate,
+    SwapTimer,
+    WrapEstimate,
+    estimate_wrap,
+    reserve_wrap,
+    wrap_free_time,
+)
 
 SEARCH_MAX_OPS = 5000  # problems up to this size get the target grid (search Note [Targets])
 
@@ -65,6 +84,12 @@ def capuchin(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
     """
     if problem.n_ops == 0 or problem.peak_bytes <= budget_bytes:
         return []
+    return _with_persistent(problem, budget_bytes, lambda prob: _hybrid(
+        prob, budget_bytes, max_rounds, collective, max_replay_ops))
+
+
+def _hybrid(problem: Problem, budget_bytes: int, max_rounds: int, collective: bool,
+            max_replay_ops: int) -> list[Decision]:
     hybrid = Capuchin("hybrid", max_rounds, collective, max_replay_ops)
     if problem.n_ops > SEARCH_MAX_OPS:
         return descend(problem, budget_bytes, hybrid)
@@ -86,7 +111,10 @@ def capuchin(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
 def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> list[Decision]:
     """Capuchin restricted to swapping: zero-overhead swaps by free time, then the swaps with the
     smallest exposed wait, until the simulated peak fits; on the target grid."""
-    return _searched(problem, budget_bytes, Capuchin("swap", max_rounds, False, 0))
+    if problem.n_ops == 0 or problem.peak_bytes <= budget_bytes:
+        return []
+    return _with_persistent(problem, budget_bytes, lambda prob: _searched(
+        prob, budget_bytes, Capuchin("swap", max_rounds, False, 0)))
 
 
 @register("recompute")
@@ -96,6 +124,30 @@ def recompute_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
     until the simulated peak fits; on the target grid."""
     return _searched(problem, budget_bytes,
                      Capuchin("recompute", max_rounds, collective, max_replay_ops))
+
+
+def _with_persistent(problem: Problem, budget: int,
+                     plan: Callable[[Problem], list[Decision]]) -> list[Decision]:
+    """Note [Persistent candidates]: the plan without persistent candidates first (planning as
+    the paper does); when it does not fit at no cost, also the plan with them, and the better
+    one under the simulator (ties: the one without)."""
+    base = problem.restricted()
+    if base is problem:
+        return plan(problem)
+    best = None
+    for prob in (base, problem):
+        ds = plan(prob)
+        try:
+            sim = simulate(problem, ds)
+        except PlanError:
+            continue
+        fits = sim.peak_bytes <= budget
+        key = (not fits, sim.time_ns if fits else sim.peak_bytes)
+        if best is None or key < best[0]:  # ties keep the plan without persistent swaps
+            best = (key, ds)
+        if fits and sim.time_ns <= sim.baseline_time_ns:
+            break  # fits at no cost: nothing can beat it
+    return best[1] if best else []
 
 
 def _searched(problem: Problem, budget: int, planner: Capuchin) -> list[Decision]:
@@ -113,6 +165,7 @@ class _Pair:
     evict_op: int
     back_op: int
     free_time_ns: int
+    wraps: bool = False  # a wrap-around gap (problem.py Note [Wrap-around gaps])
 
 
 @dataclass(frozen=True)
@@ -169,11 +222,16 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
         return 0
     cnt = np.concatenate([[0], np.cumsum(over)])
     pairs: list[_Pair] = []
+    n = problem.n_ops
     for s in problem.storages.values():
-        if not s.evictable or s.storage_id in chosen:
+        if s.storage_id in chosen or not s.swappable:
             continue
-        for a, b in s.gaps():
-            if cnt[b] - cnt[a + 1] > 0:  # an over-budget op strictly inside the gap
+        for a, b, wraps in problem.swap_gaps(s):
+            if wraps:  # over-budget ops after a, or before b in the next iteration
+                if cnt[n] - cnt[a + 1] + cnt[b] > 0:
+                    pairs.append(_Pair(s.storage_id, s.size_bytes, a, b,
+                                       wrap_free_time(timer, s.size_bytes, a, b), True))
+            elif cnt[b] - cnt[a + 1] > 0:  # an over-budget op strictly inside the gap
                 pairs.append(_Pair(s.storage_id, s.size_bytes, a, b,
                                    timer.free_time(s.size_bytes, a, b)))
     if not pairs:
@@ -184,12 +242,27 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
     def useful(lo: int, hi: int) -> bool:
         return hi >= lo and bool((excess[lo:hi + 1] > 0).any())
 
-    def take_swap(p: _Pair, e: SwapEstimate) -> None:
+    def estimate(p: _Pair) -> SwapEstimate | WrapEstimate:
+        if p.wraps:
+            return estimate_wrap(timer, p.size_bytes, p.evict_op, p.back_op, useful)
+        return timer.estimate(p.size_bytes, p.evict_op, p.back_op, useful)
+
+    def covers(e) -> list[tuple[int, int]]:
+        return list(e.cover) if isinstance(e, WrapEstimate) else [(e.cover_lo, e.cover_hi)]
+
+    def helps(e) -> bool:
+        return any(useful(lo, hi) for lo, hi in covers(e))
+
+    def take_swap(p: _Pair, e: SwapEstimate | WrapEstimate) -> None:
         nonlocal added
         chosen[p.storage_id] = Decision(p.storage_id, Method.SWAP, p.size_bytes, p.evict_op,
-                                        p.back_op, trigger_op=e.trigger_op)
-        timer.reserve(e)
-        excess[e.cover_lo:e.cover_hi + 1] -= p.size_bytes
+                                        p.back_op, trigger_op=e.trigger_op, wraps=p.wraps)
+        if p.wraps:
+            reserve_wrap(timer, e)
+        else:
+            timer.reserve(e)
+        for lo, hi in covers(e):
+            excess[lo:hi + 1] -= p.size_bytes
         added += 1
 
     # -- swaps while they are free (paper §4.5: "swap first, while zero overhead") ---------------
@@ -199,8 +272,8 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
                 continue
             if p.free_time_ns < 0:
                 break  # ranked by free time: no later pair can hide either
-            e = timer.estimate(p.size_bytes, p.evict_op, p.back_op, useful)
-            if e.overhead_ns == 0 and useful(e.cover_lo, e.cover_hi):
+            e = estimate(p)
+            if e.overhead_ns == 0 and helps(e):
                 take_swap(p, e)
                 if excess.max() <= 0:
                     return added
@@ -214,14 +287,15 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
     est: dict[str, SwapEstimate] = {}
     if mode in ("hybrid", "swap"):
         for i, p in enumerate(best_pair.values()):
-            e = timer.estimate(p.size_bytes, p.evict_op, p.back_op, useful)
+            e = estimate(p)
             est[p.storage_id] = e
             heapq.heappush(swaps, (e.overhead_ns, i, p.storage_id))
     queue = None
     if mode in ("hybrid", "recompute"):
         queue = MspsQueue(problem, Residency(chosen.values()), max_replay_ops)
         for p in best_pair.values():
-            queue.add(p.storage_id, p.evict_op, p.back_op)
+            if problem.storages[p.storage_id].evictable:  # persistent: swap only
+                queue.add(p.storage_id, p.evict_op, p.back_op)
 
     def next_swap() -> tuple[_Pair, SwapEstimate] | None:
         while swaps:
@@ -230,8 +304,8 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
                 heapq.heappop(swaps)
                 continue
             p = best_pair[sid]
-            e = timer.estimate(p.size_bytes, p.evict_op, p.back_op, useful)  # channels filled?
-            if not useful(e.cover_lo, e.cover_hi):
+            e = estimate(p)  # channels filled?
+            if not helps(e):
                 heapq.heappop(swaps)
                 continue
             if e.overhead_ns > ov:
@@ -254,7 +328,8 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
         s_cost = None
         if s is not None:
             s_cost = s[1].overhead_ns + (queue.swap_penalty(s[0].storage_id, s[0].evict_op,
-                                                            s[0].back_op) if queue else 0)
+                                                            s[0].back_op)
+                                         if queue and not s[0].wraps else 0)
         if r is not None and mode == "hybrid" and (s is None or s_cost > r.overhead_ns):
             # Algorithm 1 compares swapping and recomputing the *same* tensor: the tensor with
             # the best MSPS is swapped instead when that costs less than its recomputation
@@ -266,7 +341,7 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
         if r is None or (s is not None and s_cost <= r.overhead_ns):
             p, e = s
             take_swap(p, e)
-            if queue is not None:
+            if queue is not None and not p.wraps:
                 queue.swapped(p.storage_id, p.evict_op, p.back_op)
         else:
             queue.select(r.storage_id)

@@ -370,7 +370,9 @@ def _warm_start(problem: Problem, budget_bytes: int, keys: set[Key], policy: str
         notes.append(f"no warm start: policy {policy!r} is not registered")
         return None, {}
     try:
-        ds = _bounded(lambda: fn(problem, budget_bytes), timeout_s)
+        # the model's candidates are activations only (no persistent ones, problem.py Note
+        # [Wrap-around gaps]): so is the warm start, else its wrap-around swaps would be dropped
+        ds = _bounded(lambda: fn(problem.restricted(), budget_bytes), timeout_s)
     except _OutOfTime:
         notes.append(f"no warm start: policy {policy!r} took more than {timeout_s:.1f} s")
         return None, {}
