@@ -151,5 +151,7 @@ def test_capuchin_skips_the_variants_when_its_plan_costs_nothing():
     budget = int(p.peak_bytes * 0.9)
     ds = capuchin(p, budget)
     assert simulate(p, ds).time_ns == p.time_ns
-    made = [k[0] for k in search._CACHE[p]]
+    q = p.restricted()  # planned first, without persistent candidates (Note [Persistent candidates])
+    made = [k[0] for k in search._CACHE[q]]
     assert made == ["grid"]  # the hybrid's grid only: no recompute-only grid, no conversions
+    assert q is p or p not in search._CACHE  # a plan that costs nothing: no second planning
