@@ -20,6 +20,7 @@ from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
 from .actions import compile_plan
 from .backend import backend_for
+from .dynamic import REMAT, DynamicTracker
 from .passive import PassiveTracker
 from .recompute import RecomputeEngine
 from .report import IterationStats, MemoryMeter, RunReport
@@ -47,7 +48,12 @@ class Runtime:
     budget_bytes: the memory budget (default: the plan's). Without a plan, the whole run is in
         passive mode under this budget.
     device: the device whose memory is managed (default: the plan's provenance device, else cpu).
-    passive: evict on demand where no plan applies (divergence, unplanned iterations).
+    passive: evict on demand where no plan applies (no plan, iteration 0, divergence).
+    eviction: how, where no plan applies: "dtr" (dynamic mode, runtime/dynamic.py: DTR's
+        heuristic, dropped storages replayed, others swapped) or "lru" (swap the least recently
+        used storage synchronously, paper §4.2).
+    remat: dynamic mode's way back: "auto" (the cheaper of replay and swap by measured costs),
+        "recompute" (replay whatever replays exactly), "swap" (never replay).
     measure_memory: measure each iteration's peak with PyTorch's allocator accounting (Note
         [Measured peak] in report.py); costs profiler overhead on CPU.
     report_path: write the JSON report there on exit.
@@ -57,8 +63,8 @@ class Runtime:
 
     def __init__(self, plan: Plan | str | os.PathLike | None = None, *,
                  budget_bytes: int | None = None, device: str | torch.device | None = None,
-                 passive: bool = True, measure_memory: bool = True,
-                 report_path: str | os.PathLike | None = None):
+                 passive: bool = True, eviction: str = "dtr", remat: str = "auto",
+                 measure_memory: bool = True, report_path: str | os.PathLike | None = None):
         if isinstance(plan, (str, os.PathLike)):
             self.plan_source = str(plan)
             plan = load_plan(plan)
@@ -74,6 +80,11 @@ class Runtime:
             raise PlanFormatError(f"{self.plan_source}: plan is for {self.device}, but CUDA is not "
                                   "available here; make a plan from a trace of this device")
         self.passive_enabled = passive
+        if eviction not in ("dtr", "lru") or remat not in REMAT:
+            raise PlanFormatError(f"eviction must be dtr or lru (got {eviction!r}) and remat one "
+                                  f"of {', '.join(REMAT)} (got {remat!r})")
+        self.eviction = eviction
+        self.remat = remat
         self.measure_memory = measure_memory
         self.report_path = report_path
         # CAPUCHIN_VERIFY=1: keep a copy of every evicted storage and check it comes back equal
@@ -98,7 +109,12 @@ class Runtime:
         table = compile_plan(self.plan) if self.plan is not None else None
         swap = SwapEngine(self.backend, self.plan.provenance.bandwidth_d2h_bytes_per_s
                           if self.plan is not None else 12e9)
-        passive = PassiveTracker(self.budget_bytes if self.passive_enabled else None, self.device)
+        budget = self.budget_bytes if self.passive_enabled else None
+        if self.eviction == "dtr":
+            passive = DynamicTracker(budget, self.device, self.bandwidth_h2d_bytes_per_s,
+                                     self.remat)
+        else:
+            passive = PassiveTracker(budget, self.device)
         if self.plan is not None and self.passive_enabled:
             problem = self._trace_problem()
             if problem is not None:

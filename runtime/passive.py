@@ -58,6 +58,8 @@ _CPU_SCRATCH = {"aten.convolution.default": "out",
 
 
 class PassiveTracker:
+    dynamic = False  # runtime/dynamic.py's DynamicTracker: DTR's eviction instead of LRU swaps
+
     def __init__(self, budget_bytes: int | None, device: torch.device):
         self.budget_bytes = budget_bytes
         self.device_type = device.type

@@ -158,7 +158,7 @@ class Executor:
         """Iteration end (or step end): every evicted storage comes back."""
         restored = False
         for e in list(self.entries.values()):
-            if e.storage is not None:
+            if e.storage is not None and not (self.passive.dynamic and self.passive.unused(e)):
                 self.restore(e)
                 restored = True
         self.swap.poll()
@@ -208,8 +208,11 @@ class Executor:
         watch = passive or (self.watching and self.guided)
         keys = _keys(flat) if (self.entries or watch or self.dependents) else None
         pkey = None
+        dyn = self.passive if passive and self.passive.dynamic else None
         if passive:  # room first for what the op allocates (Note [Passive budget on CPU])
             self.passive.touch(keys)
+            if dyn is not None and self.entries:  # dropped inputs: their sources come first
+                dyn.bring_back(self, keys)
             pkey, out_bytes = self.passive.predict(func, args, kwargs)
             out_bytes += self.passive.scratch(info.name, flat, out_bytes)
             self._enforce_budget(set(keys), out_bytes + self._coming_back(keys))
@@ -225,12 +228,19 @@ class Executor:
             except (RuntimeError, NotImplementedError):
                 continue
             deps = self.dependents.get(storage_key(st))
-            if deps:  # R3: regenerate what depends on this storage before it changes
-                for sid in list(deps):
-                    e = self.by_sid.get(sid)
-                    if e is not None and e.state is Residency.OUT and not e.swap:
+            while deps:  # R3: regenerate what depends on this storage before it changes
+                out = [e for sid in list(deps) if (e := self.by_sid.get(sid)) is not None
+                       and e.state is Residency.OUT and not e.swap]
+                if not out:
+                    break
+                for e in out:
+                    if e.state is not Residency.OUT:
+                        continue
+                    if self.passive.dynamic:  # room made first, which may drop another one
+                        self.passive.bring_back(self, [*keys, storage_key(e.storage)])
+                    else:
                         self.restore(e)
-                        self.stats.cow_restores += 1
+                    self.stats.cow_restores += 1
             bump_writes(st)
         rec = None
         if acts is not None:
@@ -239,6 +249,7 @@ class Executor:
                     self.live[sid] = weakref.ref(flat[a].untyped_storage())
             if acts.record:
                 rec = self.recompute.record(k, func, args, kwargs, flat, written, info.seeded)
+        drec = dyn.before_op(func, args, kwargs, flat, written, info.seeded) if dyn else None
         out = self._run(func, args, kwargs)
         if acts is not None or watch:
             outs = flatten_outputs(out)
@@ -255,6 +266,8 @@ class Executor:
                     self._evict(step, sid)
             if watch:
                 self.passive.track_outputs(outs, in_keys, pkey)
+                if drec is not None:
+                    dyn.after_op(drec, func, flat, out, outs, in_keys)
             if passive:
                 self._enforce_budget(in_keys | set(_keys(outs)))
         self._update_fast()
@@ -353,6 +366,9 @@ class Executor:
         if e.swap:
             if self.swap.restore(e, planned) and e.decision is not None and self.guided:
                 self._late_feedback(e)
+        elif e.reason is Reason.DYNAMIC:
+            self.passive.replay(self, e)  # runtime/dynamic.py
+            e.state = Residency.RESIDENT
         elif st is not None:
             dropped = {x.sid: (x.storage, x.nbytes) for x in self.by_sid.values()
                        if not x.swap and x.state is Residency.OUT and x is not e
@@ -551,7 +567,10 @@ class Executor:
             self.stats.passive_short_bytes = over
 
     def _evict_passive(self, need: int, protect: set) -> int:
-        """Swap out least recently used storages synchronously; returns the bytes freed."""
+        """Swap out least recently used storages synchronously (dynamic mode: DTR's choice,
+        runtime/dynamic.py); returns the bytes freed."""
+        if self.passive.dynamic:
+            return self.passive.evict(self, need, protect)
         got = 0
         for key, st, n in list(self.passive.victims(need, protect)):
             if key in self.entries:

@@ -1,0 +1,445 @@
+"""Dynamic mode: DTR's eviction and rematerialization (Kirisame et al., ICLR'21) in the runtime,
+where no plan applies (a run with only a budget, iteration 0, the rest of a diverged iteration).
+
+While it is on, every op the script runs is recorded as it runs (function, arguments, the RNG
+state of a seeded op, its measured time), and each storage an op allocates in the iteration keeps
+its *chain*: the producer and the in-place ops that wrote it since (rule R1 of recompute.py).
+When the next op would take resident bytes over the budget, the resident storage with the lowest
+
+    h(s) = C(s) / (M(s) * L(s))
+
+is evicted first (M: bytes, L: staleness in ops since its last access, C: the cheaper way back).
+C of a drop is the chain's measured time plus the value of every distinct set of evicted storages
+next to ``s`` (those its replay reads and those whose replay reads it), grouped by a union-find
+(DTR's e* approximation: sets merge when a neighbour is dropped, rematerializing ``s`` subtracts
+its cost, sets never split). C of a swap is the copy out and back at the measured host bandwidth.
+An evicted storage comes back when an op reads it: a swapped one by copy, a dropped one by
+replaying its chain, after its dropped sources have come back first (ancestors first, each with
+room made under the budget, so nothing recurses deeply).
+
+# Note: [What may be dropped]
+# Dropping is exact only where the replay computes the same bytes (recompute.py's rules): every op
+# that wrote the storage since its producer is recorded (R1; a write by an unrecorded op, by a
+# collective, or a chain longer than ``MAX_CHAIN`` makes it swap-only), no storage the chain reads
+# was written since it read it (R2, checked at eviction time against the runtime's write
+# counters), seeded ops replay under their recorded RNG state (R4), arguments a replayed op writes
+# outside its chain are cloned (R5, R6). Once dropped, its sources are pinned (kept alive as
+# objects, so they stay countable and evictable themselves) and registered for copy-on-write (R3):
+# an op about to write one regenerates the dependent first. Everything else is swapped. Only
+# storages allocated by an op of the current iteration are evicted at all (Note [Storage-level
+# eviction] in state.py): parameters, optimizer state and data made outside ops stay resident.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..planner.plan import Decision, Method
+from .backend import byte_view
+from .passive import PassiveTracker
+from .recompute import Record, RecomputeEngine, _capture_rng, _Slot, _template
+from .state import Entry, Reason, Residency, resize, storage_key, writes
+
+MAX_CHAIN = 64  # ops in one storage's chain (producer + in-place writes); longer: swap only
+_NAME_ATTR = "_capuchin_dtr_name"
+_COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+REMAT = ("auto", "recompute", "swap")
+
+
+class _Node:
+    """A union-find node of one dropped storage (objects, not keys: a key may be reused after its
+    storage dies, a node stays reachable from the nodes that point through it)."""
+
+    __slots__ = ("parent", "value")
+
+    def __init__(self, value: float):
+        self.parent = self
+        self.value = value
+
+    def root(self) -> _Node:
+        r = self
+        while r.parent is not r:
+            r = r.parent
+        x = self
+        while x.parent is not r:
+            x.parent, x = r, x.parent
+        return r
+
+
+def _union(a: _Node, b: _Node) -> None:
+    ra, rb = a.root(), b.root()
+    if ra is not rb:
+        rb.parent = ra
+        ra.value += rb.value
+        rb.value = 0.0
+
+
+class DynamicTracker(PassiveTracker):
+    """Passive mode's memory accounting (estimate, predicted outputs and scratch) with DTR's
+    choice of what to evict and how. ``remat``: "auto" (drop or swap, whichever the measured
+    costs make cheaper), "recompute" (drop whatever can be replayed exactly), "swap" (never
+    drop: DTR's choice of victims with swapping only)."""
+
+    dynamic = True
+
+    def __init__(self, budget_bytes: int | None, device: torch.device,
+                 bandwidth_bytes_per_s: float = 12e9, remat: str = "auto"):
+        super().__init__(budget_bytes, device)
+        if remat not in REMAT:
+            raise ValueError(f"remat must be one of {', '.join(REMAT)}, not {remat!r}")
+        self.remat = remat
+        self.engine = RecomputeEngine(self._never, lambda n: False)
+        self.engine.records = weakref.WeakValueDictionary()  # alive while a chain holds them
+        self.serial = 0
+        self.clock = 0
+        self.bandwidth = float(bandwidth_bytes_per_s)  # host copies, refined by measurement
+        self.chain: dict[int, list[Record]] = {}  # storage key -> producer + in-place writers
+        self.cost_s: dict[int, float] = {}  # storage key -> measured seconds of its chain
+        self.sid: dict[int, str] = {}  # storage key -> its name in its producer's record
+        self.parents: dict[int, set[int]] = {}
+        self.children: dict[int, set[int]] = {}
+        self.node: dict[int, _Node] = {}  # dropped storages' union-find nodes
+        self.last_access: dict[int, int] = {}
+        self.new_out: dict[int, int] = {}  # serial -> bytes of the new storages the op allocated
+        self.n_entries = 0
+        self.wcount: dict[int, int] = {}  # storage key -> write counter after its chain's last op
+        # name -> (chain, write counter, bytes) of storages that died with a chain: a dependent's
+        # replay regenerates them on the way (DTR keeps freed tensors as recomputable thunks)
+        self.ghost: dict[str, tuple[list[Record], int, int]] = {}
+
+    @staticmethod
+    def _never(st) -> None:  # sources come back before a replay starts (``bring_back``)
+        raise AssertionError("unreachable")
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def new_iteration(self) -> None:
+        super().new_iteration()
+        self.chain.clear()
+        self.cost_s.clear()
+        self.sid.clear()
+        self.parents.clear()
+        self.children.clear()
+        self.node.clear()
+        self.new_out.clear()
+        self.wcount.clear()
+        self.ghost.clear()
+        self.engine.reset()
+
+    def _died(self, key: int):
+        base = super()._died(key)
+
+        def cb(ref, self=self, key=key, base=base):
+            base(ref)
+            ch = self.chain.pop(key, None)
+            cost = self.cost_s.pop(key, None)
+            sid = self.sid.pop(key, None)
+            n = self.wcount.pop(key, None)
+            if ch is not None and sid is not None and n is not None and ref is not None:
+                self.ghost[sid] = (ch, n, cost or 0.0)
+            self.parents.pop(key, None)
+            self.children.pop(key, None)
+            self.node.pop(key, None)
+            self.last_access.pop(key, None)
+        return cb
+
+    def touch(self, keys) -> None:
+        super().touch(keys)
+        self.clock += 1
+        la = self.last_access
+        for key in keys:
+            la[key] = self.clock
+
+    # ---- recording (every op while dynamic mode is on) ----------------------------------------
+    def before_op(self, func, args: tuple, kwargs: dict, flat: list, written, seeded: bool):
+        """Record the op about to run (after its writes were counted, so a recorded argument's
+        write counter is the one the op leaves). Returns the record for ``after_op``."""
+        self.serial += 1
+        slots = []
+        epoch = self.engine.epoch
+        for t in flat:
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return None
+            tag = getattr(st, _NAME_ATTR, None)
+            slots.append(_Slot(t, tag[1] if tag is not None and tag[0] == epoch else None, False))
+        counter = [0]
+        rec = Record(self.serial, func, _template(tuple(args), counter),
+                     _template(dict(kwargs), counter), slots, tuple(written), [],
+                     _capture_rng(func, args, kwargs, flat) if seeded else None)
+        rec_t0 = time.perf_counter()
+        return rec, rec_t0
+
+    def after_op(self, token, func, flat: list, out, outs: list, in_keys: set) -> None:
+        """Name the storages the op allocated, give them (or the storages it wrote) their chain,
+        cost and neighbours."""
+        if token is None:
+            return
+        rec, t0 = token
+        dt = time.perf_counter() - t0
+        replayable = not any(func.namespace == ns for ns in _COLLECTIVES)
+        src = []
+        for s in rec.slots:
+            st = s.weak()
+            if st is not None:
+                src.append(storage_key(st))
+        new_bytes = 0
+        made = []
+        for j, t in enumerate(outs):
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                rec.out_sids.append(None)
+                continue
+            key = storage_key(st)
+            if key in in_keys or key not in self.in_iteration or key in self.chain:
+                rec.out_sids.append(None)
+                continue
+            sid = f"{rec.op_index}:{j}"
+            setattr(st, _NAME_ATTR, (self.engine.epoch, sid))
+            rec.out_sids.append(sid)
+            new_bytes += st.nbytes()
+            made.append(key)
+            self.sid[key] = sid
+            self.last_access[key] = self.clock
+            if replayable:
+                self.chain[key] = [rec]
+                self.cost_s[key] = dt
+                self.wcount[key] = writes(st)
+        self.new_out[rec.op_index] = new_bytes
+        for a in rec.written:  # R1: an in-place write extends the written storage's chain
+            st = rec.slots[a].weak()
+            if st is None:
+                continue
+            key = storage_key(st)
+            ch = self.chain.get(key)
+            if ch is None:
+                continue
+            if replayable and len(ch) < MAX_CHAIN and ch[-1] is not rec:
+                ch.append(rec)
+                self.cost_s[key] += dt
+                self.wcount[key] = writes(st)
+                made.append(key)
+            else:
+                del self.chain[key]  # a write that cannot be replayed: swap only from now on
+        if made:
+            self.engine.records[rec.op_index] = rec
+            for key in made:
+                ps = self.parents.setdefault(key, set())
+                for k in src:
+                    if k != key:
+                        ps.add(k)
+                        self.children.setdefault(k, set()).add(key)
+
+    # ---- eviction -------------------------------------------------------------------------------
+    def _replay_plan(self, key: int):
+        """How to replay ``key``'s chain now: ``(records in order, live sources by key, seconds,
+        bytes of regenerated dead sources)``, or None if it cannot be replayed exactly (a source
+        freed without a chain, or written since it was read: R2). A source that died with a chain
+        (a ghost) is regenerated on the way, recursively."""
+        ch = self.chain.get(key)
+        if not ch:
+            return None
+        recs = {}
+        live = {}
+        cost = self.cost_s[key]
+        extra = 0
+        todo = [(ch, self.sid.get(key))]
+        seen_ghosts = set()
+        while todo:
+            chain, own = todo.pop()
+            for rec in chain:
+                recs[rec.op_index] = rec
+            for rec in chain:
+                for s in rec.slots:
+                    if s.sid is not None and s.sid == own:
+                        continue
+                    st = s.weak()
+                    if st is not None:
+                        if writes(st) != s.writes:
+                            return None
+                        live[storage_key(st)] = st
+                        continue
+                    g = self.ghost.get(s.sid) if s.sid is not None else None
+                    if g is None or g[1] != s.writes:
+                        return None
+                    if s.sid not in seen_ghosts:
+                        seen_ghosts.add(s.sid)
+                        if len(seen_ghosts) > MAX_CHAIN:
+                            return None
+                        todo.append((g[0], s.sid))
+                        cost += g[2]
+                        extra += sum(self.new_out.get(r.op_index, 0) for r in g[0][:1])
+        live.pop(key, None)
+        return [recs[k] for k in sorted(recs)], live, cost, extra
+
+    def _neighbourhood_s(self, key: int) -> float:
+        """Value of the distinct dropped sets next to ``key`` (DTR's e*)."""
+        roots = set()
+        total = 0.0
+        for k in (*self.parents.get(key, ()), *self.children.get(key, ())):
+            n = self.node.get(k)
+            if n is not None:
+                r = n.root()
+                if r not in roots:
+                    roots.add(r)
+                    total += r.value
+        return total
+
+    def evict(self, ex, need_bytes: int, protect: set) -> int:
+        """Evict resident storages of this iteration, lowest h first, until ``need_bytes`` are
+        freed. Returns the bytes freed."""
+        cands = []
+        dev = self.device_type
+        swap_s_per_byte = 2.0 / self.bandwidth
+        for key, (ref, n) in self.lru.items():
+            if n == 0 or key in protect or key not in self.in_iteration or key in ex.entries:
+                continue
+            st = ref()
+            if st is None or st.nbytes() == 0 or not st.resizable() or st.device.type != dev:
+                continue
+            c_swap = n * swap_s_per_byte
+            plan = None
+            if self.remat != "swap" and key in self.chain:
+                plan = self._replay_plan(key)
+            if plan is not None:
+                c_drop = plan[2] + self._neighbourhood_s(key)
+                if self.remat == "auto" and c_drop >= c_swap:
+                    plan = None
+            cost = c_swap if plan is None else c_drop
+            stale = max(1, self.clock - self.last_access.get(key, 0))
+            cands.append((cost / (n * stale), key, st, n, plan))
+        cands.sort(key=lambda c: c[0])
+        got = 0
+        for _, key, st, n, plan in cands:
+            if got >= need_bytes:
+                break
+            if st.nbytes() == 0 or key in ex.entries:
+                continue
+            if plan is not None:
+                # an earlier eviction of this round may have dropped one of its sources: fine
+                # (it comes back first), but a ghost's validity cannot change; re-plan is cheap
+                plan = self._replay_plan(key)
+            if plan is not None:
+                self._drop(ex, key, st, n, plan)
+                got += n
+                continue
+            self._swap(ex, key, st, n)
+            got += n
+        return got
+
+    def _entry(self, ex, key: int, st, n: int, swap: bool, d: Decision | None) -> Entry:
+        self.n_entries += 1
+        e = Entry(f"dtr:{key}:{self.n_entries}", weakref.ref(st, ex._died(key)), n, swap,
+                  Reason.DYNAMIC, d)
+        if ex.rt.verify:
+            with _disable_current_modes():
+                e.extra["copy"] = byte_view(st).clone()
+        ex.entries[key] = e
+        ex.by_sid[e.sid] = e
+        return e
+
+    def _drop(self, ex, key: int, st, n: int, plan) -> None:
+        recs, srcs, cost, extra = plan
+        for r in recs:
+            self.engine.records[r.op_index] = r
+        d = Decision(self.sid[key], Method.RECOMPUTE, n, 0, 0,
+                     replay_ops=tuple(r.op_index for r in recs))
+        e = self._entry(ex, key, st, n, False, d)
+        e.extra["pins"] = list(srcs.values())  # the replay's sources stay alive (countable)
+        e.extra["recs"] = recs  # ghosts' records stay alive with it
+        e.extra["transient"] = extra
+        for k in srcs:
+            ex.dependents.setdefault(k, set()).add(e.sid)  # R3
+        resize(st, 0)
+        e.state = Residency.OUT
+        node = self.node[key] = _Node(cost)
+        for k in (*self.parents.get(key, ()), *self.children.get(key, ())):
+            other = self.node.get(k)
+            if other is not None:
+                _union(node, other)
+        self.evicted(key)
+        ex.stats.passive_evictions += 1
+        ex.stats.dynamic_drops += 1
+
+    def _swap(self, ex, key: int, st, n: int) -> None:
+        e = self._entry(ex, key, st, n, True, None)
+        t0 = time.perf_counter()
+        ex.stats.stall_s += ex.swap.evict_now(e)
+        dt = time.perf_counter() - t0
+        if dt > 0 and n >= 1 << 16:  # measured bandwidth, smoothed
+            self.bandwidth = 0.8 * self.bandwidth + 0.2 * (n / dt)
+        self.evicted(key)
+        ex.stats.passive_evictions += 1
+        ex.stats.dynamic_swaps += 1
+
+    @staticmethod
+    def unused(e: Entry) -> bool:
+        """A dropped storage nothing but dynamic mode holds (the source of a dropped storage's
+        replay, freed by the script): it stays dropped at step end; a replay that reads it
+        brings it back first, and it is freed with the last entry that pins it."""
+        st = e.storage
+        return (st is not None and not e.swap and e.state is Residency.OUT
+                and torch._C._storage_Use_Count(st._cdata) <= 1)
+
+    # ---- rematerialization ------------------------------------------------------------------------
+    def bring_back(self, ex, keys) -> None:
+        """Before an op: its evicted inputs come back, each dropped one after the evicted sources
+        of its replay (ancestors first), each with room made under the budget first."""
+        order = []
+        seen = set()
+        stack = [(k, False) for k in set(keys)]
+        while stack:
+            key, done = stack.pop()
+            e = ex.entries.get(key)
+            if e is None or e.state is not Residency.OUT:
+                continue
+            if done:
+                order.append((key, e))
+                continue
+            if key in seen:
+                continue
+            seen.add(key)
+            stack.append((key, True))
+            if not e.swap and e.reason is Reason.DYNAMIC:
+                for st in e.extra.get("pins", ()):
+                    stack.append((storage_key(st), False))
+        if not order:
+            return
+        base = set(keys)
+        for i, (key, e) in enumerate(order):
+            if e.state is not Residency.OUT or ex.entries.get(key) is not e:
+                continue
+            # what this and the later replays read stays; what came back earlier for them only
+            # may go again (DTR: an ancestor is not kept once its children are back)
+            protect = set(base)
+            for _, later in order[i:]:
+                protect.update(storage_key(st) for st in later.extra.get("pins", ()))
+            need = e.nbytes
+            if not e.swap and e.decision is not None:
+                own = self.chain.get(key)
+                need = max(need, self.new_out.get(own[0].op_index, 0) if own else 0)
+                need += e.extra.get("transient", 0)
+            protect.add(key)
+            ex._enforce_budget(protect, need)
+            ex.restore(e)
+
+    def replay(self, ex, e: Entry) -> None:
+        """Regenerate dropped ``e`` (its sources are resident: ``bring_back``)."""
+        st = e.storage
+        if st is None:
+            return
+        for src in e.extra.get("pins", ()):
+            ex.ensure_resident(src)  # on-demand paths other than bring_back (R3, step end)
+        self.engine.stats = ex.stats
+        self.engine.ensure_resident = ex.ensure_resident
+        self.engine.replay(e.decision, st, e.nbytes, {})
+        key = storage_key(st)
+        node = self.node.pop(key, None)
+        if node is not None:
+            node.root().value -= self.cost_s.get(key, 0.0)
+        self.last_access[key] = self.clock
