@@ -2,6 +2,10 @@
 module turns ``CapuchinError`` into a one-line message and an exit code. Nothing imports it.
 
 Heavy modules (torch, the planner) are imported inside each command so `capuchin --help` is fast.
+Exit codes (errors.py, docs/errors.md): 0 ok, 1 error, 2 budget cannot be met, 64 bad command line,
+130 interrupted (SIGINT), 143 terminated (SIGTERM). A command that writes files checks every
+output with ``outputs.check_output`` before it does any work and writes it with
+``outputs.atomic_write`` (Note [Output files]).
 """
 
 from __future__ import annotations
@@ -12,7 +16,37 @@ import sys
 import click
 
 from . import __version__
-from .errors import CapuchinError
+from .errors import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, CapuchinError, Terminated
+
+
+class _Group(click.Group):
+    """click's group with capuchin's exit codes: usage errors exit ``EXIT_USAGE`` (click's 2 is
+    capuchin's "budget cannot be met"), SIGINT ``EXIT_INTERRUPTED``, SIGTERM ``EXIT_TERMINATED``
+    (raised as ``Terminated`` so that temporary files are removed on the way out)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        from .outputs import raise_on_sigterm, restore_sigterm
+
+        previous = raise_on_sigterm()
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as err:
+            err.show()
+            sys.exit(EXIT_USAGE)
+        except click.ClickException as err:
+            err.show()
+            sys.exit(err.exit_code)
+        except (click.exceptions.Abort, KeyboardInterrupt):
+            click.echo("capuchin: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except Terminated:
+            click.echo("capuchin: terminated", err=True)
+            sys.exit(EXIT_TERMINATED)
+        finally:
+            restore_sigterm(previous)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 def _errors_to_exit(fn):
@@ -29,7 +63,7 @@ def _errors_to_exit(fn):
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="capuchin")
 def main() -> None:
     """Train PyTorch models that do not fit in GPU memory: trace, plan, run (Capuchin, ASPLOS'20)."""
@@ -78,8 +112,9 @@ def trace(output, force, iterations, warmup, device, script, script_args):
               help="Plans: write the memory curve before/after as an image.")
 @click.option("--chrome", type=click.Path(dir_okay=False), default=None,
               help="Plans: write a Chrome trace (chrome://tracing) of the simulated schedule.")
+@click.option("--force", is_flag=True, help="Overwrite existing --plot / --chrome files.")
 @_errors_to_exit
-def show(path, as_json, plot, chrome):
+def show(path, as_json, plot, chrome, force):
     """Summarize a trace (.parquet) or a plan (.json)."""
     if not str(path).endswith(".parquet"):
         try:
@@ -89,7 +124,7 @@ def show(path, as_json, plot, chrome):
                 raise CapuchinError(f"{path}: not a trace (.parquet), and this capuchin cannot "
                                     "show plans (capuchin.planner.report is missing)") from None
             raise
-        click.echo(show_plan(path, as_json=as_json, plot=plot, chrome=chrome))
+        click.echo(show_plan(path, as_json=as_json, plot=plot, chrome=chrome, force=force))
         return
     if plot or chrome:
         raise CapuchinError(f"{path}: --plot and --chrome apply to plans, not to traces")
@@ -180,24 +215,29 @@ def import_dtr_cmd(log: str, output: str | None, bandwidth: str | None, force: b
               help="Budgets: bytes or 8G, 512MiB, or a fraction of the peak: 60%.")
 @click.option("--policies", default=None, metavar="a,b,...",
               help="Policies to compare (default: every registered policy).")
-@click.option("--time-limit", "time_limit_s", type=float, default=None, metavar="SECONDS",
+@click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True),
+              default=None, metavar="SECONDS",
               help="Time limit per solve for policies that take one (the ILP).")
 @click.option("--no-search", is_flag=True, help="Skip the smallest-feasible-budget search.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of records instead.")
 @click.option("--plot", "plot", type=click.Path(dir_okay=False), default=None,
               help="Also draw every policy's memory curve at the smallest budget into this PNG.")
+@click.option("--force", is_flag=True, help="Overwrite an existing --plot file.")
 @_errors_to_exit
 def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: float | None,
-                no_search: bool, as_json: bool, plot: str | None) -> None:
+                no_search: bool, as_json: bool, plot: str | None, force: bool) -> None:
     """Run every policy on TRACE at each budget through the one simulator; print a table.
 
     Per policy and budget: feasible, predicted peak, overhead, bytes swapped, ops recomputed,
     solve time (and the ILP's status and optimality gap). Then each policy's smallest feasible
     budget, found by bisection between the trace's floor (what must stay resident) and its peak.
     """
+    from .outputs import IMAGE_SUFFIXES, check_output
     from .planner.api import load_problem
     from .planner.compare import compare_policies, format_comparison, records_to_json
 
+    if plot:
+        check_output(plot, force=force, inputs=[trace], suffixes=IMAGE_SUFFIXES)
     problem = load_problem(trace)  # once: the table and the plot use the same
     result = compare_policies(
         problem, budgets, policies=policies.split(",") if policies else None,
@@ -212,7 +252,8 @@ def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: fl
         budget = min(r.budget_bytes for r in result.records)
         plans = {pol: pl for (pol, b), pl in result.plans.items() if b == budget and pl}
         out = plot_plans(plans, plot, problem=problem,
-                         title=f"{Path(trace).name}: every policy at {format_bytes(budget)}")
+                         title=f"{Path(trace).name}: every policy at {format_bytes(budget)}",
+                         force=force)
         click.echo(f"wrote {out}", err=as_json)
 # CLI-COMPARE-END
 

@@ -1,4 +1,5 @@
-"""The one exception hierarchy of capuchin. Only cli.py turns these into exit codes."""
+"""The one exception hierarchy of capuchin and the exit codes of the command. Only cli.py turns
+these into exit codes."""
 
 from __future__ import annotations
 
@@ -37,3 +38,21 @@ class PlanError(CapuchinError):
 
 class RecomputeError(CapuchinError):
     """A recomputation cannot be done correctly (e.g. a source was mutated since it was read)."""
+
+
+class OutputExistsError(CapuchinError):
+    """An output file exists and ``--force`` (``force=True``) was not given."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread by ``outputs.raise_on_sigterm`` so that cleanup runs.
+    A BaseException, like KeyboardInterrupt, so that a script's ``except Exception`` lets it by."""
+
+
+# Exit codes of the `capuchin` command (docs/errors.md)
+EXIT_OK = 0
+EXIT_ERROR = 1  # CapuchinError: bad input, a failing script, an unwritable output ...
+EXIT_INFEASIBLE = 2  # InfeasibleBudgetError: the budget cannot be met
+EXIT_USAGE = 64  # bad command line (unknown option, missing argument): sysexits.h EX_USAGE
+EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C): 128 + 2, as shells report it
+EXIT_TERMINATED = 143  # SIGTERM: 128 + 15

@@ -18,7 +18,6 @@ import contextlib
 import io
 import math
 import os
-import runpy
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ import torch
 from capuchin.planner.build import build_plan
 from capuchin.planner.plan import Plan
 from capuchin.planner.problem import Problem
+from capuchin.runmain import run_as_main, script_environment
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.report import MemoryMeter
 from capuchin.tracer.reader import load_trace
@@ -46,16 +46,12 @@ MIB = 2**20
 def _run(script: Path, argv: list[str], prepare=None, context=None) -> None:
     """Run the script's ``main`` (its module loaded under another name, so ``prepare(globals)`` can
     swap a class before it trains) inside ``context``."""
-    old = sys.argv
-    sys.argv = [str(script), *argv]
-    try:
-        g = runpy.run_path(str(script), run_name="capuchin_bench")
-        if prepare is not None:
-            prepare(g)
-        with contextlib.redirect_stdout(io.StringIO()), (context or contextlib.nullcontext()):
-            g["main"]()
-    finally:
-        sys.argv = old
+    g = run_as_main(script, argv, run_name="capuchin_bench")
+    if prepare is not None:
+        prepare(g)
+    with script_environment(script, argv), contextlib.redirect_stdout(io.StringIO()), \
+            (context or contextlib.nullcontext()):
+        g["main"]()
 
 
 class _Steps:

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import CapuchinError, InfeasibleBudgetError
+from ..errors import InfeasibleBudgetError
+from ..outputs import check_output
 from ..tracer.reader import Trace, load_trace
 from ..tracer.schema import FILE_SUFFIX
 from .budget import format_bytes, parse_budget, parse_rate
@@ -173,10 +174,6 @@ def smallest_feasible_budget(problem: Problem, policy_fn, params: dict[str, Any]
     return hi
 
 
-class OutputExistsError(CapuchinError):
-    """The output file exists and ``--force`` was not given."""
-
-
 def default_plan_path(trace_path: str | os.PathLike) -> Path:
     """``<trace stem>.plan.json`` in the current directory (``x.trace.parquet`` -> ``x.plan.json``)."""
     name = Path(trace_path).name
@@ -190,10 +187,9 @@ def plan_file(trace_path: str | os.PathLike, budget: str | int, output=None, *,
               time_limit_s: float | None = None, **params: Any) -> tuple[Plan, Path]:
     """What ``capuchin plan`` does: ``make_plan`` on a trace file, saved (atomically) to
     ``output`` (default ``default_plan_path``). Refuses to overwrite without ``force`` (checked
-    before planning)."""
-    out = Path(output) if output is not None else default_plan_path(trace_path)
-    if out.exists() and not force:
-        raise OutputExistsError(f"{out}: exists; use --force to overwrite")
+    before planning, with the other checks of ``outputs.check_output``)."""
+    out = check_output(output if output is not None else default_plan_path(trace_path),
+                       force=force, inputs=[trace_path])
     plan = make_plan(trace_path, budget, policy, iteration=iteration, bandwidth=bandwidth,
                      time_limit_s=time_limit_s, **params)
-    return plan, plan.save(out)
+    return plan, plan.save(out, force=force)

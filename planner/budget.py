@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from ..errors import CapuchinError
@@ -22,25 +23,41 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]?)(ib|b)?\
 
 
 def parse_size(text: str | int | float, *, what: str = "size") -> int:
-    """Bytes from ``text`` (see Note [Size units]); ints pass through. Raises ``BudgetError``."""
+    """Bytes from ``text`` (see Note [Size units]); numbers are bytes. The one reader of sizes:
+    finite, not negative, rounded to whole bytes. Raises ``BudgetError`` naming ``what``."""
     if isinstance(text, bool):
         raise BudgetError(f"{what} {text!r}: not a size")
-    if isinstance(text, int | float):
-        if text < 0:
-            raise BudgetError(f"{what} {text!r}: must not be negative")
-        return int(text)
-    m = _SIZE.match(str(text))
-    if not m:
-        raise BudgetError(f"{what} {text!r}: expected bytes or a size like 8G, 8GiB, 8GB, 512M, "
-                          f"1e9 (or a percentage like 60%)")
-    num, letter, suffix = float(m.group(1)), m.group(2).lower(), (m.group(3) or "").lower()
-    base = 1000 if suffix == "b" else 1024
-    return int(round(num * base ** _LETTERS[letter]))
+    if isinstance(text, int):
+        num = float(text) if abs(text) < 2**63 else math.inf
+        base = 1
+    elif isinstance(text, float):
+        num, base = text, 1
+    else:
+        m = _SIZE.match(str(text))
+        if not m:
+            raise BudgetError(f"{what} {text!r}: expected bytes or a size like 8G, 8GiB, 8GB, "
+                              f"512M, 1e9 (or a percentage like 60%)")
+        letter, suffix = m.group(2).lower(), (m.group(3) or "").lower()
+        num = float(m.group(1))
+        base = (1000 if suffix == "b" else 1024) ** _LETTERS[letter]
+    value = num * base
+    if not math.isfinite(value) or value >= 2**63:
+        raise BudgetError(f"{what} {text!r}: too large (not a finite number of bytes)")
+    if value < 0:
+        raise BudgetError(f"{what} {text!r}: must not be negative")
+    return int(text) if isinstance(text, int) else int(round(value))
+
+
+def _at_least_one_byte(value: int, text, what: str) -> int:
+    if value < 1:
+        raise BudgetError(f"{what} {text!r}: must be at least 1 byte")
+    return value
 
 
 def parse_budget(text: str | int | float, peak_bytes: int | None = None) -> int:
-    """A budget in bytes. ``"60%"`` is a share of ``peak_bytes`` (the trace's baseline peak);
-    other forms as ``parse_size``. Raises ``BudgetError`` for unreadable or non-positive budgets.
+    """A budget in bytes, at least 1. ``"60%"`` is a share of ``peak_bytes`` (the trace's
+    baseline peak); other forms as ``parse_size``. Raises ``BudgetError`` for unreadable,
+    infinite or sub-byte budgets.
     """
     s = str(text).strip()
     if s.endswith("%"):
@@ -48,26 +65,24 @@ def parse_budget(text: str | int | float, peak_bytes: int | None = None) -> int:
             pct = float(s[:-1])
         except ValueError:
             raise BudgetError(f"budget {text!r}: not a percentage") from None
+        if not math.isfinite(pct) or pct <= 0:
+            raise BudgetError(f"budget {text!r}: must be a positive, finite percentage")
         if peak_bytes is None:
             raise BudgetError(f"budget {text!r}: a percentage needs the trace's peak")
-        if pct <= 0:
-            raise BudgetError(f"budget {text!r}: must be positive")
-        return int(peak_bytes * pct / 100)
-    b = parse_size(text, what="budget")
-    if b <= 0:
-        raise BudgetError(f"budget {text!r}: must be positive")
-    return b
+        if pct > 1e6:
+            raise BudgetError(f"budget {text!r}: too large")
+        return _at_least_one_byte(int(peak_bytes * pct / 100), text, "budget")
+    return _at_least_one_byte(parse_size(text, what="budget"), text, "budget")
 
 
 def parse_rate(text: str | int | float) -> float:
-    """Bytes per second from ``12GB/s``, ``12e9``, ``8GiB/s`` (a trailing ``/s`` is optional)."""
-    s = str(text).strip()
-    if s.lower().endswith("/s"):
+    """Bytes per second (at least 1) from ``12GB/s``, ``12e9``, ``8GiB/s`` (a trailing ``/s`` is
+    optional)."""
+    s = str(text).strip() if not isinstance(text, int | float) else text
+    if isinstance(s, str) and s.lower().endswith("/s"):
         s = s[:-2]
-    r = parse_size(s, what="bandwidth")
-    if r <= 0:
-        raise BudgetError(f"bandwidth {text!r}: must be positive")
-    return float(r)
+    r = _at_least_one_byte(parse_size(s, what="bandwidth"), text, "bandwidth")
+    return float(r) if not isinstance(text, float) else float(text)
 
 
 def format_bytes(n: int | float) -> str:

@@ -80,7 +80,8 @@ def build_plan(problem: Problem, decisions: Sequence[Decision], *, policy: str,
                        predicted_peak_bytes=sim.peak_bytes, predicted_time_ns=sim.time_ns,
                        feasible=feasible, notes=notes)
     plan = Plan(provenance=prov, predictions=pred, records=ds, ops=problem.op_signatures(),
-                actions=action_table(ds))
+                actions=action_table(ds),
+                op_scratch_bytes=[int(o.scratch_bytes) for o in problem.ops])
     return plan, sim
 
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from ..errors import PlanFormatError
+from ..outputs import write_text
 
 PLAN_SCHEMA_VERSION = 2  # docs/plan-format.md
 PLAN_FORMAT = "capuchin.plan"
@@ -190,36 +191,43 @@ class Plan:
             predictions=Predictions(**pred),
             records=[Decision.from_dict(d) for d in doc["decisions"]],
             ops=[list(o) for o in doc["ops"]],
-            actions=[Action(int(k), Step(s), str(sid)) for k, s, sid in doc["actions"]],
-            kind=str(doc.get("kind", "train")),
-            op_scratch_bytes=[int(b) for b in doc.get("op_scratch_bytes", [])],
+            actions=[Action(k, Step(s), sid) for k, s, sid in doc["actions"]],
+            kind=doc.get("kind", "train"),
+            op_scratch_bytes=list(doc.get("op_scratch_bytes", [])),
         )
 
     @classmethod
     def from_json(cls, text: str, source: str = "<string>") -> Plan:
+        """Parse and validate a plan document (``check_plan_doc``: every field's type and range,
+        every op index and storage id against the plan's own ops and decisions). Raises
+        ``PlanFormatError`` naming ``source`` and the first problem."""
         try:
             doc = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise PlanFormatError(f"{source}: not a JSON file ({exc.msg if hasattr(exc, 'msg') else exc})") from None
         if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
             raise PlanFormatError(f"{source}: JSON file is not a capuchin plan")
-        if doc.get("schema_version") != PLAN_SCHEMA_VERSION:
+        version = doc.get("schema_version")
+        if not _is_int(version):
+            raise PlanFormatError(f"{source}: plan schema_version {version!r} is not an integer")
+        if version != PLAN_SCHEMA_VERSION:
             raise PlanFormatError(
-                f"{source}: plan schema version {doc.get('schema_version')}, this capuchin reads "
+                f"{source}: plan schema version {version}, this capuchin reads "
                 f"version {PLAN_SCHEMA_VERSION}; make the plan again with `capuchin plan`")
         try:
-            prov = Provenance(**doc["provenance"])
-            plan = cls._from_kind_doc(doc, prov)
-            for k in doc.get("kinds", []):
-                kprov = Provenance(**{**asdict(prov), "iteration": int(k["iteration"])})
-                plan.kinds.append(cls._from_kind_doc(k, kprov))
-            return plan
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PlanFormatError(f"{source}: plan is malformed ({type(exc).__name__}: {exc})") from None
+            check_plan_doc(doc)
+        except _Bad as bad:
+            raise PlanFormatError(f"{source}: plan is malformed: {bad}") from None
+        prov = Provenance(**doc["provenance"])
+        plan = cls._from_kind_doc(doc, prov)
+        for k in doc.get("kinds", []):
+            kprov = Provenance(**{**asdict(prov), "iteration": k["iteration"]})
+            plan.kinds.append(cls._from_kind_doc(k, kprov))
+        return plan
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write atomically."""
-        return write_text_atomic(path, self.to_json())
+    def save(self, path: str | os.PathLike, *, force: bool = True) -> Path:
+        """Write atomically; without ``force`` an existing file is kept (``OutputExistsError``)."""
+        return write_text(path, self.to_json(), force=force)
 
     # -- views ------------------------------------------------------------------------------
     def trace_file(self, plan_path: str | os.PathLike | None = None) -> Path | None:
@@ -312,23 +320,177 @@ class Plan:
                             columns=[f.name for f in fields(Decision)])
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` so that it appears whole or not at all, with the usual
-    permissions (mkstemp's are owner-only)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+# -- validation at load -------------------------------------------------------------------------
+class _Bad(Exception):
+    """One problem in a plan document: ``where`` (a JSON path) and what is wrong."""
+
+    def __init__(self, where: str, problem: str):
+        super().__init__(f"{where}: {problem}" if where else problem)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _obj(v: Any, where: str, required: dict[str, Any], optional: dict[str, Any]) -> None:
+    """``v`` is an object with the ``required`` keys, maybe the ``optional`` ones, no others;
+    each value checked by its function (called with the value and its path)."""
+    if not isinstance(v, dict):
+        raise _Bad(where, f"expected an object, got {type(v).__name__}")
+    missing = [k for k in required if k not in v]
+    if missing:
+        raise _Bad(where, f"missing {', '.join(missing)}")
+    unknown = [k for k in v if k not in required and k not in optional]
+    if unknown:
+        raise _Bad(where, f"unknown field(s) {', '.join(map(str, unknown))}")
+    for k, check in {**required, **optional}.items():
+        if k in v:
+            check(v[k], f"{where}.{k}" if where else k)
+
+
+def _str(v, where):
+    if not isinstance(v, str):
+        raise _Bad(where, f"{v!r} is not a string")
+
+
+def _bool(v, where):
+    if not isinstance(v, bool):
+        raise _Bad(where, f"{v!r} is not true or false")
+
+
+def _int_min(lo: int):
+    def check(v, where):
+        if not _is_int(v) or v < lo:
+            raise _Bad(where, f"{v!r} is not an integer >= {lo}")
+    return check
+
+
+def _num_min(lo: float):
+    def check(v, where):
+        if not _is_number(v) or v < lo:
+            raise _Bad(where, f"{v!r} is not a finite number >= {lo:g}")
+    return check
+
+
+def _list_of(check):
+    def check_list(v, where):
+        if not isinstance(v, list):
+            raise _Bad(where, f"expected a list, got {type(v).__name__}")
+        for i, x in enumerate(v):
+            check(x, f"{where}[{i}]")
+    return check_list
+
+
+def _anything(v, where):
+    pass
+
+
+def _device(v, where):
+    if v not in ("cpu", "cuda"):
+        raise _Bad(where, f"{v!r} is not 'cpu' or 'cuda'")
+
+
+def _object(v, where):
+    if not isinstance(v, dict):
+        raise _Bad(where, f"expected an object, got {type(v).__name__}")
+
+
+_PROVENANCE = {"policy": _str, "parameters": _object, "budget_bytes": _int_min(1),
+               "trace_path": _str, "trace_fingerprint": _str, "iteration": _int_min(0),
+               "device": _device, "bandwidth_d2h_bytes_per_s": _num_min(1),
+               "bandwidth_h2d_bytes_per_s": _num_min(1), "date": _str,
+               "solve_time_s": _num_min(0)}
+_PREDICTIONS = {"baseline_peak_bytes": _int_min(0), "baseline_time_ns": _int_min(0),
+                "predicted_peak_bytes": _int_min(0), "predicted_time_ns": _int_min(0)}
+_PREDICTIONS_OPT = {"feasible": _bool, "notes": _list_of(_str), "predicted_overhead": _anything}
+
+
+def check_plan_doc(doc: dict[str, Any]) -> None:
+    """Validate a plan document (docs/plan-format.md) before any object is built; raises
+    ``_Bad`` for the first problem."""
+    kind_fields = {"kind": _str, "predictions": _anything, "decisions": _anything,
+                   "ops": _anything, "actions": _anything}
+    _obj(doc, "", {"format": _str, "schema_version": _int_min(0), "provenance": _anything,
+                   **kind_fields},
+         {"op_scratch_bytes": _anything, "kinds": _list_of(_object)})
+    _obj(doc["provenance"], "provenance", _PROVENANCE, {"capuchin_version": _str})
+    _check_kind(doc, "")
+    for i, k in enumerate(doc.get("kinds", [])):
+        where = f"kinds[{i}]"
+        _obj(k, where, {**kind_fields, "iteration": _int_min(0)}, {"op_scratch_bytes": _anything})
+        _check_kind(k, where + ".")
+
+
+def _check_kind(doc: dict[str, Any], at: str) -> None:
+    """One kind of iteration: predictions, ops, op_scratch_bytes, decisions, actions, each op
+    index within this kind's ``ops`` and each action's storage one of its decisions."""
+    _obj(doc["predictions"], f"{at}predictions", _PREDICTIONS, _PREDICTIONS_OPT)
+    ops = doc["ops"]
+    if not isinstance(ops, list) or not all(
+            isinstance(o, list) and len(o) == 2 and all(isinstance(x, str) for x in o)
+            for o in ops):
+        raise _Bad(f"{at}ops", "expected a list of [op name, shape signature] string pairs")
+    n = len(ops)
+
+    def op_index(v, where):
+        if not _is_int(v) or not 0 <= v < n:
+            raise _Bad(where, f"{v!r} is not an op index of this plan (0..{n - 1})"
+                       if n else f"{v!r}: the plan has no ops")
+
+    def op_index_or_null(v, where):
+        if v is not None:
+            op_index(v, where)
+
+    scratch = doc.get("op_scratch_bytes", [])
+    _list_of(_int_min(0))(scratch, f"{at}op_scratch_bytes")
+    if scratch and len(scratch) != n:
+        raise _Bad(f"{at}op_scratch_bytes", f"{len(scratch)} entries for {n} ops")
+    decisions = doc["decisions"]
+    if not isinstance(decisions, list):
+        raise _Bad(f"{at}decisions", f"expected a list, got {type(decisions).__name__}")
+    methods: dict[str, str] = {}
+    for i, d in enumerate(decisions):
+        where = f"{at}decisions[{i}]"
+        _obj(d, where,
+             {"storage_id": _str, "method": _str, "size_bytes": _int_min(0),
+              "evict_op": op_index, "back_op": op_index},
+             {"trigger_op": op_index_or_null, "replay_ops": _list_of(op_index),
+              "sources": _list_of(_str), "keep": _list_of(_str),
+              "predicted_stall_ns": _int_min(0), "predicted_recompute_ns": _int_min(0),
+              "wraps": _bool})
+        if d["method"] not in {m.value for m in Method}:
+            raise _Bad(f"{where}.method", f"{d['method']!r} is not 'swap' or 'recompute'")
+        if d["storage_id"] in methods:
+            raise _Bad(f"{where}.storage_id", f"{d['storage_id']!r} has two decisions")
+        methods[d["storage_id"]] = d["method"]
+        wraps = d.get("wraps", False)
+        if wraps and d["method"] != Method.SWAP.value:
+            raise _Bad(f"{where}.wraps", "only a swap decision may wrap around the iteration")
+        if not wraps and d["back_op"] <= d["evict_op"]:
+            raise _Bad(where, f"back_op {d['back_op']} is not after evict_op {d['evict_op']} "
+                       "(and the decision does not wrap)")
+    steps = {Step.EVICT_SWAP.value: Method.SWAP.value, Step.PREFETCH.value: Method.SWAP.value,
+             Step.RESTORE.value: Method.SWAP.value, Step.EVICT_DROP.value: Method.RECOMPUTE.value,
+             Step.RECOMPUTE.value: Method.RECOMPUTE.value}
+    actions = doc["actions"]
+    if not isinstance(actions, list):
+        raise _Bad(f"{at}actions", f"expected a list, got {type(actions).__name__}")
+    for i, a in enumerate(actions):
+        where = f"{at}actions[{i}]"
+        if not isinstance(a, list) or len(a) != 3:
+            raise _Bad(where, f"{a!r} is not [op_index, step, storage_id]")
+        k, step, sid = a
+        op_index(k, where + "[0]")
+        if step not in steps:
+            raise _Bad(where + "[1]", f"{step!r} is not one of {', '.join(steps)}")
+        if not isinstance(sid, str) or sid not in methods:
+            raise _Bad(where + "[2]", f"storage {sid!r} has no decision in this plan")
+        if methods[sid] != steps[step]:
+            raise _Bad(where, f"{step} on {sid!r}, whose decision is {methods[sid]}")
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -10,8 +10,9 @@ import os
 from pathlib import Path
 
 from ..errors import CapuchinError
+from ..outputs import IMAGE_SUFFIXES, atomic_write, check_output, write_text
 from .budget import format_bytes
-from .plan import Method, Plan, load_plan, write_text_atomic
+from .plan import Method, Plan, load_plan
 from .problem import Problem
 from .simulator import SimResult
 
@@ -40,18 +41,23 @@ def format_summary(plan: Plan, output: str | os.PathLike | None = None) -> str:
 
 
 def show_plan(path: str | os.PathLike, as_json: bool = False, plot: str | None = None,
-              chrome: str | None = None) -> str:
+              chrome: str | None = None, *, force: bool = False) -> str:
     """What ``capuchin show PLAN`` prints; writes the plot / Chrome trace when asked (they
     re-simulate the plan, so the trace it was made from must still be at
-    ``provenance.trace_path``)."""
+    ``provenance.trace_path``). Both outputs are checked before anything is read
+    (``outputs.check_output``: never the plan itself, an existing file only with ``force``)."""
+    if plot:
+        check_output(plot, force=force, inputs=[path, chrome], suffixes=IMAGE_SUFFIXES)
+    if chrome:
+        check_output(chrome, force=force, inputs=[path, plot])
     plan = load_plan(path)
     written = []
     if plot or chrome:
         problem, sim = _resimulate(plan, path)
         if plot:
-            written.append(plot_memory(plan, sim, problem, plot))
+            written.append(plot_memory(plan, sim, problem, plot, force=force))
         if chrome:
-            written.append(write_chrome_trace(plan, sim, chrome))
+            written.append(write_chrome_trace(plan, sim, chrome, force=force))
     if as_json:
         return json.dumps({"path": str(path), **plan.summary(),
                            "written": [str(w) for w in written]}, indent=1)
@@ -72,7 +78,7 @@ def _resimulate(plan: Plan, path) -> tuple[Problem, SimResult]:
 
 # -- memory plot ------------------------------------------------------------------------------
 def plot_memory(plan: Plan, sim: SimResult, problem: Problem, out: str | os.PathLike,
-                max_bars: int = 150) -> Path:
+                max_bars: int = 150, *, force: bool = True) -> Path:
     """Baseline vs planned memory over the iteration (ms), the budget line, both peaks marked,
     and below it one bar per evicted storage (largest first, at most ``max_bars``) from the
     moment its memory is freed until it is back: blue = swapped, orange = recomputed."""
@@ -109,7 +115,7 @@ def plot_memory(plan: Plan, sim: SimResult, problem: Problem, out: str | os.Path
     ax2.plot([], [], color="C0", lw=6, label="swapped out")
     ax2.plot([], [], color="C1", lw=6, label="dropped (recomputed)")
     ax2.legend(loc="upper right", fontsize=8)
-    return save_figure(fig, out)
+    return save_figure(fig, out, force=force)
 
 
 def pyplot():
@@ -124,12 +130,17 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, out: str | os.PathLike) -> Path:
-    """Lay out, write as PNG (110 dpi) and close ``fig``."""
+def save_figure(fig, out: str | os.PathLike, *, force: bool = True) -> Path:
+    """Lay out, write atomically (110 dpi; the format of ``out``'s suffix, PNG when it has
+    none of ``IMAGE_SUFFIXES``) and close ``fig``."""
     fig.tight_layout()
     out = Path(out)
-    fig.savefig(out, dpi=110)
-    pyplot().close(fig)
+    fmt = out.suffix.lower().lstrip(".") if out.suffix.lower() in IMAGE_SUFFIXES else "png"
+    try:
+        with atomic_write(out, force=force) as tmp:
+            fig.savefig(tmp, dpi=110, format=fmt)
+    finally:
+        pyplot().close(fig)
     return out
 
 
@@ -167,6 +178,7 @@ def chrome_trace(plan: Plan, sim: SimResult, max_counter_events: int = 200_000) 
                           "trace_fingerprint": plan.provenance.trace_fingerprint}}
 
 
-def write_chrome_trace(plan: Plan, sim: SimResult, out: str | os.PathLike) -> Path:
-    """Write ``chrome_trace`` atomically to ``out``."""
-    return write_text_atomic(out, json.dumps(chrome_trace(plan, sim)))
+def write_chrome_trace(plan: Plan, sim: SimResult, out: str | os.PathLike, *,
+                       force: bool = True) -> Path:
+    """Write ``chrome_trace`` atomically to ``out`` (``force``: as ``outputs.atomic_write``)."""
+    return write_text(out, json.dumps(chrome_trace(plan, sim)), force=force)

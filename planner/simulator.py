@@ -55,6 +55,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import PlanError
+from ..tracer.schema import scratch_id
 from .plan import Decision, Method
 from .problem import Problem
 
@@ -332,7 +333,7 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
             csid.append(s)
         if op.scratch_bytes:
             ct.append(t), cd.append(op.scratch_bytes), ck.append(_ALLOC), cop.append(k)
-            csid.append(f"~{k}")
+            csid.append(scratch_id(k))
         t_end = t + op.duration_ns
         if op.duration_ns:
             spans.append(("compute", op.name, t, t_end, k, ""))
@@ -340,7 +341,7 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
         op_end[k] = t
         if op.scratch_bytes:
             ct.append(t), cd.append(-op.scratch_bytes), ck.append(_FREE), cop.append(k)
-            csid.append(f"~{k}")
+            csid.append(scratch_id(k))
         for s in op.frees:
             ct.append(t), cd.append(-st[s].size_bytes), ck.append(_FREE), cop.append(k)
             csid.append(s)
@@ -405,11 +406,11 @@ def _replay(problem, d: Decision, t: int, k: int, state, decisions, active,
                 csid.append(s)
         if op.scratch_bytes:
             ct.append(t), cd.append(op.scratch_bytes), ck.append(_ALLOC), cop.append(k)
-            csid.append(f"~{j}")
+            csid.append(scratch_id(j))
         t += op.duration_ns
         if op.scratch_bytes:
             ct.append(t), cd.append(-op.scratch_bytes), ck.append(_FREE), cop.append(k)
-            csid.append(f"~{j}")
+            csid.append(scratch_id(j))
         for s in list(temps):
             if last_use.get(s, -1) <= pos:
                 ct.append(t), cd.append(-temps.pop(s)), ck.append(_FREE), cop.append(k)

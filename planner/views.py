@@ -97,7 +97,7 @@ def _curve(name: str, sim: SimResult) -> pd.DataFrame:
 
 
 def plot_plans(plans: Plans, out: str | os.PathLike, problem: Problem | None = None,
-               title: str | None = None) -> Path:
+               title: str | None = None, *, force: bool = True) -> Path:
     """The memory curves of ``memory_curves`` in one figure (MiB over ms), each plan's budget as
     a dashed line in its colour and each peak marked; the legend gives overhead and peak."""
     from .report import pyplot, save_figure
@@ -131,4 +131,4 @@ def plot_plans(plans: Plans, out: str | os.PathLike, problem: Problem | None = N
     ax.set_ylabel("device memory (MiB)")
     ax.set_title(title or "memory over the iteration (dashed: budgets)")
     ax.legend(loc="upper left", fontsize=8)
-    return save_figure(fig, out)
+    return save_figure(fig, out, force=force)

@@ -10,15 +10,12 @@ whether to record the call for a later replay, and the plan's before/after steps
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 
 from ..planner.plan import Decision, Method, Plan, Step
-
-_OUT_ID = re.compile(r"^(\d+):(\d+)$")
-_IN_ID = re.compile(r"^x(\d+):(\d+)$")
+from ..tracer.schema import IdKind, TensorId
 
 
 @dataclass
@@ -89,13 +86,14 @@ def compile_plan(plan: Plan) -> ActionTable:
             for k in d.replay_ops:
                 at(k).record = True
     for sid in sorted(named):
-        m = _OUT_ID.match(sid)
-        if m:
-            at(int(m.group(1))).name_outputs.append((int(m.group(2)), sid))
+        try:
+            tid = TensorId.parse(sid)
+        except ValueError:
             continue
-        m = _IN_ID.match(sid)
-        if m:
-            at(int(m.group(1))).name_inputs.append((int(m.group(2)), sid))
+        if tid.kind is IdKind.OUTPUT:
+            at(tid.op_index).name_outputs.append((tid.position, sid))
+        elif tid.kind is IdKind.INPUT:
+            at(tid.op_index).name_inputs.append((tid.position, sid))
     for a in plan.actions:
         (at(a.op_index).before if a.before else at(a.op_index).after).append((a.step, a.storage_id))
     fast = [None if k in ops else f for k, f in enumerate(expected)]

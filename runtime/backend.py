@@ -9,7 +9,9 @@ The runtime logic (runtime/swap.py) talks to one small interface, ``DeviceBacken
   compute stream wait for the copy before the consuming op);
 - ``free_after_copy_out(storage, copy)``: release the device memory of a storage whose swap-out is
   in flight, without letting the allocator reuse memory the copy still reads;
-- ``allocated_bytes()``: the allocator's own count of device bytes, or None where it has none.
+- ``allocated_bytes()``: the allocator's own count of device bytes, or None where it has none;
+- ``memory``: the device's memory accounting for the budget guard (runtime/memory.py: output and
+  scratch prediction, resident bytes, what to discover at a divergence).
 
 Two implementations: ``CPUBackend`` (a copy thread per direction; host buffers are numpy arrays,
 allocated outside PyTorch's allocator so that its accounting counts only "device"-resident bytes) and
@@ -323,9 +325,12 @@ class CUDABackend:
         self._reclaim()
 
 
-def backend_for(device: torch.device | str) -> DeviceBackend:
-    """The backend for a plan's device ("cpu" or "cuda[:n]")."""
+def backend_for(device: torch.device | str, plan=None) -> DeviceBackend:
+    """The backend for a plan's device ("cpu" or "cuda[:n]"), with its memory accounting
+    (``backend.memory``, runtime/memory.py) reading ``plan``'s per-op scratch."""
+    from .memory import memory_for
+
     device = torch.device(device)
-    if device.type == "cuda":
-        return CUDABackend(device)
-    return CPUBackend(device)
+    b = CUDABackend(device) if device.type == "cuda" else CPUBackend(device)
+    b.memory = memory_for(b.device, plan)
+    return b

@@ -39,10 +39,11 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..planner.plan import Decision, Method
+from ..tracer.hooks import op_info, written_inputs
 from .backend import byte_view
-from .passive import PassiveTracker
+from .passive import BudgetGuard, PassiveTracker
 from .recompute import Record, RecomputeEngine, _capture_rng, _Slot, _template
-from .state import Entry, Reason, Residency, resize, storage_key, writes
+from .state import Entry, Reason, Residency, resize, storage_key, storages, writes
 
 MAX_CHAIN = 64  # ops in one storage's chain (producer + in-place writes); longer: swap only
 _NAME_ATTR = "_capuchin_dtr_name"
@@ -79,54 +80,33 @@ def _union(a: _Node, b: _Node) -> None:
 
 
 class DynamicTracker(PassiveTracker):
-    """Passive mode's memory accounting (estimate, predicted outputs and scratch) with DTR's
-    choice of what to evict and how. ``remat``: "auto" (drop or swap, whichever the measured
-    costs make cheaper), "recompute" (drop whatever can be replayed exactly), "swap" (never
-    drop: DTR's choice of victims with swapping only)."""
+    """Passive mode's counting of storages, plus what DTR needs per storage: its chain (the
+    recorded producer and in-place writers), measured cost, neighbours and last access."""
 
-    dynamic = True
-
-    def __init__(self, budget_bytes: int | None, device: torch.device,
-                 bandwidth_bytes_per_s: float = 12e9, remat: str = "auto"):
-        super().__init__(budget_bytes, device)
-        if remat not in REMAT:
-            raise ValueError(f"remat must be one of {', '.join(REMAT)}, not {remat!r}")
-        self.remat = remat
-        self.engine = RecomputeEngine(self._never, lambda n: False)
+    def __init__(self, budget_bytes: int | None, device: torch.device, memory=None):
+        super().__init__(budget_bytes, device, memory)
+        self.engine = RecomputeEngine(None, lambda n: False)
         self.engine.records = weakref.WeakValueDictionary()  # alive while a chain holds them
         self.serial = 0
         self.clock = 0
-        self.bandwidth = float(bandwidth_bytes_per_s)  # host copies, refined by measurement
         self.chain: dict[int, list[Record]] = {}  # storage key -> producer + in-place writers
         self.cost_s: dict[int, float] = {}  # storage key -> measured seconds of its chain
         self.sid: dict[int, str] = {}  # storage key -> its name in its producer's record
+        self.wcount: dict[int, int] = {}  # storage key -> write counter after its chain's last op
         self.parents: dict[int, set[int]] = {}
         self.children: dict[int, set[int]] = {}
         self.node: dict[int, _Node] = {}  # dropped storages' union-find nodes
         self.last_access: dict[int, int] = {}
         self.new_out: dict[int, int] = {}  # serial -> bytes of the new storages the op allocated
-        self.n_entries = 0
-        self.wcount: dict[int, int] = {}  # storage key -> write counter after its chain's last op
-        # name -> (chain, write counter, bytes) of storages that died with a chain: a dependent's
-        # replay regenerates them on the way (DTR keeps freed tensors as recomputable thunks)
-        self.ghost: dict[str, tuple[list[Record], int, int]] = {}
+        # name -> (chain, write counter, seconds) of storages that died with a chain: a
+        # dependent's replay regenerates them on the way (DTR keeps freed tensors as thunks)
+        self.ghost: dict[str, tuple[list[Record], int, float]] = {}
 
-    @staticmethod
-    def _never(st) -> None:  # sources come back before a replay starts (``bring_back``)
-        raise AssertionError("unreachable")
-
-    # ---- lifecycle ----------------------------------------------------------------------------
     def new_iteration(self) -> None:
         super().new_iteration()
-        self.chain.clear()
-        self.cost_s.clear()
-        self.sid.clear()
-        self.parents.clear()
-        self.children.clear()
-        self.node.clear()
-        self.new_out.clear()
-        self.wcount.clear()
-        self.ghost.clear()
+        for d in (self.chain, self.cost_s, self.sid, self.wcount, self.parents, self.children,
+                  self.node, self.new_out, self.ghost):
+            d.clear()
         self.engine.reset()
 
     def _died(self, key: int):
@@ -135,11 +115,11 @@ class DynamicTracker(PassiveTracker):
         def cb(ref, self=self, key=key, base=base):
             base(ref)
             ch = self.chain.pop(key, None)
-            cost = self.cost_s.pop(key, None)
+            cost = self.cost_s.pop(key, 0.0)
             sid = self.sid.pop(key, None)
             n = self.wcount.pop(key, None)
-            if ch is not None and sid is not None and n is not None and ref is not None:
-                self.ghost[sid] = (ch, n, cost or 0.0)
+            if ch is not None and sid is not None and n is not None:
+                self.ghost[sid] = (ch, n, cost)
             self.parents.pop(key, None)
             self.children.pop(key, None)
             self.node.pop(key, None)
@@ -154,9 +134,9 @@ class DynamicTracker(PassiveTracker):
             la[key] = self.clock
 
     # ---- recording (every op while dynamic mode is on) ----------------------------------------
-    def before_op(self, func, args: tuple, kwargs: dict, flat: list, written, seeded: bool):
-        """Record the op about to run (after its writes were counted, so a recorded argument's
-        write counter is the one the op leaves). Returns the record for ``after_op``."""
+    def record(self, func, args: tuple, kwargs: dict, flat: list, written: tuple,
+               seeded: bool) -> Record | None:
+        """Record the op about to run (its RNG state now); None if an argument has no storage."""
         self.serial += 1
         slots = []
         epoch = self.engine.epoch
@@ -168,25 +148,20 @@ class DynamicTracker(PassiveTracker):
             tag = getattr(st, _NAME_ATTR, None)
             slots.append(_Slot(t, tag[1] if tag is not None and tag[0] == epoch else None, False))
         counter = [0]
-        rec = Record(self.serial, func, _template(tuple(args), counter),
-                     _template(dict(kwargs), counter), slots, tuple(written), [],
-                     _capture_rng(func, args, kwargs, flat) if seeded else None)
-        rec_t0 = time.perf_counter()
-        return rec, rec_t0
+        return Record(self.serial, func, _template(tuple(args), counter),
+                      _template(dict(kwargs), counter), slots, tuple(written), [],
+                      _capture_rng(func, args, kwargs, flat) if seeded else None)
 
-    def after_op(self, token, func, flat: list, out, outs: list, in_keys: set) -> None:
-        """Name the storages the op allocated, give them (or the storages it wrote) their chain,
-        cost and neighbours."""
-        if token is None:
-            return
-        rec, t0 = token
-        dt = time.perf_counter() - t0
-        replayable = not any(func.namespace == ns for ns in _COLLECTIVES)
-        src = []
-        for s in rec.slots:
+    def recorded(self, rec: Record, dt: float, outs: list, in_keys: set) -> None:
+        """The op ran (``dt`` seconds): name the storages it allocated, give them (or the
+        storages it wrote) their chain, cost and neighbours."""
+        replayable = rec.func.namespace not in _COLLECTIVES
+        for a in rec.written:  # the write counts the op left (the executor bumped them)
+            s = rec.slots[a]
             st = s.weak()
             if st is not None:
-                src.append(storage_key(st))
+                s.writes = writes(st)
+        src = [storage_key(st) for s in rec.slots if (st := s.weak()) is not None]
         new_bytes = 0
         made = []
         for j, t in enumerate(outs):
@@ -224,7 +199,7 @@ class DynamicTracker(PassiveTracker):
                 self.cost_s[key] += dt
                 self.wcount[key] = writes(st)
                 made.append(key)
-            else:
+            elif ch[-1] is not rec:
                 del self.chain[key]  # a write that cannot be replayed: swap only from now on
         if made:
             self.engine.records[rec.op_index] = rec
@@ -235,8 +210,8 @@ class DynamicTracker(PassiveTracker):
                         ps.add(k)
                         self.children.setdefault(k, set()).add(key)
 
-    # ---- eviction -------------------------------------------------------------------------------
-    def _replay_plan(self, key: int):
+    # ---- what a drop would take -----------------------------------------------------------------
+    def replay_plan(self, key: int):
         """How to replay ``key``'s chain now: ``(records in order, live sources by key, seconds,
         bytes of regenerated dead sources)``, or None if it cannot be replayed exactly (a source
         freed without a chain, or written since it was read: R2). A source that died with a chain
@@ -273,11 +248,11 @@ class DynamicTracker(PassiveTracker):
                             return None
                         todo.append((g[0], s.sid))
                         cost += g[2]
-                        extra += sum(self.new_out.get(r.op_index, 0) for r in g[0][:1])
+                        extra += self.new_out.get(g[0][0].op_index, 0)
         live.pop(key, None)
         return [recs[k] for k in sorted(recs)], live, cost, extra
 
-    def _neighbourhood_s(self, key: int) -> float:
+    def neighbourhood_s(self, key: int) -> float:
         """Value of the distinct dropped sets next to ``key`` (DTR's e*)."""
         roots = set()
         total = 0.0
@@ -290,109 +265,191 @@ class DynamicTracker(PassiveTracker):
                     total += r.value
         return total
 
-    def evict(self, ex, need_bytes: int, protect: set) -> int:
-        """Evict resident storages of this iteration, lowest h first, until ``need_bytes`` are
+
+class DynamicGuard(BudgetGuard):
+    """The budget guard with DTR's choice of what to evict and how (module docstring).
+    ``remat``: "auto" (drop or swap, whichever the measured costs make cheaper), "recompute"
+    (drop whatever can be replayed exactly), "swap" (never drop: DTR's victims, swapped)."""
+
+    def __init__(self, budget_bytes: int | None, device: torch.device, memory, swap, executor,
+                 bandwidth_bytes_per_s: float = 12e9, remat: str = "auto"):
+        super().__init__(budget_bytes, device, memory, swap, executor)
+        if remat not in REMAT:
+            raise ValueError(f"remat must be one of {', '.join(REMAT)}, not {remat!r}")
+        self.tracker = DynamicTracker(budget_bytes, device, memory)
+        self.remat = remat
+        self.bandwidth = float(bandwidth_bytes_per_s)  # host copies, refined by measurement
+        self.writing: set[int] = set()  # storages the op being prepared writes
+        self.n_entries = 0
+
+    # ---- per op -----------------------------------------------------------------------------------
+    def before_op(self, func, args, kwargs, name: str, flat: list, keys: list):
+        tr = self.tracker
+        tr.touch(keys)
+        info = op_info(func)
+        written = tuple(written_inputs(info, args, kwargs, flat))
+        ex = self.ex
+        if ex.entries:
+            self.writing = {keys[a] for a in written if keys[a] is not None}
+            deps = []
+            for wk in self.writing:  # R3 with room made first (the executor's restore would not)
+                for sid in ex.dependents.get(wk, ()):
+                    e = ex.by_sid.get(sid)
+                    if e is not None and e.state is Residency.OUT and e.storage is not None:
+                        deps.append(storage_key(e.storage))
+            for root in self._live_roots(deps) if deps else ():
+                self.bring_back([*keys, root])  # one at a time: each frees what only it pins
+            self.bring_back(keys)
+        pkey, out_bytes = self.memory.predict(func, args, kwargs)
+        out_bytes += self.memory.scratch(name, flat, out_bytes)
+        self.enforce(set(keys), out_bytes + ex.coming_back(keys))
+        self.writing = set()
+        rec = tr.record(func, args, kwargs, flat, written, info.seeded)
+        return pkey, rec, time.perf_counter()
+
+    def after_op(self, outs: list, in_keys: set, token) -> None:
+        pkey, rec, t0 = token
+        dt = time.perf_counter() - t0
+        self.tracker.track_outputs(outs, in_keys, pkey)
+        if rec is not None:
+            self.tracker.recorded(rec, dt, outs, in_keys)
+        self.enforce(in_keys | {k for k, _ in storages(outs)})
+
+    def stays_out(self, e: Entry) -> bool:
+        """A dropped storage nothing but dynamic mode holds (the source of a dropped storage's
+        replay, freed by the script) stays dropped at step end: a replay that reads it brings
+        it back first, and it is freed with the last entry that pins it."""
+        st = e.storage
+        return (e.reason is Reason.DYNAMIC and st is not None and not e.swap
+                and e.state is Residency.OUT and torch._C._storage_Use_Count(st._cdata) <= 1)
+
+    def _live_roots(self, keys: list) -> list:
+        """The dropped storages the script still holds that need ``keys`` (themselves, or
+        through the pinned sources of their replays). Bringing those back is what copy-on-write
+        needs: a dropped source only replays read is freed once they are back."""
+        ex = self.ex
+        pinned_by: dict[int, list[int]] = {}
+        for k, e in ex.entries.items():
+            if e.reason is Reason.DYNAMIC and not e.swap:
+                for st in e.extra.get("pins", ()):
+                    pinned_by.setdefault(storage_key(st), []).append(k)
+        roots = []
+        seen = set()
+        stack = list(keys)
+        while stack:
+            k = stack.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            e = ex.entries.get(k)
+            if e is not None and not self.stays_out(e):
+                roots.append(k)
+            else:
+                stack.extend(pinned_by.get(k, ()))
+        return roots
+
+    # ---- eviction -------------------------------------------------------------------------------
+    def evict(self, need: int, protect: set) -> int:
+        """Evict resident storages of this iteration, lowest h first, until ``need`` bytes are
         freed. Returns the bytes freed."""
+        tr = self.tracker
+        ex = self.ex
         cands = []
         dev = self.device_type
         swap_s_per_byte = 2.0 / self.bandwidth
-        for key, (ref, n) in self.lru.items():
-            if n == 0 or key in protect or key not in self.in_iteration or key in ex.entries:
+        for key, (ref, n) in tr.lru.items():
+            if n == 0 or key in protect or key not in tr.in_iteration or key in ex.entries:
                 continue
             st = ref()
             if st is None or st.nbytes() == 0 or not st.resizable() or st.device.type != dev:
                 continue
             c_swap = n * swap_s_per_byte
             plan = None
-            if self.remat != "swap" and key in self.chain:
-                plan = self._replay_plan(key)
+            if self.remat != "swap" and key in tr.chain:
+                plan = tr.replay_plan(key)
+                if plan is not None and self.writing and not self.writing.isdisjoint(plan[1]):
+                    plan = None  # its source is about to be written (R3 would undo it)
+            cost = c_swap
             if plan is not None:
-                c_drop = plan[2] + self._neighbourhood_s(key)
+                c_drop = plan[2] + tr.neighbourhood_s(key)
                 if self.remat == "auto" and c_drop >= c_swap:
                     plan = None
-            cost = c_swap if plan is None else c_drop
-            stale = max(1, self.clock - self.last_access.get(key, 0))
-            cands.append((cost / (n * stale), key, st, n, plan))
+                else:
+                    cost = c_drop
+            stale = max(1, tr.clock - tr.last_access.get(key, 0))
+            cands.append((cost / (n * stale), key, st, n, plan is not None))
         cands.sort(key=lambda c: c[0])
         got = 0
-        for _, key, st, n, plan in cands:
-            if got >= need_bytes:
+        for _, key, st, n, drop in cands:
+            if got >= need:
                 break
             if st.nbytes() == 0 or key in ex.entries:
                 continue
+            plan = tr.replay_plan(key) if drop else None  # an earlier eviction may change it
             if plan is not None:
-                # an earlier eviction of this round may have dropped one of its sources: fine
-                # (it comes back first), but a ghost's validity cannot change; re-plan is cheap
-                plan = self._replay_plan(key)
-            if plan is not None:
-                self._drop(ex, key, st, n, plan)
-                got += n
-                continue
-            self._swap(ex, key, st, n)
+                self._drop(key, st, n, plan)
+            else:
+                self._swap(key, st, n)
             got += n
         return got
 
-    def _entry(self, ex, key: int, st, n: int, swap: bool, d: Decision | None) -> Entry:
+    def _entry(self, key: int, st, n: int, swap: bool, d: Decision | None) -> Entry:
         self.n_entries += 1
-        e = Entry(f"dtr:{key}:{self.n_entries}", weakref.ref(st, ex._died(key)), n, swap,
+        ex = self.ex
+        e = Entry(f"dtr:{self.n_entries}", weakref.ref(st, ex.died(key)), n, swap,
                   Reason.DYNAMIC, d)
         if ex.rt.verify:
             with _disable_current_modes():
                 e.extra["copy"] = byte_view(st).clone()
-        ex.entries[key] = e
-        ex.by_sid[e.sid] = e
+        ex.adopt(key, e)
         return e
 
-    def _drop(self, ex, key: int, st, n: int, plan) -> None:
+    def _drop(self, key: int, st, n: int, plan) -> None:
+        tr = self.tracker
+        ex = self.ex
         recs, srcs, cost, extra = plan
         for r in recs:
-            self.engine.records[r.op_index] = r
-        d = Decision(self.sid[key], Method.RECOMPUTE, n, 0, 0,
+            tr.engine.records[r.op_index] = r
+        d = Decision(tr.sid[key], Method.RECOMPUTE, n, 0, 0,
                      replay_ops=tuple(r.op_index for r in recs))
-        e = self._entry(ex, key, st, n, False, d)
+        e = self._entry(key, st, n, False, d)
         e.extra["pins"] = list(srcs.values())  # the replay's sources stay alive (countable)
-        e.extra["recs"] = recs  # ghosts' records stay alive with it
+        e.extra["recs"] = recs  # and so do the ghosts' records
         e.extra["transient"] = extra
+        e.extra["own_out"] = tr.new_out.get(tr.chain[key][0].op_index, n)
         for k in srcs:
             ex.dependents.setdefault(k, set()).add(e.sid)  # R3
         resize(st, 0)
         e.state = Residency.OUT
-        node = self.node[key] = _Node(cost)
-        for k in (*self.parents.get(key, ()), *self.children.get(key, ())):
-            other = self.node.get(k)
+        node = tr.node[key] = _Node(cost)
+        for k in (*tr.parents.get(key, ()), *tr.children.get(key, ())):
+            other = tr.node.get(k)
             if other is not None:
                 _union(node, other)
-        self.evicted(key)
+        tr.evicted(key)
         ex.stats.passive_evictions += 1
         ex.stats.dynamic_drops += 1
 
-    def _swap(self, ex, key: int, st, n: int) -> None:
-        e = self._entry(ex, key, st, n, True, None)
+    def _swap(self, key: int, st, n: int) -> None:
+        ex = self.ex
+        e = self._entry(key, st, n, True, None)
         t0 = time.perf_counter()
-        ex.stats.stall_s += ex.swap.evict_now(e)
+        ex.stats.stall_s += self.swap.evict_now(e)
         dt = time.perf_counter() - t0
         if dt > 0 and n >= 1 << 16:  # measured bandwidth, smoothed
             self.bandwidth = 0.8 * self.bandwidth + 0.2 * (n / dt)
-        self.evicted(key)
+        self.tracker.evicted(key)
         ex.stats.passive_evictions += 1
         ex.stats.dynamic_swaps += 1
 
-    @staticmethod
-    def unused(e: Entry) -> bool:
-        """A dropped storage nothing but dynamic mode holds (the source of a dropped storage's
-        replay, freed by the script): it stays dropped at step end; a replay that reads it
-        brings it back first, and it is freed with the last entry that pins it."""
-        st = e.storage
-        return (st is not None and not e.swap and e.state is Residency.OUT
-                and torch._C._storage_Use_Count(st._cdata) <= 1)
-
     # ---- rematerialization ------------------------------------------------------------------------
-    def bring_back(self, ex, keys) -> None:
-        """Before an op: its evicted inputs come back, each dropped one after the evicted sources
-        of its replay (ancestors first), each with room made under the budget first."""
+    def bring_back(self, keys) -> None:
+        """Evicted storages ``keys`` come back, each dropped one after the evicted sources of its
+        replay (ancestors first), each with room made under the budget first."""
+        ex = self.ex
         order = []
         seen = set()
-        stack = [(k, False) for k in set(keys)]
+        stack = [(k, False) for k in set(keys) if k is not None]
         while stack:
             key, done = stack.pop()
             e = ex.entries.get(key)
@@ -405,12 +462,10 @@ class DynamicTracker(PassiveTracker):
                 continue
             seen.add(key)
             stack.append((key, True))
-            if not e.swap and e.reason is Reason.DYNAMIC:
+            if not e.swap:
                 for st in e.extra.get("pins", ()):
                     stack.append((storage_key(st), False))
-        if not order:
-            return
-        base = set(keys)
+        base = {k for k in keys if k is not None}
         for i, (key, e) in enumerate(order):
             if e.state is not Residency.OUT or ex.entries.get(key) is not e:
                 continue
@@ -419,27 +474,27 @@ class DynamicTracker(PassiveTracker):
             protect = set(base)
             for _, later in order[i:]:
                 protect.update(storage_key(st) for st in later.extra.get("pins", ()))
-            need = e.nbytes
-            if not e.swap and e.decision is not None:
-                own = self.chain.get(key)
-                need = max(need, self.new_out.get(own[0].op_index, 0) if own else 0)
-                need += e.extra.get("transient", 0)
             protect.add(key)
-            ex._enforce_budget(protect, need)
+            need = e.nbytes
+            if not e.swap:
+                need = max(need, e.extra.get("own_out", 0)) + e.extra.get("transient", 0)
+            self.enforce(protect, need)
             ex.restore(e)
 
-    def replay(self, ex, e: Entry) -> None:
-        """Regenerate dropped ``e`` (its sources are resident: ``bring_back``)."""
+    def replay(self, e: Entry) -> None:
+        """Regenerate dropped ``e`` (the executor's restore of a DYNAMIC entry)."""
         st = e.storage
         if st is None:
             return
+        ex = self.ex
         for src in e.extra.get("pins", ()):
-            ex.ensure_resident(src)  # on-demand paths other than bring_back (R3, step end)
-        self.engine.stats = ex.stats
-        self.engine.ensure_resident = ex.ensure_resident
-        self.engine.replay(e.decision, st, e.nbytes, {})
+            ex.ensure_resident(src)  # on-demand paths other than bring_back (step end)
+        tr = self.tracker
+        tr.engine.stats = ex.stats
+        tr.engine.ensure_resident = ex.ensure_resident
+        tr.engine.replay(e.decision, st, e.nbytes, {})
         key = storage_key(st)
-        node = self.node.pop(key, None)
+        node = tr.node.pop(key, None)
         if node is not None:
-            node.root().value -= self.cost_s.get(key, 0.0)
-        self.last_access[key] = self.clock
+            node.root().value -= tr.cost_s.get(key, 0.0)
+        tr.last_access[key] = tr.clock

@@ -2,8 +2,10 @@
 same code around the unmodified script (runtime/launch.py).
 
 The runtime carries out the plan; it plans nothing. What it decides while running is small and
-named: on-demand restores (tracker.py), passive eviction over budget (passive.py), late-prefetch
-feedback (swap.py), drops that cannot be replayed exactly become swaps (recompute.py).
+named: on-demand restores (tracker.py), passive eviction over budget (passive.py, the budget
+guard, with the device's memory accounting in memory.py), late-prefetch feedback (tracker.py),
+drops that cannot be replayed exactly become swaps (recompute.py). It reads the plan alone: no
+trace is loaded at run time.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
 from .actions import compile_plan
 from .backend import backend_for
-from .dynamic import REMAT, DynamicTracker
-from .passive import PassiveTracker
+from .dynamic import REMAT, DynamicGuard
+from .passive import BudgetGuard
 from .recompute import RecomputeEngine
 from .report import IterationStats, MemoryMeter, RunReport
 from .swap import SwapEngine
@@ -50,8 +52,8 @@ class Runtime:
     device: the device whose memory is managed (default: the plan's provenance device, else cpu).
     passive: evict on demand where no plan applies (no plan, iteration 0, divergence).
     eviction: how, where no plan applies: "dtr" (dynamic mode, runtime/dynamic.py: DTR's
-        heuristic, dropped storages replayed, others swapped) or "lru" (swap the least recently
-        used storage synchronously, paper §4.2).
+        heuristic; dropped storages are replayed, the others swapped) or "lru" (swap the least
+        recently used storage synchronously, paper §4.2).
     remat: dynamic mode's way back: "auto" (the cheaper of replay and swap by measured costs),
         "recompute" (replay whatever replays exactly), "swap" (never replay).
     measure_memory: measure each iteration's peak with PyTorch's allocator accounting (Note
@@ -81,8 +83,8 @@ class Runtime:
                                   "available here; make a plan from a trace of this device")
         self.passive_enabled = passive
         if eviction not in ("dtr", "lru") or remat not in REMAT:
-            raise PlanFormatError(f"eviction must be dtr or lru (got {eviction!r}) and remat one "
-                                  f"of {', '.join(REMAT)} (got {remat!r})")
+            raise PlanFormatError(f"eviction must be dtr or lru (got {eviction!r}), remat one of "
+                                  f"{', '.join(REMAT)} (got {remat!r})")
         self.eviction = eviction
         self.remat = remat
         self.measure_memory = measure_memory
@@ -103,26 +105,20 @@ class Runtime:
 
     # ---- context manager ----------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
-        self.backend = backend_for(self.device)
+        self.backend = backend_for(self.device, self.plan)
         self.indexer = _Indexer(self, on_iteration_start=self._iteration_start,
                                 on_iteration_end=self._iteration_end)
         table = compile_plan(self.plan) if self.plan is not None else None
         swap = SwapEngine(self.backend, self.plan.provenance.bandwidth_d2h_bytes_per_s
                           if self.plan is not None else 12e9)
+        memory = self.backend.memory
         budget = self.budget_bytes if self.passive_enabled else None
-        if self.eviction == "dtr":
-            passive = DynamicTracker(budget, self.device, self.bandwidth_h2d_bytes_per_s,
-                                     self.remat)
-        else:
-            passive = PassiveTracker(budget, self.device)
-        if self.plan is not None and self.passive_enabled:
-            problem = self._trace_problem()
-            if problem is not None:
-                passive.use_trace_scratch(problem)
         self.ex = None
         recompute = RecomputeEngine(lambda st: self.ex.ensure_resident(st),
                                     self._may_keep)
-        self.ex = Executor(self, self.indexer, table, swap, recompute, passive, self.backend)
+        self.ex = Executor(self, self.indexer, table, swap, recompute,
+                           lambda ex: self._guard(budget, memory, swap, ex),
+                           self.backend)
         self._iters = []
         self.meter = MemoryMeter(self.device) if self.measure_memory else None
         if self.device.type == "cuda" and self.budget_bytes:
@@ -135,6 +131,12 @@ class Runtime:
         self.indexer.install()
         self.ex.mode.__enter__()
         return self
+
+    def _guard(self, budget, memory, swap, ex) -> BudgetGuard:
+        if self.eviction == "lru":
+            return BudgetGuard(budget, self.device, memory, swap, ex)
+        return DynamicGuard(budget, self.device, memory, swap, ex,
+                            self.bandwidth_h2d_bytes_per_s, self.remat)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
@@ -168,22 +170,6 @@ class Runtime:
                                 self.plan_source if self.plan is not None else None, self._iters)
         if self.report_path is not None and exc_type is None:
             self.report.save(self.report_path)
-
-    def _trace_problem(self):
-        """The plan's trace, for the scratch memory its ops need (Note [Passive budget on CPU]
-        in passive.py); None when the trace is not found where the plan says (as given, or next
-        to the plan file) or does not load."""
-        from ..errors import CapuchinError
-        from ..planner.problem import Problem
-        from ..tracer.reader import load_trace
-
-        found = self.plan.trace_file(None if self.plan_source == "<plan>" else self.plan_source)
-        if found is None:
-            return None
-        try:
-            return Problem.from_trace(load_trace(found))
-        except (CapuchinError, OSError, ValueError, KeyError):
-            return None
 
     # ---- iteration callbacks (from the indexer, inside the first op of an iteration) ----------
     def _iteration_start(self, n: int) -> None:

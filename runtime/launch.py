@@ -1,14 +1,16 @@
-"""``capuchin run``: the unmodified script under a ``Runtime`` (``runpy``, ``sys.argv`` rewritten, as
+"""``capuchin run``: the unmodified script under a ``Runtime`` (``runmain.run_as_main``, as
 ``capuchin trace`` does)."""
 
 from __future__ import annotations
 
 import os
-import runpy
-import sys
 from pathlib import Path
 
-from ..errors import CapuchinError, ScriptError
+from ..errors import InfeasibleBudgetError, ScriptError
+from ..outputs import check_output
+from ..planner.budget import format_bytes
+from ..planner.plan import Plan, load_plan
+from ..runmain import run_as_main
 from .engine import Runtime
 from .report import RunReport
 
@@ -18,32 +20,40 @@ def run_script(script: str | os.PathLike, script_args: list[str] | tuple[str, ..
                report_path: str | os.PathLike | None = None, force: bool = False,
                measure_memory: bool = True) -> RunReport:
     """Run ``script`` to its end under the plan; returns the run's report (and writes it to
-    ``report_path`` if given). Raises ``ScriptError`` if the script fails."""
+    ``report_path`` if given, checked before the script starts).
+
+    Raises ``ScriptError`` if the script fails (its traceback printed first, as ``capuchin
+    trace`` does), ``PlanFormatError`` for a bad plan, and ``InfeasibleBudgetError`` when
+    ``budget_bytes`` is below the plan's predicted peak (the plan cannot keep the run within it;
+    see docs/errors.md).
+    """
     script = Path(script)
     if not script.is_file():
         raise ScriptError(f"{script}: no such script")
-    if report_path is not None and Path(report_path).exists() and not force:
-        raise CapuchinError(f"{report_path}: exists; pass --force to overwrite")
+    if report_path is not None:
+        check_output(report_path, force=force, inputs=[script, plan])
+    if plan is not None and budget_bytes is not None:
+        check_budget_against_plan(load_plan(plan), budget_bytes, plan)
     rt = Runtime(plan, budget_bytes=budget_bytes, measure_memory=measure_memory)
-    argv, path0 = sys.argv, sys.path[0] if sys.path else None
-    sys.argv = [str(script), *script_args]
-    sys.path.insert(0, str(script.resolve().parent))
-    try:
-        with rt:
-            runpy.run_path(str(script), run_name="__main__")
-    except CapuchinError:
-        raise
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            raise ScriptError(f"{script}: exited with status {exc.code}") from None
-    except Exception as exc:
-        raise ScriptError(f"{script}: raised {type(exc).__name__}: {exc}") from exc
-    finally:
-        sys.argv = argv
-        if sys.path and sys.path[0] == str(script.resolve().parent) and path0 != sys.path[0]:
-            sys.path.pop(0)
+    with rt:
+        run_as_main(script, script_args,
+                    consequence="; no report written" if report_path is not None else "")
     if rt.report is None:
         raise ScriptError(f"{script}: ended without a report")
     if report_path is not None:
-        rt.report.save(report_path)
+        rt.report.save(report_path, force=force)
     return rt.report
+
+
+def check_budget_against_plan(plan: Plan, budget_bytes: int, source: str | os.PathLike) -> None:
+    """Refuse a ``--budget`` below what ``plan`` is predicted to need (its peak, over all its
+    kinds of iteration): such a run would exceed the budget every planned iteration."""
+    peak = max([plan.predictions.predicted_peak_bytes]
+               + [k.predictions.predicted_peak_bytes for k in plan.kinds])
+    if budget_bytes < peak:
+        raise InfeasibleBudgetError(
+            f"{source}: --budget {format_bytes(budget_bytes)} ({budget_bytes} B) is below the "
+            f"plan's predicted peak {format_bytes(peak)} ({peak} B); the plan cannot keep the "
+            f"run within it: make a plan for this budget (capuchin plan TRACE --budget "
+            f"{budget_bytes}) or leave --budget out (the plan's: "
+            f"{format_bytes(plan.budget_bytes)})", smallest_feasible_bytes=peak)

@@ -1,10 +1,13 @@
-"""Passive mode (paper §4.2): when the run is not following a plan and resident bytes would exceed
-the budget, evict on demand (swap, least recently used first) and continue.
+"""The budget guard (paper §4.2 passive mode): when the run is not following a plan and resident
+bytes would exceed the budget, evict on demand and continue. Separate from the plan executor
+(tracker.py), which calls it through a few named hooks (``BudgetGuard``).
 
 It runs where no plan applies: a run without a plan (``Runtime(budget_bytes=...)``), the rest of an
 iteration that diverged from its plan, and iterations the plan does not cover. It tracks the
-storages that ops allocate while it is on (an LRU order of last access) and only ever evicts those
-(Note [Storage-level eviction] in state.py).
+storages that ops allocate while it is on (``PassiveTracker``: an LRU order of last access) and
+only ever evicts those (Note [Storage-level eviction] in state.py). Which of them to evict is
+``BudgetGuard.choose_victims`` (least recently used); the device-specific accounting (what an op
+will allocate, what is resident) is the backend's ``memory`` (runtime/memory.py).
 
 # Note: [Passive budget on CPU]
 # Memory: on CUDA the allocator's own count (``memory_allocated``) decides; on a real out-of-memory
@@ -18,19 +21,19 @@ storages that ops allocate while it is on (an LRU order of last access) and only
 # on the transformer, an addmm; +10%). So room is made *before* each op for what it will allocate:
 # the bytes of its evicted inputs that come back, plus its new outputs, predicted by running the
 # op on meta tensors (shapes only, no data, no RNG) the first time a (op, argument shapes) pair
-# is seen, and learned from the real outputs after each run (``new_bytes``). Scratch memory a
-# kernel uses and frees before returning (a convolution's: about its output's size again) is
-# invisible to both; the trace measured it (Role.SCRATCH rows), so when the plan's trace is at
-# hand its scratch is budgeted too: exactly for an op name and input shapes seen in the trace,
-# else at that op name's largest scratch-to-input ratio (``use_trace_scratch``). Without a trace
-# (``Runtime(budget_bytes=...)``) on CPU, the few ops whose kernels were measured to need
-# workspace get a default (``_CPU_SCRATCH``, from the bundled CNN's trace: a convolution about
-# its output again, its backward about its inputs, batch norm's backward its output); without
-# it the CNN in passive mode alone measured 1.09x its budget.
+# is seen, and learned from the real outputs after each run. Scratch memory a kernel uses and
+# frees before returning (a convolution's: about its output's size again) is invisible to both;
+# the trace measured it (Role.SCRATCH rows) and the planner writes it into the plan
+# (``Plan.op_scratch_bytes``), so under a plan it is budgeted too: exactly for an op name and input
+# shapes seen in the trace, else at that op name's largest scratch per input element. Without a
+# plan (``Runtime(budget_bytes=...)``) on CPU, the few ops whose kernels were measured to need
+# workspace get a default (``_CPU_SCRATCH`` in memory.py, from the bundled CNN's trace: a
+# convolution about its output again, its backward about its inputs, batch norm's backward its
+# output); without it the CNN in passive mode alone measured 1.09x its budget.
 # The storages tracked while a plan is followed (``Executor.watching``) make the estimate complete
 # when a diverged iteration switches to passive mode; at a first divergence in an unwatched
 # iteration the tensors autograd saved so far are found through the graph and counted
-# (``Executor._discover``, Note [Watched iterations] in tracker.py).
+# (``BudgetGuard.discover``, Note [Watched iterations] in tracker.py).
 # What passive eviction cannot reach (parameters, gradients and optimizer state allocated in an
 # earlier iteration, the op's own inputs and outputs) is counted: ``short_bytes`` is the most the
 # estimate stayed over the budget with nothing left to evict, reported per iteration.
@@ -42,69 +45,28 @@ import collections
 import weakref
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
-from ..tracer.hooks import flatten_outputs
-from ..tracer.schema import shape_signature
-from .state import storage_key, storages
-
-_CACHE_MAX = 65536  # (op, argument shapes) pairs remembered; cleared when full
-
-# Scratch of CPU kernels measured by the tracer (Role.SCRATCH) on the bundled CNN, as a multiple
-# of the op's new output bytes ("out") or of its input bytes ("in"); used only without a trace.
-_CPU_SCRATCH = {"aten.convolution.default": "out",
-                "aten.convolution_backward.default": "in",
-                "aten.native_batch_norm_backward.default": "out"}
+from .memory import DeviceMemory, memory_for
+from .state import Entry, Reason, storage_key, storages
 
 
 class PassiveTracker:
-    dynamic = False  # runtime/dynamic.py's DynamicTracker: DTR's eviction instead of LRU swaps
+    """The storages the guard counts: an LRU order of last access, bytes resident per storage."""
 
-    def __init__(self, budget_bytes: int | None, device: torch.device):
+    def __init__(self, budget_bytes: int | None, device: torch.device,
+                 memory: DeviceMemory | None = None):
         self.budget_bytes = budget_bytes
         self.device_type = device.type
+        self.memory = memory if memory is not None else memory_for(device)
         self.lru: collections.OrderedDict[int, tuple[weakref.ref, int]] = collections.OrderedDict()
         self.in_iteration: set[int] = set()  # keys allocated in the current iteration
         self.tracked_bytes = 0  # tracked and resident
         self.base_bytes = 0
         self.active = False
-        self.new_bytes: dict[tuple, int] = {}  # (op, argument shapes) -> bytes its outputs allocate
-        self.scratch_exact: dict[tuple[str, str], int] = {}  # (op name, shape signature) -> bytes
-        self.scratch_ratio: dict[str, float] = {}  # op name -> largest scratch / input bytes
-        self.has_trace = False
 
-    def use_trace_scratch(self, problem, min_bytes: int = 4096) -> None:
-        """Budget the scratch memory the trace measured (``planner.problem.Problem``)."""
-        self.has_trace = True
-        for o in problem.ops:
-            if o.scratch_bytes < min_bytes:
-                continue
-            key = (o.name, o.signature)
-            self.scratch_exact[key] = max(self.scratch_exact.get(key, 0), o.scratch_bytes)
-            ins = sum(problem.storages[s].size_bytes for s in set(o.inputs)
-                      if s in problem.storages)
-            if ins > 0:
-                self.scratch_ratio[o.name] = max(self.scratch_ratio.get(o.name, 0.0),
-                                                 o.scratch_bytes / ins)
-
-    def scratch(self, name: str, flat: list, out_bytes: int) -> int:
-        """Scratch bytes op ``name`` on inputs ``flat`` (allocating ``out_bytes`` of new
-        outputs) is expected to use (0 if unknown)."""
-        ratio = self.scratch_ratio.get(name)
-        if ratio is None:
-            if self.has_trace or self.device_type != "cpu":
-                return 0
-            how = _CPU_SCRATCH.get(name)
-            if how is None:
-                return 0
-            if how == "out":
-                return out_bytes
-            ratio = 1.0
-        else:
-            n = self.scratch_exact.get((name, shape_signature(t.shape for t in flat)))
-            if n is not None:
-                return n
-        return int(ratio * sum(st.nbytes() for _, st in storages(flat)))
+    def predict(self, func, args: tuple, kwargs: dict) -> tuple[tuple | None, int]:
+        """What op ``func`` will allocate for new outputs (``DeviceMemory.predict``)."""
+        return self.memory.predict(func, args, kwargs)
 
     def start(self, base_bytes: int) -> None:
         self.active = True
@@ -116,27 +78,9 @@ class PassiveTracker:
     def estimate_bytes(self) -> int:
         return self.base_bytes + self.tracked_bytes
 
-    # ---- what an op will allocate (Note [Passive budget on CPU]) ---------------------------------
-    def predict(self, func, args: tuple, kwargs: dict) -> tuple[tuple | None, int]:
-        """``(key, bytes)``: the bytes op ``func`` will allocate for new outputs on this device,
-        learned from an earlier run of the same op on the same argument shapes, else computed on
-        meta tensors (0 if the op has no meta kernel; learned after it runs)."""
-        try:
-            key = (func, _sig(args), _sig(kwargs) if kwargs else ())
-            hash(key)
-        except (TypeError, RuntimeError):  # an unhashable argument; a tensor without strides
-            return None, 0
-        n = self.new_bytes.get(key)
-        if n is None:
-            n = _meta_new_bytes(func, args, kwargs)
-            if n is None:
-                return key, 0
-            self._remember(key, n)
-        return key, n
-
     def track_outputs(self, outs: list, input_keys: set[int], key: tuple | None = None) -> int:
         """Track the storages ``outs`` allocated (not inputs, not tracked yet). Returns their bytes
-        and remembers them for ``key`` (from ``predict``)."""
+        and teaches the memory model what op ``key`` (from ``predict``) allocates."""
         new = 0
         for t in outs:
             try:
@@ -153,15 +97,8 @@ class PassiveTracker:
                 continue
             self.in_iteration.add(k)
             new += self._track(k, st)
-        if key is not None:
-            self._remember(key, new)
+        self.memory.learn(key, new)
         return new
-
-    def _remember(self, key: tuple, n: int) -> None:
-        """What op ``key`` allocates (bounded cache: cleared when full)."""
-        if len(self.new_bytes) >= _CACHE_MAX:
-            self.new_bytes.clear()
-        self.new_bytes[key] = n
 
     def count(self, st) -> None:
         """Count a resident storage passive mode did not see allocated (never evicted by it)."""
@@ -219,70 +156,160 @@ class PassiveTracker:
             yield key, st, n
 
 
-def _sig(x):
-    """A hashable summary of op arguments: tensors by shape, strides and dtype (enough to know
-    what the op allocates), everything else as itself."""
-    if isinstance(x, torch.Tensor):
-        return (x.shape, x.stride(), x.dtype)
-    if isinstance(x, (list, tuple)):
-        return tuple(_sig(a) for a in x)
-    if isinstance(x, dict):
-        return tuple((k, _sig(v)) for k, v in x.items())
-    return x
+class BudgetGuard:
+    """Passive budget enforcement, device-neutral. The plan executor owns the evicted storages
+    (``ex.entries``: on-demand restores, step-end restores) and calls these hooks:
 
+    - ``new_iteration()``; ``start()`` where no plan applies (also at a divergence); ``stop()``
+      when a plan applies again; ``active``;
+    - ``before_op(func, args, kwargs, name, flat, keys)`` (room for what the op allocates) and
+      ``after_op(outs, in_keys, token)`` (count its new storages, evict if over);
+    - ``watch(outs, in_keys, token)``: count an op's new storages while a plan is followed;
+    - ``evicted(key)`` / ``restored(key, nbytes)``: a storage left or came back;
+    - ``on_oom(keys)``: a real out-of-memory error (CUDA), free something and retry;
+    - ``check_all_resident()``: everything was restored at once (iteration or step end);
+    - ``discover(flat)``: count what an unwatched iteration left resident before a divergence.
+    """
 
-def _to_meta(x):
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_meta(a) for a in x)
-    return x
+    def __init__(self, budget_bytes: int | None, device: torch.device, memory: DeviceMemory,
+                 swap, executor):
+        self.tracker = PassiveTracker(budget_bytes, device, memory)
+        self.memory = memory
+        self.device_type = device.type
+        self.swap = swap
+        self.ex = executor
 
+    @property
+    def active(self) -> bool:
+        return self.tracker.active
 
-def _meta_new_bytes(func, args: tuple, kwargs: dict) -> int | None:
-    """Bytes of the new output storages of ``func`` computed on meta tensors (no data is read or
-    written and no generator advances), or None when that is not possible. An op without tensor
-    arguments runs on meta only through its ``device`` argument; without one it is not run (it
-    would run for real)."""
-    try:
-        rets = func._schema.returns
-        if rets and all(r.alias_info is not None for r in rets):
-            return 0  # views and in-place/out= ops return their inputs' storages
-        margs = [_to_meta(a) for a in args]
-        mkw = {k: _to_meta(v) for k, v in kwargs.items()}
-        has_tensor = any(isinstance(a, torch.Tensor) for a in _leaves(margs, mkw))
-        dev = [i for i, a in enumerate(func._schema.arguments) if a.name == "device"]
-        if dev:
-            if dev[0] < len(margs):
-                margs[dev[0]] = torch.device("meta")
-            else:
-                mkw["device"] = torch.device("meta")
-        elif not has_tensor:
-            return None
-        if any(isinstance(a, torch.Tensor) and a.device.type != "meta"
-               for a in _leaves(margs, mkw)):
-            return None
-        ins = {storage_key(a.untyped_storage()) for a in _leaves(margs, mkw)
-               if isinstance(a, torch.Tensor)}
-        with _disable_current_modes(), torch.no_grad():
-            out = func(*margs, **mkw)
-        seen = set()
-        total = 0
-        for o in flatten_outputs(out):
-            st = o.untyped_storage()
-            k = storage_key(st)
-            if k in ins or k in seen:
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.tracker.budget_bytes
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def new_iteration(self) -> None:
+        self.tracker.new_iteration()
+
+    def start(self) -> None:
+        self.tracker.start(self._base_bytes())
+
+    def stop(self) -> None:
+        self.tracker.active = False
+
+    # ---- per op -----------------------------------------------------------------------------------
+    def before_op(self, func, args, kwargs, name: str, flat: list, keys: list):
+        """Make room for what the op will allocate: its new outputs, its scratch, and its evicted
+        inputs that come back on demand. Returns a token for ``after_op``."""
+        self.tracker.touch(keys)
+        pkey, out_bytes = self.memory.predict(func, args, kwargs)
+        out_bytes += self.memory.scratch(name, flat, out_bytes)
+        self.enforce(set(keys), out_bytes + self.ex.coming_back(keys))
+        return pkey
+
+    def watch(self, outs: list, in_keys: set, token) -> None:
+        self.tracker.track_outputs(outs, in_keys, token)
+
+    def after_op(self, outs: list, in_keys: set, token) -> None:
+        self.tracker.track_outputs(outs, in_keys, token)
+        self.enforce(in_keys | {k for k, _ in storages(outs)})
+
+    def evicted(self, key: int) -> None:
+        self.tracker.evicted(key)
+
+    def restored(self, key: int, nbytes: int) -> None:
+        self.tracker.restored(key, nbytes)
+
+    def check_all_resident(self) -> None:
+        if self.active and self.budget_bytes is not None:
+            self.short(self.resident_bytes() - self.budget_bytes)
+
+    def stays_out(self, e: Entry) -> bool:
+        """Whether evicted ``e`` may stay evicted at the step end (dynamic mode: a dropped
+        storage only its own replays read); the LRU guard restores everything."""
+        return False
+
+    def on_oom(self, keys: set) -> bool:
+        """A real out-of-memory error: evict something (passive mode only). True if it did."""
+        return self.active and self.evict(1, keys) > 0
+
+    # ---- accounting -------------------------------------------------------------------------------
+    def resident_bytes(self) -> int:
+        """Device bytes in use: the allocator's count (CUDA), else the guard's estimate."""
+        alloc = self.memory.allocated_bytes()
+        return alloc if alloc is not None else self.tracker.estimate_bytes()
+
+    def short(self, over: int) -> None:
+        """Record that the budget was exceeded by ``over`` bytes with nothing left to evict."""
+        stats = self.ex.stats
+        if over > stats.passive_short_bytes:
+            stats.passive_short_bytes = over
+
+    def discover(self, flat: list) -> None:
+        """Count (never evict) what an unwatched iteration left resident before a divergence
+        (Note [Watched iterations] in tracker.py); nothing on a device whose allocator counts."""
+        found = self.memory.discover(flat)
+        if not found:
+            return
+        persistent = {key for key, _ in self._optimizer_storages()}
+        for key, st in storages(found):
+            if st.device.type == self.device_type and key not in persistent:
+                self.tracker.count(st)
+
+    def _optimizer_storages(self):
+        """The storages of the optimizers' tensors (parameters, gradients, state) on the managed
+        device, each once."""
+        ts = []
+        for opt in list(self.ex.ix.optimizers):
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    ts.append(p)
+                    if p.grad is not None:
+                        ts.append(p.grad)
+            for st in opt.state.values():
+                ts.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+        for key, st in storages(ts):
+            if st.device.type == self.device_type:
+                yield key, st
+
+    def _base_bytes(self) -> int:
+        """Resident bytes passive mode cannot see on CPU: the optimizers' tensors (parameters,
+        gradients, state) that it does not track. CUDA uses the allocator's count instead."""
+        return sum(st.nbytes() for key, st in self._optimizer_storages()
+                   if key not in self.tracker.lru)
+
+    # ---- eviction ---------------------------------------------------------------------------------
+    def enforce(self, protect: set, extra_bytes: int = 0) -> None:
+        """Evict until resident bytes plus ``extra_bytes`` (what the next op allocates) fit the
+        budget; what cannot be evicted is counted as ``passive_short_bytes``."""
+        budget = self.budget_bytes
+        if budget is None:
+            return
+        over = self.resident_bytes() + extra_bytes - budget
+        if over <= 0:
+            return
+        while over > 0 and self.swap.pending_out:
+            over -= self.swap.sync_earliest()
+        if over > 0:
+            self.short(over - self.evict(over, protect))
+
+    def choose_victims(self, need: int, protect: set):
+        """Which tracked storages to evict for ``need`` bytes: least recently used first. Yields
+        (key, storage, nbytes)."""
+        return self.tracker.victims(need, protect)
+
+    def evict(self, need: int, protect: set) -> int:
+        """Swap out victims synchronously (paper §4.2); returns the bytes freed."""
+        got = 0
+        ex = self.ex
+        for key, st, n in list(self.choose_victims(need, protect)):
+            if key in ex.entries:
                 continue
-            seen.add(k)
-            total += st.nbytes()
-        return total
-    except Exception:  # no meta kernel, data-dependent output, ...: learned after the run
-        return None
+            e = Entry(f"passive:{key}", weakref.ref(st, ex.died(key)), n, True, Reason.PASSIVE)
+            ex.adopt(key, e)
+            ex.stats.stall_s += self.swap.evict_now(e)
+            self.tracker.evicted(key)
+            ex.stats.passive_evictions += 1
+            got += n
+        return got
 
-
-def _leaves(margs, mkw):
-    for a in (*margs, *mkw.values()):
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a

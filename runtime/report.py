@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+from ..outputs import write_text
 
 REPORT_FORMAT = "capuchin.run-report"
 REPORT_VERSION = 1
@@ -71,18 +72,9 @@ class RunReport:
                 "iterations": [asdict(s) for s in self.iterations]}
 
     def save(self, path: str | os.PathLike, force: bool = True) -> Path:
-        """Write the JSON report atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        """Write the JSON report atomically; without ``force`` an existing file is kept
+        (``OutputExistsError``)."""
+        return write_text(path, json.dumps(self.to_dict(), indent=1), force=force)
 
     @property
     def steady(self) -> list[IterationStats]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import runpy
-import sys
 from pathlib import Path
 
 import torch
@@ -21,6 +19,7 @@ from ..errors import PlanError
 from ..planner.build import build_plan
 from ..planner.plan import Decision, Method, Plan
 from ..planner.problem import Problem
+from ..runmain import run_as_main
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
@@ -39,14 +38,10 @@ def run_example(script: str | Path, args: list[str], context=None) -> dict[str, 
             optimizers.append(opt)
 
     h = register_optimizer_step_post_hook(hook)
-    argv = sys.argv
-    sys.argv = [str(script), *args]
-    g: dict = {}
     try:
         with contextlib.redirect_stdout(io.StringIO()), (context or contextlib.nullcontext()):
-            g = runpy.run_path(str(script), run_name="__main__")
+            g = run_as_main(script, args)
     finally:
-        sys.argv = argv
         h.remove()
     for i, opt in enumerate(optimizers):
         for gi, group in enumerate(opt.param_groups):

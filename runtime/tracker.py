@@ -22,8 +22,8 @@
 # action), and its new storages are tracked while the plan is followed. An iteration that ends
 # without diverging turns watching off again (the hot path returns). Iteration 0 always diverges
 # (it builds the model) and predicts nothing, so it does not start watching. In the first
-# diverged iteration, unwatched, ``Executor._discover`` counts what the ops before the divergence
-# left resident through the autograd graph (the tensors of a live graph and what they saved): at a
+# diverged iteration, unwatched, ``BudgetGuard.discover`` (passive.py) counts what the ops
+# before the divergence left resident through the autograd graph (the tensors of a live graph and what they saved): at a
 # divergence at op 100 of the transformer the measured peak went 1.24x -> 0.98x the budget. It
 # misses resident tensors outside any graph (data made under no_grad, detached results).
 """
@@ -40,10 +40,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..errors import PlanFormatError, RecomputeError
 from ..planner.plan import Step
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
-from ..tracer.schema import shape_signature
-from .actions import _OUT_ID
+from ..tracer.schema import IdKind, id_kind, shape_signature
 from .backend import byte_view
-from .state import Entry, Reason, Residency, bump_writes, resize, storage_key, storages
+from .state import Entry, Reason, Residency, bump_writes, resize, storage_key
 
 _EMPTY: list = []
 
@@ -75,16 +74,6 @@ class TrackerMode(TorchDispatchMode):
         return self.ex.slow_op(func, args, kwargs or {})
 
 
-_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}  # autograd node class -> its "_saved_*" names
-
-
-def _grad_fn(t):
-    try:
-        return t.grad_fn
-    except Exception:  # a tensor subclass without autograd metadata
-        return None
-
-
 def _keys(flat: list) -> list:
     keys = []
     for t in flat:
@@ -96,17 +85,20 @@ def _keys(flat: list) -> list:
 
 
 class Executor:
-    """Runtime state and the slow path. ``rt`` is the owning ``Runtime`` (iteration stats, the
-    passive tracker, options); ``table`` the compiled plan (or None: passive only)."""
+    """The plan executor: the hot and slow paths, planned actions, on-demand and step-end
+    restores, late-prefetch feedback, divergence. ``rt`` is the owning ``Runtime`` (options);
+    ``table`` the compiled plan (or None: passive only). The passive budget guard (passive.py)
+    is ``self.guard``, built by ``make_guard(executor)``; the executor calls its hooks and owns
+    the evicted storages (``entries``) that either of them evicted."""
 
-    def __init__(self, rt, indexer, table, swap, recompute, passive, backend):
+    def __init__(self, rt, indexer, table, swap, recompute, make_guard, backend):
         self.rt = rt
         self.ix = indexer
         self.table = table
         self.swap = swap
         self.recompute = recompute
-        self.passive = passive
         self.backend = backend
+        self.guard = make_guard(self)
         self.mode = TrackerMode(self)
         self.entries: dict[int, Entry] = {}  # storage key -> evicted storage
         self.by_sid: dict[str, Entry] = {}
@@ -131,7 +123,8 @@ class Executor:
         self.op_time.clear()
         self.recompute.reset()
         self.dependents.clear()
-        self.passive.new_iteration()
+        guard = self.guard
+        guard.new_iteration()
         self.guided = self.table is not None
         # Note [Watched iterations]
         self.watching = self.guided and self.last_diverged and self.rt.passive_enabled
@@ -144,9 +137,9 @@ class Executor:
                     for k in d.replay_ops:
                         self.op_refs[k] = self.op_refs.get(k, 0) + 1
         if self.guided:
-            self.passive.active = False  # a plan applies again; divergence may restart it
-        elif self.rt.passive_enabled and not self.passive.active:
-            self.passive.start(self._base_bytes())
+            guard.stop()  # a plan applies again; divergence may restart it
+        elif self.rt.passive_enabled and not guard.active:
+            guard.start()
         self._update_fast()
 
     def end_iteration(self) -> None:
@@ -158,19 +151,18 @@ class Executor:
         """Iteration end (or step end): every evicted storage comes back."""
         restored = False
         for e in list(self.entries.values()):
-            if e.storage is not None and not (self.passive.dynamic and self.passive.unused(e)):
+            if e.storage is not None and not self.guard.stays_out(e):
                 self.restore(e)
                 restored = True
         self.swap.poll()
-        if restored and self.passive.active and self.passive.budget_bytes is not None:
-            # all of it resident at once: over the budget, that is a shortfall too
-            self._short(self._resident_bytes() - self.passive.budget_bytes)
+        if restored:  # all of it resident at once: over the budget, that is a shortfall too
+            self.guard.check_all_resident()
         self._update_fast()
 
     # ---- fast path switch -------------------------------------------------------------------------
     def _update_fast(self) -> None:
         quiet = (self.guided and not self.entries and not self.swap.pending_out
-                 and not self.recompute.records and not self.passive.active
+                 and not self.recompute.records and not self.guard.active
                  and not self.watching)
         self.mode.fast = self.table.fast if quiet else _EMPTY
 
@@ -204,18 +196,13 @@ class Executor:
         if acts is not None:  # planned first, so a back-access is seen as planned (late check)
             for step, sid in acts.before:
                 self._before(step, sid, k)
-        passive = self.passive.active
+        guard = self.guard
+        passive = guard.active
         watch = passive or (self.watching and self.guided)
         keys = _keys(flat) if (self.entries or watch or self.dependents) else None
-        pkey = None
-        dyn = self.passive if passive and self.passive.dynamic else None
+        token = None
         if passive:  # room first for what the op allocates (Note [Passive budget on CPU])
-            self.passive.touch(keys)
-            if dyn is not None and self.entries:  # dropped inputs: their sources come first
-                dyn.bring_back(self, keys)
-            pkey, out_bytes = self.passive.predict(func, args, kwargs)
-            out_bytes += self.passive.scratch(info.name, flat, out_bytes)
-            self._enforce_budget(set(keys), out_bytes + self._coming_back(keys))
+            token = guard.before_op(func, args, kwargs, info.name, flat, keys)
         if self.entries:  # on demand: nothing may read an evicted storage
             for key in keys:
                 e = self.entries.get(key)
@@ -228,19 +215,12 @@ class Executor:
             except (RuntimeError, NotImplementedError):
                 continue
             deps = self.dependents.get(storage_key(st))
-            while deps:  # R3: regenerate what depends on this storage before it changes
-                out = [e for sid in list(deps) if (e := self.by_sid.get(sid)) is not None
-                       and e.state is Residency.OUT and not e.swap]
-                if not out:
-                    break
-                for e in out:
-                    if e.state is not Residency.OUT:
-                        continue
-                    if self.passive.dynamic:  # room made first, which may drop another one
-                        self.passive.bring_back(self, [*keys, storage_key(e.storage)])
-                    else:
+            if deps:  # R3: regenerate what depends on this storage before it changes
+                for sid in list(deps):
+                    e = self.by_sid.get(sid)
+                    if e is not None and e.state is Residency.OUT and not e.swap:
                         self.restore(e)
-                    self.stats.cow_restores += 1
+                        self.stats.cow_restores += 1
             bump_writes(st)
         rec = None
         if acts is not None:
@@ -249,7 +229,6 @@ class Executor:
                     self.live[sid] = weakref.ref(flat[a].untyped_storage())
             if acts.record:
                 rec = self.recompute.record(k, func, args, kwargs, flat, written, info.seeded)
-        drec = dyn.before_op(func, args, kwargs, flat, written, info.seeded) if dyn else None
         out = self._run(func, args, kwargs)
         if acts is not None or watch:
             outs = flatten_outputs(out)
@@ -264,12 +243,10 @@ class Executor:
                     self.recompute.recorded_outputs(rec, out, in_keys)
                 for step, sid in acts.after:
                     self._evict(step, sid)
-            if watch:
-                self.passive.track_outputs(outs, in_keys, pkey)
-                if drec is not None:
-                    dyn.after_op(drec, func, flat, out, outs, in_keys)
             if passive:
-                self._enforce_budget(in_keys | set(_keys(outs)))
+                guard.after_op(outs, in_keys, token)
+            elif watch:
+                guard.watch(outs, in_keys, token)
         self._update_fast()
         return out
 
@@ -284,8 +261,7 @@ class Executor:
                 # else evict on demand (passive mode), and retry (paper §4.2, §5.3)
                 if self.swap.sync_earliest() > 0:
                     continue
-                keys = set(_keys(flatten_tensors(args, kwargs)))
-                if not self.passive.active or not self._evict_passive(1, keys):
+                if not self.guard.on_oom(set(_keys(flatten_tensors(args, kwargs)))):
                     raise
         return func(*args, **kwargs)
 
@@ -306,7 +282,7 @@ class Executor:
         st = ref() if ref is not None else None
         if d is None or st is None:
             return
-        if not _OUT_ID.match(sid) or not st.resizable() or st.nbytes() == 0 \
+        if id_kind(sid) is not IdKind.OUTPUT or not st.resizable() or st.nbytes() == 0 \
                 or st.device.type != self.backend.device.type:
             # Only storages an op allocated in this iteration are evicted (Note [Storage-level
             # eviction]); parameters, inputs and optimizer state are refused.
@@ -322,12 +298,11 @@ class Executor:
                 swap = True
                 self.stats.fallback_swaps += 1
                 self._done_with(d)
-        e = Entry(sid, weakref.ref(st, self._died(key)), st.nbytes(), swap, Reason.PLANNED, d)
+        e = Entry(sid, weakref.ref(st, self.died(key)), st.nbytes(), swap, Reason.PLANNED, d)
         if self.rt.verify:
             e.extra["copy"] = _snapshot(st)
-        self.entries[key] = e
-        self.by_sid[sid] = e
-        self.passive.evicted(key)  # a tracked storage (watched iteration) leaves the estimate
+        self.adopt(key, e)
+        self.guard.evicted(key)  # a tracked storage (watched iteration) leaves the estimate
         if swap:
             self.swap.evict(e)
         else:
@@ -337,7 +312,13 @@ class Executor:
             e.state = Residency.OUT
         self.stats.evictions += 1
 
-    def _died(self, key: int):
+    def adopt(self, key: int, e: Entry) -> None:
+        """Storage ``key`` is being evicted (by the plan or by the guard): the executor restores
+        it on demand and at the step end."""
+        self.entries[key] = e
+        self.by_sid[e.sid] = e
+
+    def died(self, key: int):
         def cb(_ref, self=self, key=key):
             e = self.entries.pop(key, None)
             if e is not None:
@@ -367,7 +348,7 @@ class Executor:
             if self.swap.restore(e, planned) and e.decision is not None and self.guided:
                 self._late_feedback(e)
         elif e.reason is Reason.DYNAMIC:
-            self.passive.replay(self, e)  # runtime/dynamic.py
+            self.guard.replay(e)  # dynamic mode (runtime/dynamic.py)
             e.state = Residency.RESIDENT
         elif st is not None:
             dropped = {x.sid: (x.storage, x.nbytes) for x in self.by_sid.values()
@@ -390,7 +371,7 @@ class Executor:
         if st is not None:
             key = storage_key(st)
             self.entries.pop(key, None)
-            self.passive.restored(key, st.nbytes())
+            self.guard.restored(key, st.nbytes())
         else:
             for key, x in list(self.entries.items()):
                 if x is e:
@@ -458,79 +439,12 @@ class Executor:
             e = self.by_sid.get(sid)
             if e is None or e.state is not Residency.OUT:
                 self._done_with(tbl.decisions[sid])
-        if self.rt.passive_enabled and not self.passive.active:
-            if not self.watching and k > 0 and self.backend.allocated_bytes() is None:
-                self._discover(flat)  # CPU only: on CUDA the allocator counts everything
-            self.passive.start(self._base_bytes())
+        if self.rt.passive_enabled and not self.guard.active:
+            if not self.watching and k > 0:
+                self.guard.discover(flat)  # CPU only: on CUDA the allocator counts everything
+            self.guard.start()
 
-    def _discover(self, flat: list) -> None:
-        """A divergence in an unwatched iteration (Note [Watched iterations]): find what the ops
-        before it left resident and passive mode never saw: the op's inputs, the live tensors that
-        are part of an autograd graph (one scan of the garbage collector's objects, ~50-100 ms:
-        the script's activations; detached data is not this iteration's) and the tensors
-        autograd saved behind them and behind the backward node running now. They are counted,
-        not evicted (nothing says this iteration allocated them). Python frames are not read:
-        ``f_locals`` would keep a snapshot of the script's locals alive."""
-        import gc
-
-        with _disable_current_modes(), torch.no_grad():
-            found = list(flat)
-            tensor = torch.Tensor  # activations are plain tensors; an exact type test is cheap
-            live = [o for o in gc.get_objects() if type(o) is tensor]
-            found.extend(o for o in live if o.grad_fn is not None)
-            del live
-            stack = [_grad_fn(t) for t in found]
-            node = torch._C._current_autograd_node()
-            if node is not None:
-                stack.append(node)
-            seen = set()
-            while stack:
-                node = stack.pop()
-                if node is None or node in seen:
-                    continue
-                seen.add(node)
-                names = _SAVED_ATTRS.get(type(node))
-                if names is None:
-                    names = _SAVED_ATTRS[type(node)] = tuple(
-                        a for a in dir(node) if a.startswith("_saved_"))
-                for attr in names:
-                    try:
-                        v = getattr(node, attr)
-                    except Exception:  # freed by a backward already, or not a tensor
-                        continue
-                    if isinstance(v, torch.Tensor):
-                        found.append(v)
-                    elif isinstance(v, (list, tuple)):
-                        found.extend(x for x in v if isinstance(x, torch.Tensor))
-                stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-        persistent = {key for key, _ in self._optimizer_storages()}
-        for key, st in storages(found):
-            if st.device.type == self.backend.device.type and key not in persistent:
-                self.passive.count(st)
-
-    def _optimizer_storages(self):
-        """The storages of the optimizers' tensors (parameters, gradients, state) on the managed
-        device, each once."""
-        ts = []
-        for opt in list(self.ix.optimizers):
-            for g in opt.param_groups:
-                for p in g["params"]:
-                    ts.append(p)
-                    if p.grad is not None:
-                        ts.append(p.grad)
-            for st in opt.state.values():
-                ts.extend(v for v in st.values() if isinstance(v, torch.Tensor))
-        for key, st in storages(ts):
-            if st.device.type == self.backend.device.type:
-                yield key, st
-
-    def _base_bytes(self) -> int:
-        """Resident bytes passive mode cannot see on CPU: the optimizers' tensors (parameters,
-        gradients, state) that it does not track. CUDA uses the allocator's count instead."""
-        return sum(st.nbytes() for key, st in self._optimizer_storages()
-                   if key not in self.passive.lru)
-
-    def _coming_back(self, keys: list) -> int:
+    def coming_back(self, keys: list) -> int:
         """Bytes the on-demand restore of this op's evicted inputs will allocate."""
         if not self.entries:
             return 0
@@ -540,46 +454,3 @@ class Executor:
             if e is not None and e.state is Residency.OUT:
                 total += e.nbytes
         return total
-
-    def _enforce_budget(self, protect: set, extra_bytes: int = 0) -> None:
-        """Evict until resident bytes plus ``extra_bytes`` (what the next op allocates) fit the
-        budget; what cannot be evicted is counted as ``passive_short_bytes``."""
-        budget = self.passive.budget_bytes
-        if budget is None:
-            return
-        over = self._resident_bytes() + extra_bytes - budget
-        if over <= 0:
-            return
-        while over > 0 and self.swap.pending_out:
-            freed = self.swap.sync_earliest()
-            over -= freed
-        if over > 0:
-            self._short(over - self._evict_passive(over, protect))
-
-    def _resident_bytes(self) -> int:
-        """Device bytes in use: the allocator's count (CUDA), else passive mode's estimate."""
-        alloc = self.backend.allocated_bytes()
-        return alloc if alloc is not None else self.passive.estimate_bytes()
-
-    def _short(self, over: int) -> None:
-        """Record that the budget was exceeded by ``over`` bytes with nothing left to evict."""
-        if over > self.stats.passive_short_bytes:
-            self.stats.passive_short_bytes = over
-
-    def _evict_passive(self, need: int, protect: set) -> int:
-        """Swap out least recently used storages synchronously (dynamic mode: DTR's choice,
-        runtime/dynamic.py); returns the bytes freed."""
-        if self.passive.dynamic:
-            return self.passive.evict(self, need, protect)
-        got = 0
-        for key, st, n in list(self.passive.victims(need, protect)):
-            if key in self.entries:
-                continue
-            e = Entry(f"passive:{key}", weakref.ref(st, self._died(key)), n, True, Reason.PASSIVE)
-            self.entries[key] = e
-            self.by_sid[e.sid] = e
-            self.stats.stall_s += self.swap.evict_now(e)  # paper §4.2: synchronous
-            self.passive.evicted(key)
-            self.stats.passive_evictions += 1
-            got += n
-        return got

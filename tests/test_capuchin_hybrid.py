@@ -90,6 +90,7 @@ def resnet32(tmp_path_factory) -> Problem:
     return Problem.from_trace(load_trace(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frac", [0.4, 0.43, 0.5, 0.6])
 def test_resnet32_hybrid_not_worse_than_variants(resnet32, frac):
     fits, _ = assert_not_worse(resnet32, int(resnet32.peak_bytes * frac))

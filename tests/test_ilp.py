@@ -122,6 +122,7 @@ def _transformer(hidden=1 << 14):
                                              bandwidth_bytes_per_s=2e9))
 
 
+@pytest.mark.slow
 def test_coarse_plan_passes_the_simulator_and_reports_its_solve():
     problem = _transformer()  # 54 ops
     budget = int(problem.peak_bytes * 0.5)
@@ -139,6 +140,7 @@ def test_coarse_plan_passes_the_simulator_and_reports_its_solve():
     assert plan.provenance.parameters["optimality_gap"] == p["optimality_gap"]
 
 
+@pytest.mark.slow
 def test_warm_start_is_never_beaten_by_its_own_hint():
     """With the capuchin plan as warm start, the ILP's plan is at least as good in the
     simulator (the hint is the first incumbent, with the hybrid's own in-triggers)."""

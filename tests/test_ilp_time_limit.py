@@ -38,6 +38,7 @@ def _check_honest(p: dict) -> None:
         assert p["ilp_objective_ns"] == 0
 
 
+@pytest.mark.slow
 def test_large_trace_returns_within_its_time_limit_with_a_plan_that_fits(big_problem):
     budget = int(big_problem.peak_bytes * 0.5)
     limit_s = 6.0  # room for the DTR fallback warm start (~0.2 s here) on a slower machine

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "inspect.ipynb"
 
 
+@pytest.mark.slow
 def test_notebook_runs_and_agrees_with_the_planner(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     nb = json.loads(NOTEBOOK.read_text())

@@ -5,10 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from click.testing import CliRunner
-
 import capuchin
 from capuchin.cli import main
+from click.testing import CliRunner
 
 
 def test_version_and_help_list_commands():

@@ -190,6 +190,7 @@ def test_in_flight_swap_out_counts_in_memory_and_compute_does_not_wait():
     assert out.in_start_ns >= out.out_end_ns and out.stall_ns > 0
 
 
+@pytest.mark.slow
 def test_smallest_budget_named_when_the_policy_gives_up_below_the_floor():
     # below the floor the ilp proves nothing fits and returns no decisions (its plan peaks at the
     # baseline); the error must still name a budget it reaches, not the baseline peak

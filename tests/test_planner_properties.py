@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.api import make_plan
 from capuchin.planner.problem import Problem
@@ -47,6 +48,7 @@ def test_feasible_plans_fit_and_infeasible_ones_name_a_feasible_budget(p, frac, 
     assert len({(d.storage_id, d.evict_op) for d in plan.records}) == len(plan.records)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(problems, st.floats(0.2, 1.0), st.floats(0.0, 0.5), st.sampled_from(POLICIES))
 def test_more_budget_never_costs_more(p, frac, extra, policy):

@@ -293,7 +293,7 @@ def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
     import time
 
     import capuchin.runtime.engine as engine
-    from capuchin.runtime.backend import CPUBackend
+    from capuchin.runtime.backend import backend_for
 
     class _SlowDst:
         """A copy destination whose copy takes 20 ms longer (runs on the h2d copy thread)."""
@@ -305,8 +305,8 @@ def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
             time.sleep(0.02)
             return self.inner.copy_(src)
 
-    def slow_backend(device):
-        be = CPUBackend(device)
+    def slow_backend(device, plan=None):
+        be = backend_for(device, plan)
         submit = be._h2d.submit
         be._h2d.submit = lambda dst, src, n, after=None: submit(_SlowDst(dst), src, n, after)
         return be

@@ -4,6 +4,7 @@ from a tiny config with random weights (no download), dropout active, trained a 
 from __future__ import annotations
 
 import capuchin
+import pytest
 from capuchin.tracer.schema import Col, Phase
 from capuchin.tracer.summary import summarize
 
@@ -28,6 +29,7 @@ def _train_bert(steps: int) -> None:
         opt.step()
 
 
+@pytest.mark.slow
 def test_trace_hugging_face_bert(tmp_path):
     out = tmp_path / "bert.trace.parquet"
     with capuchin.Tracer(out, iterations=2, warmup=1, device="cpu", log=None):

@@ -177,7 +177,7 @@ def test_api_tracer_in_process(tmp_path):
     t = capuchin.load_trace(out)
     assert t.meta.iterations == [1, 2] and t.meta.regular
     assert set(t.ops["phase"]) == {"forward", "backward", "optimizer"}
-    with pytest.raises(capuchin.CapuchinError, match="already exists"):
+    with pytest.raises(capuchin.CapuchinError, match="exists; use --force"):
         with capuchin.Tracer(out, log=None):
             pass
 

@@ -44,8 +44,9 @@ import pandas as pd
 
 from .. import __version__
 from ..errors import CapuchinError, TraceFormatError
+from ..outputs import check_output
 from .reader import write_trace
-from .schema import FILE_SUFFIX, Col, Kind, Phase, Role, TraceMeta
+from .schema import FILE_SUFFIX, Col, Kind, Phase, Role, TraceMeta, input_id, resident_id
 
 PCIE3_X16_BYTES_PER_S = 12e9  # the paper's PCIe 3.0 x16 figure, each direction (capuchin.md §1.4)
 DTR_DEVICE_NAME = "NVIDIA Titan V"  # where the DTR authors recorded the logs (data/README.md)
@@ -54,10 +55,6 @@ _SEEDED_NAME = re.compile(r"dropout|droupout|bernoulli|rand|multinomial", re.IGN
 
 class DtrLogError(TraceFormatError):
     """A DTR log cannot be read or does not follow the format (names the file and the line)."""
-
-
-class OutputExistsError(CapuchinError):
-    """The output file exists and ``--force`` was not given."""
 
 
 @dataclass
@@ -183,7 +180,7 @@ class _Converter:
     def _access(self, op: int, role: Role, arg: int, tensor: int) -> None:
         t = self.tensors[tensor]
         if t.name is None:  # a constant's first access names it (Note [Tensor and storage ids])
-            t.name = f"x{op}:{arg}"
+            t.name = input_id(op, arg)
             st = self.storages[t.storage]
             if st.name is None:
                 st.name = t.name
@@ -227,7 +224,7 @@ class _Converter:
         unnamed = 0
         for k, st in enumerate(self.storages):
             if st.name is None and k not in dropped:
-                st.name = f"r{unnamed}"
+                st.name = resident_id(unnamed)
                 unnamed += 1
 
         def kind(t: _Tensor) -> Kind:
@@ -389,9 +386,8 @@ def import_dtr_log(log: str | os.PathLike, out: str | os.PathLike | None = None,
     if not bandwidth_bytes_per_s > 0:
         raise CapuchinError(f"bandwidth must be positive, got {bandwidth_bytes_per_s}")
     lines, name = read_dtr_log_lines(log)
-    out_path = Path(out) if out is not None else Path(default_trace_name(name))
-    if out_path.exists() and not force:
-        raise OutputExistsError(f"{out_path}: exists; use --force to overwrite")
+    out_path = check_output(out if out is not None else default_trace_name(name), force=force,
+                            inputs=[log])
     events, marker = dtr_log_events(lines, source=name)
     fields = name.split("-")
     meta = TraceMeta(
@@ -417,4 +413,4 @@ def import_dtr_log(log: str | os.PathLike, out: str | os.PathLike | None = None,
             "shapes": "unknown (DTR logs record sizes only)",
         },
     )
-    return write_trace(events, meta, out_path)
+    return write_trace(events, meta, out_path, force=force)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .schema import Phase
+from .schema import Phase, input_id, output_id, resident_id
 
 # Note: [Iteration boundaries]
 # An iteration ends with an optimizer step: the global hooks
@@ -463,7 +463,7 @@ class OpIndexer:
             if tag is not None and tag[0] == epoch:
                 tid = tag[1]
             else:
-                tid = f"x{k}:{a}"
+                tid = input_id(k, a)
                 try:
                     setattr(t, tattr, (epoch, tid))
                 except AttributeError:  # a subclass without __dict__: named anew at each access
@@ -489,7 +489,7 @@ class OpIndexer:
         aliases = []
         in_recs = op.input_storages
         for j, t in enumerate(outs):
-            tid = f"{k}:{j}"
+            tid = output_id(k, j)
             try:
                 setattr(t, tattr, (epoch, tid))
             except AttributeError:
@@ -555,7 +555,7 @@ class OpIndexer:
         ``"r{n}"`` (n = rank among the storages live at the iteration start)."""
         if rec.epoch == self.iteration:
             return rec.name
-        return f"r{rec.resident_rank}"
+        return resident_id(rec.resident_rank)
 
     def storage_rec(self, t: torch.Tensor) -> StorageRec | None:
         """The rec of a live tensor's storage, or None if no indexed op has seen it."""

@@ -7,8 +7,8 @@ all.
 
 from __future__ import annotations
 
+import math
 import os
-import tempfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -18,31 +18,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import TraceFormatError
+from ..outputs import atomic_write
 from .schema import ACCESS_ROLES, META_KEY, SCHEMA, SCHEMA_VERSION, Col, Role, TraceMeta
 
 
-def write_trace(events: pd.DataFrame | pa.Table, meta: TraceMeta, path: str | os.PathLike) -> Path:
-    """Write ``events`` (columns of ``SCHEMA``) and ``meta`` to ``path`` atomically."""
+def write_trace(events: pd.DataFrame | pa.Table, meta: TraceMeta, path: str | os.PathLike, *,
+                force: bool = True) -> Path:
+    """Write ``events`` (columns of ``SCHEMA``) and ``meta`` to ``path`` atomically; without
+    ``force`` an existing file is kept (``OutputExistsError``). See Note [Output files]."""
     path = Path(path)
     table = events if isinstance(events, pa.Table) else _to_table(events)
     table = table.replace_schema_metadata({META_KEY: meta.to_bytes()})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_write(path, force=force) as tmp:
         pq.write_table(table, tmp, compression="zstd")
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; give it a normal file's mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
-
-
-def _umask() -> int:
-    mask = os.umask(0o22)
-    os.umask(mask)
-    return mask
 
 
 def _to_table(events: pd.DataFrame) -> pa.Table:
@@ -149,10 +138,16 @@ def load_trace(path: str | os.PathLike) -> Trace:
         meta = TraceMeta.from_bytes(raw)
     except Exception as exc:
         raise TraceFormatError(f"{path}: trace metadata is corrupt ({_short(exc)})") from None
+    if not _is_int(meta.schema_version):
+        raise TraceFormatError(f"{path}: trace metadata: schema_version {meta.schema_version!r} "
+                               "is not an integer")
     if meta.schema_version != SCHEMA_VERSION:
         raise TraceFormatError(
             f"{path}: trace schema version {meta.schema_version}, this capuchin reads version "
             f"{SCHEMA_VERSION}; re-record it with `capuchin trace`")
+    problem = meta_problem(meta)
+    if problem:
+        raise TraceFormatError(f"{path}: trace metadata: {problem}")
     missing = [c for c in SCHEMA.names if c not in table.column_names]
     if missing:
         raise TraceFormatError(f"{path}: trace lacks columns {', '.join(missing)}")
@@ -164,7 +159,58 @@ def load_trace(path: str | os.PathLike) -> Trace:
     bad_roles = set(events[Col.ROLE].unique()) - {r.value for r in Role}
     if bad_roles:
         raise TraceFormatError(f"{path}: unknown roles {sorted(bad_roles)}")
+    in_table = sorted(int(i) for i in events[Col.ITERATION].unique())
+    missing_its = [i for i in in_table if i not in meta.iterations]
+    if missing_its:
+        raise TraceFormatError(f"{path}: iterations {missing_its} are in the event table but not "
+                               f"in the metadata's iterations {meta.iterations}")
+    if meta.steady_iteration is not None and meta.steady_iteration not in in_table:
+        raise TraceFormatError(f"{path}: trace metadata: steady_iteration "
+                               f"{meta.steady_iteration} has no events (iterations in the table: "
+                               f"{in_table})")
     return Trace(path=path, events=events, meta=meta)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def meta_problem(meta: TraceMeta) -> str | None:
+    """The first problem with ``meta``'s fields (types and ranges), or None. The one check of
+    trace metadata, applied by ``load_trace``."""
+    for name in ("capuchin_version", "torch_version", "device_name", "script", "date", "source"):
+        if not isinstance(getattr(meta, name), str):
+            return f"{name} {getattr(meta, name)!r} is not a string"
+    if meta.device not in ("cpu", "cuda"):
+        return f"device {meta.device!r} is not 'cpu' or 'cuda'"
+    for name in ("bandwidth_d2h_bytes_per_s", "bandwidth_h2d_bytes_per_s"):
+        v = getattr(meta, name)
+        if not _is_number(v) or not math.isfinite(v) or v < 1:
+            return f"{name} {v!r} is not a finite rate of at least 1 byte/s"
+    its = meta.iterations
+    if not isinstance(its, list) or not its or not all(_is_int(i) and i >= 0 for i in its):
+        return f"iterations {its!r} is not a non-empty list of iteration numbers (integers >= 0)"
+    if len(set(its)) != len(its):
+        return f"iterations {its!r} lists an iteration twice"
+    if not _is_int(meta.warmup) or meta.warmup < 0:
+        return f"warmup {meta.warmup!r} is not an integer >= 0"
+    if not isinstance(meta.argv, list) or not all(isinstance(a, str) for a in meta.argv):
+        return f"argv {meta.argv!r} is not a list of strings"
+    if not isinstance(meta.regular, bool):
+        return f"regular {meta.regular!r} is not true or false"
+    if meta.first_divergence is not None and not isinstance(meta.first_divergence, dict):
+        return f"first_divergence {meta.first_divergence!r} is not an object"
+    if meta.steady_iteration is not None and (not _is_int(meta.steady_iteration)
+                                              or meta.steady_iteration not in its):
+        return (f"steady_iteration {meta.steady_iteration!r} is not one of the recorded "
+                f"iterations {its}")
+    if not isinstance(meta.extra, dict):
+        return f"extra {meta.extra!r} is not an object"
+    return None
 
 
 def _short(exc: BaseException) -> str:

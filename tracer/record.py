@@ -27,10 +27,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import __version__
 from ..errors import CapuchinError, ScriptError
+from ..outputs import check_output
 from .bandwidth import measure_bandwidth
 from .hooks import OpEvent, OpIndexer, describe_args
 from .reader import write_trace
-from .schema import COLUMNS, Col, Kind, Phase, Role, TraceMeta, shape_signature
+from .schema import COLUMNS, Col, Kind, Phase, Role, TraceMeta, scratch_id, shape_signature
 from .timing import marker_name, parse_profile
 
 try:
@@ -150,8 +151,7 @@ class Tracer:
 
     # ---- context manager ------------------------------------------------------------------
     def __enter__(self) -> Tracer:
-        if self.path.exists() and not self.force:
-            raise CapuchinError(f"{self.path}: already exists; use --force (force=True) to overwrite")
+        check_output(self.path, force=self.force, inputs=[self.script or None])
         self.device = resolve_device(self.device_request)
         self.bandwidth = measure_bandwidth(self.device)
         self.indexer = OpIndexer(on_iteration_start=self._on_iteration_start,
@@ -350,7 +350,7 @@ class Tracer:
             steady_iteration=self.recorded[-1],
             extra=extra,
         )
-        write_trace(events, meta, self.path)
+        write_trace(events, meta, self.path, force=self.force)
 
     def _rows(self, cur: _Iteration, times) -> pd.DataFrame:
         it = cur.number
@@ -430,7 +430,7 @@ class Tracer:
             if peak is not None:
                 scratch = peak - sum(o[3] for o in outs if o[7])
                 if scratch > 0:
-                    row(k, Role.SCRATCH.value, f"~{k}", scratch, **common)
+                    row(k, Role.SCRATCH.value, scratch_id(k), scratch, **common)
             while fi < len(frees) and frees[fi][0] <= k:
                 row(k, Role.FREE.value, frees[fi][1], frees[fi][2], name=name, phase=phase)
                 fi += 1

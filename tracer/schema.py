@@ -34,6 +34,59 @@ META_KEY = b"capuchin.trace"
 FILE_SUFFIX = ".trace.parquet"
 
 
+class IdKind(str, enum.Enum):
+    """The four shapes of an id of Note [Tensor and storage ids]."""
+
+    OUTPUT = "output"  # "k:j": output j of op k
+    INPUT = "input"  # "x{k}:{a}": pre-existing tensor, a-th tensor argument of op k
+    RESIDENT = "resident"  # "r{n}": resident at the start, untouched in the iteration
+    SCRATCH = "scratch"  # "~{k}": op k's kernel scratch (a pseudo storage)
+
+
+# The formatters, one per kind: ids travel as strings (trace rows, plans), built on hot paths.
+output_id = "{}:{}".format
+input_id = "x{}:{}".format
+resident_id = "r{}".format
+scratch_id = "~{}".format
+
+_ID_PREFIX = {"x": IdKind.INPUT, "r": IdKind.RESIDENT, "~": IdKind.SCRATCH}
+
+
+def id_kind(text: str) -> IdKind:
+    """The kind of a well-formed id, from its first character (cheap: no parsing)."""
+    return _ID_PREFIX.get(text[:1], IdKind.OUTPUT)
+
+
+@dataclass(frozen=True)
+class TensorId:
+    """A parsed id of Note [Tensor and storage ids]. ``op_index`` is ``k`` (``n`` for a resident
+    id), ``position`` is ``j`` or ``a`` (0 where the kind has none)."""
+
+    kind: IdKind
+    op_index: int
+    position: int = 0
+
+    def format(self) -> str:
+        if self.kind is IdKind.OUTPUT:
+            return output_id(self.op_index, self.position)
+        if self.kind is IdKind.INPUT:
+            return input_id(self.op_index, self.position)
+        if self.kind is IdKind.RESIDENT:
+            return resident_id(self.op_index)
+        return scratch_id(self.op_index)
+
+    @classmethod
+    def parse(cls, text: str) -> TensorId:
+        """The id ``text`` names; ``ValueError`` when it is not one."""
+        kind = id_kind(text)
+        body = text if kind is IdKind.OUTPUT else text[1:]
+        parts = body.split(":")
+        want = 2 if kind in (IdKind.OUTPUT, IdKind.INPUT) else 1
+        if len(parts) != want or not all(p.isdigit() and p.isascii() for p in parts):
+            raise ValueError(f"not a tensor or storage id: {text!r}")
+        return cls(kind, *(int(p) for p in parts))
+
+
 class Phase(str, enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"

@@ -1,21 +1,17 @@
-"""Run an unmodified training script as ``python SCRIPT ARGS...`` would, inside this process.
+"""Trace an unmodified training script: what ``capuchin trace`` calls.
 
-``trace_script`` is what ``capuchin trace`` calls: the ``Tracer`` context manager around
-``runpy.run_path(script, run_name="__main__")`` with ``sys.argv`` rewritten and the script's folder
-first on ``sys.path`` (memray's ``run`` command does the same).
+``trace_script`` is the ``Tracer`` context manager around ``runmain.run_as_main(script)`` (the
+script run as ``python SCRIPT ARGS...`` would, inside this process).
 """
 
 from __future__ import annotations
 
 import os
-import runpy
-import sys
-import traceback
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import CapuchinError, ScriptError
+from ..errors import ScriptError
+from ..runmain import run_as_main
 from .schema import FILE_SUFFIX
 
 
@@ -24,31 +20,9 @@ def default_output(script: str | os.PathLike) -> Path:
     return Path(Path(script).stem + FILE_SUFFIX)
 
 
-@contextmanager
-def script_environment(script: Path, args: Sequence[str]):
-    """``sys.argv = [script, *args]`` and the script's folder first on ``sys.path``, restored after."""
-    old_argv, old_path = sys.argv, list(sys.path)
-    sys.argv = [str(script), *args]
-    sys.path.insert(0, str(script.resolve().parent))
-    try:
-        yield
-    finally:
-        sys.argv = old_argv
-        sys.path[:] = old_path
-
-
 def run_script(script: str | os.PathLike, args: Sequence[str] = ()) -> None:
-    """Run ``script`` as ``__main__`` with ``args``. ``sys.exit(0)``/``sys.exit()`` are a normal end;
-    a non-zero exit raises ScriptError; any other exception propagates unchanged."""
-    path = Path(script)
-    if not path.is_file():
-        raise ScriptError(f"{script}: no such script")
-    with script_environment(path, args):
-        try:
-            runpy.run_path(str(path), run_name="__main__")
-        except SystemExit as exc:
-            if exc.code not in (None, 0):
-                raise ScriptError(f"{script}: the script exited with status {exc.code}") from None
+    """Run ``script`` as ``__main__`` with ``args`` (``runmain.run_as_main``)."""
+    run_as_main(script, args)
 
 
 def trace_script(script: str | os.PathLike, args: Sequence[str] = (), *,
@@ -70,30 +44,6 @@ def trace_script(script: str | os.PathLike, args: Sequence[str] = (), *,
     kwargs = {"log": log} if log is not None else {}
     tracer = Tracer(out, iterations=iterations, warmup=warmup, device=device, force=force,
                     script=str(script), argv=list(args), **kwargs)
-    try:
-        with tracer:
-            run_script(path, args)
-    except (CapuchinError, KeyboardInterrupt):
-        raise
-    except BaseException as exc:  # the script itself failed
-        _print_script_traceback(exc, path)
-        raise ScriptError(f"{script} raised {type(exc).__name__}: {_first_line(exc)}; "
-                          "no trace written") from None
+    with tracer:
+        run_as_main(path, args, consequence="; no trace written")
     return out
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else "(no message)"
-
-
-def _print_script_traceback(exc: BaseException, script: Path) -> None:
-    """The script's traceback, without the frames of capuchin and runpy above it."""
-    tb = exc.__traceback__
-    target = str(script.resolve())
-    frames = tb
-    while frames is not None and os.path.abspath(frames.tb_frame.f_code.co_filename) != target:
-        frames = frames.tb_next
-    lines = traceback.format_exception(type(exc), exc, frames if frames is not None else tb)
-    sys.stderr.write("".join(lines))
-    sys.stderr.flush()
