@@ -299,6 +299,7 @@ class DynamicGuard(BudgetGuard):
                         deps.append(storage_key(e.storage))
             for root in self._live_roots(deps) if deps else ():
                 self.bring_back([*keys, root])  # one at a time: each frees what only it pins
+                ex.stats.cow_restores += 1
             self.bring_back(keys)
         pkey, out_bytes = self.memory.predict(func, args, kwargs)
         out_bytes += self.memory.scratch(name, flat, out_bytes)
@@ -493,6 +494,8 @@ class DynamicGuard(BudgetGuard):
         tr.engine.stats = ex.stats
         tr.engine.ensure_resident = ex.ensure_resident
         tr.engine.replay(e.decision, st, e.nbytes, {})
+        if self.budget_bytes is not None:  # unbudgeted paths (step end) count what they cost
+            self.short(self.resident_bytes() + e.nbytes - self.budget_bytes)
         key = storage_key(st)
         node = tr.node.pop(key, None)
         if node is not None:
