@@ -278,7 +278,8 @@ class DynamicGuard(BudgetGuard):
             raise ValueError(f"remat must be one of {', '.join(REMAT)}, not {remat!r}")
         self.tracker = DynamicTracker(budget_bytes, device, memory)
         self.remat = remat
-        self.bandwidth = float(bandwidth_bytes_per_s)  # host copies, refined by measurement
+        # host copies out and back (bytes/s), refined by the measured swaps
+        self.bw_out = self.bw_in = float(bandwidth_bytes_per_s)
         self.writing: set[int] = set()  # storages the op being prepared writes
         self.n_entries = 0
 
@@ -357,7 +358,7 @@ class DynamicGuard(BudgetGuard):
         ex = self.ex
         cands = []
         dev = self.device_type
-        swap_s_per_byte = 2.0 / self.bandwidth
+        swap_s_per_byte = 1.0 / self.bw_out + 1.0 / self.bw_in
         for key, (ref, n) in tr.lru.items():
             if n == 0 or key in protect or key not in tr.in_iteration or key in ex.entries:
                 continue
@@ -438,7 +439,7 @@ class DynamicGuard(BudgetGuard):
         ex.stats.stall_s += self.swap.evict_now(e)
         dt = time.perf_counter() - t0
         if dt > 0 and n >= 1 << 16:  # measured bandwidth, smoothed
-            self.bandwidth = 0.8 * self.bandwidth + 0.2 * (n / dt)
+            self.bw_out = 0.8 * self.bw_out + 0.2 * (n / dt)
         self.tracker.evicted(key)
         ex.stats.passive_evictions += 1
         ex.stats.dynamic_swaps += 1
@@ -480,7 +481,11 @@ class DynamicGuard(BudgetGuard):
             if not e.swap:
                 need = max(need, e.extra.get("own_out", 0)) + e.extra.get("transient", 0)
             self.enforce(protect, need)
+            t0 = time.perf_counter()
             ex.restore(e)
+            dt = time.perf_counter() - t0
+            if e.swap and dt > 0 and e.nbytes >= 1 << 16:  # measured, smoothed
+                self.bw_in = 0.8 * self.bw_in + 0.2 * (e.nbytes / dt)
 
     def replay(self, e: Entry) -> None:
         """Regenerate dropped ``e`` (the executor's restore of a DYNAMIC entry)."""
