@@ -134,30 +134,59 @@ class DynamicTracker(PassiveTracker):
             la[key] = self.clock
 
     # ---- recording (every op while dynamic mode is on) ----------------------------------------
-    def record(self, func, args: tuple, kwargs: dict, flat: list, written: tuple,
-               seeded: bool) -> Record | None:
-        """Record the op about to run (its RNG state now); None if an argument has no storage."""
-        self.serial += 1
-        slots = []
-        epoch = self.engine.epoch
-        for t in flat:
-            try:
-                st = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                return None
-            tag = getattr(st, _NAME_ATTR, None)
-            slots.append(_Slot(t, tag[1] if tag is not None and tag[0] == epoch else None, False))
-        counter = [0]
-        return Record(self.serial, func, _template(tuple(args), counter),
-                      _template(dict(kwargs), counter), slots, tuple(written), [],
-                      _capture_rng(func, args, kwargs, flat) if seeded else None)
+    def prepare(self, func, args: tuple, kwargs: dict, flat: list, written: tuple,
+                seeded: bool) -> tuple:
+        """Before the op runs: what a record needs then (the RNG state of a seeded op, the views
+        of the arguments it writes). The record itself is made after it ran, and only if it
+        allocated or extended a storage's chain (views and reads are never recorded)."""
+        try:
+            wslots = {a: self._slot(flat[a]) for a in written}
+        except (RuntimeError, NotImplementedError):
+            wslots = None
+        rng = _capture_rng(func, args, kwargs, flat) if seeded else None
+        return func, args, kwargs, flat, tuple(written), rng, wslots
 
-    def recorded(self, rec: Record, dt: float, outs: list, in_keys: set) -> None:
+    def _slot(self, t) -> _Slot:
+        tag = getattr(t.untyped_storage(), _NAME_ATTR, None)
+        return _Slot(t, tag[1] if tag is not None and tag[0] == self.engine.epoch else None,
+                     False)
+
+    def recorded(self, pending: tuple, dt: float, outs: list, in_keys: set) -> None:
         """The op ran (``dt`` seconds): name the storages it allocated, give them (or the
         storages it wrote) their chain, cost and neighbours."""
-        replayable = rec.func.namespace not in _COLLECTIVES
-        for a in rec.written:  # the write counts the op left (the executor bumped them)
-            s = rec.slots[a]
+        func, args, kwargs, flat, written, rng, wslots = pending
+        if wslots is None:
+            return
+        chain = self.chain
+        fresh = False
+        for t in outs:
+            try:
+                key = storage_key(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                continue
+            if key not in in_keys and key in self.in_iteration and key not in chain:
+                fresh = True
+                break
+        if not fresh:
+            for a in written:
+                try:
+                    if storage_key(flat[a].untyped_storage()) in chain:
+                        break
+                except (RuntimeError, NotImplementedError):
+                    continue
+            else:
+                return  # a view, a read, or a write to storages nobody replays
+        try:
+            slots = [wslots[a] if a in wslots else self._slot(t) for a, t in enumerate(flat)]
+        except (RuntimeError, NotImplementedError):
+            return
+        self.serial += 1
+        counter = [0]
+        rec = Record(self.serial, func, _template(tuple(args), counter),
+                     _template(dict(kwargs), counter), slots, written, [], rng)
+        replayable = func.namespace not in _COLLECTIVES
+        for a in written:  # the write counts the op left (the executor bumped them)
+            s = slots[a]
             st = s.weak()
             if st is not None:
                 s.writes = writes(st)
@@ -306,15 +335,14 @@ class DynamicGuard(BudgetGuard):
         out_bytes += self.memory.scratch(name, flat, out_bytes)
         self.enforce(set(keys), out_bytes + ex.coming_back(keys))
         self.writing = set()
-        rec = tr.record(func, args, kwargs, flat, written, info.seeded)
-        return pkey, rec, time.perf_counter()
+        pending = tr.prepare(func, args, kwargs, flat, written, info.seeded)
+        return pkey, pending, time.perf_counter()
 
     def after_op(self, outs: list, in_keys: set, token) -> None:
-        pkey, rec, t0 = token
+        pkey, pending, t0 = token
         dt = time.perf_counter() - t0
         self.tracker.track_outputs(outs, in_keys, pkey)
-        if rec is not None:
-            self.tracker.recorded(rec, dt, outs, in_keys)
+        self.tracker.recorded(pending, dt, outs, in_keys)
         self.enforce(in_keys | {k for k, _ in storages(outs)})
 
     def stays_out(self, e: Entry) -> bool:
@@ -366,28 +394,31 @@ class DynamicGuard(BudgetGuard):
             if st is None or st.nbytes() == 0 or not st.resizable() or st.device.type != dev:
                 continue
             c_swap = n * swap_s_per_byte
-            plan = None
-            if self.remat != "swap" and key in tr.chain:
-                plan = tr.replay_plan(key)
-                if plan is not None and self.writing and not self.writing.isdisjoint(plan[1]):
-                    plan = None  # its source is about to be written (R3 would undo it)
+            # ranked by the chain's own cost (a lower bound: regenerated dead sources add to
+            # it); whether and at what cost it replays is checked for the chosen ones only
+            drop = self.remat != "swap" and key in tr.chain
             cost = c_swap
-            if plan is not None:
-                c_drop = plan[2] + tr.neighbourhood_s(key)
+            if drop:
+                c_drop = tr.cost_s[key] + tr.neighbourhood_s(key)
                 if self.remat == "auto" and c_drop >= c_swap:
-                    plan = None
+                    drop = False
                 else:
                     cost = c_drop
             stale = max(1, tr.clock - tr.last_access.get(key, 0))
-            cands.append((cost / (n * stale), key, st, n, plan is not None))
+            cands.append((cost / (n * stale), key, st, n, drop, c_swap))
         cands.sort(key=lambda c: c[0])
         got = 0
-        for _, key, st, n, drop in cands:
+        for _, key, st, n, drop, c_swap in cands:
             if got >= need:
                 break
             if st.nbytes() == 0 or key in ex.entries:
                 continue
-            plan = tr.replay_plan(key) if drop else None  # an earlier eviction may change it
+            plan = tr.replay_plan(key) if drop else None
+            if plan is not None and self.writing and not self.writing.isdisjoint(plan[1]):
+                plan = None  # a source is about to be written (R3 would bring it back at once)
+            if plan is not None and self.remat == "auto" \
+                    and plan[2] + tr.neighbourhood_s(key) >= c_swap:
+                plan = None  # the dead sources it regenerates make it dearer than a swap
             if plan is not None:
                 self._drop(key, st, n, plan)
             else:
