@@ -195,3 +195,21 @@ def test_hugging_face_bert_at_half_its_peak_trains_bitwise_within_budget():
     for s in its:
         assert s.passive_short_bytes == 0, s
         assert s.peak_bytes <= SLACK * budget, (s.iteration, s.peak_bytes, budget)
+
+
+@pytest.mark.parametrize("eviction", ["dtr", "lru"])
+def test_cli_run_with_only_a_budget_uses_dynamic_mode(tmp_path, eviction):
+    import json
+
+    from capuchin.cli import main
+    from click.testing import CliRunner
+
+    rep = tmp_path / "report.json"
+    r = CliRunner().invoke(main, ["run", "--budget", "12MiB", "--no-measure", "--eviction",
+                                  eviction, "--report", str(rep), str(TRACES / "mlp.py"),
+                                  "--steps", "2"])
+    assert r.exit_code == 0, r.output
+    its = json.loads(rep.read_text())["iterations"]
+    assert sum(i["passive_evictions"] for i in its) > 0
+    dyn = sum(i["dynamic_drops"] + i["dynamic_swaps"] for i in its)
+    assert (dyn > 0) if eviction == "dtr" else (dyn == 0)
