@@ -48,6 +48,7 @@ MIB = 2**20
 def _bundled(name: str):
     def train(steps: int, context=None) -> None:
         run_example(TRACES / f"{name}.py", ["--steps", str(steps)], context)
+
     return train
 
 
@@ -60,13 +61,20 @@ def _hf(kind: str):
             torch.manual_seed(0)
             if kind == "bert":
                 cfg = transformers.BertConfig(
-                    vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    intermediate_size=512, max_position_embeddings=128,
-                    hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+                    vocab_size=1000,
+                    hidden_size=128,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    intermediate_size=512,
+                    max_position_embeddings=128,
+                    hidden_dropout_prob=0.1,
+                    attention_probs_dropout_prob=0.1,
+                )
                 model = transformers.BertForMaskedLM(cfg)
             else:
-                cfg = transformers.GPT2Config(vocab_size=1000, n_positions=128, n_embd=128,
-                                              n_layer=2, n_head=4)
+                cfg = transformers.GPT2Config(
+                    vocab_size=1000, n_positions=128, n_embd=128, n_layer=2, n_head=4
+                )
                 model = transformers.GPT2LMHeadModel(cfg)
             model.train()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -76,11 +84,17 @@ def _hf(kind: str):
                 opt.zero_grad()
                 out.loss.backward()
                 opt.step()
+
     return train
 
 
-WORKLOADS = {"cnn": _bundled("cnn"), "transformer": _bundled("transformer"),
-             "mlp": _bundled("mlp"), "bert": _hf("bert"), "gpt2": _hf("gpt2")}
+WORKLOADS = {
+    "cnn": _bundled("cnn"),
+    "transformer": _bundled("transformer"),
+    "mlp": _bundled("mlp"),
+    "bert": _hf("bert"),
+    "gpt2": _hf("gpt2"),
+}
 
 
 def trace_of(name: str, tmp: Path) -> Path:
@@ -88,8 +102,10 @@ def trace_of(name: str, tmp: Path) -> Path:
     if bundled.exists():
         return bundled
     out = tmp / f"{name}.trace.parquet"
-    with contextlib.redirect_stdout(io.StringIO()), \
-            capuchin.Tracer(out, iterations=2, warmup=1, device="cpu", log=None):
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        capuchin.Tracer(out, iterations=2, warmup=1, device="cpu", log=None),
+    ):
         WORKLOADS[name](4)
     return out
 
@@ -113,12 +129,14 @@ def measured(make_runtime, train, steps: int) -> dict:
     rt = make_runtime(True)
     train(steps, rt)
     its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
-    return {"peak": max(s.peak_bytes for s in its),
-            "short": max(s.passive_short_bytes for s in its),
-            "evictions": sum(s.passive_evictions + s.evictions for s in its) / len(its),
-            "swapped": sum(s.swapped_out_bytes for s in its) / len(its),
-            "drops": sum(s.dynamic_drops for s in its) / len(its),
-            "replayed": sum(s.recomputed_ops for s in its) / len(its)}
+    return {
+        "peak": max(s.peak_bytes for s in its),
+        "short": max(s.passive_short_bytes for s in its),
+        "evictions": sum(s.passive_evictions + s.evictions for s in its) / len(its),
+        "swapped": sum(s.swapped_out_bytes for s in its) / len(its),
+        "drops": sum(s.dynamic_drops for s in its) / len(its),
+        "replayed": sum(s.recomputed_ops for s in its) / len(its),
+    }
 
 
 def main() -> None:
@@ -140,8 +158,9 @@ def main() -> None:
                 budget = peak * pct // 100
                 modes = {
                     "dynamic": lambda m, b=budget: Runtime(budget_bytes=b, measure_memory=m),
-                    "lru": lambda m, b=budget: Runtime(budget_bytes=b, measure_memory=m,
-                                                       eviction="lru"),
+                    "lru": lambda m, b=budget: Runtime(
+                        budget_bytes=b, measure_memory=m, eviction="lru"
+                    ),
                 }
                 note = ""
                 try:
@@ -150,8 +169,9 @@ def main() -> None:
                 except InfeasibleBudgetError as exc:
                     note = f"plan infeasible (smallest {exc.smallest_feasible_bytes / MIB:.1f} MiB)"
                 try:
-                    sim = capuchin.make_plan(problem, budget=budget, policy="dtr",
-                                             allow_infeasible=True).predictions
+                    sim = capuchin.make_plan(
+                        problem, budget=budget, policy="dtr", allow_infeasible=True
+                    ).predictions
                     sim_x = 1 + sim.predicted_overhead
                 except Exception as exc:  # the simulated policy may fail at low budgets
                     sim_x = float("nan")
@@ -167,26 +187,32 @@ def main() -> None:
                     rows.append((name, pct, budget, mode, t, t / best["plain"], m, sim_x, note))
                     print(_fmt(rows[-1]), file=sys.stderr, flush=True)
     load = os.getloadavg()
-    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; torch {torch.__version__}; "
-          f"threads {torch.get_num_threads()}; steps {args.steps}")
+    print(
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; torch {torch.__version__}; "
+        f"threads {torch.get_num_threads()}; steps {args.steps}"
+    )
     print(_HEADER)
     for r in rows:
         print(_fmt(r))
 
 
-_HEADER = ("| workload | budget | mode | step ms | x plain | peak MiB | peak/budget | "
-           "short MiB | evictions/it | drops/it | swapped MiB/it | replayed ops/it | "
-           "dtr sim x | note |\n"
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+_HEADER = (
+    "| workload | budget | mode | step ms | x plain | peak MiB | peak/budget | "
+    "short MiB | evictions/it | drops/it | swapped MiB/it | replayed ops/it | "
+    "dtr sim x | note |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def _fmt(r) -> str:
     name, pct, budget, mode, t, x, m, sim_x, note = r
-    return (f"| {name} | {pct}% ({budget / MIB:.1f} MiB) | {mode} | {t * 1e3:.1f} | {x:.2f} | "
-            f"{m['peak'] / MIB:.1f} | {m['peak'] / budget:.2f} | {m['short'] / MIB:.1f} | "
-            f"{m['evictions']:.0f} | {m['drops']:.0f} | {m['swapped'] / MIB:.1f} | "
-            f"{m['replayed']:.0f} | {sim_x:.2f} | "
-            f"{note} |")
+    return (
+        f"| {name} | {pct}% ({budget / MIB:.1f} MiB) | {mode} | {t * 1e3:.1f} | {x:.2f} | "
+        f"{m['peak'] / MIB:.1f} | {m['peak'] / budget:.2f} | {m['short'] / MIB:.1f} | "
+        f"{m['evictions']:.0f} | {m['drops']:.0f} | {m['swapped'] / MIB:.1f} | "
+        f"{m['replayed']:.0f} | {sim_x:.2f} | "
+        f"{note} |"
+    )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from ..planner.plan import Decision, Method
 from ..tracer.hooks import op_info, written_inputs
 from .backend import byte_view
 from .passive import BudgetGuard, PassiveTracker
-from .recompute import Record, RecomputeEngine, _capture_rng, _Slot, _template
+from .recompute import RecomputeEngine, Record, _capture_rng, _Slot, _template
 from .state import Entry, Reason, Residency, resize, storage_key, storages, writes
 
 MAX_CHAIN = 64  # ops in one storage's chain (producer + in-place writes); longer: swap only
@@ -104,8 +104,17 @@ class DynamicTracker(PassiveTracker):
 
     def new_iteration(self) -> None:
         super().new_iteration()
-        for d in (self.chain, self.cost_s, self.sid, self.wcount, self.parents, self.children,
-                  self.node, self.new_out, self.ghost):
+        for d in (
+            self.chain,
+            self.cost_s,
+            self.sid,
+            self.wcount,
+            self.parents,
+            self.children,
+            self.node,
+            self.new_out,
+            self.ghost,
+        ):
             d.clear()
         self.engine.reset()
 
@@ -124,6 +133,7 @@ class DynamicTracker(PassiveTracker):
             self.children.pop(key, None)
             self.node.pop(key, None)
             self.last_access.pop(key, None)
+
         return cb
 
     def touch(self, keys) -> None:
@@ -134,8 +144,9 @@ class DynamicTracker(PassiveTracker):
             la[key] = self.clock
 
     # ---- recording (every op while dynamic mode is on) ----------------------------------------
-    def prepare(self, func, args: tuple, kwargs: dict, flat: list, written: tuple,
-                seeded: bool) -> tuple:
+    def prepare(
+        self, func, args: tuple, kwargs: dict, flat: list, written: tuple, seeded: bool
+    ) -> tuple:
         """Before the op runs: what a record needs then (the RNG state of a seeded op, the views
         of the arguments it writes). The record itself is made after it ran, and only if it
         allocated or extended a storage's chain (views and reads are never recorded)."""
@@ -148,8 +159,7 @@ class DynamicTracker(PassiveTracker):
 
     def _slot(self, t) -> _Slot:
         tag = getattr(t.untyped_storage(), _NAME_ATTR, None)
-        return _Slot(t, tag[1] if tag is not None and tag[0] == self.engine.epoch else None,
-                     False)
+        return _Slot(t, tag[1] if tag is not None and tag[0] == self.engine.epoch else None, False)
 
     def recorded(self, pending: tuple, dt: float, outs: list, in_keys: set) -> None:
         """The op ran (``dt`` seconds): name the storages it allocated, give them (or the
@@ -182,8 +192,16 @@ class DynamicTracker(PassiveTracker):
             return
         self.serial += 1
         counter = [0]
-        rec = Record(self.serial, func, _template(tuple(args), counter),
-                     _template(dict(kwargs), counter), slots, written, [], rng)
+        rec = Record(
+            self.serial,
+            func,
+            _template(tuple(args), counter),
+            _template(dict(kwargs), counter),
+            slots,
+            written,
+            [],
+            rng,
+        )
         replayable = func.namespace not in _COLLECTIVES
         for a in written:  # the write counts the op left (the executor bumped them)
             s = slots[a]
@@ -300,8 +318,16 @@ class DynamicGuard(BudgetGuard):
     ``remat``: "auto" (drop or swap, whichever the measured costs make cheaper), "recompute"
     (drop whatever can be replayed exactly), "swap" (never drop: DTR's victims, swapped)."""
 
-    def __init__(self, budget_bytes: int | None, device: torch.device, memory, swap, executor,
-                 bandwidth_bytes_per_s: float = 12e9, remat: str = "auto"):
+    def __init__(
+        self,
+        budget_bytes: int | None,
+        device: torch.device,
+        memory,
+        swap,
+        executor,
+        bandwidth_bytes_per_s: float = 12e9,
+        remat: str = "auto",
+    ):
         super().__init__(budget_bytes, device, memory, swap, executor)
         if remat not in REMAT:
             raise ValueError(f"remat must be one of {', '.join(REMAT)}, not {remat!r}")
@@ -310,6 +336,7 @@ class DynamicGuard(BudgetGuard):
         # host copies out and back (bytes/s), refined by the measured swaps
         self.bw_out = self.bw_in = float(bandwidth_bytes_per_s)
         self.writing: set[int] = set()  # storages the op being prepared writes
+        self.replay_op_s = 0.0  # measured cost of a replay beyond its ops' own times, per op
         self.n_entries = 0
 
     # ---- per op -----------------------------------------------------------------------------------
@@ -350,8 +377,13 @@ class DynamicGuard(BudgetGuard):
         replay, freed by the script) stays dropped at step end: a replay that reads it brings
         it back first, and it is freed with the last entry that pins it."""
         st = e.storage
-        return (e.reason is Reason.DYNAMIC and st is not None and not e.swap
-                and e.state is Residency.OUT and torch._C._storage_Use_Count(st._cdata) <= 1)
+        return (
+            e.reason is Reason.DYNAMIC
+            and st is not None
+            and not e.swap
+            and e.state is Residency.OUT
+            and torch._C._storage_Use_Count(st._cdata) <= 1
+        )
 
     def _live_roots(self, keys: list) -> list:
         """The dropped storages the script still holds that need ``keys`` (themselves, or
@@ -399,7 +431,9 @@ class DynamicGuard(BudgetGuard):
             drop = self.remat != "swap" and key in tr.chain
             cost = c_swap
             if drop:
-                c_drop = tr.cost_s[key] + tr.neighbourhood_s(key)
+                c_drop = (
+                    tr.cost_s[key] + self.replay_op_s * len(tr.chain[key]) + tr.neighbourhood_s(key)
+                )
                 if self.remat == "auto" and c_drop >= c_swap:
                     drop = False
                 else:
@@ -416,8 +450,11 @@ class DynamicGuard(BudgetGuard):
             plan = tr.replay_plan(key) if drop else None
             if plan is not None and self.writing and not self.writing.isdisjoint(plan[1]):
                 plan = None  # a source is about to be written (R3 would bring it back at once)
-            if plan is not None and self.remat == "auto" \
-                    and plan[2] + tr.neighbourhood_s(key) >= c_swap:
+            if (
+                plan is not None
+                and self.remat == "auto"
+                and plan[2] + tr.neighbourhood_s(key) + self.replay_op_s * len(plan[0]) >= c_swap
+            ):
                 plan = None  # the dead sources it regenerates make it dearer than a swap
             if plan is not None:
                 self._drop(key, st, n, plan)
@@ -429,8 +466,9 @@ class DynamicGuard(BudgetGuard):
     def _entry(self, key: int, st, n: int, swap: bool, d: Decision | None) -> Entry:
         self.n_entries += 1
         ex = self.ex
-        e = Entry(f"dtr:{self.n_entries}", weakref.ref(st, ex.died(key)), n, swap,
-                  Reason.DYNAMIC, d)
+        e = Entry(
+            f"dtr:{self.n_entries}", weakref.ref(st, ex.died(key)), n, swap, Reason.DYNAMIC, d
+        )
         if ex.rt.verify:
             with _disable_current_modes():
                 e.extra["copy"] = byte_view(st).clone()
@@ -443,12 +481,14 @@ class DynamicGuard(BudgetGuard):
         recs, srcs, cost, extra = plan
         for r in recs:
             tr.engine.records[r.op_index] = r
-        d = Decision(tr.sid[key], Method.RECOMPUTE, n, 0, 0,
-                     replay_ops=tuple(r.op_index for r in recs))
+        d = Decision(
+            tr.sid[key], Method.RECOMPUTE, n, 0, 0, replay_ops=tuple(r.op_index for r in recs)
+        )
         e = self._entry(key, st, n, False, d)
         e.extra["pins"] = list(srcs.values())  # the replay's sources stay alive (countable)
         e.extra["recs"] = recs  # and so do the ghosts' records
         e.extra["transient"] = extra
+        e.extra["cost_s"] = cost
         e.extra["own_out"] = tr.new_out.get(tr.chain[key][0].op_index, n)
         for k in srcs:
             ex.dependents.setdefault(k, set()).add(e.sid)  # R3
@@ -529,7 +569,12 @@ class DynamicGuard(BudgetGuard):
         tr = self.tracker
         tr.engine.stats = ex.stats
         tr.engine.ensure_resident = ex.ensure_resident
+        t0 = time.perf_counter()
         tr.engine.replay(e.decision, st, e.nbytes, {})
+        ops = e.extra.get("recs", ())
+        if ops:  # what a replay costs beyond the ops' measured times (smoothed)
+            extra = (time.perf_counter() - t0 - e.extra.get("cost_s", 0.0)) / len(ops)
+            self.replay_op_s = max(0.0, 0.8 * self.replay_op_s + 0.2 * extra)
         if self.budget_bytes is not None:  # unbudgeted paths (step end) count what they cost
             self.short(self.resident_bytes() + e.nbytes - self.budget_bytes)
         key = storage_key(st)

@@ -153,10 +153,16 @@ def _train_bert(steps: int, context=None) -> dict[str, torch.Tensor]:
     got: dict[str, torch.Tensor] = {}
     with context or contextlib.nullcontext():
         torch.manual_seed(0)
-        config = BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2,
-                            num_attention_heads=2, intermediate_size=128,
-                            max_position_embeddings=64, hidden_dropout_prob=0.1,
-                            attention_probs_dropout_prob=0.1)
+        config = BertConfig(
+            vocab_size=500,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.1,
+            attention_probs_dropout_prob=0.1,
+        )
         model = BertForMaskedLM(config)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -205,9 +211,22 @@ def test_cli_run_with_only_a_budget_uses_dynamic_mode(tmp_path, eviction):
     from click.testing import CliRunner
 
     rep = tmp_path / "report.json"
-    r = CliRunner().invoke(main, ["run", "--budget", "12MiB", "--no-measure", "--eviction",
-                                  eviction, "--report", str(rep), str(TRACES / "mlp.py"),
-                                  "--steps", "2"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--budget",
+            "12MiB",
+            "--no-measure",
+            "--eviction",
+            eviction,
+            "--report",
+            str(rep),
+            str(TRACES / "mlp.py"),
+            "--steps",
+            "2",
+        ],
+    )
     assert r.exit_code == 0, r.output
     its = json.loads(rep.read_text())["iterations"]
     assert sum(i["passive_evictions"] for i in its) > 0
