@@ -31,6 +31,7 @@ _EXPORTS = {
     "plot_plans": ".planner.views",
     "parse_budget": ".planner.budget",
     "Runtime": ".runtime.engine",
+    "max_batch": ".maxbatch",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -82,10 +82,13 @@ def main() -> None:
               help="Iterations to run before recording.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True, help="Device whose memory and timeline are traced.")
+@click.option("--budget", default=None, metavar="SIZE",
+              help="Trace within SIZE of device memory (8G, 512MiB, bytes) by passive eviction; "
+                   "the trace still records the unmanaged program.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @_errors_to_exit
-def trace(output, force, iterations, warmup, device, script, script_args):
+def trace(output, force, iterations, warmup, device, budget, script, script_args):
     """Record a tensor access trace of an unmodified training SCRIPT.
 
     SCRIPT runs as `python SCRIPT SCRIPT_ARGS...` would; iterations are delimited by optimizer
@@ -94,11 +97,19 @@ def trace(output, force, iterations, warmup, device, script, script_args):
     """
     from .tracer.script import default_output, trace_script
 
+    budget_bytes = None
+    if budget is not None:
+        from .planner.budget import BudgetError, parse_budget
+
+        if str(budget).strip().endswith("%"):
+            raise BudgetError(f"--budget {budget}: a percentage needs a peak, and tracing is what "
+                              "measures it; give a size (8G, 512MiB, bytes)")
+        budget_bytes = parse_budget(budget)
     if script_args[:1] == ("--",):  # `capuchin trace train.py -- --lr 0.1`: the separator is ours
         script_args = script_args[1:]
     out = output if output is not None else default_output(script)
     path = trace_script(script, list(script_args), output=out, iterations=iterations,
-                        warmup=warmup, device=device, force=force)
+                        warmup=warmup, device=device, force=force, budget_bytes=budget_bytes)
     click.echo(f"capuchin: wrote {path}", err=True)
 # CLI-TRACE-END
 
@@ -292,6 +303,69 @@ def run(plan, budget, report, force, no_measure, eviction, script, script_args):
     if report:
         click.echo(f"wrote {report}")
 # CLI-RUN-END
+
+
+
+
+# ---- max-batch ------------------------------------------------------------------------------
+# CLI-MAX-BATCH-BEGIN
+@main.command("max-batch", context_settings={"ignore_unknown_options": True,
+                                             "allow_interspersed_args": False})
+@click.option("--memory", required=True, metavar="SIZE",
+              help="Device memory to fit: 8G / 8GiB (2^30), 8GB (10^9), 512M, bytes.")
+@click.option("--arg", "arg", required=True, metavar="NAME",
+              help="The script's option to maximize, e.g. --batch (appended as NAME VALUE).")
+@click.option("--policy", default="capuchin", show_default=True,
+              help="The chosen policy (its largest value is verified by a real run).")
+@click.option("--compare", default="checkpoint-sqrt,dtr,swap,recompute", show_default=True,
+              metavar="P[,P...]", help="Comparison policies also searched ('' for none).")
+@click.option("--max-overhead", default=None, metavar="PCT",
+              help="Largest predicted overhead accepted (20% or 20) [default: no limit].")
+@click.option("--min", "min_value", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Smallest value tried (the doubling starts here).")
+@click.option("--max", "max_value", type=click.IntRange(min=1), default=65536, show_default=True,
+              help="Largest value tried.")
+@click.option("--steps", type=click.IntRange(min=2), default=5, show_default=True,
+              help="Optimizer steps of the verifying run.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True, help="Device whose memory is fitted.")
+@click.option("--time-all", is_flag=True,
+              help="Also run every compared policy at its own largest value (time per sample).")
+@click.option("--no-verify", is_flag=True, help="Skip the verifying run.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.argument("script", type=click.Path(dir_okay=False))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+@_errors_to_exit
+def max_batch_cmd(memory, arg, policy, compare, max_overhead, min_value, max_value, steps, device,
+                  time_all, no_verify, as_json, script, script_args):
+    """Find the largest value of SCRIPT's option --arg that trains within --memory.
+
+    Each candidate is traced under the memory cap and planned at it; search by doubling, then
+    bisection. Reports the largest value unmanaged, under each compared policy and under the
+    chosen one, then verifies the chosen one with a real run (measured peak, time per sample vs
+    unmanaged at its own largest value). Options after SCRIPT are the script's.
+    """
+    import json
+
+    from .maxbatch import max_batch
+
+    overhead = None
+    if max_overhead is not None:
+        text = str(max_overhead).strip().rstrip("%")
+        try:
+            overhead = float(text) / 100
+        except ValueError:
+            raise CapuchinError(f"--max-overhead {max_overhead}: expected a percentage like 20% "
+                                "or 20") from None
+    if script_args[:1] == ("--",):
+        script_args = script_args[1:]
+    result = max_batch(script, list(script_args), memory=memory, arg=arg, policy=policy,
+                       max_overhead=overhead, min_value=min_value, max_value=max_value,
+                       steps=steps, device=device,
+                       compare=[p for p in compare.split(",") if p.strip()],
+                       verify=not no_verify, time_all=time_all)
+    click.echo(json.dumps(result.to_dict(), sort_keys=True) if as_json else result.summary())
+# CLI-MAX-BATCH-END
 
 
 if __name__ == "__main__":

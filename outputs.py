@@ -5,13 +5,16 @@ never replaced without ``force``. No torch.
 # A command calls ``check_output`` on each file it will write before it does any work (tracing,
 # planning, training), so that a bad path costs nothing: the path must not be a folder nor one of
 # the command's inputs (not even with --force: the input is read while the output is written),
-# must not exist unless ``force``, must have a suffix the writer understands, and its folder must
-# be one where a file can be created (probed by creating and removing a temporary file: as root,
-# ``os.access`` says yes on read-only file systems and in /proc).
+# must not exist unless ``force``, must have a suffix the writer understands, and its folder (or
+# the nearest existing one above it, where the writer will create it) must be one where a file can
+# be created (probed by creating and removing a temporary file: as root, ``os.access`` says yes on
+# read-only file systems and in /proc).
 #
 # ``atomic_write`` then writes through a hidden temporary file ``.NAME.XXXXXXXX.tmp`` in the same
 # folder, which is removed on any exit from the block: an exception, KeyboardInterrupt (SIGINT),
-# and SIGTERM once ``raise_on_sigterm`` has turned it into ``Terminated``. The file gets the mode a
+# and SIGTERM, which the command turns into ``Terminated`` (``raise_on_sigterm``) and which
+# ``atomic_write`` itself catches while it writes where nothing else handles it (a script using
+# ``capuchin.Tracer``), to remove the temporary file before the process dies of it. The file gets the mode a
 # new file would (``0o666 & ~umask``; mkstemp's is owner-only), then:
 #   - with ``force``: ``os.replace`` (atomic; readers see the old file or the new one);
 #   - without: ``os.link(tmp, path)`` and unlink the temporary. ``link`` fails when ``path``
@@ -77,11 +80,7 @@ def check_output(path: str | os.PathLike, *, force: bool = False,
         existing = existing.parent
     if not existing.is_dir():
         raise CapuchinError(f"{p}: {existing} is not a folder")
-    if existing == folder:
-        _probe(folder, p)
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        raise CapuchinError(f"{p}: cannot create folder {folder} (no write permission in "
-                            f"{existing})")
+    _probe(existing, p)  # the folder, or where the writer will create it
     return p
 
 
@@ -117,6 +116,7 @@ def atomic_write(path: str | os.PathLike, *, force: bool = True) -> Iterator[Pat
                             f"({exc.strerror or exc})") from None
     os.close(fd)
     tmp = Path(name)
+    previous = _catch_default_sigterm()
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
@@ -124,8 +124,29 @@ def atomic_write(path: str | os.PathLike, *, force: bool = True) -> Iterator[Pat
             os.replace(tmp, path)
         else:
             _link_no_clobber(tmp, path)
+    except Terminated:
+        if previous is not None:  # we caught it: die of it, as the process would have
+            tmp.unlink(missing_ok=True)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
+        restore_sigterm(previous)
+
+
+def _catch_default_sigterm():
+    """Where SIGTERM would kill the process outright (the default handler, in the main thread:
+    a library user's script), catch it while a file is written so that the temporary file is
+    removed first; ``atomic_write`` then lets SIGTERM kill the process. Returns the handler to
+    restore, or None when nothing was changed (the command's ``raise_on_sigterm`` or the
+    user's own handler is in place)."""
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return None
+    except ValueError:
+        return None
+    return raise_on_sigterm()
 
 
 def _link_no_clobber(tmp: Path, path: Path) -> None:
@@ -159,10 +180,17 @@ def _umask() -> int:
 
 def raise_on_sigterm():
     """Make SIGTERM raise ``Terminated`` in the main thread, so that ``finally`` blocks (the
-    temporary files of ``atomic_write``) run as they do for SIGINT. Returns the previous handler
+    temporary files of ``atomic_write``) run as they do for SIGINT; forked children die of it as
+    they would have without the handler. Returns the previous handler
     for ``restore_sigterm`` (None outside the main thread, where nothing changes)."""
 
+    pid = os.getpid()
+
     def handler(signum, frame):
+        if os.getpid() != pid:  # a forked child (a bounded solve, a DataLoader worker): die
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as it would have without us
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         raise Terminated(signum)
 
     try:

@@ -30,8 +30,11 @@ import time
 import zipfile
 from pathlib import Path
 
+from capuchin.outputs import atomic_write
+from capuchin.tracer.dtr_import import dtr_logs_path
+
 ROOT = Path(__file__).resolve().parent.parent
-DTR_ZIP = Path("/work/shared/data/dtr-logs.zip")
+DTR_ZIP = dtr_logs_path()
 FRACTIONS = (0.8, 0.6, 0.4)
 HEURISTICS = ("swap", "recompute", "dtr", "checkpoint-sqrt", "checkpoint-speed", "vdnn")
 
@@ -206,13 +209,10 @@ def main(argv=None) -> int:
 
 
 def _write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_csv = path.with_suffix(".csv.tmp")
-    with open(tmp_csv, "w", newline="") as f:
+    with atomic_write(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["trace"])
         w.writeheader()
         w.writerows(rows)
-    tmp_csv.replace(path)
 
 
 _NUMERIC = {"ops": int, "peak_bytes": int, "floor_bytes": int, "budget_bytes": int,

@@ -99,6 +99,12 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
            f"{format_bytes(sim.peak_bytes)}; the smallest budget it reaches is "
            f"{format_bytes(best)} ({best} B); no plan of any policy can go below "
            f"{format_bytes(floor)} (what must stay resident)")
+    reported = plan.provenance.parameters or {}
+    limit, status = reported.get("time_limit_s"), reported.get("status")
+    if limit is not None and status not in ("OPTIMAL", "INFEASIBLE"):
+        msg += (f"; policy {policy!r} stopped at its time limit of {limit:g} s (solver status "
+                f"{status}): these are what it found within it, a longer --time-limit may reach "
+                "lower")
     if allow_infeasible:
         plan.predictions.notes.append(msg)
         return plan

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from .. import __version__
 from .lineage import resolve_recompute
 from .plan import Action, Decision, Method, Plan, Predictions, Provenance, Step
@@ -62,7 +64,8 @@ def build_plan(problem: Problem, decisions: Sequence[Decision], *, policy: str,
     """
     ds = complete_decisions(problem, decisions)
     sim = simulate(problem, ds)
-    ds = [replace(d, predicted_stall_ns=o.stall_ns, predicted_recompute_ns=o.recompute_ns)
+    ds = [replace(d, predicted_stall_ns=o.stall_ns, predicted_recompute_ns=o.recompute_ns,
+                  out_done_op=_out_done_op(sim, d, o))
           for d, o in zip(ds, sim.outcomes, strict=True)]
     feasible = sim.peak_bytes <= budget_bytes
     notes = list(notes)
@@ -81,8 +84,20 @@ def build_plan(problem: Problem, decisions: Sequence[Decision], *, policy: str,
                        feasible=feasible, notes=notes)
     plan = Plan(provenance=prov, predictions=pred, records=ds, ops=problem.op_signatures(),
                 actions=action_table(ds),
-                op_scratch_bytes=[int(o.scratch_bytes) for o in problem.ops])
+                op_scratch_bytes=[int(o.scratch_bytes) for o in problem.ops],
+                op_peak_bytes=[int(b) for b in sim.op_peak_bytes])
     return plan, sim
+
+
+def _out_done_op(sim: SimResult, d: Decision, o) -> int | None:
+    """The first op starting once the simulated swap-out of ``d`` is complete (None: it completes
+    after the back-access's start or the iteration's end, or ``d`` is no swap)."""
+    if d.method != Method.SWAP or o.out_end_ns < 0:
+        return None
+    k = int(np.searchsorted(sim.op_start_ns, o.out_end_ns, side="left"))
+    if k >= len(sim.op_start_ns) or k > d.back_op or k <= d.evict_op:
+        return None
+    return k
 
 
 def policy_parameters(requested: dict[str, Any] | None, decisions: Any) -> dict[str, Any]:

@@ -42,7 +42,9 @@ class CompareRecord:
     ``optimality_gap``/``status``: what the policy reports about its own optimality (the ILP);
     None for heuristics. ``error``: the policy or its plan failed (then ``feasible`` is false).
     ``smallest_feasible_bytes``: the policy's smallest feasible budget (Note [Smallest feasible
-    budget]); None when not searched.
+    budget]); None when not searched. ``time_limit_s``: the time limit of each solve, for
+    policies that report one (the ILP): its results, the smallest budget included, are what it
+    found within that limit.
     """
 
     policy: str
@@ -58,6 +60,7 @@ class CompareRecord:
     status: str | None = None
     error: str | None = None
     smallest_feasible_bytes: int | None = None
+    time_limit_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ def evaluate(problem: Problem, policy: str, budget_bytes: int,
         predicted_peak_bytes=int(sim.peak_bytes), predicted_overhead=float(sim.overhead),
         solve_time_s=round(solve_s, 4), bytes_swapped=int(swapped), ops_recomputed=int(replayed),
         decisions=len(plan.records), optimality_gap=None if gap is None else float(gap),
-        status=reported.get("status"))
+        status=reported.get("status"), time_limit_s=reported.get("time_limit_s"))
     return rec, plan
 
 
@@ -199,6 +202,8 @@ def records_to_json(result: Comparison) -> str:
             del d["status"], d["optimality_gap"]
         if d["error"] is None:
             del d["error"]
+        if d["time_limit_s"] is None:
+            del d["time_limit_s"]
         if isinstance(d["predicted_overhead"], float) and math.isnan(d["predicted_overhead"]):
             d["predicted_overhead"] = None
         out.append(d)
@@ -233,17 +238,29 @@ def format_comparison(result: Comparison) -> str:
                      "to 5,000 ops "
                      "(policies/capuchin.py Note [Targets]): their first budget's solve time "
                      "includes it, later budgets reuse it)")
-    smallest = {}
+    smallest: dict[str, int] = {}
+    limits: dict[str, float] = {}
     for r in result.records:
         if r.smallest_feasible_bytes is not None:
             smallest[r.policy] = r.smallest_feasible_bytes
+        if r.time_limit_s is not None:
+            limits[r.policy] = r.time_limit_s
     if smallest:
         lines.append("")
         lines.append("smallest feasible budget (bisection between the floor and the peak, to 0.5% "
                      "of the peak; an upper bound if a policy is not monotone in the budget):")
-        lines += _table(["policy", "smallest budget", "of peak"],
-                        [[p, format_bytes(b), _pct(b, peak)] for p, b in smallest.items()])
+        lines += _table(["policy", "smallest budget", "of peak", "note"],
+                        [[p, format_bytes(b), _pct(b, peak), _limit_note(limits.get(p), b, peak)]
+                         for p, b in smallest.items()])
     return "\n".join(lines)
+
+
+def _limit_note(limit_s: float | None, smallest: int, peak: int) -> str:
+    """Name the time limit a smallest budget was found within (it may be what limits it)."""
+    if limit_s is None:
+        return ""
+    more = ": nothing below the peak found, try a longer --time-limit" if smallest >= peak else ""
+    return f"within the time limit of {limit_s:g} s per solve{more}"
 
 
 def _budget(b: int, peak: int) -> str:

@@ -59,6 +59,9 @@ class Decision:
     in-place ops that wrote the storage after it, and any evicted intermediates, paper §5.3
     collective recomputation); ``sources`` the storages they read that must be resident;
     ``keep`` the intermediate targets regenerated along the way that the runtime may keep.
+    ``out_done_op`` (swap, written by the planner): the first op that starts after the simulated
+    swap-out completed; the runtime waits for the copy there if it is still running, so memory
+    is never held longer than the plan's curve assumes.
     """
 
     storage_id: str
@@ -73,6 +76,7 @@ class Decision:
     predicted_stall_ns: int = 0  # swap: exposed wait at the back-access (simulated)
     predicted_recompute_ns: int = 0  # recompute: replay time added to compute (simulated)
     wraps: bool = False  # evicted in iteration i, back before ``back_op`` of iteration i+1 (swap only)
+    out_done_op: int | None = None  # swap: the simulated swap-out is complete before this op
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -145,7 +149,8 @@ class Plan:
     ``kind`` names the kind of iteration this plan covers; ``kinds`` holds the plans of the
     trace's other kinds of iteration (each a ``Plan`` sharing this one's provenance, with no
     ``kinds`` of its own). ``op_scratch_bytes`` is the per-op scratch the trace measured (empty:
-    none known). See docs/plan-format.md."""
+    none known); ``op_peak_bytes`` the simulated peak of device memory while each op runs under
+    this plan (empty: not known). See docs/plan-format.md."""
 
     provenance: Provenance
     predictions: Predictions
@@ -155,6 +160,7 @@ class Plan:
     schema_version: int = PLAN_SCHEMA_VERSION
     kind: str = "train"
     op_scratch_bytes: list[int] = field(default_factory=list)
+    op_peak_bytes: list[int] = field(default_factory=list)
     kinds: list[Plan] = field(default_factory=list)
 
     # -- serialization: the only one ------------------------------------------------------
@@ -168,6 +174,7 @@ class Plan:
             "decisions": [d.to_dict() for d in self.records],
             "ops": self.ops,
             "op_scratch_bytes": list(self.op_scratch_bytes),
+            "op_peak_bytes": list(self.op_peak_bytes),
             "actions": [[a.op_index, a.step.value, a.storage_id] for a in self.actions],
         }
 
@@ -194,6 +201,7 @@ class Plan:
             actions=[Action(k, Step(s), sid) for k, s, sid in doc["actions"]],
             kind=doc.get("kind", "train"),
             op_scratch_bytes=list(doc.get("op_scratch_bytes", [])),
+            op_peak_bytes=[int(b) for b in doc.get("op_peak_bytes", [])],
         )
 
     @classmethod
@@ -336,17 +344,22 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _obj(v: Any, where: str, required: dict[str, Any], optional: dict[str, Any]) -> None:
-    """``v`` is an object with the ``required`` keys, maybe the ``optional`` ones, no others;
-    each value checked by its function (called with the value and its path)."""
+def _obj(v: Any, where: str, required: dict[str, Any], optional: dict[str, Any],
+         known: Any = None) -> None:
+    """``v`` is an object with the ``required`` keys and maybe the ``optional`` ones, each value
+    checked by its function (called with the value and its path). ``known``: a dataclass whose
+    fields are the only keys allowed (a field added to it later, with a default, is accepted
+    unchecked); None: other keys are allowed (and ignored by ``from_json``)."""
     if not isinstance(v, dict):
         raise _Bad(where, f"expected an object, got {type(v).__name__}")
     missing = [k for k in required if k not in v]
     if missing:
         raise _Bad(where, f"missing {', '.join(missing)}")
-    unknown = [k for k in v if k not in required and k not in optional]
-    if unknown:
-        raise _Bad(where, f"unknown field(s) {', '.join(map(str, unknown))}")
+    if known is not None:
+        allowed = {f.name for f in fields(known)} | set(required) | set(optional)
+        unknown = [k for k in v if k not in allowed]
+        if unknown:
+            raise _Bad(where, f"unknown field(s) {', '.join(map(str, unknown))}")
     for k, check in {**required, **optional}.items():
         if k in v:
             check(v[k], f"{where}.{k}" if where else k)
@@ -416,19 +429,20 @@ def check_plan_doc(doc: dict[str, Any]) -> None:
                    "ops": _anything, "actions": _anything}
     _obj(doc, "", {"format": _str, "schema_version": _int_min(0), "provenance": _anything,
                    **kind_fields},
-         {"op_scratch_bytes": _anything, "kinds": _list_of(_object)})
-    _obj(doc["provenance"], "provenance", _PROVENANCE, {"capuchin_version": _str})
+         {"op_scratch_bytes": _anything, "op_peak_bytes": _anything, "kinds": _list_of(_object)})
+    _obj(doc["provenance"], "provenance", _PROVENANCE, {"capuchin_version": _str}, Provenance)
     _check_kind(doc, "")
     for i, k in enumerate(doc.get("kinds", [])):
         where = f"kinds[{i}]"
-        _obj(k, where, {**kind_fields, "iteration": _int_min(0)}, {"op_scratch_bytes": _anything})
+        _obj(k, where, {**kind_fields, "iteration": _int_min(0)},
+             {"op_scratch_bytes": _anything, "op_peak_bytes": _anything})
         _check_kind(k, where + ".")
 
 
 def _check_kind(doc: dict[str, Any], at: str) -> None:
     """One kind of iteration: predictions, ops, op_scratch_bytes, decisions, actions, each op
     index within this kind's ``ops`` and each action's storage one of its decisions."""
-    _obj(doc["predictions"], f"{at}predictions", _PREDICTIONS, _PREDICTIONS_OPT)
+    _obj(doc["predictions"], f"{at}predictions", _PREDICTIONS, _PREDICTIONS_OPT, Predictions)
     ops = doc["ops"]
     if not isinstance(ops, list) or not all(
             isinstance(o, list) and len(o) == 2 and all(isinstance(x, str) for x in o)
@@ -445,10 +459,11 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
         if v is not None:
             op_index(v, where)
 
-    scratch = doc.get("op_scratch_bytes", [])
-    _list_of(_int_min(0))(scratch, f"{at}op_scratch_bytes")
-    if scratch and len(scratch) != n:
-        raise _Bad(f"{at}op_scratch_bytes", f"{len(scratch)} entries for {n} ops")
+    for per_op in ("op_scratch_bytes", "op_peak_bytes"):  # one int per op, or empty
+        values = doc.get(per_op, [])
+        _list_of(_int_min(0))(values, f"{at}{per_op}")
+        if values and len(values) != n:
+            raise _Bad(f"{at}{per_op}", f"{len(values)} entries for {n} ops")
     decisions = doc["decisions"]
     if not isinstance(decisions, list):
         raise _Bad(f"{at}decisions", f"expected a list, got {type(decisions).__name__}")
@@ -461,7 +476,7 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
              {"trigger_op": op_index_or_null, "replay_ops": _list_of(op_index),
               "sources": _list_of(_str), "keep": _list_of(_str),
               "predicted_stall_ns": _int_min(0), "predicted_recompute_ns": _int_min(0),
-              "wraps": _bool})
+              "wraps": _bool}, Decision)
         if d["method"] not in {m.value for m in Method}:
             raise _Bad(f"{where}.method", f"{d['method']!r} is not 'swap' or 'recompute'")
         if d["storage_id"] in methods:

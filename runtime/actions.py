@@ -2,6 +2,8 @@
 
 ``ActionTable.fast[k]`` is the OpOverload expected at op ``k`` when op ``k`` needs nothing but the
 check, else None: the tracker's hot path is ``func is fast[k]`` (Note [Hot path] in tracker.py).
+``ActionTable.guarded[k]`` is the same less the ops that write an argument in place: the table of
+the guarded hot path while storages are evicted.
 ``ActionTable.ops[k]`` (an ``OpActions``) says what else op ``k`` does: storages to name (the ids of
 Note [Tensor and storage ids] are positional: ``"k:j"`` is output ``j`` of op ``k``, ``"x{k}:{a}"``
 the ``a``-th flattened tensor argument of op ``k``, so naming needs no bookkeeping on other ops),
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..planner.plan import Decision, Method, Plan, Step
+from ..tracer.hooks import op_info
 from ..tracer.schema import IdKind, TensorId
 
 
@@ -25,11 +28,12 @@ class OpActions:
     name_inputs: list[tuple[int, str]] = field(default_factory=list)  # (flat arg, storage id)
     name_outputs: list[tuple[int, str]] = field(default_factory=list)  # (flat output, storage id)
     record: bool = False  # a recompute decision replays this op
+    sync_out: list[str] = field(default_factory=list)  # swap-outs the plan has complete by now
 
     @property
     def empty(self) -> bool:
         return not (self.before or self.after or self.name_inputs or self.name_outputs
-                    or self.record)
+                    or self.record or self.sync_out)
 
 
 def resolve_op(name: str):
@@ -49,6 +53,8 @@ class ActionTable:
     ops: dict[int, OpActions]
     fast: list
     decisions: dict[str, Decision]
+    op_peak_bytes: list[int] = field(default_factory=list)  # the plan's simulated curve
+    guarded: list = field(default_factory=list)  # ``fast`` less the ops that write in place
 
     @property
     def n_ops(self) -> int:
@@ -60,6 +66,8 @@ class ActionTable:
             a = self.ops[k] = OpActions()
             if k < len(self.fast):
                 self.fast[k] = None
+            if k < len(self.guarded):
+                self.guarded[k] = None
         return a
 
     def move_before(self, step: Step, sid: str, src: int, dst: int) -> None:
@@ -85,6 +93,8 @@ def compile_plan(plan: Plan) -> ActionTable:
         if d.method is Method.RECOMPUTE:
             for k in d.replay_ops:
                 at(k).record = True
+        elif d.out_done_op is not None:
+            at(d.out_done_op).sync_out.append(d.storage_id)
     for sid in sorted(named):
         try:
             tid = TensorId.parse(sid)
@@ -97,4 +107,11 @@ def compile_plan(plan: Plan) -> ActionTable:
     for a in plan.actions:
         (at(a.op_index).before if a.before else at(a.op_index).after).append((a.step, a.storage_id))
     fast = [None if k in ops else f for k, f in enumerate(expected)]
-    return ActionTable([o[0] for o in plan.ops], expected, signatures, ops, fast, decisions)
+    guarded = [None if f is None or _writes(f) else f for f in fast]
+    return ActionTable([o[0] for o in plan.ops], expected, signatures, ops, fast, decisions,
+                       list(plan.op_peak_bytes), guarded)
+
+
+def _writes(func) -> bool:
+    info = op_info(func)
+    return bool(info.write_args or info.unannotated_write_args)

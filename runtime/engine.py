@@ -30,6 +30,27 @@ from .swap import SwapEngine
 from .tracker import Executor
 
 
+def _empty(plan: Plan | None) -> bool:
+    """A plan that evicts nothing in any kind of iteration (the baseline fits its budget)."""
+    return plan is not None and not plan.records and all(not k.records for k in plan.kinds)
+
+
+class _StepClock(OpIndexer):
+    """What an empty plan installs (Note [Empty plan]): the optimizer step hooks only, which end
+    one iteration and start the next for the report; no dispatch mode, nothing per op."""
+
+    def __init__(self, runtime: Runtime):
+        super().__init__()
+        self._rt = runtime
+
+    def mark_step(self, *args, **kwargs) -> None:
+        super().mark_step(*args, **kwargs)
+        rt = self._rt
+        rt._t_step = time.perf_counter()
+        rt._iteration_end(rt._cur.iteration, -1)
+        rt._iteration_start(rt._cur_n + 1)
+
+
 class _Indexer(OpIndexer):
     """The tracer's op indexer, plus: every step end restores all evicted storages at once (the
     script may read tensors outside ops between steps)."""
@@ -61,6 +82,13 @@ class Runtime:
     report_path: write the JSON report there on exit.
 
     After the block, ``report`` holds a ``RunReport``.
+
+    # Note: [Empty plan]
+    # A plan that evicts nothing (the traced peak fits the budget) installs nothing per op: no
+    # dispatch mode, no op checks, no budget guard; only the optimizer step hooks that time each
+    # iteration for the report (and the profiler when ``measure_memory``). Its run costs what
+    # plain training costs. A run that then differs from the trace (another batch size) is not
+    # noticed; ``Runtime(budget_bytes=...)`` guards a budget without a plan.
     """
 
     def __init__(self, plan: Plan | str | os.PathLike | None = None, *,
@@ -105,6 +133,8 @@ class Runtime:
 
     # ---- context manager ----------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
+        if _empty(self.plan):
+            return self._enter_empty()
         self.backend = backend_for(self.device, self.plan)
         self.indexer = _Indexer(self, on_iteration_start=self._iteration_start,
                                 on_iteration_end=self._iteration_end)
@@ -138,7 +168,32 @@ class Runtime:
         return DynamicGuard(budget, self.device, memory, swap, ex,
                             self.bandwidth_h2d_bytes_per_s, self.remat)
 
+    def _enter_empty(self) -> Runtime:
+        self.ex = None
+        self._iters = []
+        self.meter = MemoryMeter(self.device) if self.measure_memory else None
+        self.indexer = _StepClock(self)
+        if self.meter is not None:
+            self.meter.start()
+        self.indexer.install()
+        self._iteration_start(0)
+        return self
+
+    def _exit_empty(self, exc_type) -> None:
+        self.indexer.uninstall()
+        if self._cur is not None and self.meter is not None:
+            self.meter.iteration_end(self._cur.iteration)
+        self._cur = None  # what ran after the last step is not reported (ops are not seen)
+        peaks = self.meter.finish() if self.meter is not None else {}
+        for s in self._iters:
+            s.peak_bytes = peaks.get(s.iteration)
+        self.report = RunReport(self.budget_bytes, str(self.device), self.plan_source, self._iters)
+        if self.report_path is not None and exc_type is None:
+            self.report.save(self.report_path)
+
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self.ex is None:
+            return self._exit_empty(exc_type)
         try:
             self.indexer.finish()
             if self._cur is not None:  # ops after the last step: an incomplete iteration
@@ -174,18 +229,21 @@ class Runtime:
     # ---- iteration callbacks (from the indexer, inside the first op of an iteration) ----------
     def _iteration_start(self, n: int) -> None:
         self._cur = IterationStats(iteration=n)
+        self._cur_n = n
         self._t0 = time.perf_counter()
         self._t_step = None
         if self.meter is not None:
             self.meter.iteration_start(n)
-        self.ex.begin_iteration(self._cur)
+        if self.ex is not None:
+            self.ex.begin_iteration(self._cur)
 
     def _iteration_end(self, n: int, last_op: int) -> None:
         s = self._cur
         if s is None:
             return
-        self.ex.restore_all()
-        self.ex.end_iteration()
+        if self.ex is not None:
+            self.ex.restore_all()
+            self.ex.end_iteration()
         end = self._t_step if self._t_step is not None else time.perf_counter()
         s.time_s = end - self._t0
         s.ops = last_op + 1

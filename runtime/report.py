@@ -52,6 +52,7 @@ class IterationStats:
     fallback_swaps: int = 0  # planned drops swapped instead (not replayable)
     refused: int = 0  # planned evictions of storages that may not be evicted
     trigger_moves: int = 0  # in-triggers moved earlier after a late prefetch
+    trigger_moves_refused: int = 0  # ... not moved: the plan's curve leaves no room in the budget
     complete: bool = True  # ended by an optimizer step (or capuchin.step())
     # the most that passive mode's resident bytes (plus the next op's allocation) stayed over the
     # budget with nothing left it may evict (Note [Passive budget on CPU] in passive.py); 0 when

@@ -26,23 +26,32 @@ TRACES = Path(__file__).resolve().parent.parent / "traces"
 
 def run_example(script: str | Path, args: list[str], context=None) -> dict[str, torch.Tensor]:
     """Run a training script in-process (optionally inside ``context``, e.g. a Runtime) and
-    return its final state: every parameter, gradient, buffer and optimizer state tensor, found
-    through the optimizers that stepped (parameters, grads, state) and the modules alive at the
-    end, keyed by a stable name. Deterministic scripts (they seed) give comparable dicts."""
+    return its final state, keyed by a stable name: every parameter, gradient and optimizer
+    state tensor, found through the optimizers that stepped, and the ``state_dict()`` (parameters
+    and buffers: batch norm's running statistics) of every model that ran a forward, found by a
+    global forward hook (the outermost modules that ran, in the order they first ran) or left
+    in the script's globals. Deterministic scripts (they seed) give comparable dicts."""
     captured: dict[str, torch.Tensor] = {}
     optimizers: list = []
+    ran: dict[int, torch.nn.Module] = {}  # modules that ran a forward, in first-run order
+    from torch.nn.modules.module import register_module_forward_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     def hook(opt, a, k):
         if opt not in optimizers:
             optimizers.append(opt)
 
+    def forward_hook(m, inputs, output):
+        ran.setdefault(id(m), m)
+
     h = register_optimizer_step_post_hook(hook)
+    hf = register_module_forward_hook(forward_hook)
     try:
         with contextlib.redirect_stdout(io.StringIO()), (context or contextlib.nullcontext()):
             g = run_as_main(script, args)
     finally:
         h.remove()
+        hf.remove()
     for i, opt in enumerate(optimizers):
         for gi, group in enumerate(opt.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -53,16 +62,24 @@ def run_example(script: str | Path, args: list[str], context=None) -> dict[str, 
                 for k, v in opt.state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
                         captured[f"{name}.state.{k}"] = v.detach().clone()
-    for mname, m in _modules(g):
-        for bname, b in m.named_buffers():
-            captured[f"{mname}.buffer.{bname}"] = b.detach().clone()
+    for mname, m in _models(list(ran.values()), g):
+        for k, v in m.state_dict(keep_vars=True).items():
+            if isinstance(v, torch.Tensor):
+                captured[f"{mname}.state_dict.{k}"] = v.detach().clone()
     return captured
 
 
-def _modules(g: dict):
+def _models(ran: list, g: dict):
+    """The outermost modules among ``ran`` (not a submodule of another), then the modules in the
+    script's globals not found that way; each named once."""
+    inner = {id(sub) for m in ran for sub in m.modules() if sub is not m}
     seen = set()
+    for m in ran:
+        if id(m) not in inner and id(m) not in seen:
+            yield f"model{len(seen)}", m
+            seen.add(id(m))
     for name, v in g.items():
-        if isinstance(v, torch.nn.Module) and id(v) not in seen:
+        if isinstance(v, torch.nn.Module) and id(v) not in seen and id(v) not in inner:
             seen.add(id(v))
             yield name, v
 

@@ -5,12 +5,17 @@
 # An op with no action while nothing is evicted, in flight or recorded costs one attribute test,
 # one list index and one identity comparison: ``func is fast[k]`` where ``fast`` is the compiled
 # table of expected OpOverloads (runtime/actions.py). Everything else (iteration boundaries,
-# profiler ops, a mismatching op, actions, on-demand restores, writes to watched storages, passive
-# mode) takes ``Executor.slow_op``. While any storage is evicted or any replay record is alive,
-# ``fast`` is swapped for an empty list so that every op checks its inputs: a kernel must never
-# read an evicted storage (Note [Storage-level eviction] in state.py). The shape check (the
-# ``shape_signature`` of the trace) runs on ops with actions, so a run that diverges only in shapes
-# (another batch size) is caught before any of its planned actions runs.
+# profiler ops, a mismatching op, actions, on-demand restores, passive mode, watched iterations)
+# takes ``Executor.slow_op``. While storages are evicted, in flight or recorded for a replay, the
+# hot path is *guarded*: ``fast`` is the ``guarded`` table (no op that writes an argument in
+# place: those bump write counters and trigger copy-on-write on the slow path, rules R2/R3), and
+# an op passes only if none of its tensor arguments lives in an evicted storage (one storage-key
+# lookup per tensor argument): a kernel never reads an evicted storage (Note [Storage-level
+# eviction] in state.py), whatever the script does. By the trace, an evicted storage is touched
+# by no op before its back-access (an action op), so in a run that follows the trace only the
+# plan's action ops take the slow path. The shape check (the ``shape_signature`` of the trace)
+# runs on ops with actions, so a run that diverges only in shapes (another batch size) is caught
+# before any of its planned actions runs.
 
 # Note: [Watched iterations]
 # Passive mode can only count and evict storages it saw allocated (Note [Passive budget on CPU] in
@@ -45,6 +50,8 @@ from .backend import byte_view
 from .state import Entry, Reason, Residency, bump_writes, resize, storage_key
 
 _EMPTY: list = []
+_NONE: dict = {}
+_ANY = {None: None}  # non-empty: guarded with nothing evicted (swap-outs in flight, records)
 
 
 def _snapshot(st) -> torch.Tensor:
@@ -60,18 +67,43 @@ class TrackerMode(TorchDispatchMode):
         self.ex = executor
         self.ix = executor.ix
         self.fast = _EMPTY
+        self.evicted = _NONE  # the executor's entries while the hot path is guarded
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         ix = self.ix
         if not ix.step_pending:
             k = ix.op_index + 1
             try:
-                if func is self.fast[k]:
+                if func is self.fast[k] and not (self.evicted and _reads(args, kwargs,
+                                                                          self.evicted)):
                     ix.op_index = k
+                    if self.evicted:
+                        self.ex.op_time[k] = time.perf_counter()  # late-prefetch feedback
                     return func(*args, **kwargs) if kwargs else func(*args)
             except IndexError:
                 pass
         return self.ex.slow_op(func, args, kwargs or {})
+
+
+def _reads(args, kwargs, evicted: dict) -> bool:
+    """Whether a tensor argument (or a tensor in a list argument) lives in an ``evicted``
+    storage (or has no storage to check: then the slow path decides)."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            try:
+                if a.untyped_storage()._cdata in evicted:
+                    return True
+            except (RuntimeError, NotImplementedError):
+                return True
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    try:
+                        if x.untyped_storage()._cdata in evicted:
+                            return True
+                    except (RuntimeError, NotImplementedError):
+                        return True
+    return False
 
 
 def _keys(flat: list) -> list:
@@ -108,6 +140,8 @@ class Executor:
         self.op_refs: dict[int, int] = {}  # op index -> pending decisions that replay it
         self.op_time: dict[int, float] = {}
         self.trigger_now: dict[str, int] = {}  # late-prefetch feedback (Note [Late prefetch ...])
+        # bytes that moved in-triggers keep resident at each op, beyond the plan's simulation
+        self.moved_bytes = [0] * (table.n_ops if table is not None else 0)
         self.guided = False
         self.watching = False  # Note [Watched iterations]
         self.last_diverged = False
@@ -161,10 +195,14 @@ class Executor:
 
     # ---- fast path switch -------------------------------------------------------------------------
     def _update_fast(self) -> None:
-        quiet = (self.guided and not self.entries and not self.swap.pending_out
-                 and not self.recompute.records and not self.guard.active
-                 and not self.watching)
-        self.mode.fast = self.table.fast if quiet else _EMPTY
+        mode = self.mode
+        if not self.guided or self.guard.active or self.watching:
+            mode.fast, mode.evicted = _EMPTY, _NONE
+        elif not self.entries and not self.swap.pending_out and not self.recompute.records:
+            mode.fast, mode.evicted = self.table.fast, _NONE
+        else:  # Note [Hot path]: guarded while anything is evicted, in flight or recorded
+            mode.fast = self.table.guarded
+            mode.evicted = self.entries if self.entries else _ANY
 
     # ---- the slow path ------------------------------------------------------------------------------
     def slow_op(self, func, args, kwargs):
@@ -194,6 +232,10 @@ class Executor:
             if self.swap.pending_out:
                 self.swap.sync_overdue()
         if acts is not None:  # planned first, so a back-access is seen as planned (late check)
+            for sid in acts.sync_out:  # Note [Decoupled swap-out] in swap.py
+                e = self.by_sid.get(sid)
+                if e is not None and e.state is Residency.SWAPPING_OUT:
+                    self.swap.finish_out(e)
             for step, sid in acts.before:
                 self._before(step, sid, k)
         guard = self.guard
@@ -395,6 +437,8 @@ class Executor:
                 self.recompute.records.pop(k, None)
 
     def _late_feedback(self, e: Entry) -> None:
+        """Move a late prefetch's in-trigger earlier for the next iteration (Note [Late prefetch
+        feedback] in swap.py), never to where it would take the plan over its budget."""
         d = e.decision
         trig = self.trigger_now.get(d.storage_id, d.trigger_op)
         if trig is None:
@@ -409,11 +453,30 @@ class Executor:
             while j > lo and (self.op_time.get(j) is None or self.op_time[j] > t_trig - shift_s):
                 j -= 1
             new = j
-        new = max(lo, min(new, trig - 1))
+        new = self._fits_from(max(lo, min(new, trig - 1)), trig, e.nbytes)
         if new < trig:
             self.table.move_before(Step.PREFETCH, d.storage_id, trig, new)
             self.trigger_now[d.storage_id] = new
             self.stats.trigger_moves += 1
+            for i in range(new, trig):
+                self.moved_bytes[i] += e.nbytes
+        else:
+            self.stats.trigger_moves_refused += 1
+
+    def _fits_from(self, new: int, trig: int, nbytes: int) -> int:
+        """The earliest op in ``[new, trig)`` from which ``nbytes`` more stay resident up to
+        ``trig`` within the budget (Note [Late prefetch feedback] in swap.py): the plan's
+        simulated peak per op plus what earlier moves added; ``trig`` when none fits, or when
+        the plan carries no simulated curve."""
+        peak = self.table.op_peak_bytes
+        budget = self.rt.budget_bytes
+        if len(peak) < trig or budget is None:
+            return trig
+        moved = self.moved_bytes
+        j = trig
+        while j > new and peak[j - 1] + moved[j - 1] + nbytes <= budget:
+            j -= 1
+        return j
 
     # ---- divergence and passive mode ------------------------------------------------------------
     def _diverge(self, k: int, name: str, what: str, flat: list = ()) -> None:

@@ -7,16 +7,15 @@ alone or recomputing alone achieves with the same machinery. All judged by the s
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from capuchin.planner.plan import Method
 from capuchin.planner.policies import capuchin as cap
 from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
 from capuchin.planner.synthetic import random_ops, trace_from_ops, transformer_ops
+from capuchin.tracer.dtr_import import dtr_logs_path
 
-DTR_ZIP = Path("/work/shared/data/dtr-logs.zip")
+DTR_ZIP = dtr_logs_path()
 
 
 def _judge(problem: Problem, decisions, budget: int):

@@ -18,6 +18,7 @@ from capuchin.planner.problem import Problem
 from capuchin.tracer.dtr_import import (
     DtrLogError,
     dtr_log_events,
+    dtr_logs_path,
     import_dtr_log,
     list_dtr_logs,
 )
@@ -25,7 +26,7 @@ from capuchin.tracer.reader import load_trace
 from capuchin.tracer.schema import Col, Kind, Phase, Role
 from click.testing import CliRunner
 
-DTR_ZIP = Path("/work/shared/data/dtr-logs.zip")
+DTR_ZIP = dtr_logs_path()
 needs_zip = pytest.mark.skipif(not DTR_ZIP.exists(), reason="the DTR logs zip is not on this machine")
 
 

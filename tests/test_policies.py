@@ -7,8 +7,6 @@ whose simulator checks its invariants (it raises ``PlanError`` otherwise).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from capuchin.errors import CapuchinError
@@ -17,9 +15,10 @@ from capuchin.planner.plan import Method
 from capuchin.planner.problem import Problem
 from capuchin.planner.registry import UnknownPolicyError, available, get_policy
 from capuchin.planner.synthetic import trace_from_ops, transformer_ops
+from capuchin.tracer.dtr_import import dtr_logs_path
 from capuchin.tracer.schema import Phase
 
-DTR_ZIP = Path("/work/shared/data/dtr-logs.zip")
+DTR_ZIP = dtr_logs_path()
 POLICIES = available()
 BASELINES = ["checkpoint-sqrt", "checkpoint-speed", "vdnn", "dtr"]
 # small enough for the ILP to finish quickly; its own tests exercise the time limit

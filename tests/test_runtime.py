@@ -129,7 +129,33 @@ def test_cli_run_report_and_measured_peaks(tmp_path):
     assert results["swap"] < results["empty"]
 
 
-def test_hot_path_takes_no_slow_op_in_a_quiet_steady_iteration():
+def test_empty_plan_installs_no_dispatch_mode_and_reports_its_iterations():
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    prob = problem("mlp")
+    empty, _ = build_plan(prob, [], policy="none", budget_bytes=prob.peak_bytes)
+    rt = Runtime(empty, measure_memory=True)
+    modes = []
+    h = register_optimizer_step_post_hook(lambda *a: modes.append(_get_current_dispatch_mode()))
+    try:
+        assert train_mismatches("mlp", rt) == []
+    finally:
+        h.remove()
+    assert modes and all(m is None for m in modes)
+    its = rt.report.iterations
+    assert [s.iteration for s in its] == [0, 1, 2]
+    assert all(s.time_s > 0 and s.peak_bytes for s in its)
+    assert all(s.peak_bytes <= 1.05 * prob.peak_bytes for s in its[1:]), (
+        [s.peak_bytes for s in its], prob.peak_bytes)
+
+
+def test_hot_path_takes_no_slow_op_in_a_quiet_steady_iteration(monkeypatch):
+    """A plan whose ops need nothing but the check: the hot path (an empty plan installed as a
+    plan, which it normally is not: Note [Empty plan] in engine.py)."""
+    import capuchin.runtime.engine as engine
+
+    monkeypatch.setattr(engine, "_empty", lambda plan: False)
     prob = problem("mlp")
     empty, _ = build_plan(prob, [], policy="none", budget_bytes=prob.peak_bytes)
     rt = Runtime(empty, measure_memory=False)
@@ -234,6 +260,18 @@ def test_r5_r6_batch_norm_replay_does_not_touch_running_stats():
     before = _drop_and_replay(eng, d, out[0])
     assert torch.equal(out[0], before)
     assert torch.equal(rm, stats[0]) and torch.equal(rv, stats[1]), "running stats updated once"
+
+
+def test_comparison_sees_batch_norm_running_stats(monkeypatch):
+    """The runtime tests compare module buffers too (``state_dict()``): with rule R5 off, the
+    CNN's recompute plan replays batch norm with its running statistics unsandboxed, and the
+    comparison catches it (nothing else differs: the statistics do not feed training)."""
+    import capuchin.runtime.recompute as recompute
+
+    monkeypatch.setattr(recompute, "SANDBOX_WRITES", False)
+    plan = hand_plan(problem("cnn"), "recompute", limit=8)
+    bad = train_mismatches("cnn", Runtime(plan, measure_memory=False))
+    assert bad and all(k.endswith(("running_mean", "running_var")) for k in bad), bad
 
 
 # ---- CUDA backend (skipped without a GPU) --------------------------------------------------------
@@ -378,6 +416,66 @@ def test_r3_copy_on_write_regenerates_before_a_source_is_overwritten(tmp_path):
     assert all(s.cow_restores == 1 and s.recomputed_ops == 1 for s in its)
 
 
+_READ_SCRIPT = """
+import sys
+import torch
+import capuchin
+
+torch.manual_seed(0)
+other = "--other" in sys.argv
+for step in range(4):
+    a = torch.randn(256, 256)
+    b = torch.randn(256, 256)
+    y = a * 2
+    z = (y if other and step >= 2 else b) + 1  # the same op on the same shapes as traced
+    w = y * 3  # y's back-access
+    ref = (a * 2 if other and step >= 2 else b * 1) + 1  # the same ops either way
+    assert torch.equal(z, ref), "read a dropped storage"
+    assert torch.equal(w, a * 6), "wrong recomputation"
+    capuchin.step()
+"""
+
+
+def test_guarded_hot_path_never_lets_an_op_read_an_evicted_storage(tmp_path):
+    """A plan drops ``y`` between its producer and its back-access; the run then reads ``y`` in
+    between with an op that has the same name and shapes as the traced one (so the op check
+    passes and the op has no action). The guarded hot path sends it to the slow path, which
+    regenerates ``y`` first: the script's own checks pass. (With the argument check removed
+    from ``TrackerMode.__torch_dispatch__`` the test process died of a segmentation fault: the
+    kernel read the dropped storage.)"""
+    import runpy
+    import sys
+
+    from capuchin.planner.build import action_table
+    from capuchin.planner.plan import Plan, Predictions, Provenance
+    from capuchin.tracer.record import Tracer
+
+    script = tmp_path / "read.py"
+    script.write_text(_READ_SCRIPT)
+    trace = tmp_path / "read.trace.parquet"
+    argv = sys.argv
+    sys.argv = [str(script)]
+    try:
+        with Tracer(trace, iterations=1, warmup=1, device="cpu", log=None):
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    prob = Problem.from_trace(load_trace(trace))
+    names = [o.name for o in prob.ops]
+    mul = names.index("aten.mul.Tensor")
+    back = names.index("aten.mul.Tensor", mul + 1)
+    y = prob.ops[mul].allocs[0]
+    d = Decision(y, Method.RECOMPUTE, prob.storages[y].size_bytes, mul, back,
+                 replay_ops=(mul,), sources=prob.ops[mul].inputs)
+    prov = Provenance("hand", {}, prob.peak_bytes, str(trace), "", 1, "cpu", 12e9, 12e9, "", 0.0)
+    plan = Plan(prov, Predictions(0, 0, 0, 0), [d], prob.op_signatures(), action_table([d]))
+    rep = run_script(script, ["--other"], plan=plan.save(tmp_path / "read.plan.json"),
+                     measure_memory=False)
+    its = [s for s in rep.iterations if s.complete and s.iteration >= 1]
+    assert its and not any(s.diverged for s in its)
+    assert all(s.evictions == 1 and s.recomputed_ops == 1 for s in its)
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_make_plan_at_50_percent_measured_within_budget_and_simulation(name):
     """The real pipeline: ``make_plan`` at 50% of the traced peak (or, where the planner proves
@@ -401,3 +499,96 @@ def test_make_plan_at_50_percent_measured_within_budget_and_simulation(name):
     for s in its:
         assert s.peak_bytes <= 1.05 * plan.budget_bytes, (s.peak_bytes, plan.budget_bytes)
         assert abs(s.peak_bytes - pred) <= 0.10 * pred, (s.peak_bytes, pred)
+
+
+_CKPT_SCRIPT = '''
+import argparse
+import torch
+from torch.utils.checkpoint import checkpoint
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=6)
+a = p.parse_args()
+torch.manual_seed(0)
+blocks = torch.nn.ModuleList(
+    torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    for _ in range(6))
+head = torch.nn.Linear(256, 10)
+params = [*blocks.parameters(), *head.parameters()]
+opt = torch.optim.Adam(params, lr=1e-3)
+x = torch.randn(256, 256)
+y = torch.randint(0, 10, (256,))
+for step in range(a.steps):
+    h = x
+    for i, b in enumerate(blocks):
+        h = checkpoint(b, h, use_reentrant=False) if i % 2 == 0 else b(h)
+    loss = torch.nn.functional.cross_entropy(head(h), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+'''
+
+
+@cache
+def _ckpt_trace(tmp_dir):
+    from capuchin.tracer.script import trace_script
+
+    script = tmp_dir / "ckpt.py"
+    script.write_text(_CKPT_SCRIPT)
+    return script, trace_script(script, [], output=tmp_dir / "ckpt.trace.parquet",
+                                log=lambda _: None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slow_copies", [True, False])
+def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, slow_copies):
+    """A model that already uses ``torch.utils.checkpoint``, planned at just above its smallest
+    feasible budget (+0.2%: the allocator's accounting of this script runs 15-34 KB above the
+    trace's), 20 steps: every iteration's measured peak stays within the budget and training is
+    bitwise identical. With every host->device copy slowed by 3 ms, prefetches are late and
+    their in-triggers move earlier; without the budget check on the move (``_fits_from``) the
+    peaks measured +208 KB over the budget. Without the wait for swap-outs at their simulated
+    completion (``Decision.out_done_op``) they measured +216 KB (slowed) and +222 KB (full
+    speed) over it."""
+    import capuchin
+    import capuchin.runtime.engine as engine
+    from capuchin.errors import InfeasibleBudgetError
+    from capuchin.runtime.backend import backend_for
+
+    script, trace = _ckpt_trace(tmp_path_factory.mktemp("ckpt"))
+    try:
+        capuchin.make_plan(trace, budget="10%", policy="capuchin")
+        raise AssertionError("10% should be infeasible")
+    except InfeasibleBudgetError as exc:
+        budget = int(exc.smallest_feasible_bytes * 1.002)
+    plan = capuchin.make_plan(trace, budget=budget, policy="capuchin")
+    assert plan.records and plan.op_peak_bytes
+
+    class _SlowDst:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def copy_(self, src):
+            import time
+
+            time.sleep(0.003)
+            return self.inner.copy_(src)
+
+    def slow_backend(device, plan=None):
+        be = backend_for(device, plan)
+        submit = be._h2d.submit
+        be._h2d.submit = lambda dst, src, n, after=None: submit(_SlowDst(dst), src, n, after)
+        return be
+
+    if slow_copies:
+        monkeypatch.setattr(engine, "backend_for", slow_backend)
+    rt = Runtime(plan, measure_memory=True)
+    got = run_example(script, ["--steps", "20"], rt)
+    assert state_mismatches(run_example(script, ["--steps", "20"]), got) == []
+    its = [s for s in rt.report.iterations if s.complete]
+    assert len(its) == 20
+    if slow_copies:
+        assert sum(s.late_prefetches for s in its) > 0 and sum(s.trigger_moves for s in its) > 0
+        assert sum(s.trigger_moves_refused for s in its) > 0, "the check never had to refuse"
+    for s in its:
+        assert s.peak_bytes <= budget, (s.iteration, s.peak_bytes, budget)

@@ -1,6 +1,7 @@
 """Import a DTR log (Kirisame et al., ICLR'21) as a capuchin trace. Imports no torch.
 
-The DTR project's logs (``/work/shared/data/dtr-logs.zip``, format in its README; reference reader
+The DTR project's logs (``dtr_logs_path()``: ``shared/data/dtr-logs.zip`` beside the repository, or
+``$CAPUCHIN_DTR_LOGS``; format in its README; reference reader
 ``uwsampl/dtr-prototype`` ``simrd/parse/parse.py``) are JSON lines, one instruction per line, for
 one training iteration measured on a Titan V. They are the only real GPU op times we have.
 
@@ -48,6 +49,15 @@ from ..outputs import check_output
 from .reader import write_trace
 from .schema import FILE_SUFFIX, Col, Kind, Phase, Role, TraceMeta, input_id, resident_id
 
+# Note: [Complete logs]
+# A log cut on a line boundary parses, so completeness is judged by the end state: a complete
+# training iteration has released its activations by its last line (the 8 DTR logs end with
+# 0.02-2.6% of their peak bytes of op results still referenced; unroll_gan has no BACKWARD
+# marker and is complete), while a log cut before its backward pass still holds what it saved
+# (inceptionv4, lstm, resnet32 cut at the BACKWARD marker: 99.7-100% of the peak; cut a quarter
+# of the way through backward: 75-95%; half way: 50-79%).
+# More than ``CUT_LOG_FRACTION`` of the peak still referenced at the end is refused.
+CUT_LOG_FRACTION = 0.5
 PCIE3_X16_BYTES_PER_S = 12e9  # the paper's PCIe 3.0 x16 figure, each direction (capuchin.md §1.4)
 DTR_DEVICE_NAME = "NVIDIA Titan V"  # where the DTR authors recorded the logs (data/README.md)
 _SEEDED_NAME = re.compile(r"dropout|droupout|bernoulli|rand|multinomial", re.IGNORECASE)
@@ -87,6 +97,8 @@ class _Converter:
         self.ops: list[tuple[str, Phase, int, bool]] = []  # (name, phase, duration_ns, seeded)
         self.backward = False
         self.saw_backward_marker = False
+        self.live_result_bytes = 0  # bytes of op results (not constants) referenced now
+        self.peak_result_bytes = 0
 
     # -- references ---------------------------------------------------------------------------
     def _bind(self, name: str, tensor: int, lineno: int) -> None:
@@ -102,6 +114,8 @@ class _Converter:
         st.refs -= 1
         if st.refs == 0:
             st.freed = True
+            if not st.resident:
+                self.live_result_bytes -= st.size_bytes
             # Released before the first op: a constant no op ever saw; see the Note.
             self.rows.append((len(self.ops) - 1, Role.FREE, -1, None, storage, None, None))
 
@@ -117,6 +131,9 @@ class _Converter:
         return len(self.tensors) - 1
 
     def _new_storage(self, size_bytes: int, name: str | None, resident: bool = False) -> int:
+        if not resident:
+            self.live_result_bytes += size_bytes
+            self.peak_result_bytes = max(self.peak_result_bytes, self.live_result_bytes)
         self.storages.append(_Storage(size_bytes, name, resident=resident))
         return len(self.storages) - 1
 
@@ -309,6 +326,23 @@ def _parse(line: str, source: str, lineno: int) -> dict:
 
 
 # ---- opening a log: a file, or a member of a zip -------------------------------------------
+DTR_LOGS_VARIABLE = "CAPUCHIN_DTR_LOGS"
+
+
+def dtr_logs_path() -> Path:
+    """Where the DTR logs zip is: ``$CAPUCHIN_DTR_LOGS`` when set (it must then be a file), else
+    ``shared/data/dtr-logs.zip`` beside the repository root (``../shared`` from the folder of
+    this package, as the CI and the work trees lay it out). The default may not exist: callers
+    check (tests skip, benchmarks refuse)."""
+    env = os.environ.get(DTR_LOGS_VARIABLE)
+    if env:
+        path = Path(env)
+        if not path.is_file():
+            raise CapuchinError(f"{path}: ${DTR_LOGS_VARIABLE} names no file")
+        return path
+    return Path(__file__).resolve().parents[2] / "shared" / "data" / "dtr-logs.zip"
+
+
 def list_dtr_logs(zip_path: str | os.PathLike) -> list[str]:
     """The ``.log`` members of a DTR logs zip, sorted."""
     with zipfile.ZipFile(zip_path) as zf:
@@ -355,15 +389,26 @@ def _split_zip_path(path: Path) -> tuple[Path, str]:
 
 
 # ---- the API -------------------------------------------------------------------------------
-def dtr_log_events(lines: list[str], source: str = "<log>") -> tuple[pd.DataFrame, bool]:
+def dtr_log_events(lines: list[str], source: str = "<log>", *,
+                   require_complete: bool = False) -> tuple[pd.DataFrame, bool]:
     """Convert DTR log lines into a trace event table (one iteration, numbered 0).
 
-    Returns ``(events, saw_backward_marker)``. See Note [DTR log semantics].
+    Returns ``(events, saw_backward_marker)``. See Note [DTR log semantics]. With
+    ``require_complete`` (what ``import_dtr_log`` asks) a log that ends still holding most of
+    its peak memory is refused as cut short (Note [Complete logs]).
     """
     conv = _Converter(source)
     conv.run(lines)
     if not conv.ops:
         raise DtrLogError(f"{source}: the log has no CALL or MUTATE instruction")
+    left, peak = conv.live_result_bytes, conv.peak_result_bytes
+    if require_complete and peak > 0 and left > CUT_LOG_FRACTION * peak:
+        where = ("" if conv.saw_backward_marker else
+                 " before its ANNOTATE BACKWARD marker")
+        raise DtrLogError(
+            f"{source}: the log ends{where} with {left} bytes of op results still referenced, "
+            f"{left / peak:.0%} of its peak; a complete iteration releases its activations, so "
+            "the log was cut short (see Note [Complete logs])")
     return conv.events(), conv.saw_backward_marker
 
 
@@ -385,10 +430,10 @@ def import_dtr_log(log: str | os.PathLike, out: str | os.PathLike | None = None,
     """
     if not bandwidth_bytes_per_s > 0:
         raise CapuchinError(f"bandwidth must be positive, got {bandwidth_bytes_per_s}")
-    lines, name = read_dtr_log_lines(log)
+    lines, name = read_dtr_log_lines(log)  # a missing log is the first thing to say
     out_path = check_output(out if out is not None else default_trace_name(name), force=force,
                             inputs=[log])
-    events, marker = dtr_log_events(lines, source=name)
+    events, marker = dtr_log_events(lines, source=name, require_complete=True)
     fields = name.split("-")
     meta = TraceMeta(
         capuchin_version=__version__,

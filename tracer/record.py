@@ -29,7 +29,7 @@ from .. import __version__
 from ..errors import CapuchinError, ScriptError
 from ..outputs import check_output
 from .bandwidth import measure_bandwidth
-from .hooks import OpEvent, OpIndexer, describe_args
+from .hooks import OpEvent, OpIndexer, describe_args, flatten_tensors
 from .reader import write_trace
 from .schema import COLUMNS, Col, Kind, Phase, Role, TraceMeta, scratch_id, shape_signature
 from .timing import marker_name, parse_profile
@@ -80,11 +80,74 @@ class _TraceMode(TorchDispatchMode):
             out = func(*args, **kwargs)
             self.indexer.end_op(op, out)
             return out
-        with _Marker(marker_name(op.iteration, op.index)):
-            out = func(*args, **kwargs)
+        if self.tracer.runtime is not None:  # Note [Tracing under a budget]
+            self.tracer._pending = (marker_name(op.iteration, op.index), func, op.inputs)
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                self.tracer._pending = None
+        else:
+            with _Marker(marker_name(op.iteration, op.index)):
+                out = func(*args, **kwargs)
         self.indexer.end_op(op, out)
         self.tracer._record_op(op)
         return out
+
+
+# Note: [Tracing under a budget]
+# With ``budget_bytes`` the traced run is kept within the budget by the runtime's passive mode
+# (``capuchin.Runtime(budget_bytes=...)``: on demand, least recently used storages are evicted and
+# come back when an op reads them), while the trace records the *unmanaged* program. Three modes
+# are stacked, innermost last:
+#
+#     _TraceMode (top)      sees the script's ops, indexes and records them (ids, accesses, frees)
+#     Runtime's mode        evicts / restores around each op; its own copies run with the modes
+#                           disabled, anything else it dispatches reaches only the mode below
+#     _KernelMarkMode       wraps the script's op, when the runtime finally runs it, in the op's
+#                           ``record_function`` marker; every other op passes through unmarked
+#
+# So the tracer never sees the runtime's internal ops (they are below it), and the profiler
+# ranges that give an op's duration and its scratch memory (tracer/timing.py) hold the op's own
+# kernels only, not the evictions that made room for it nor the restores of its inputs: CPU ops
+# are laid back to back with their own durations, CUDA ops are their own kernels. Evicting a
+# storage resizes it to 0 bytes but keeps the storage object alive, so the weak-reference
+# callbacks that time frees (tracer/hooks.py) fire when the *program* releases it, as without the
+# budget; sizes are read from storages only while resident (an op's inputs are restored before it
+# runs), and the iteration's resident set is the indexer's live storages, evicted or not. The trace
+# therefore has the same ops, accesses, ids, lifetimes and computed peak as an uncapped one
+# (tests/test_trace_budget.py). What the budget changes is recorded beside it: the cap
+# (``TraceMeta.trace_budget_bytes``) and the peak the allocator measured while tracing
+# (``measured_peak_bytes``: CUDA ``max_memory_allocated``; CPU the profiler's allocation events
+# rebuilt by address from before the script, as ``capuchin run`` measures, runtime/report.py),
+# and in ``extra`` the passive evictions and any shortfall. ``allocator_peak_bytes`` in ``extra``
+# stays the allocator's own reading of each iteration, which under a budget is the capped one.
+
+
+class _KernelMarkMode(TorchDispatchMode):
+    """Below the runtime's mode: puts the script's op (``Tracer._pending``: marker, func, inputs)
+    in its marker when the runtime runs it (Note [Tracing under a budget])."""
+
+    def __init__(self, tracer: Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        want = self.tracer._pending
+        if want is None or func is not want[1] or not _same_tensors(
+                flatten_tensors(args, kwargs), want[2]):
+            return func(*args, **kwargs)
+        self.tracer._pending = None
+        try:
+            with _Marker(want[0]):
+                return func(*args, **kwargs)
+        except BaseException:
+            self.tracer._pending = want  # a retry (CUDA out of memory: evict, run again) is marked
+            raise
+
+
+def _same_tensors(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 class _Iteration:
@@ -110,6 +173,9 @@ class Tracer:
     device: ``"auto"`` | ``"cpu"`` | ``"cuda"``: the device whose memory and timeline are traced.
     force: overwrite an existing ``path`` (otherwise CapuchinError before anything runs).
     script, argv: provenance stored in the metadata (default ``sys.argv``).
+    budget_bytes: keep the traced run within this many bytes of device memory by passive eviction
+        (``capuchin.Runtime(budget_bytes=...)``), while the trace records the unmanaged program
+        (Note [Tracing under a budget]). None: no cap.
     log: receives one progress line per iteration and warnings (default: stderr).
 
     Iterations are delimited by optimizer steps (or ``capuchin.step()``): see Note [Iteration
@@ -124,7 +190,8 @@ class Tracer:
 
     def __init__(self, path: str | os.PathLike, iterations: int = 3, warmup: int = 1,
                  device: str = "auto", *, force: bool = False, script: str | None = None,
-                 argv: list[str] | None = None, log: Callable[[str], None] | None = _stderr):
+                 argv: list[str] | None = None, log: Callable[[str], None] | None = _stderr,
+                 budget_bytes: int | None = None):
         if iterations < 1:
             raise CapuchinError(f"iterations must be at least 1, got {iterations}")
         if warmup < 0:
@@ -134,6 +201,11 @@ class Tracer:
         self.warmup = warmup
         self.device_request = device
         self.force = force
+        if budget_bytes is not None and int(budget_bytes) <= 0:
+            raise CapuchinError(f"budget must be positive, got {budget_bytes}")
+        self.budget_bytes = int(budget_bytes) if budget_bytes is not None else None
+        self.runtime = None  # the Runtime that keeps the budget (Note [Tracing under a budget])
+        self._pending = None
         self.script = script if script is not None else (sys.argv[0] if sys.argv else "")
         self.argv = list(argv) if argv is not None else list(sys.argv[1:])
         self.log = log or (lambda line: None)
@@ -157,6 +229,24 @@ class Tracer:
         self.indexer = OpIndexer(on_iteration_start=self._on_iteration_start,
                                  on_iteration_end=self._on_iteration_end,
                                  on_free=self._on_free, on_step=self._on_step).install()
+        if self.budget_bytes is not None:  # Note [Tracing under a budget]
+            from ..runtime.engine import Runtime
+
+            if self.device == "cpu":  # the allocator's count from before the script
+                self._start_profiler()
+            self._mark_mode = _KernelMarkMode(self)
+            self._mark_mode.__enter__()
+            # LRU swapping, not dynamic mode: a dropped storage's replay pins its sources, which
+            # would make them die later than in the unmanaged program the trace records
+            self.runtime = Runtime(budget_bytes=self.budget_bytes, device=self.device,
+                                   measure_memory=False, eviction="lru")
+            try:
+                self.runtime.__enter__()
+            except BaseException:
+                self._mark_mode.__exit__(None, None, None)
+                self.indexer.uninstall()
+                self._stop_profiler()
+                raise
         self._mode = _TraceMode(self)
         self._mode.__enter__()
         self._iter_started_s = time.perf_counter()
@@ -165,6 +255,11 @@ class Tracer:
     def __exit__(self, exc_type, exc, tb) -> bool:
         stopped = exc_type is not None and issubclass(exc_type, StopScript)
         self._mode.__exit__(None, None, None)
+        if self.runtime is not None:
+            try:
+                self.runtime.__exit__(exc_type, exc, tb)
+            finally:
+                self._mark_mode.__exit__(None, None, None)
         try:
             if exc_type is None or stopped:
                 self.indexer.finish()
@@ -187,7 +282,7 @@ class Tracer:
         self._iter_started_s = time.perf_counter()
         if it < self.warmup:
             return
-        if it == self.warmup:
+        if it == self.warmup and self.profiler is None:
             self._start_profiler()
         self._cur = _Iteration(it)
         if self.device == "cuda":  # pragma: no cover - needs a GPU
@@ -326,6 +421,12 @@ class Tracer:
             "iteration_wall_s": {str(it): round(self._done[it].elapsed_s, 6)
                                  for it in self.recorded},
         }
+        measured = None
+        if self.runtime is not None:
+            measured = self._measured_peak(times)
+            its = [s for s in self.runtime.report.iterations if s.iteration in self._done]
+            extra["passive_evictions"] = {str(s.iteration): s.passive_evictions for s in its}
+            extra["passive_short_bytes"] = {str(s.iteration): s.passive_short_bytes for s in its}
         if self.device == "cuda":  # pragma: no cover - needs a GPU
             # PyTorch's own measurement of each iteration (blocks rounded to 512 bytes; includes
             # memory no op touched, e.g. the cuBLAS workspace, so compare the rise above start)
@@ -348,9 +449,20 @@ class Tracer:
             regular=regular,
             first_divergence=divergence,
             steady_iteration=self.recorded[-1],
+            trace_budget_bytes=self.budget_bytes,
+            measured_peak_bytes=measured,
             extra=extra,
         )
         write_trace(events, meta, self.path, force=self.force)
+
+    def _measured_peak(self, times) -> int | None:
+        """The most device memory the allocator held during the recorded iterations (Note
+        [Tracing under a budget])."""
+        if self.device == "cuda":  # pragma: no cover - needs a GPU
+            peaks = [self._done[it].cuda_max_allocated_bytes for it in self.recorded]
+            return max((p for p in peaks if p is not None), default=None)
+        peaks = times.live_peak_bytes if times is not None else {}
+        return max((peaks[it] for it in self.recorded if it in peaks), default=None)
 
     def _rows(self, cur: _Iteration, times) -> pd.DataFrame:
         it = cur.number

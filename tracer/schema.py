@@ -198,6 +198,10 @@ class TraceMeta:
     first_divergence: dict | None = None  # {"iteration", "op_index", "expected", "got"}
     steady_iteration: int | None = None  # the iteration a planner should use by default
     source: str = "capuchin"  # "capuchin" (recorded) | "dtr-log" (imported) | "synthetic"
+    # traced under a memory cap (capuchin trace --budget): the cap, and the peak the allocator
+    # measured while tracing (Note [Tracing under a budget] in tracer/record.py); None uncapped
+    trace_budget_bytes: int | None = None
+    measured_peak_bytes: int | None = None
     extra: dict = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:

@@ -28,12 +28,14 @@ def run_script(script: str | os.PathLike, args: Sequence[str] = ()) -> None:
 def trace_script(script: str | os.PathLike, args: Sequence[str] = (), *,
                  output: str | os.PathLike | None = None, iterations: int = 3, warmup: int = 1,
                  device: str = "auto", force: bool = False,
-                 log: Callable[[str], None] | None = None) -> Path:
+                 log: Callable[[str], None] | None = None,
+                 budget_bytes: int | None = None) -> Path:
     """Trace ``script`` (run with ``args``) into ``output`` (default ``<stem>.trace.parquet``).
 
     Returns the written path. Raises ScriptError when the script is missing, raises (its traceback
     is printed to stderr first), exits non-zero or never reaches a recorded iteration; no file is
-    written then. See ``Tracer`` for the other arguments.
+    written then. ``budget_bytes``: trace under this memory cap (Note [Tracing under a budget] in
+    tracer/record.py). See ``Tracer`` for the other arguments.
     """
     from .record import Tracer
 
@@ -43,7 +45,7 @@ def trace_script(script: str | os.PathLike, args: Sequence[str] = (), *,
     out = Path(output) if output is not None else default_output(path)
     kwargs = {"log": log} if log is not None else {}
     tracer = Tracer(out, iterations=iterations, warmup=warmup, device=device, force=force,
-                    script=str(script), argv=list(args), **kwargs)
+                    script=str(script), argv=list(args), budget_bytes=budget_bytes, **kwargs)
     with tracer:
         run_as_main(path, args, consequence="; no trace written")
     return out

@@ -24,7 +24,10 @@ class TraceSummary:
     transient_peak_bytes: peak of the bytes allocated inside the iteration and not yet freed
         (what the CPU allocator's "Total Allocated" shows over a one-iteration profiling window).
     allocator_peak_bytes: the same, as the allocator's own events measured it during recording
-        (None if the trace has no such measurement).
+        (None if the trace has no such measurement; under a cap, the capped run's).
+    trace_budget_bytes / measured_peak_bytes: the memory cap the trace was recorded under
+        (``capuchin trace --budget``) and the peak the allocator measured while tracing under it;
+        None for an uncapped trace. The other figures are the unmanaged program's either way.
     """
 
     path: str
@@ -51,6 +54,8 @@ class TraceSummary:
     first_divergence: dict | None
     bandwidth_d2h_bytes_per_s: float
     bandwidth_h2d_bytes_per_s: float
+    trace_budget_bytes: int | None = None
+    measured_peak_bytes: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -124,6 +129,8 @@ def summarize(trace: Trace, iteration: int | None = None) -> TraceSummary:
         first_divergence=meta.first_divergence,
         bandwidth_d2h_bytes_per_s=float(meta.bandwidth_d2h_bytes_per_s),
         bandwidth_h2d_bytes_per_s=float(meta.bandwidth_h2d_bytes_per_s),
+        trace_budget_bytes=meta.trace_budget_bytes,
+        measured_peak_bytes=meta.measured_peak_bytes,
     )
 
 
@@ -168,4 +175,10 @@ def format_summary(s: TraceSummary) -> str:
         f"bandwidth  device->host {s.bandwidth_d2h_bytes_per_s / 1e9:.2f} GB/s, "
         f"host->device {s.bandwidth_h2d_bytes_per_s / 1e9:.2f} GB/s",
     ]
+    if s.trace_budget_bytes is not None:
+        measured = ("not measured" if s.measured_peak_bytes is None else
+                    f"measured peak {_mb(s.measured_peak_bytes)} "
+                    f"({s.measured_peak_bytes / s.trace_budget_bytes:.0%} of it)")
+        lines.append(f"cap        traced under {_mb(s.trace_budget_bytes)} by passive eviction: "
+                     f"{measured}; the figures above are the unmanaged program's")
     return "\n".join(lines)

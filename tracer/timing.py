@@ -51,11 +51,16 @@ class ProfileTimes:
     op_alloc_peak_bytes: (iteration, op_index) -> the highest point, relative to the op's start,
         of the allocator's running balance (allocations minus frees) inside the op's range: what
         the op's kernels needed at once, outputs and temporary workspace together.
+    live_peak_bytes: iteration -> the most bytes live in the allocator during it, every block
+        allocated since the profiler started counted until its free (by address, as the
+        runtime's measured peak). The whole memory only when the profiler started before the
+        script (tracing under a budget, Note [Tracing under a budget] in tracer/record.py).
     """
 
     op_times: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     allocator_peak_bytes: dict[int, int] = field(default_factory=dict)
     op_alloc_peak_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
+    live_peak_bytes: dict[int, int] = field(default_factory=dict)
 
 
 def parse_profile(prof, device_type: str) -> ProfileTimes:
@@ -65,7 +70,8 @@ def parse_profile(prof, device_type: str) -> ProfileTimes:
     ranges: dict[tuple[int, int], tuple[int, int, int, int]] = {}  # key -> start, end, thread, corr
     for e in events:
         key = _parse_marker(e.name())
-        if key is not None and str(e.device_type()).endswith("CPU"):
+        if key is not None and str(e.device_type()).endswith("CPU") and (
+                key not in ranges or e.start_ns() > ranges[key][0]):  # a retried op: the last run
             ranges[key] = (e.start_ns(), e.start_ns() + e.duration_ns(), e.start_thread_id(),
                            e.correlation_id())
     if device_type == "cuda":
@@ -74,7 +80,8 @@ def parse_profile(prof, device_type: str) -> ProfileTimes:
         op_times = _cpu_times(ranges)
     allocs = _allocations(results, device_type)
     return ProfileTimes(op_times=op_times, allocator_peak_bytes=_allocator_peaks(allocs, ranges),
-                        op_alloc_peak_bytes=_op_alloc_peaks(allocs, ranges))
+                        op_alloc_peak_bytes=_op_alloc_peaks(allocs, ranges),
+                        live_peak_bytes=_live_peaks(allocs, ranges))
 
 
 def _cpu_times(ranges) -> dict:
@@ -190,6 +197,32 @@ def _allocator_peaks(allocs, ranges) -> dict[int, int]:
             src = owner.pop(ptr, None)
             if src is not None:
                 live[src] += size
+    return peaks
+
+
+def _live_peaks(allocs, ranges) -> dict[int, int]:
+    """Per iteration (from its first op's start to the next iteration's), the most bytes live,
+    rebuilt by address from every allocation event of the profiler (Note [Profiler allocation
+    offset] in runtime/report.py: a free of a block allocated before the profiler is ignored)."""
+    if not ranges:
+        return {}
+    it_start: dict[int, int] = {}
+    for (it, _), (start, _, _, _) in ranges.items():
+        it_start[it] = min(start, it_start.get(it, start))
+    order = sorted(it_start, key=it_start.get)
+    bounds = [it_start[i] for i in order]
+    live: dict[int, int] = {}
+    total = 0
+    peaks: dict[int, int] = {}
+    for t, ptr, size in allocs:
+        if size > 0:
+            total += size - live.get(ptr, 0)
+            live[ptr] = size
+        elif ptr in live:
+            total -= live.pop(ptr)
+        j = bisect.bisect_right(bounds, t) - 1
+        if j >= 0 and total > peaks.get(order[j], -1):
+            peaks[order[j]] = total
     return peaks
 
 

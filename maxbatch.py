@@ -1,0 +1,569 @@
+"""``capuchin max-batch`` / ``capuchin.max_batch``: the largest value of a script's option (its
+batch size, sequence length, width...) that trains within a given memory, unmanaged and under each
+policy, verified by a real run.
+
+    result = capuchin.max_batch("train.py", memory="8G", arg="--batch")
+    result.chosen, result.unmanaged_max, result.max_by_policy, result.verified_peak_bytes
+
+# Note: [Max-batch search]
+# A candidate value v is judged on one trace of the script run with ``ARG v``, recorded under the
+# memory cap itself (``Tracer(budget_bytes=memory)``, Note [Tracing under a budget] in
+# tracer/record.py), so a value that does not fit the device unmanaged can still be traced (on
+# CUDA the cap is real; an out-of-memory error while tracing under it means the value does not
+# fit at all). One trace serves every judge: unmanaged training fits when the trace's computed
+# peak (the unmanaged program's) is <= memory; a policy fits when its plan at memory is feasible
+# in the simulator and, with ``max_overhead``, its predicted overhead is at most that. Each judge
+# is searched separately by doubling from ``min_value`` until it fails (or ``max_value``), then by
+# bisection between the last value that fit and the first that did not, so each reports the exact
+# largest value under the assumption that fitting is monotone in the value (traces and plans are
+# cached per value, so the judges share them). The chosen policy's largest value is then verified
+# by a ``capuchin run`` of ``steps`` optimizer steps under its plan: the allocator's measured peak
+# (max over every iteration, the first, passive one included) against memory, and the time per
+# sample (median step-to-step time / value, steps after the first) against plain training at
+# unmanaged's own largest value.
+
+# Note: [Verified, not only planned]
+# The answer is a value that was *run*: when the verifying run's measured peak is more than
+# VERIFY_TOLERANCE (5%, the runtime's own standard for a plan) over memory, the next smaller value
+# whose plan fits is verified instead, up to VERIFY_TRIES runs; ``rejected`` lists the values
+# given up and ``planned_max`` the value the plans alone allowed. Seen on the CPU runtime: a
+# prefetch that arrives late makes the runtime move its in-trigger earlier for the next
+# iteration (runtime/swap.py), which the plan's simulated peak does not include (+5.5% of memory
+# on traces/hf_resnet.py at batch 13, in 2 of 3 runs at load 9).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CapuchinError, ScriptError
+
+COMPARISON_POLICIES = ("checkpoint-sqrt", "dtr", "swap", "recompute")
+VERIFY_TOLERANCE = 0.05  # Note [Verified, not only planned]
+VERIFY_TRIES = 3
+UNMANAGED = "unmanaged"
+
+
+class MaxBatchError(CapuchinError):
+    """max-batch cannot answer: bad option name, memory too small, the script fails."""
+
+
+@dataclass
+class Candidate:
+    """What one traced value gave: the unmanaged peak, the measured peak while tracing under the
+    cap, and per policy (feasible, predicted overhead, predicted peak)."""
+
+    value: int
+    fits_device: bool = True  # False: out of memory while tracing under the cap (CUDA)
+    peak_bytes: int | None = None
+    floor_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    iteration_time_s: float | None = None  # the trace's steady iteration (device timeline)
+    trace_s: float = 0.0
+    plans: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class PolicyRun:
+    """A run of ``steps`` steps at one value: measured peak and time per sample."""
+
+    value: int
+    peak_bytes: int | None
+    steady_peak_bytes: int | None
+    time_per_sample_s: float | None
+    step_times_s: list[float]
+    report: dict | None = None
+
+
+@dataclass
+class MaxBatchResult:
+    script: str
+    arg: str
+    memory_bytes: int
+    device: str
+    policy: str
+    chosen: int  # the chosen policy's largest value (0: none fits)
+    unmanaged_max: int
+    max_by_policy: dict[str, int]  # every judged policy (n/a ones left out) -> largest value
+    not_applicable: dict[str, str]  # policy -> why it does not apply to this script
+    max_overhead: float | None
+    predicted_overhead: float | None  # the chosen policy's plan at its largest value
+    verified_peak_bytes: int | None
+    verified_steady_peak_bytes: int | None
+    time_per_sample_s: float | None
+    unmanaged_time_per_sample_s: float | None
+    time_per_sample_ratio: float | None
+    verify_steps: int
+    verified: bool | None = None  # the verifying run stayed within VERIFY_TOLERANCE of memory
+    planned_max: int | None = None  # the chosen policy's largest value by its plans alone
+    rejected: list[dict] = field(default_factory=list)  # values whose verifying run was over
+    runs: dict[str, dict] = field(default_factory=dict)  # policy -> PolicyRun (time_all)
+    candidates: list[dict] = field(default_factory=list)
+    search_s: float = 0.0
+    plan: Any = None  # the chosen policy's Plan at ``chosen`` (not in to_dict)
+    verified_state: dict | None = None  # keep_state: the verifying run's final tensors
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("plan")
+        d.pop("verified_state")
+        return d
+
+    def summary(self) -> str:
+        mb = _mb
+        lines = [f"max-batch: {self.script} {self.arg} within {mb(self.memory_bytes)} "
+                 f"({self.memory_bytes} B) on {self.device}"
+                 + (f", predicted overhead <= {self.max_overhead:.0%}"
+                    if self.max_overhead is not None else "")]
+        rows = [(UNMANAGED, self.unmanaged_max)] + sorted(
+            self.max_by_policy.items(), key=lambda kv: (kv[0] != self.policy, kv[0]))
+        for name, v in rows:
+            mark = "  <- chosen" if name == self.policy else ""
+            x = (f" ({v / self.unmanaged_max:.2f}x unmanaged)"
+                 if self.unmanaged_max and name != UNMANAGED else "")
+            run = self.runs.get(name)
+            t = (f", {run['time_per_sample_s'] * 1e3:.2f} ms/sample measured"
+                 if run and run.get("time_per_sample_s") else "")
+            lines.append(f"  {name:<16} {v:>7}{x}{t}{mark}")
+        for name, why in self.not_applicable.items():
+            lines.append(f"  {name:<16}     n/a ({why})")
+        for rej in self.rejected:
+            lines.append(f"rejected: {self.arg} {rej['value']} measured "
+                         f"{rej['peak_bytes'] / self.memory_bytes:.3f} x memory in its "
+                         "verifying run")
+        if self.verified_peak_bytes is not None:
+            lines.append(f"verified: {self.verify_steps} steps at {self.arg} {self.chosen} under "
+                         f"the {self.policy} plan: measured peak {mb(self.verified_peak_bytes)} "
+                         f"= {self.verified_peak_bytes / self.memory_bytes:.3f} x memory"
+                         + ("" if self.verified else
+                            f" (NOT within {VERIFY_TOLERANCE:.0%} of memory)"))
+        if self.time_per_sample_ratio is not None:
+            lines.append(f"time per sample {self.time_per_sample_s * 1e3:.3f} ms vs "
+                         f"{self.unmanaged_time_per_sample_s * 1e3:.3f} ms unmanaged at "
+                         f"{self.arg} {self.unmanaged_max}: {self.time_per_sample_ratio:.2f}x")
+        return "\n".join(lines)
+
+
+def _mb(n: int | float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def max_batch(script: str | os.PathLike, script_args: Sequence[str] = (), *,
+              memory: str | int, arg: str, policy: str = "capuchin",
+              max_overhead: float | None = None, min_value: int = 1,
+              max_value: int = 65536, steps: int = 5, device: str = "auto",
+              compare: Sequence[str] | None = COMPARISON_POLICIES, verify: bool = True,
+              time_all: bool = False, keep_state: bool = False,
+              log: Callable[[str], None] | None = _stderr) -> MaxBatchResult:
+    """Find the largest value of ``script``'s option ``arg`` that trains within ``memory``.
+
+    memory: bytes or a size (``"8G"``, ``"512MiB"``; no percentage). arg: the option, e.g.
+    ``"--batch"`` (a bare ``batch`` means ``--batch``); the script must accept ``ARG N``, which is
+    appended to ``script_args``. policy: the chosen policy; compare: the comparison policies also
+    searched (``capuchin.maxbatch.COMPARISON_POLICIES`` by default; a policy that does not apply
+    to the script is reported in ``not_applicable``). max_overhead: largest predicted overhead
+    accepted, as a fraction (0.2 = 20%). min_value / max_value: the search range. steps: optimizer
+    steps of each verifying run. verify: run the chosen policy at its largest value (and plain
+    training at unmanaged's) for ``steps`` steps; time_all: also every compared policy at its own
+    largest value. keep_state: keep the verifying run's final parameters, gradients and optimizer
+    state in ``verified_state``. log: progress lines (default stderr; None: quiet).
+
+    Raises ``MaxBatchError`` (one line) when the script does not accept ``arg``, when even
+    ``min_value`` fits neither unmanaged nor under ``policy``, or when the script fails for its
+    own reasons at some value. See Note [Max-batch search].
+    """
+    from .planner.budget import BudgetError, parse_budget
+    from .planner.registry import get_policy
+    from .tracer.record import resolve_device
+
+    log = log or (lambda line: None)
+    path = Path(script)
+    if not path.is_file():
+        raise ScriptError(f"{script}: no such script")
+    if str(memory).strip().endswith("%"):
+        raise BudgetError(f"memory {memory}: give a size (8G, 512MiB, bytes), not a percentage")
+    memory_bytes = parse_budget(memory)
+    flag = arg if arg.startswith("-") else f"--{arg}"
+    if min_value < 1 or max_value < min_value:
+        raise MaxBatchError(f"--min {min_value} / --max {max_value}: need 1 <= min <= max")
+    if steps < 2:
+        raise MaxBatchError(f"--steps {steps}: the verifying run needs at least 2 steps")
+    if max_overhead is not None and max_overhead < 0:
+        raise MaxBatchError(f"--max-overhead {max_overhead:.0%}: must not be negative")
+    get_policy(policy)  # an unknown name fails here, with the list of valid ones
+    others = [p for p in (compare or ()) if p != policy]
+    for p in others:
+        get_policy(p)
+    dev = resolve_device(device)
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="capuchin-max-batch-") as tmp:
+        search = _Search(path, list(script_args), flag, memory_bytes, dev, Path(tmp), max_overhead,
+                         log)
+        first = search.candidate(min_value)
+        if first.fits_device and first.floor_bytes is not None \
+                and first.floor_bytes > memory_bytes and first.peak_bytes > memory_bytes:
+            raise MaxBatchError(
+                f"{script}: memory {_mb(memory_bytes)} ({memory_bytes} B) is below what "
+                f"{flag} {min_value} needs: its peak is {_mb(first.peak_bytes)} unmanaged and no "
+                f"plan can go below {_mb(first.floor_bytes)} (what must stay resident)")
+        best = {policy: search.largest(policy, min_value, max_value)}
+        unmanaged = search.largest(UNMANAGED, min_value, max_value)
+        if best[policy] == 0 and unmanaged == 0:
+            why = search.candidate(min_value).plans.get(policy, {})
+            raise MaxBatchError(
+                f"{script}: memory {_mb(memory_bytes)} ({memory_bytes} B) is below what "
+                f"{flag} {min_value} needs: its peak is {_mb(first.peak_bytes)} unmanaged and the "
+                f"{policy} plan peaks at {_mb(why.get('predicted_peak_bytes'))}"
+                + (f" (or costs more than {max_overhead:.0%})" if max_overhead is not None
+                   else ""))
+        for p in others:
+            best[p] = search.largest(p, min_value, max_value)
+        na = {p: search.not_applicable[p] for p in others if p in search.not_applicable}
+        for p in na:
+            best.pop(p, None)
+        chosen = best[policy]
+        plan = search.plan(chosen, policy) if chosen else None
+        result = MaxBatchResult(
+            script=str(script), arg=flag, memory_bytes=memory_bytes, device=dev, policy=policy,
+            chosen=chosen, unmanaged_max=unmanaged, max_by_policy=best, not_applicable=na,
+            max_overhead=max_overhead,
+            predicted_overhead=(plan.predictions.predicted_overhead if plan is not None
+                                else None),
+            verified_peak_bytes=None, verified_steady_peak_bytes=None, time_per_sample_s=None,
+            unmanaged_time_per_sample_s=None, time_per_sample_ratio=None, verify_steps=steps,
+            planned_max=chosen, plan=plan)
+        if verify and chosen:
+            run = None
+            for attempt in range(VERIFY_TRIES):  # Note [Verified, not only planned]
+                log(f"max-batch: verifying: {steps} steps at {flag} {chosen} under the {policy} "
+                    "plan")
+                run = run_steps(path, [*script_args, flag, str(chosen)], steps, plan=plan,
+                                device=dev, keep_state=keep_state)
+                log(f"max-batch:   measured peak {_mb(run.peak_bytes)} "
+                    f"({(run.peak_bytes or 0) / memory_bytes:.3f} x memory), "
+                    f"{(run.time_per_sample_s or 0) * 1e3:.3f} ms/sample")
+                over = run.peak_bytes is not None and \
+                    run.peak_bytes > (1 + VERIFY_TOLERANCE) * memory_bytes
+                if not over or attempt == VERIFY_TRIES - 1:
+                    break
+                lower = chosen - 1
+                while lower >= min_value and not search.fits(lower, policy):
+                    lower -= 1
+                if lower < min_value:
+                    break
+                result.rejected.append({"value": chosen, "peak_bytes": run.peak_bytes})
+                log(f"max-batch:   over memory by more than {VERIFY_TOLERANCE:.0%}: "
+                    f"trying {flag} {lower}")
+                chosen = lower
+                plan = search.plan(chosen, policy)
+                result.plan = plan
+                result.predicted_overhead = plan.predictions.predicted_overhead
+            result.chosen = best[policy] = chosen
+            result.verified = not over
+            result.verified_peak_bytes = run.peak_bytes
+            result.verified_steady_peak_bytes = run.steady_peak_bytes
+            result.time_per_sample_s = run.time_per_sample_s
+            result.verified_state = getattr(run, "state", None)
+            result.runs[policy] = _run_dict(run)
+            if unmanaged:
+                log(f"max-batch: timing plain training: {steps} steps at {flag} {unmanaged}")
+                base = run_steps(path, [*script_args, flag, str(unmanaged)], steps, plan=None,
+                                 device=dev)
+                result.runs[UNMANAGED] = _run_dict(base)
+                result.unmanaged_time_per_sample_s = base.time_per_sample_s
+                if base.time_per_sample_s and run.time_per_sample_s:
+                    result.time_per_sample_ratio = run.time_per_sample_s / base.time_per_sample_s
+            if time_all:
+                for p, v in best.items():
+                    if p == policy or not v:
+                        continue
+                    log(f"max-batch: timing {p}: {steps} steps at {flag} {v} under its plan")
+                    result.runs[p] = _run_dict(run_steps(
+                        path, [*script_args, flag, str(v)], steps, plan=search.plan(v, p),
+                        device=dev))
+        result.candidates = [asdict(c) for _, c in sorted(search.cache.items())]
+    result.search_s = time.perf_counter() - t_start
+    return result
+
+
+def _run_dict(run: PolicyRun) -> dict:
+    d = asdict(run)
+    d.pop("report", None)
+    d.pop("state", None)
+    return d
+
+
+class _Search:
+    """Traces per value (cached), plans per (value, policy) (cached), the doubling/bisection."""
+
+    def __init__(self, script: Path, args: list[str], flag: str, memory_bytes: int, device: str,
+                 tmp: Path, max_overhead: float | None, log):
+        self.script = script
+        self.args = args
+        self.flag = flag
+        self.memory_bytes = memory_bytes
+        self.device = device
+        self.tmp = tmp
+        self.max_overhead = max_overhead
+        self.log = log
+        self.cache: dict[int, Candidate] = {}
+        self.problems: dict[int, Any] = {}
+        self.plans: dict[tuple[int, str], Any] = {}
+        self.not_applicable: dict[str, str] = {}
+
+    # ---- judges ------------------------------------------------------------------------------
+    def fits(self, value: int, policy: str) -> bool:
+        c = self.candidate(value)
+        if not c.fits_device:
+            return False
+        if policy == UNMANAGED:
+            return c.peak_bytes <= self.memory_bytes
+        if policy in self.not_applicable:
+            return False
+        info = c.plans.get(policy)
+        if info is None:
+            plan = self.plan(value, policy)
+            if plan is None:
+                return False
+            p = plan.predictions
+            info = c.plans[policy] = {"feasible": bool(p.feasible),
+                                      "predicted_overhead": float(p.predicted_overhead),
+                                      "predicted_peak_bytes": int(p.predicted_peak_bytes)}
+            self.log(f"max-batch:   {self.flag} {value} {policy}: "
+                     + (f"fits, predicted overhead {p.predicted_overhead:+.1%}" if p.feasible
+                        else f"does not fit (plan peaks at {_mb(p.predicted_peak_bytes)})"))
+        ok = info["feasible"]
+        if ok and self.max_overhead is not None:
+            ok = info["predicted_overhead"] <= self.max_overhead
+        return ok
+
+    def largest(self, policy: str, lo_value: int, hi_value: int) -> int:
+        """Doubling from ``lo_value`` then bisection (Note [Max-batch search]); 0 if none fits."""
+        if not self.fits(lo_value, policy):
+            return 0
+        lo, hi = lo_value, None
+        while hi is None:
+            if lo >= hi_value:
+                return lo
+            nxt = min(lo * 2, hi_value)
+            if self.fits(nxt, policy):
+                lo = nxt
+            else:
+                hi = nxt
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.fits(mid, policy):
+                lo = mid
+            else:
+                hi = mid
+        self.log(f"max-batch: {policy}: largest {self.flag} {lo}")
+        return lo
+
+    # ---- traces and plans --------------------------------------------------------------------
+    def candidate(self, value: int) -> Candidate:
+        c = self.cache.get(value)
+        if c is None:
+            c = self.cache[value] = self._trace(value)
+        return c
+
+    def _trace(self, value: int) -> Candidate:
+        from .planner.problem import Problem
+        from .tracer.reader import load_trace
+        from .tracer.record import Tracer
+        from .tracer.script import run_script
+
+        out = self.tmp / f"v{value}.trace.parquet"
+        args = [*self.args, self.flag, str(value)]
+        c = Candidate(value)
+        t0 = time.perf_counter()
+        gc.collect()
+        tracer = Tracer(out, iterations=1, warmup=1, device=self.device, force=True,
+                        script=str(self.script), argv=args, log=None,
+                        budget_bytes=self.memory_bytes)
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), \
+                    tracer:
+                run_script(self.script, args)
+        except BaseException as exc:  # noqa: BLE001 - classified below, re-raised as one line
+            if _is_oom(exc):
+                c.fits_device = False
+                c.trace_s = time.perf_counter() - t0
+                self.log(f"max-batch: {self.flag} {value}: out of memory while tracing under "
+                         f"the cap: does not fit")
+                gc.collect()
+                return c
+            raise self._script_failure(value, exc, err.getvalue()) from None
+        finally:
+            del tracer
+        trace = load_trace(out)
+        problem = Problem.from_trace(trace)
+        self.problems[value] = problem
+        c.peak_bytes = int(problem.peak_bytes)
+        c.floor_bytes = int(problem.floor_bytes())
+        c.measured_peak_bytes = trace.meta.measured_peak_bytes
+        c.iteration_time_s = problem.time_ns / 1e9
+        c.trace_s = time.perf_counter() - t0
+        self.log(f"max-batch: {self.flag} {value}: unmanaged peak {_mb(c.peak_bytes)} "
+                 f"({'fits' if c.peak_bytes <= self.memory_bytes else 'over'} "
+                 f"{_mb(self.memory_bytes)}); traced under the cap in {c.trace_s:.1f} s, measured "
+                 f"{_mb(c.measured_peak_bytes)}")
+        return c
+
+    def _script_failure(self, value: int, exc: BaseException, stderr: str) -> MaxBatchError:
+        text = stderr.strip().splitlines()
+        unknown = [ln for ln in text if "unrecognized arguments" in ln]
+        if unknown and self.flag in unknown[-1]:
+            return MaxBatchError(f"{self.script}: the script does not accept {self.flag} "
+                                 f"(its own error: {unknown[-1].strip()})")
+        if isinstance(exc, ScriptError):
+            # runmain's "SCRIPT raised TYPE: message" (or "exited with status N"): name the value
+            msg = str(exc)
+            m = re.match(r"^(.*) raised ([\w.]+): (.*)$", msg)
+            if m:
+                return MaxBatchError(f"{m.group(1)}: the script raised {m.group(2)} at "
+                                     f"{self.flag} {value}: {m.group(3)}")
+            return MaxBatchError(f"{msg} at {self.flag} {value}")
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "(no message)"
+        return MaxBatchError(f"{self.script}: the script raised {type(exc).__name__} at "
+                             f"{self.flag} {value}: {first}")
+
+    def plan(self, value: int, policy: str):
+        """The policy's plan at memory for the value's trace (None: it does not apply)."""
+        key = (value, policy)
+        if key in self.plans:
+            return self.plans[key]
+        from .planner.build import build_plan, policy_parameters
+        from .planner.registry import get_policy
+
+        problem = self.problems.get(value)
+        if problem is None:
+            return None
+        try:
+            if self.memory_bytes >= problem.peak_bytes:
+                plan, _ = build_plan(problem, [], policy=policy, budget_bytes=self.memory_bytes)
+            else:
+                t0 = time.perf_counter()
+                decisions = get_policy(policy)(problem, self.memory_bytes)
+                plan, _ = build_plan(problem, decisions, policy=policy,
+                                     budget_bytes=self.memory_bytes,
+                                     parameters=policy_parameters({}, decisions),
+                                     solve_time_s=time.perf_counter() - t0)
+        except CapuchinError as exc:
+            self.not_applicable[policy] = str(exc).splitlines()[0][:160]
+            self.log(f"max-batch:   {self.flag} {value} {policy}: does not apply ({self.not_applicable[policy]})")
+            plan = None
+        self.plans[key] = plan
+        return plan
+
+
+def _is_oom(exc: BaseException) -> bool:
+    try:
+        import torch
+
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and cause is not exc and _is_oom(cause)
+
+
+class _Enough(BaseException):
+    """Raised from the optimizer step hook after the last step of a verifying run."""
+
+
+def run_steps(script: Path, args: list[str], steps: int, *, plan=None, device: str = "cpu",
+              keep_state: bool = False) -> PolicyRun:
+    """Run ``script`` for ``steps`` optimizer steps (stopped after the last), under ``plan``
+    (a ``capuchin.Runtime`` measuring the peak) or plain. Step times are the wall time between
+    consecutive optimizer steps (the script's own data preparation included, as a user sees it).
+    The script's stdout is discarded."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from .runtime.engine import Runtime
+    from .tracer.script import run_script
+
+    stamps: list[float] = []
+    optimizers: list = []
+    n = {"steps": 0}
+
+    def hook(opt, a, k):
+        if opt not in optimizers:
+            optimizers.append(opt)
+        stamps.append(time.perf_counter())
+        n["steps"] += 1
+        if n["steps"] >= steps:
+            raise _Enough()
+
+    gc.collect()
+    rt = Runtime(plan, device=device) if plan is not None else None
+    handle = None
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), \
+                (rt if rt is not None else contextlib.nullcontext()):
+            handle = register_optimizer_step_post_hook(hook)  # after the runtime's own hook
+            run_script(script, args)
+    except _Enough:
+        pass
+    except CapuchinError:
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "(no message)"
+        raise MaxBatchError(f"{script}: the script raised {type(exc).__name__} in the "
+                            f"verifying run ({' '.join(args)}): {first}") from None
+    finally:
+        if handle is not None:
+            handle.remove()
+    times = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    value = int(args[-1])
+    tps = statistics.median(times) / value if times else None
+    peak = steady = None
+    report = None
+    if rt is not None and rt.report is not None:
+        report = rt.report.to_dict()
+        peaks = [s.peak_bytes for s in rt.report.iterations if s.peak_bytes is not None]
+        peak = max(peaks) if peaks else None
+        st = [s.peak_bytes for s in rt.report.steady if s.peak_bytes is not None]
+        steady = max(st) if st else None
+    run = PolicyRun(value, peak, steady, tps, times, report)
+    if keep_state:
+        run.state = _state(optimizers, torch)
+    return run
+
+
+def _state(optimizers: list, torch) -> dict:
+    """Every parameter, gradient and optimizer state tensor of the optimizers that stepped."""
+    out = {}
+    for i, opt in enumerate(optimizers):
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                name = f"opt{i}.g{gi}.p{pi}"
+                out[name] = p.detach().clone()
+                if p.grad is not None:
+                    out[name + ".grad"] = p.grad.detach().clone()
+                for k, v in opt.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        out[f"{name}.state.{k}"] = v.detach().clone()
+    return out
+
+
+__all__ = ["max_batch", "MaxBatchResult", "MaxBatchError", "run_steps", "COMPARISON_POLICIES"]
