@@ -113,16 +113,25 @@ def trace_of(name: str, tmp: Path) -> Path:
 # ---- measuring ------------------------------------------------------------------------------------
 
 
-def step_time_s(train, steps: int, make_runtime=None) -> float:
-    """Median optimizer-step interval after the first two steps (no profiler)."""
-    stamps: list[float] = []
-    h = register_optimizer_step_post_hook(lambda *a: stamps.append(time.perf_counter()))
+def step_time_s(train, steps: int, make_runtime=None) -> tuple[float, float]:
+    """Median optimizer-step interval after the first two steps (no profiler): wall-clock and
+    this process's CPU time (all its threads: compute, copies, bookkeeping; what other processes
+    on a shared host take is not in it, what waiting costs is not either)."""
+    stamps: list[tuple[float, float]] = []
+    h = register_optimizer_step_post_hook(
+        lambda *a: stamps.append((time.perf_counter(), time.process_time()))
+    )
     try:
         train(steps, make_runtime(False) if make_runtime else None)
     finally:
         h.remove()
-    gaps = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
-    return statistics.median(gaps) if gaps else float("nan")
+    pairs = list(zip(stamps[1:], stamps[2:], strict=False))
+    if not pairs:
+        return float("nan"), float("nan")
+    return (
+        statistics.median(b[0] - a[0] for a, b in pairs),
+        statistics.median(b[1] - a[1] for a, b in pairs),
+    )
 
 
 def measured(make_runtime, train, steps: int) -> dict:
@@ -176,15 +185,18 @@ def main() -> None:
                 except Exception as exc:  # the simulated policy may fail at low budgets
                     sim_x = float("nan")
                     note += f" dtr sim: {type(exc).__name__}"
-                best = {mode: float("inf") for mode in ("plain", *modes)}
+                wall = {mode: float("inf") for mode in ("plain", *modes)}
+                cpu = dict(wall)
                 for _ in range(args.repeats):  # interleaved rounds, best of each
-                    best["plain"] = min(best["plain"], step_time_s(train, args.steps))
-                    for mode, make in modes.items():
-                        best[mode] = min(best[mode], step_time_s(train, args.steps, make))
+                    for mode in wall:
+                        w, c = step_time_s(train, args.steps, modes.get(mode))
+                        wall[mode], cpu[mode] = min(wall[mode], w), min(cpu[mode], c)
                 for mode, make in modes.items():
                     m = measured(make, train, args.steps)
-                    t = best[mode]
-                    rows.append((name, pct, budget, mode, t, t / best["plain"], m, sim_x, note))
+                    m["cpu"] = cpu[mode]
+                    m["cpu_x"] = cpu[mode] / cpu["plain"]
+                    t = wall[mode]
+                    rows.append((name, pct, budget, mode, t, t / wall["plain"], m, sim_x, note))
                     print(_fmt(rows[-1]), file=sys.stderr, flush=True)
     load = os.getloadavg()
     print(
@@ -197,10 +209,11 @@ def main() -> None:
 
 
 _HEADER = (
-    "| workload | budget | mode | step ms | x plain | peak MiB | peak/budget | "
+    "| workload | budget | mode | step ms | x plain | CPU ms | CPU x plain | peak MiB | "
+    "peak/budget | "
     "short MiB | evictions/it | drops/it | swapped MiB/it | replayed ops/it | "
     "dtr sim x | note |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -208,6 +221,7 @@ def _fmt(r) -> str:
     name, pct, budget, mode, t, x, m, sim_x, note = r
     return (
         f"| {name} | {pct}% ({budget / MIB:.1f} MiB) | {mode} | {t * 1e3:.1f} | {x:.2f} | "
+        f"{m['cpu'] * 1e3:.1f} | {m['cpu_x']:.2f} | "
         f"{m['peak'] / MIB:.1f} | {m['peak'] / budget:.2f} | {m['short'] / MIB:.1f} | "
         f"{m['evictions']:.0f} | {m['drops']:.0f} | {m['swapped'] / MIB:.1f} | "
         f"{m['replayed']:.0f} | {sim_x:.2f} | "
