@@ -1,18 +1,22 @@
 """Dynamic mode: DTR's eviction and rematerialization (Kirisame et al., ICLR'21) in the runtime,
 where no plan applies (a run with only a budget, iteration 0, the rest of a diverged iteration).
 
-While it is on, every op the script runs is recorded as it runs (function, arguments, the RNG
-state of a seeded op, its measured time), and each storage an op allocates in the iteration keeps
-its *chain*: the producer and the in-place ops that wrote it since (rule R1 of recompute.py).
+While it is on, an op that allocates a storage in the iteration, or writes one that has a chain,
+is recorded after it ran (function, arguments, the RNG state a seeded op ran with, its measured
+time); views and reads are not. Each storage an op allocates keeps its *chain*: the producer and
+the in-place ops that wrote it since (rule R1 of recompute.py).
 When the next op would take resident bytes over the budget, the resident storage with the lowest
 
     h(s) = C(s) / (M(s) * L(s))
 
 is evicted first (M: bytes, L: staleness in ops since its last access, C: the cheaper way back).
-C of a drop is the chain's measured time plus the value of every distinct set of evicted storages
+C of a drop is the chain's measured time (plus a replay's measured overhead per op, and the time
+of the freed sources it regenerates, Note [Ghosts]) plus the value of every distinct set of dropped
+storages
 next to ``s`` (those its replay reads and those whose replay reads it), grouped by a union-find
 (DTR's e* approximation: sets merge when a neighbour is dropped, rematerializing ``s`` subtracts
-its cost, sets never split). C of a swap is the copy out and back at the measured host bandwidth.
+its cost, sets never split). C of a swap is the copy out and back at the host bandwidths measured
+on this run's swaps.
 An evicted storage comes back when an op reads it: a swapped one by copy, a dropped one by
 replaying its chain, after its dropped sources have come back first (ancestors first, each with
 room made under the budget, so nothing recurses deeply).
@@ -28,6 +32,16 @@ room made under the budget, so nothing recurses deeply).
 # an op about to write one regenerates the dependent first. Everything else is swapped. Only
 # storages allocated by an op of the current iteration are evicted at all (Note [Storage-level
 # eviction] in state.py): parameters, optimizer state and data made outside ops stay resident.
+
+# Note: [Ghosts]
+# A chain's source may be freed by the script before the storage is evicted (autograd frees the
+# addmm output behind a tanh, which saves only its result). A storage that dies with a chain
+# leaves a ghost for the iteration (its records and final write counter); a replay that reads it
+# regenerates it first, into a temporary freed after its last use, recursively. Sources alive at
+# the drop are pinned instead. At the step end a dropped storage that only pins hold stays
+# dropped (``DynamicGuard.stays_out``); copy-on-write brings back the dropped storages the script
+# still holds that need the written one, through pinned sources (``DynamicGuard._live_roots``),
+# one at a time, since bringing one back releases what only it pinned.
 """
 
 from __future__ import annotations
