@@ -216,6 +216,10 @@ def max_batch(script: str | os.PathLike, script_args: Sequence[str] = (), *,
         search = _Search(path, list(script_args), flag, memory_bytes, dev, Path(tmp), max_overhead,
                          log)
         first = search.candidate(min_value)
+        if not first.fits_device:
+            raise MaxBatchError(
+                f"{script}: memory {_mb(memory_bytes)} ({memory_bytes} B) is below what "
+                f"{flag} {min_value} needs: it ran out of memory while traced under that cap")
         if first.fits_device and first.floor_bytes is not None \
                 and first.floor_bytes > memory_bytes and first.peak_bytes > memory_bytes:
             raise MaxBatchError(

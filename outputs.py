@@ -36,8 +36,14 @@ from pathlib import Path
 
 from .errors import CapuchinError, OutputExistsError, Terminated
 
-__all__ = ["OutputExistsError", "Terminated", "atomic_write", "check_output",
-           "raise_on_sigterm", "write_text"]
+__all__ = [
+    "OutputExistsError",
+    "Terminated",
+    "atomic_write",
+    "check_output",
+    "raise_on_sigterm",
+    "write_text",
+]
 
 # writers whose format follows the suffix (matplotlib) and the suffixes they can write
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
@@ -48,9 +54,13 @@ def exists_error(path: str | os.PathLike) -> OutputExistsError:
     return OutputExistsError(f"{path}: exists; use --force to overwrite")
 
 
-def check_output(path: str | os.PathLike, *, force: bool = False,
-                 inputs: Iterable[str | os.PathLike | None] = (),
-                 suffixes: Iterable[str] | None = None) -> Path:
+def check_output(
+    path: str | os.PathLike,
+    *,
+    force: bool = False,
+    inputs: Iterable[str | os.PathLike | None] = (),
+    suffixes: Iterable[str] | None = None,
+) -> Path:
     """Check that ``path`` can be written before any work starts (see Note [Output files]).
 
     ``inputs``: the command's input files (None entries are skipped); ``path`` may not be one of
@@ -68,8 +78,10 @@ def check_output(path: str | os.PathLike, *, force: bool = False,
     if suffixes is not None:
         allowed = tuple(suffixes)
         if p.suffix.lower() not in allowed:
-            raise CapuchinError(f"{p}: cannot write this format (suffix "
-                                f"{p.suffix or '(none)'!r}); use one of {', '.join(allowed)}")
+            raise CapuchinError(
+                f"{p}: cannot write this format (suffix "
+                f"{p.suffix or '(none)'!r}); use one of {', '.join(allowed)}"
+            )
     if p.exists() and not force:
         raise exists_error(p)
     folder = p.parent
@@ -112,8 +124,9 @@ def atomic_write(path: str | os.PathLike, *, force: bool = True) -> Iterator[Pat
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
-        raise CapuchinError(f"{path}: cannot write in {path.parent} "
-                            f"({exc.strerror or exc})") from None
+        raise CapuchinError(
+            f"{path}: cannot write in {path.parent} ({exc.strerror or exc})"
+        ) from None
     os.close(fd)
     tmp = Path(name)
     previous = _catch_default_sigterm()
@@ -153,15 +166,25 @@ def _link_no_clobber(tmp: Path, path: Path) -> None:
     try:
         os.link(tmp, path)
     except FileExistsError:
-        raise OutputExistsError(f"{path}: exists (it appeared while this command ran); not "
-                                "replaced; use --force to overwrite") from None
+        raise OutputExistsError(
+            f"{path}: exists (it appeared while this command ran); not "
+            "replaced; use --force to overwrite"
+        ) from None
     except OSError as exc:
-        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV,
-                             errno.EMLINK, errno.ENOSYS):
+        if exc.errno not in (
+            errno.EPERM,
+            errno.ENOTSUP,
+            errno.EOPNOTSUPP,
+            errno.EXDEV,
+            errno.EMLINK,
+            errno.ENOSYS,
+        ):
             raise
         if path.exists():  # no hard links here: check, then rename
-            raise OutputExistsError(f"{path}: exists (it appeared while this command ran); "
-                                    "not replaced; use --force to overwrite") from None
+            raise OutputExistsError(
+                f"{path}: exists (it appeared while this command ran); "
+                "not replaced; use --force to overwrite"
+            ) from None
         os.replace(tmp, path)
 
 

@@ -2,7 +2,8 @@
 does it (``capuchin trace``, ``capuchin run``, the runtime's test helpers, the benchmarks). No torch.
 
 ``runpy.run_path(script, run_name="__main__")`` with ``sys.argv`` rewritten and the script's folder
-first on ``sys.path`` (memray's ``run`` command does the same), both restored after.
+first on ``sys.path`` (memray's ``run`` command does the same), both restored after, with the
+current directory.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from .errors import CapuchinError, ScriptError
 
 @contextmanager
 def script_environment(script: Path, args: Sequence[str]):
-    """``sys.argv = [script, *args]`` and the script's folder first on ``sys.path``, restored after."""
-    old_argv, old_path = sys.argv, list(sys.path)
+    """``sys.argv = [script, *args]`` and the script's folder first on ``sys.path``; both, and
+    the current directory (a script may change it), restored after."""
+    old_argv, old_path, old_cwd = sys.argv, list(sys.path), os.getcwd()
     sys.argv = [str(script), *args]
     sys.path.insert(0, str(script.resolve().parent))
     try:
@@ -30,10 +32,17 @@ def script_environment(script: Path, args: Sequence[str]):
     finally:
         sys.argv = old_argv
         sys.path[:] = old_path
+        if os.getcwd() != old_cwd:
+            os.chdir(old_cwd)
 
 
-def run_as_main(script: str | os.PathLike, args: Sequence[str] = (), *,
-                run_name: str = "__main__", consequence: str = "") -> dict[str, Any]:
+def run_as_main(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    run_name: str = "__main__",
+    consequence: str = "",
+) -> dict[str, Any]:
     """Run ``script`` with ``args`` as module ``run_name``; returns its globals.
 
     ``sys.exit(0)``/``sys.exit()`` are a normal end (globals then empty). A script that is
@@ -51,15 +60,17 @@ def run_as_main(script: str | os.PathLike, args: Sequence[str] = (), *,
             return runpy.run_path(str(path), run_name=run_name)
         except SystemExit as exc:
             if exc.code not in (None, 0):
-                raise ScriptError(f"{script}: the script exited with status "
-                                  f"{exc.code}{consequence}") from None
+                raise ScriptError(
+                    f"{script}: the script exited with status {exc.code}{consequence}"
+                ) from None
             return {}
         except CapuchinError:
             raise
         except Exception as exc:
             print_script_traceback(exc, path)
-            raise ScriptError(f"{script} raised {type(exc).__name__}: {first_line(exc)}"
-                              f"{consequence}") from None
+            raise ScriptError(
+                f"{script} raised {type(exc).__name__}: {first_line(exc)}{consequence}"
+            ) from None
 
 
 def first_line(exc: BaseException) -> str:

@@ -1,14 +1,22 @@
-"""Runtime benchmark: per bundled example at 50% of the traced peak, the baseline, capuchin
-(``make_plan`` policy ``capuchin``), ``torch.utils.checkpoint`` (sqrt(n) segments) and
-``torch.autograd.graph.save_on_cpu``, each at its own measured peak; the overhead of a plan that
-evicts nothing; and the tracker's per-op cost.
+"""Runtime benchmark: per example (the bundled ones and a Hugging Face GPT-2 trained with
+``transformers.Trainer``, benchmarks/scripts/hf_gpt2.py), in one interleaved run: plain training,
+a plan that evicts nothing (the traced peak as budget), a capuchin plan at 50% of the traced peak
+(or, where the planner proves that infeasible, at the smallest budget it reaches), and
+``torch.utils.checkpoint`` with about sqrt(n) segments, each at its own measured peak; and the
+tracker's per-op cost.
 
-    python benchmarks/runtime.py [--steps 5] [--repeats 2] [--examples cnn,transformer,mlp]
+    python benchmarks/runtime.py [--steps 6] [--repeats 3] [--examples cnn,transformer,mlp,hf_gpt2]
 
 Peaks are PyTorch's CPU allocator accounting (profiler "Total Allocated", max over the steady
 iterations; Note [Measured peak] in runtime/report.py). Times are the median steady iteration,
-best of ``--repeats`` runs, measured without the profiler. The host is shared and noisy: compare
-rows of one run only.
+best of ``--repeats`` rounds that interleave the variants, measured without the profiler.
+
+The predicted time of a plan is the simulator's device time scaled to this run's clock plus the
+runtime's own cost: ``plain x (predicted_time_ns - runtime_cost_ns) / baseline_time_ns +
+runtime_cost_ns`` (planner/costs.py). The scaling is there because a trace's op durations are
+measured under the tracer's profiler on whatever load the host had then (the bundled traces'
+iterations last 2-9x what plain training measures here); the runtime's cost is in absolute time.
+The host is shared and noisy: compare rows of one run only.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
 MIB = 2**20
 
 
@@ -150,10 +159,6 @@ def _checkpointed(g: dict) -> None:
     g["main"].__globals__.update(g)
 
 
-def _save_on_cpu():
-    return torch.autograd.graph.save_on_cpu(pin_memory=False)
-
-
 # ---- the tracker's per-op cost ---------------------------------------------------------------------
 
 
@@ -174,7 +179,11 @@ def per_op_us(n: int = 20000) -> dict[str, float]:
             add(a, b)
         return (time.perf_counter() - t0) / n * 1e6
 
+    import capuchin.runtime.engine as engine
+
     plan = _add_plan(n + 1)
+    engine_empty = engine._empty
+    engine._empty = lambda p: False  # measure the hot path: an empty plan installs nothing
     out = {}
     for name, ctx in (("no mode", contextlib.nullcontext), ("passthrough mode", _Passthrough),
                       ("runtime hot path", lambda: Runtime(plan, measure_memory=False)),
@@ -185,6 +194,31 @@ def per_op_us(n: int = 20000) -> dict[str, float]:
             with ctx():
                 best = min(best, loop())
         out[name] = best
+    engine._empty = engine_empty
+    return out
+
+
+def swap_cycle_ns_per_byte(sizes=(64 << 10, 2 << 20, 8 << 20), reps: int = 20) -> dict[int, float]:
+    """Mean ns per byte moved of a swap-out and swap-in through the CPU backend, the runtime's own
+    path: copy to a pooled host buffer on the copy thread, free the storage (``resize_(0)``),
+    resize it back and copy in (planner/costs.py: ``swap_action_ns``, ``copy_ns_per_byte``)."""
+    from capuchin.runtime.backend import backend_for
+    from capuchin.runtime.state import resize
+
+    be = backend_for("cpu")
+    out = {}
+    for n in sizes:
+        st = torch.ones(n // 4).untyped_storage()
+        buf = be.host_buffer(n)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            c = be.copy_out(st, buf)
+            c.wait()
+            be.free_after_copy_out(st, c)
+            resize(st, n)
+            be.copy_in(buf, st).wait()
+        out[n] = (time.perf_counter() - t0) / reps / (2 * n) * 1e9
+    be.close()
     return out
 
 
@@ -215,11 +249,43 @@ def _steady_malloc() -> None:
 # ---- main ------------------------------------------------------------------------------------------
 
 
+def _example(name: str, tmp: Path):
+    """(script, trace, sqrt(n) checkpointing as (prepare, extra argv)) of an example; the Hugging
+    Face one is traced on first use (into ``tmp``)."""
+    if name == "hf_gpt2":
+        from capuchin.tracer.script import trace_script
+
+        script = SCRIPTS / "hf_gpt2.py"
+        trace = tmp / "hf_gpt2.trace.parquet"
+        if not trace.exists():
+            trace_script(script, ["--steps", "6"], output=trace, log=lambda _: None)
+        return script, trace, (None, ["--gradient-checkpointing"])
+    return TRACES / f"{name}.py", TRACES / f"{name}.trace.parquet", (_checkpointed, [])
+
+
+def _plan(trace: Path, budget: str) -> Plan:
+    from capuchin.errors import InfeasibleBudgetError
+
+    try:
+        return capuchin.make_plan(trace, budget=budget, policy="capuchin")
+    except InfeasibleBudgetError as exc:
+        return capuchin.make_plan(trace, budget=exc.smallest_feasible_bytes, policy="capuchin")
+
+
+def predicted_s(plan: Plan, plain_s: float) -> float:
+    """The plan's predicted step time on this run's clock (see the module docstring)."""
+    p = plan.predictions
+    device = (p.predicted_time_ns - p.runtime_cost_ns) / p.baseline_time_ns
+    return plain_s * device + p.runtime_cost_ns / 1e9
+
+
 def main() -> None:
+    import tempfile
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--examples", default="cnn,transformer,mlp")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--examples", default="cnn,transformer,mlp,hf_gpt2")
     ap.add_argument("--budget", default="50%")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads (default 1: on an oversubscribed host, 2 OpenMP threads "
@@ -231,57 +297,63 @@ def main() -> None:
     if not args.default_malloc:
         _steady_malloc()
     argv = ["--steps", str(args.steps)]
+    tmp = Path(tempfile.mkdtemp(prefix="capuchin-bench-"))
+    loads = [os.getloadavg()[0]]
     rows = []
     for name in args.examples.split(","):
-        script = TRACES / f"{name}.py"
-        trace = TRACES / f"{name}.trace.parquet"
+        script, trace, (ck_prep, ck_argv) = _example(name, tmp)
         prob = Problem.from_trace(load_trace(trace))
-        plan = capuchin.make_plan(trace, budget=args.budget, policy="capuchin",
-                                  allow_infeasible=True)
+        plan = _plan(trace, args.budget)
         noop, _ = build_plan(prob, [], policy="none", budget_bytes=prob.peak_bytes)
-        variants = {  # name -> (prepare, context factory)
-            "baseline": (None, lambda: None),
-            "capuchin": (None, lambda plan=plan: Runtime(plan, measure_memory=False)),
-            "noop": (None, lambda noop=noop: Runtime(noop, measure_memory=False)),
-            "checkpoint": (_checkpointed, lambda: None),
-            "save_on_cpu": (None, _save_on_cpu),
+        variants = {  # name -> (prepare, extra argv, context factory, plan)
+            "plain": (None, [], lambda: None, None),
+            "no-op plan": (None, [], lambda noop=noop: Runtime(noop, measure_memory=False), noop),
+            "capuchin": (None, [], lambda plan=plan: Runtime(plan, measure_memory=False), plan),
+            "checkpoint": (ck_prep, ck_argv, lambda: None, None),
         }
         # The host is shared: interleave the variants round by round and keep each one's best.
         best = dict.fromkeys(variants, math.inf)
         for _ in range(args.repeats):
-            for v, (prep, ctx) in variants.items():
-                best[v] = min(best[v], time_once(script, argv, prep, ctx()))
-        base_t, cap_t, noop_t, ck_t, soc_t = (best[v] for v in variants)
-        base_p = peak_once(script, argv)
-        cap_p, steady = runtime_peak(script, argv, plan)
-        noop_p, _ = runtime_peak(script, argv, noop)
-        ck_p = peak_once(script, argv, _checkpointed)
-        soc_p = peak_once(script, argv, context=_save_on_cpu())
-        pred = plan.predictions.predicted_peak_bytes
-        rows.append((name, plan.budget_bytes, plan.predictions.feasible, pred, base_t, base_p,
-                     cap_t, cap_p, ck_t, ck_p, soc_t, soc_p, noop_t, noop_p,
-                     sum(s.stall_s for s in steady) / len(steady),
-                     sum(s.late_prefetches for s in steady), any(s.diverged for s in steady)))
+            for v, (prep, extra, ctx, _p) in variants.items():
+                best[v] = min(best[v], time_once(script, argv + extra, prep, ctx()))
+        loads.append(os.getloadavg()[0])
+        plain_s = best["plain"]
+        for v, (prep, extra, _ctx, p) in variants.items():
+            if p is None:
+                peak, stats = peak_once(script, argv + extra, prep), []
+            else:
+                peak, stats = runtime_peak(script, argv, p)
+            pred = predicted_s(p, plain_s) if p is not None else None
+            rows.append((name, v, p.budget_bytes if p is not None and p.records else None, peak,
+                         best[v], best[v] / plain_s, pred, stats))
         print(f"{name}: done", file=sys.stderr)
-    print(f"\nbudget {args.budget} of each trace's peak; times ms/iteration (median steady "
-          f"iteration, best of {args.repeats} interleaved rounds); peaks MiB (allocator, max over "
-          f"steady iterations); {args.threads} intra-op thread(s); "
-          f"{'default' if args.default_malloc else 'fixed'} malloc thresholds; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
-    hdr = ("| example | budget | plan predicts | baseline | capuchin | capuchin / budget | "
-           "measured / predicted | stalls, late prefetches | checkpoint sqrt(n) | save_on_cpu | "
-           "no-op plan overhead |")
+    import datetime
+    import subprocess
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip()
+    print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}; "
+          f"plan budget {args.budget} of each trace's peak (or the smallest feasible); times "
+          f"ms/iteration (median steady iteration, best of {args.repeats} interleaved rounds); "
+          f"peaks MiB (allocator, max over steady iterations); {args.threads} intra-op "
+          f"thread(s); load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n")
+    hdr = ("| example | variant | budget MiB | peak MiB | step ms | x plain | predicted ms | "
+           "measured / predicted | stalls ms, late prefetches |")
     print(hdr)
     print("|---" * (hdr.count("|") - 1) + "|")
-    for (name, bud, feas, pred, bt, bp, ct, cp, kt, kp, st, sp, nt, npk, stall, late, div) in rows:
-        print(f"| {name} | {bud / MIB:.1f}{'' if feas else ' (infeasible)'} | {pred / MIB:.1f} | "
-              f"{bp / MIB:.1f} MiB, {bt * 1e3:.0f} ms | {cp / MIB:.1f} MiB, {ct * 1e3:.0f} ms | "
-              f"{cp / bud:.2f} | {cp / pred:.3f}{' (diverged!)' if div else ''} | "
-              f"{stall * 1e3:.1f} ms, {late} | {kp / MIB:.1f} MiB, {kt * 1e3:.0f} ms | "
-              f"{sp / MIB:.1f} MiB, {st * 1e3:.0f} ms | {nt / bt - 1:+.1%} (peak {npk / MIB:.1f}) |")
+    for name, v, bud, peak, t, ratio, pred, stats in rows:
+        stall = (f"{sum(s.stall_s for s in stats) / len(stats) * 1e3:.1f}, "
+                 f"{sum(s.late_prefetches for s in stats)}"
+                 f"{' (diverged)' if any(s.diverged for s in stats) else ''}") if stats else ""
+        print(f"| {name} | {v} | {'' if bud is None else f'{bud / MIB:.1f}'} | {peak / MIB:.1f} | "
+              f"{t * 1e3:.1f} | {ratio:.3f} | {'' if pred is None else f'{pred * 1e3:.1f}'} | "
+              f"{'' if pred is None else f'{t / pred:.3f}'} | {stall} |")
     print()
     for k, v in per_op_us().items():
         print(f"per-op cost, {k}: {v:.2f} µs")
+    for n, v in swap_cycle_ns_per_byte().items():
+        print(f"swap cycle, {n >> 10} KiB: {v:.2f} ns per byte moved ({v * n / 1e3:.0f} µs per "
+              "direction)")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
+from .costs import runtime_cost_ns
 from .lineage import resolve_recompute
 from .plan import Action, Decision, Method, Plan, Predictions, Provenance, Step
 from .problem import Problem
@@ -79,9 +80,10 @@ def build_plan(problem: Problem, decisions: Sequence[Decision], *, policy: str,
         bandwidth_h2d_bytes_per_s=problem.bandwidth_h2d_bytes_per_s,
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         solve_time_s=round(float(solve_time_s), 4), capuchin_version=__version__)
+    cost = runtime_cost_ns(problem, ds)  # Note [Runtime cost model] in costs.py
     pred = Predictions(baseline_peak_bytes=problem.peak_bytes, baseline_time_ns=problem.time_ns,
-                       predicted_peak_bytes=sim.peak_bytes, predicted_time_ns=sim.time_ns,
-                       feasible=feasible, notes=notes)
+                       predicted_peak_bytes=sim.peak_bytes, predicted_time_ns=sim.time_ns + cost,
+                       feasible=feasible, notes=notes, runtime_cost_ns=cost)
     plan = Plan(provenance=prov, predictions=pred, records=ds, ops=problem.op_signatures(),
                 actions=action_table(ds),
                 op_scratch_bytes=[int(o.scratch_bytes) for o in problem.ops],

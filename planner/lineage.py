@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from ..errors import PlanError
 from .plan import Decision, Method
-from .problem import Problem
+from .problem import Problem, is_collective
 
 MAX_REPLAY_OPS = 5000
 
@@ -68,7 +68,10 @@ def chain_ops(problem: Problem, sid: str, upto: int) -> list[int] | None:
     if s.alloc_op is None or s.alloc_op > upto:
         return None
     w = s.writers
-    return [s.alloc_op, *(x for x in w[: bisect_right(w, upto)] if x > s.alloc_op)]
+    chain = [s.alloc_op, *(x for x in w[: bisect_right(w, upto)] if x > s.alloc_op)]
+    if any(is_collective(problem.ops[k].name) for k in chain):
+        return None  # never replayed (Note [Collectives] in problem.py)
+    return chain
 
 
 def replay_for(problem: Problem, sid: str, evict_op: int, back_op: int,
@@ -98,6 +101,8 @@ def replay_for(problem: Problem, sid: str, evict_op: int, back_op: int,
                     regen[x] = j - 1
                 continue
             xs = st[x]
+            if xs.communicated:
+                return None  # Note [Collectives] in problem.py: never a replay's source
             if resident is not None:
                 ok = resident(x, j)
             else:

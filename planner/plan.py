@@ -132,6 +132,7 @@ class Predictions:
     predicted_time_ns: int
     feasible: bool = True
     notes: list[str] = field(default_factory=list)
+    runtime_cost_ns: int = 0  # of predicted_time_ns: the runtime's own cost (planner/costs.py)
 
     @property
     def predicted_overhead(self) -> float:

@@ -50,7 +50,7 @@ class DeviceMemory:
         if plan is not None:
             self.use_plan_scratch(plan)
 
-    # ---- scratch ----------------------------------------------------------------------------------
+    # ---- scratch ---------------------------------------------------------------------------------
     def use_plan_scratch(self, plan) -> None:
         """Reserve the scratch the plan's trace measured (``Plan.op_scratch_bytes``): exactly for an
         op name and input shapes seen there, else at that op name's largest scratch per input
@@ -83,7 +83,7 @@ class DeviceMemory:
     def _default_scratch(self, name: str, flat: list, out_bytes: int) -> int:
         return 0
 
-    # ---- outputs ----------------------------------------------------------------------------------
+    # ---- outputs ---------------------------------------------------------------------------------
     def predict(self, func, args: tuple, kwargs: dict) -> tuple[tuple | None, int]:
         """``(key, bytes)``: the bytes op ``func`` will allocate for new outputs, learned from an
         earlier run of the same op on the same argument shapes (``learn``), else computed on meta
@@ -109,7 +109,7 @@ class DeviceMemory:
             self.new_bytes.clear()
         self.new_bytes[key] = n
 
-    # ---- the device's own count -------------------------------------------------------------------
+    # ---- the device's own count ------------------------------------------------------------------
     def allocated_bytes(self) -> int | None:
         """The allocator's count of device bytes, or None where the guard must estimate."""
         return None

@@ -187,7 +187,7 @@ class BudgetGuard:
     def budget_bytes(self) -> int | None:
         return self.tracker.budget_bytes
 
-    # ---- lifecycle --------------------------------------------------------------------------------
+    # ---- lifecycle -------------------------------------------------------------------------------
     def new_iteration(self) -> None:
         self.tracker.new_iteration()
 
@@ -197,7 +197,7 @@ class BudgetGuard:
     def stop(self) -> None:
         self.tracker.active = False
 
-    # ---- per op -----------------------------------------------------------------------------------
+    # ---- per op ----------------------------------------------------------------------------------
     def before_op(self, func, args, kwargs, name: str, flat: list, keys: list):
         """Make room for what the op will allocate: its new outputs, its scratch, and its evicted
         inputs that come back on demand. Returns a token for ``after_op``."""
@@ -233,7 +233,7 @@ class BudgetGuard:
         """A real out-of-memory error: evict something (passive mode only). True if it did."""
         return self.active and self.evict(1, keys) > 0
 
-    # ---- accounting -------------------------------------------------------------------------------
+    # ---- accounting ------------------------------------------------------------------------------
     def resident_bytes(self) -> int:
         """Device bytes in use: the allocator's count (CUDA), else the guard's estimate."""
         alloc = self.memory.allocated_bytes()
@@ -278,7 +278,7 @@ class BudgetGuard:
         return sum(st.nbytes() for key, st in self._optimizer_storages()
                    if key not in self.tracker.lru)
 
-    # ---- eviction ---------------------------------------------------------------------------------
+    # ---- eviction --------------------------------------------------------------------------------
     def enforce(self, protect: set, extra_bytes: int = 0) -> None:
         """Evict until resident bytes plus ``extra_bytes`` (what the next op allocates) fit the
         budget; what cannot be evicted is counted as ``passive_short_bytes``."""

@@ -54,6 +54,7 @@ class IterationStats:
     trigger_moves: int = 0  # in-triggers moved earlier after a late prefetch
     trigger_moves_refused: int = 0  # ... not moved: the plan's curve leaves no room in the budget
     complete: bool = True  # ended by an optimizer step (or capuchin.step())
+    kind: str | None = None  # the plan's kind of iteration it ran under (Note [Iteration kinds])
     # the most that passive mode's resident bytes (plus the next op's allocation) stayed over the
     # budget with nothing left it may evict (Note [Passive budget on CPU] in passive.py); 0 when
     # the budget was kept
@@ -66,6 +67,9 @@ class RunReport:
     device: str
     plan: str | None
     iterations: list[IterationStats]
+    # iterations before it run before any plan applies (model building, warm-up): not counted
+    # as diverged in the summary (Note [Distributed warm-up] in distributed.py)
+    first_checked_iteration: int = 1
 
     def to_dict(self) -> dict:
         return {"format": REPORT_FORMAT, "version": REPORT_VERSION,
@@ -105,7 +109,8 @@ class RunReport:
             f"{_mb(sum(s.swapped_in_bytes for s in its))}; recomputed ops "
             f"{sum(s.recomputed_ops for s in its)}; stalls {sum(s.stall_s for s in its) * 1e3:.1f} ms;"
             f" late prefetches {sum(s.late_prefetches for s in its)}")
-        div = [s.iteration for s in its if s.diverged]
+        div = [s.iteration for s in its
+               if s.diverged and s.iteration >= self.first_checked_iteration]
         lines.append(f"  diverged from the plan: {len(div)} iteration(s)"
                      + (f" {div[:8]}" if div else "")
                      + f"; passive evictions {sum(s.passive_evictions for s in its)}")

@@ -49,17 +49,23 @@ def cli(*args) -> object:
 
 def cli_process(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """The command as a user runs it: its own process, real stderr and exit status."""
-    return subprocess.run([sys.executable, "-m", "capuchin.cli", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "capuchin.cli", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def one_line_error(r) -> str:
     """The error of a failed command: its last line, the only one starting `capuchin: error:`
     (progress lines may come before it), and no traceback."""
     assert r.exit_code != 0
-    assert not isinstance(r.exception, Exception) or isinstance(r.exception, SystemExit), \
-        repr(r.exception)
+    assert not isinstance(r.exception, Exception) or isinstance(r.exception, SystemExit), repr(
+        r.exception
+    )
     err = r.stderr.strip().splitlines()
     assert err and err[-1].startswith("capuchin: error: "), r.stderr
     assert sum(ln.startswith("capuchin: error: ") for ln in err) == 1, r.stderr
@@ -94,8 +100,19 @@ def test_1_show_never_writes_over_the_plan_nor_an_existing_file_without_force(wo
         line = one_line_error(cli("show", "p.json", flag, name))
         assert name in line and "--force" in line
     assert (work / "m.png").read_bytes() == b"mine" and (work / "c.json").read_text() == "mine"
-    line = one_line_error(cli("compare", "t.trace.parquet", "--budget", "60%", "--policies",
-                              "swap", "--no-search", "--plot", "m.png"))
+    line = one_line_error(
+        cli(
+            "compare",
+            "t.trace.parquet",
+            "--budget",
+            "60%",
+            "--policies",
+            "swap",
+            "--no-search",
+            "--plot",
+            "m.png",
+        )
+    )
     assert "m.png" in line and (work / "m.png").read_bytes() == b"mine"
     r = cli("show", "p.json", "--chrome", "c.json", "--force")
     assert r.exit_code == 0, r.output
@@ -105,21 +122,24 @@ def test_1_show_never_writes_over_the_plan_nor_an_existing_file_without_force(wo
 # ---- 2. run shows the script's traceback, then one line -----------------------------------------
 @pytest.mark.slow
 def test_2_run_prints_the_scripts_traceback_then_one_line(work):
-    (work / "bad.py").write_text(textwrap.dedent("""
+    (work / "bad.py").write_text(
+        textwrap.dedent("""
         import torch
 
         def load_data():
             raise ValueError("the data is bad\\nsecond line of the message")
 
         load_data()
-    """))
+    """)
+    )
     r = cli_process("run", "--budget", "1G", "--no-measure", "bad.py", cwd=work)
     assert r.returncode == 1
     err = r.stderr.strip().splitlines()
     assert "Traceback (most recent call last):" in err
     assert any('bad.py", line 5, in load_data' in ln for ln in err)
-    assert err[-1] == ("capuchin: error: bad.py raised ValueError: the data is bad (more in the "
-                       "traceback above)")
+    assert err[-1] == (
+        "capuchin: error: bad.py raised ValueError: the data is bad (more in the traceback above)"
+    )
     assert "second line of the message" in r.stderr  # in the traceback, not in the error line
     assert not any("capuchin/runtime" in ln or "runpy" in ln for ln in err)
 
@@ -134,11 +154,13 @@ def test_3_trace_checks_its_output_before_the_script_runs(work, out):
 
 
 def test_3_run_plan_import_show_check_outputs_first(work):
-    line = one_line_error(cli("run", "--report", "afile/r.json", "--budget", "1G",
-                              "train.py", "ran.txt"))
+    line = one_line_error(
+        cli("run", "--report", "afile/r.json", "--budget", "1G", "train.py", "ran.txt")
+    )
     assert "afile" in line and not (work / "ran.txt").exists()
-    assert "afile" in one_line_error(cli("plan", "t.trace.parquet", "--budget", "60%",
-                                         "-o", "afile/p.json"))
+    assert "afile" in one_line_error(
+        cli("plan", "t.trace.parquet", "--budget", "60%", "-o", "afile/p.json")
+    )
     log = work / "x.log"
     log.write_text('{"INSTRUCTION":"ANNOTATE","ANNOTATION":"START"}\n')
     assert "afile" in one_line_error(cli("import-dtr", log, "-o", "afile/x.parquet"))
@@ -147,12 +169,27 @@ def test_3_run_plan_import_show_check_outputs_first(work):
     assert "t.parquet" in line and ".png" in line
 
 
+@pytest.mark.slow
+def test_3_outputs_go_where_they_were_checked_when_the_script_changes_directory(work):
+    (work / "sub").mkdir()
+    (work / "mover.py").write_text("import os\nos.chdir('sub')\n" + TRAIN)
+    r = cli("trace", "-o", "t.parquet", "--iterations", "1", "mover.py")
+    assert r.exit_code == 0, r.output
+    r = cli("run", "--budget", "1G", "--no-measure", "--report", "r.json", "mover.py")
+    assert r.exit_code == 0, r.output
+    assert (work / "t.parquet").is_file() and (work / "r.json").is_file()
+    assert list((work / "sub").iterdir()) == []
+
+
 # ---- 4. a file that appears during the run is never replaced without --force ----------------------
 @pytest.mark.slow
 def test_4_trace_does_not_replace_a_file_written_while_it_ran(work):
-    (work / "racer.py").write_text(TRAIN.replace(
-        "    opt.step()\n",
-        "    opt.step()\n    if step == 2:\n        Path('t.parquet').write_text('first')\n"))
+    (work / "racer.py").write_text(
+        TRAIN.replace(
+            "    opt.step()\n",
+            "    opt.step()\n    if step == 2:\n        Path('t.parquet').write_text('first')\n",
+        )
+    )
     r = cli("trace", "-o", "t.parquet", "--iterations", "2", "racer.py")
     line = one_line_error(r)
     assert line.startswith("capuchin: error: t.parquet: exists") and "--force" in line
@@ -183,25 +220,43 @@ def test_5_run_refuses_a_budget_below_the_plans_peak(work):
 def _dtr_log(n_layers: int, complete: bool) -> str:
     """A forward pass of ``n_layers`` ops each keeping its 1000-byte result for backward; complete:
     a backward pass that releases them (the DTR log format)."""
-    lines = [{"INSTRUCTION": "ANNOTATE", "ANNOTATION": "START"},
-             {"INSTRUCTION": "CONSTANT", "NAME": "w"}, {"INSTRUCTION": "MEMORY", "NAME": "w",
-                                                        "MEMORY": "100"}]
+    lines = [
+        {"INSTRUCTION": "ANNOTATE", "ANNOTATION": "START"},
+        {"INSTRUCTION": "CONSTANT", "NAME": "w"},
+        {"INSTRUCTION": "MEMORY", "NAME": "w", "MEMORY": "100"},
+    ]
     prev = "w"
     for i in range(n_layers):
-        lines += [{"INSTRUCTION": "CALL", "NAME": "mul", "ARGS": [prev, "w"], "RESULT": [f"a{i}"],
-                   "TIME": 10, "CONSTANT": False},
-                  {"INSTRUCTION": "MEMORY", "NAME": f"a{i}", "MEMORY": "1000"},
-                  {"INSTRUCTION": "ALIAS", "NAME": f"a{i}", "ALIAS": -1}]
+        lines += [
+            {
+                "INSTRUCTION": "CALL",
+                "NAME": "mul",
+                "ARGS": [prev, "w"],
+                "RESULT": [f"a{i}"],
+                "TIME": 10,
+                "CONSTANT": False,
+            },
+            {"INSTRUCTION": "MEMORY", "NAME": f"a{i}", "MEMORY": "1000"},
+            {"INSTRUCTION": "ALIAS", "NAME": f"a{i}", "ALIAS": -1},
+        ]
         prev = f"a{i}"
     if complete:
         lines.append({"INSTRUCTION": "ANNOTATE", "ANNOTATION": "BACKWARD"})
         for i in reversed(range(n_layers)):
-            lines += [{"INSTRUCTION": "CALL", "NAME": "mul_backward", "ARGS": [f"a{i}", "w"],
-                       "RESULT": [f"g{i}"], "TIME": 10, "CONSTANT": False},
-                      {"INSTRUCTION": "MEMORY", "NAME": f"g{i}", "MEMORY": "100"},
-                      {"INSTRUCTION": "ALIAS", "NAME": f"g{i}", "ALIAS": -1},
-                      {"INSTRUCTION": "RELEASE", "NAME": f"a{i}"},
-                      {"INSTRUCTION": "RELEASE", "NAME": f"g{i}"}]
+            lines += [
+                {
+                    "INSTRUCTION": "CALL",
+                    "NAME": "mul_backward",
+                    "ARGS": [f"a{i}", "w"],
+                    "RESULT": [f"g{i}"],
+                    "TIME": 10,
+                    "CONSTANT": False,
+                },
+                {"INSTRUCTION": "MEMORY", "NAME": f"g{i}", "MEMORY": "100"},
+                {"INSTRUCTION": "ALIAS", "NAME": f"g{i}", "ALIAS": -1},
+                {"INSTRUCTION": "RELEASE", "NAME": f"a{i}"},
+                {"INSTRUCTION": "RELEASE", "NAME": f"g{i}"},
+            ]
     return "".join(json.dumps(d) + "\n" for d in lines)
 
 
@@ -225,22 +280,39 @@ def _bad_plan(work: Path, change) -> Path:
     return path
 
 
-@pytest.mark.parametrize("change, says", [
-    (lambda d: d["actions"][0].__setitem__(0, 99999), "actions[0][0]: 99999 is not an op index"),
-    (lambda d: d["actions"][0].__setitem__(2, "x9:9"), "actions[0][2]: storage 'x9:9' has no"),
-    (lambda d: d["actions"][0].__setitem__(0, "3"), "actions[0][0]: '3' is not an op index"),
-    (lambda d: d["provenance"].__setitem__("budget_bytes", "big"),
-     "provenance.budget_bytes: 'big' is not an integer"),
-    (lambda d: d.__setitem__("ops", {}), "ops: expected a list"),
-    (lambda d: d["decisions"][0].__setitem__("evict_op", -1), "decisions[0].evict_op: -1"),
-    (lambda d: d["decisions"][0].__setitem__("method", "teleport"), "'teleport' is not"),
-    (lambda d: d.__setitem__("op_scratch_bytes", [1, 2]), "op_scratch_bytes: 2 entries for"),
-    (lambda d: d["decisions"][0].__setitem__("wraps", "yes"), "wraps: 'yes' is not true"),
-    (lambda d: d.__setitem__("kinds", [{**{k: d[k] for k in ("kind", "predictions", "ops",
-                                                            "decisions")},
-                                        "iteration": 0, "actions": [[0, "restore", "nope"]]}]),
-     "kinds[0].actions[0][2]: storage 'nope' has no decision"),
-])
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (
+            lambda d: d["actions"][0].__setitem__(0, 99999),
+            "actions[0][0]: 99999 is not an op index",
+        ),
+        (lambda d: d["actions"][0].__setitem__(2, "x9:9"), "actions[0][2]: storage 'x9:9' has no"),
+        (lambda d: d["actions"][0].__setitem__(0, "3"), "actions[0][0]: '3' is not an op index"),
+        (
+            lambda d: d["provenance"].__setitem__("budget_bytes", "big"),
+            "provenance.budget_bytes: 'big' is not an integer",
+        ),
+        (lambda d: d.__setitem__("ops", {}), "ops: expected a list"),
+        (lambda d: d["decisions"][0].__setitem__("evict_op", -1), "decisions[0].evict_op: -1"),
+        (lambda d: d["decisions"][0].__setitem__("method", "teleport"), "'teleport' is not"),
+        (lambda d: d.__setitem__("op_scratch_bytes", [1, 2]), "op_scratch_bytes: 2 entries for"),
+        (lambda d: d["decisions"][0].__setitem__("wraps", "yes"), "wraps: 'yes' is not true"),
+        (
+            lambda d: d.__setitem__(
+                "kinds",
+                [
+                    {
+                        **{k: d[k] for k in ("kind", "predictions", "ops", "decisions")},
+                        "iteration": 0,
+                        "actions": [[0, "restore", "nope"]],
+                    }
+                ],
+            ),
+            "kinds[0].actions[0][2]: storage 'nope' has no decision",
+        ),
+    ],
+)
 def test_7_plan_contents_are_validated_at_load(work, change, says):
     path = _bad_plan(work, change)
     line = one_line_error(cli("show", path))
@@ -254,16 +326,23 @@ def test_7_run_refuses_a_malformed_plan_before_the_script_runs(work):
 
 
 # ---- 8. sizes: finite, at least one byte ---------------------------------------------------------
-@pytest.mark.parametrize("args, says", [
-    (["plan", "t.trace.parquet", "--budget", "1e999"], "budget '1e999': too large"),
-    (["plan", "t.trace.parquet", "--budget", "60%", "--bandwidth", "1e999"],
-     "bandwidth '1e999': too large"),
-    (["compare", "t.trace.parquet", "--budget", "1e999", "--policies", "swap"],
-     "budget '1e999': too large"),
-    (["plan", "t.trace.parquet", "--budget", "1e-3"], "budget '1e-3': must be at least 1 byte"),
-    (["plan", "t.trace.parquet", "--budget", "1e999%"], "positive, finite percentage"),
-    (["run", "--budget", "0.4", "train.py"], "budget '0.4': must be at least 1 byte"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["plan", "t.trace.parquet", "--budget", "1e999"], "budget '1e999': too large"),
+        (
+            ["plan", "t.trace.parquet", "--budget", "60%", "--bandwidth", "1e999"],
+            "bandwidth '1e999': too large",
+        ),
+        (
+            ["compare", "t.trace.parquet", "--budget", "1e999", "--policies", "swap"],
+            "budget '1e999': too large",
+        ),
+        (["plan", "t.trace.parquet", "--budget", "1e-3"], "budget '1e-3': must be at least 1 byte"),
+        (["plan", "t.trace.parquet", "--budget", "1e999%"], "positive, finite percentage"),
+        (["run", "--budget", "0.4", "train.py"], "budget '0.4': must be at least 1 byte"),
+    ],
+)
 def test_8_sizes_are_finite_and_at_least_one_byte(work, args, says):
     line = one_line_error(cli(*args))
     assert says in line, line
@@ -271,14 +350,17 @@ def test_8_sizes_are_finite_and_at_least_one_byte(work, args, says):
 
 
 # ---- 9. trace metadata validated at load ---------------------------------------------------------
-@pytest.mark.parametrize("field, value, says", [
-    ("bandwidth_h2d_bytes_per_s", 0, "bandwidth_h2d_bytes_per_s 0 is not a finite rate"),
-    ("bandwidth_d2h_bytes_per_s", "fast", "bandwidth_d2h_bytes_per_s 'fast'"),
-    ("steady_iteration", 99, "steady_iteration 99 is not one of the recorded iterations"),
-    ("iterations", "abc", "iterations 'abc' is not a non-empty list"),
-    ("schema_version", "1", "schema_version '1' is not an integer"),
-    ("device", "tpu", "device 'tpu'"),
-])
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("bandwidth_h2d_bytes_per_s", 0, "bandwidth_h2d_bytes_per_s 0 is not a finite rate"),
+        ("bandwidth_d2h_bytes_per_s", "fast", "bandwidth_d2h_bytes_per_s 'fast'"),
+        ("steady_iteration", 99, "steady_iteration 99 is not one of the recorded iterations"),
+        ("iterations", "abc", "iterations 'abc' is not a non-empty list"),
+        ("schema_version", "1", "schema_version '1' is not an integer"),
+        ("device", "tpu", "device 'tpu'"),
+    ],
+)
 def test_9_trace_metadata_is_validated_at_load(work, field, value, says):
     tr = load_trace("t.trace.parquet")
     setattr(tr.meta, field, value)
@@ -292,7 +374,8 @@ def test_9_trace_metadata_is_validated_at_load(work, field, value, says):
 # ---- 10. SIGTERM and SIGINT while `capuchin trace` writes ---------------------------------------
 # The script makes the trace's write slow (pyarrow's writer, called after the script stopped,
 # first writes the temporary file, then waits) and says when the write has begun.
-SLOW_WRITE = textwrap.dedent("""
+SLOW_WRITE = (
+    textwrap.dedent("""
     import time
     from pathlib import Path
     import pyarrow.parquet as pq
@@ -303,19 +386,37 @@ SLOW_WRITE = textwrap.dedent("""
         Path("writing.part").rename("writing")  # whole, for the test that waits for it
         time.sleep(120)
     pq.write_table = slow_write
-""") + TRAIN
+""")
+    + TRAIN
+)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, EXIT_TERMINATED),
-                                       (signal.SIGINT, EXIT_INTERRUPTED)])
+@pytest.mark.parametrize(
+    "sig, code", [(signal.SIGTERM, EXIT_TERMINATED), (signal.SIGINT, EXIT_INTERRUPTED)]
+)
 def test_10_signal_during_the_write_leaves_no_temporary_and_the_target_intact(work, sig, code):
     (work / "slow.py").write_text(SLOW_WRITE)
     (work / "t.parquet").write_bytes(b"the previous trace")
-    proc = subprocess.Popen([sys.executable, "-m", "capuchin.cli", "trace", "-o", "t.parquet",
-                             "--force", "--iterations", "2", "slow.py"], cwd=work,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "capuchin.cli",
+            "trace",
+            "-o",
+            "t.parquet",
+            "--force",
+            "--iterations",
+            "2",
+            "slow.py",
+        ],
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         deadline = time.monotonic() + 240
         while not (work / "writing").exists():
@@ -339,7 +440,8 @@ def test_10_signal_during_the_write_leaves_no_temporary_and_the_target_intact(wo
 def test_10_sigterm_while_a_library_user_writes_removes_the_temporary_and_kills(tmp_path):
     """Outside the command (a script using capuchin.Tracer, or Plan.save) SIGTERM still kills
     the process, after the temporary file is gone."""
-    (tmp_path / "writer.py").write_text(textwrap.dedent("""
+    (tmp_path / "writer.py").write_text(
+        textwrap.dedent("""
         import time
         from pathlib import Path
         from capuchin.outputs import atomic_write
@@ -348,7 +450,8 @@ def test_10_sigterm_while_a_library_user_writes_removes_the_temporary_and_kills(
             Path("writing.part").write_text(str(tmp))
             Path("writing.part").rename("writing")
             time.sleep(120)
-    """))
+    """)
+    )
     proc = subprocess.Popen([sys.executable, "writer.py"], cwd=tmp_path)
     try:
         deadline = time.monotonic() + 60
@@ -369,16 +472,17 @@ def test_10_sigterm_while_a_library_user_writes_removes_the_temporary_and_kills(
 # ---- 11. the ILP's time limit ---------------------------------------------------------------------
 def test_11_ilp_names_the_time_limit_that_stopped_it(work):
     pytest.importorskip("ortools")
-    r = cli("plan", "t.trace.parquet", "--budget", "60%", "--policy", "ilp", "--time-limit",
-            "0.01")
+    r = cli("plan", "t.trace.parquet", "--budget", "60%", "--policy", "ilp", "--time-limit", "0.01")
     line = one_line_error(r)
     assert r.exit_code == 2 and "time limit of 0.01 s" in line and "--time-limit" in line
 
 
 @pytest.mark.parametrize("limit", ["0", "-5"])
 def test_11_compare_validates_time_limit_as_plan_does(work, limit):
-    for cmd in (["compare", "t.trace.parquet", "--budget", "60%"],
-                ["plan", "t.trace.parquet", "--budget", "60%"]):
+    for cmd in (
+        ["compare", "t.trace.parquet", "--budget", "60%"],
+        ["plan", "t.trace.parquet", "--budget", "60%"],
+    ):
         r = cli(*cmd, "--time-limit", limit)
         assert r.exit_code == EXIT_USAGE and "--time-limit" in r.output + r.stderr
 
@@ -422,10 +526,13 @@ def test_every_writer_gives_a_new_files_mode_and_leaves_no_temporary(work):
     old = os.umask(0o022)
     try:
         tr = load_trace("t.trace.parquet")
-        written = [write_trace(tr.events, tr.meta, work / "out" / "w.trace.parquet"),
-                   load_plan("p.json").save(work / "out" / "w.plan.json"),
-                   RunReport(budget_bytes=None, device="cpu", plan=None, iterations=[]).save(
-                       work / "out" / "w.report.json")]
+        written = [
+            write_trace(tr.events, tr.meta, work / "out" / "w.trace.parquet"),
+            load_plan("p.json").save(work / "out" / "w.plan.json"),
+            RunReport(budget_bytes=None, device="cpu", plan=None, iterations=[]).save(
+                work / "out" / "w.report.json"
+            ),
+        ]
     finally:
         os.umask(old)
     for path in written:

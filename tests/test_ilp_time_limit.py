@@ -51,9 +51,9 @@ def _cpu_share(seconds: float = 1.0) -> float:
 def test_large_trace_returns_within_its_time_limit_with_a_plan_that_fits(big_problem):
     budget = int(big_problem.peak_bytes * 0.5)
     # 6 s of CPU: room for the DTR fallback warm start (~0.2 s here) on a slower machine. The
-    # limit is wall-clock, so on a machine shared with other work (where this failed with status
-    # UNKNOWN: the warm start got too little CPU in its share of the limit) it is scaled by the
-    # share of a CPU this process gets; the checks below are the same.
+    # limit is wall-clock, so on a machine shared with other work (where the warm start can get
+    # too little CPU within its share of the limit, and the status is then UNKNOWN with no plan)
+    # it is scaled by the share of a CPU this process gets; the checks below are the same.
     limit_s = 6.0 / min(1.0, max(0.1, _cpu_share()))
     assert len(ilp.candidates(big_problem, budget)) > 1000  # the case the limit used to break
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """A Hugging Face GPT-2 (tiny config, random weights) trained with ``transformers.Trainer`` on
 random tokens: a third-party training loop for the runtime benchmark.
 
-    python benchmarks/scripts/hf_gpt2.py [--steps 6] [--batch 8] [--seq 128]
+    python benchmarks/scripts/hf_gpt2.py [--steps 6] [--batch 8] [--seq 128] [--gradient-checkpointing]
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="checkpoint every transformer block (Hugging Face's own option)")
     args = ap.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
@@ -40,7 +42,8 @@ def main() -> None:
         targs = TrainingArguments(output_dir=out, per_device_train_batch_size=args.batch,
                                   max_steps=args.steps, report_to=[], save_strategy="no",
                                   logging_strategy="no", use_cpu=True, seed=args.seed,
-                                  dataloader_num_workers=0, disable_tqdm=True)
+                                  dataloader_num_workers=0, disable_tqdm=True,
+                                  gradient_checkpointing=args.gradient_checkpointing)
         Trainer(model=model, args=targs, train_dataset=Data()).train()
 
 
