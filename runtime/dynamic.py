@@ -290,6 +290,7 @@ class DynamicTracker(PassiveTracker):
         extra = 0
         todo = [(ch, self.sid.get(key))]
         seen_ghosts = set()
+        live_sids = set()
         while todo:
             chain, own = todo.pop()
             for rec in chain:
@@ -303,6 +304,8 @@ class DynamicTracker(PassiveTracker):
                         if writes(st) != s.writes:
                             return None
                         live[storage_key(st)] = st
+                        if s.sid is not None:
+                            live_sids.add(s.sid)
                         continue
                     g = self.ghost.get(s.sid) if s.sid is not None else None
                     if g is None or g[1] != s.writes:
@@ -315,6 +318,11 @@ class DynamicTracker(PassiveTracker):
                         cost += g[2]
                         extra += self.new_out.get(g[0][0].op_index, 0)
         live.pop(key, None)
+        if any(x in live_sids for r in recs.values() for x in r.out_sids if x):
+            # a regenerated producer would also remake a live storage that a later op changed
+            # (a ghost's sibling output, written in place since): the replay would read the
+            # regenerated copy, not the live one
+            return None
         return [recs[k] for k in sorted(recs)], live, cost, extra
 
     def neighbourhood_s(self, key: int) -> float:
@@ -582,8 +590,9 @@ class DynamicGuard(BudgetGuard):
         if st is None:
             return
         ex = self.ex
-        for src in e.extra.get("pins", ()):
-            ex.ensure_resident(src)  # on-demand paths other than bring_back (step end)
+        pinned = [storage_key(src) for src in e.extra.get("pins", ())]
+        if any(k in ex.entries for k in pinned):  # paths other than bring_back (step end):
+            self.bring_back(pinned)  # ancestors first, never a recursion through them
         tr = self.tracker
         tr.engine.stats = ex.stats
         tr.engine.ensure_resident = ex.ensure_resident

@@ -127,6 +127,24 @@ def test_r2_a_source_written_since_makes_a_storage_swap_only():
         assert tr.replay_plan(storage_key(z.untyped_storage())) is not None
 
 
+def test_a_regenerated_source_never_shadows_a_live_sibling_written_since():
+    """Regenerating a freed source replays its producer, which also remakes the producer's other
+    outputs; where one of those is alive and was written since (the CNN: batch norm's output,
+    relu_ in place, next to its freed saved statistics), the replay would read the remade copy.
+    Such a storage is not dropped (it was: wrong bytes, caught by CAPUCHIN_VERIFY)."""
+    rt = Runtime(budget_bytes=1 << 40, measure_memory=False, remat="recompute")
+    with rt:
+        a = torch.randn(64, 64)
+        v, i = torch.sort(a)
+        v.add_(1)
+        x = v + i
+        del i  # freed: x's replay would regenerate it by replaying sort, remaking v too
+        tr = rt.ex.guard.tracker
+        assert tr.replay_plan(storage_key(x.untyped_storage())) is None
+        y = v * 2  # reads only the live v: replayable
+        assert tr.replay_plan(storage_key(y.untyped_storage())) is not None
+
+
 def test_r3_a_dropped_storage_comes_back_before_its_source_is_overwritten():
     rt = Runtime(budget_bytes=1 << 40, measure_memory=False, remat="recompute")
     with rt:
