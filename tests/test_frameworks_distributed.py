@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import capuchin
 import pytest
 import torch
 from capuchin.distributed import per_rank, rank_path, ranked_files, world
@@ -22,7 +23,8 @@ from capuchin.runtime.engine import rank_plan_path
 from capuchin.tracer.reader import load_trace
 
 HERE = Path(__file__).resolve().parent / "frameworks"
-ROOT = Path(__file__).resolve().parents[2]  # the folder above the package: PYTHONPATH
+REPO = Path(__file__).resolve().parents[1]  # the repository root: the package itself
+ROOT = Path(capuchin.__file__).resolve().parents[1]  # the folder above the imported package
 
 
 def test_per_rank_names(monkeypatch, tmp_path):
@@ -42,7 +44,7 @@ def test_per_rank_names(monkeypatch, tmp_path):
 
 def test_plan_plans_every_rank(tmp_path):
     """`capuchin plan t.parquet -o p.json` with t.rank0/t.rank1.parquet writes p.rank{R}.json."""
-    src = ROOT / "capuchin" / "traces" / "mlp.trace.parquet"
+    src = REPO / "traces" / "mlp.trace.parquet"
     for r in (0, 1):
         (tmp_path / f"t.rank{r}.parquet").write_bytes(src.read_bytes())
     assert sorted(ranked_files(tmp_path / "t.parquet")) == [0, 1]
