@@ -308,7 +308,7 @@ def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: fl
 @main.command(context_settings={"ignore_unknown_options": True,
                                 "allow_interspersed_args": False})
 @click.option("--plan", "plan", type=click.Path(dir_okay=False), default=None,
-              help="Plan file (capuchin plan). Without it, --budget runs in passive mode.")
+              help="Plan file (capuchin plan). Without it, --budget runs in dynamic mode.")
 @click.option("--budget", default=None, metavar="SIZE",
               help="Budget in bytes or 8G / 512MiB (default: the plan's).")
 @click.option("--report", "report", type=click.Path(dir_okay=False), default=None,
@@ -316,19 +316,23 @@ def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: fl
 @click.option("--force", is_flag=True, help="Overwrite an existing report.")
 @click.option("--no-measure", is_flag=True,
               help="Do not measure peaks with the profiler (faster on CPU).")
+@click.option("--eviction", type=click.Choice(["dtr", "lru"]), default="dtr", show_default=True,
+              help="Where no plan applies: DTR's eviction and replay (dynamic mode) or "
+                   "swapping the least recently used storage.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @_errors_to_exit
-def run(plan, budget, report, force, no_measure, script, script_args):
+def run(plan, budget, report, force, no_measure, eviction, script, script_args):
     """Run SCRIPT [SCRIPT_ARGS]... to its end, unmodified, enforcing the plan; print a summary."""
     from .planner.budget import parse_budget
     from .runtime.launch import run_script
 
     budget_bytes = parse_budget(budget) if budget is not None else None
     if plan is None and budget_bytes is None:
-        raise click.UsageError("give --plan PLAN (or --budget SIZE for passive mode)")
+        raise click.UsageError("give --plan PLAN (or --budget SIZE for dynamic mode)")
     rep = run_script(script, list(script_args), plan=plan, budget_bytes=budget_bytes,
-                     report_path=report, force=force, measure_memory=not no_measure)
+                     report_path=report, force=force, measure_memory=not no_measure,
+                     eviction=eviction)
     click.echo(rep.summary())
     if report:
         from .distributed import per_rank

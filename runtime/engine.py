@@ -33,6 +33,7 @@ from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
 from .actions import compile_plan
 from .backend import backend_for
+from .dynamic import REMAT, DynamicGuard
 from .passive import BudgetGuard
 from .recompute import RecomputeEngine
 from .report import IterationStats, MemoryMeter, RunReport
@@ -95,7 +96,12 @@ class Runtime:
     budget_bytes: the memory budget (default: the plan's). Without a plan, the whole run is in
         passive mode under this budget.
     device: the device whose memory is managed (default: the plan's provenance device, else cpu).
-    passive: evict on demand where no plan applies (divergence, unplanned iterations).
+    passive: evict on demand where no plan applies (no plan, iteration 0, divergence).
+    eviction: how, where no plan applies: "dtr" (dynamic mode, runtime/dynamic.py: DTR's
+        heuristic; dropped storages are replayed, the others swapped) or "lru" (swap the least
+        recently used storage synchronously, paper §4.2).
+    remat: dynamic mode's way back: "auto" (the cheaper of replay and swap by measured costs),
+        "recompute" (replay whatever replays exactly), "swap" (never replay).
     measure_memory: measure each iteration's peak with PyTorch's allocator accounting (Note
         [Measured peak] in report.py); costs profiler overhead on CPU.
     report_path: write the JSON report there on exit.
@@ -112,8 +118,8 @@ class Runtime:
 
     def __init__(self, plan: Plan | str | os.PathLike | None = None, *,
                  budget_bytes: int | None = None, device: str | torch.device | None = None,
-                 passive: bool = True, measure_memory: bool = True,
-                 report_path: str | os.PathLike | None = None):
+                 passive: bool = True, eviction: str = "dtr", remat: str = "auto",
+                 measure_memory: bool = True, report_path: str | os.PathLike | None = None):
         if isinstance(plan, (str, os.PathLike)):
             plan = rank_plan_path(plan)  # Note [Per-rank files] in distributed.py
             self.plan_source = str(plan)
@@ -130,6 +136,11 @@ class Runtime:
             raise PlanFormatError(f"{self.plan_source}: plan is for {self.device}, but CUDA is not "
                                   "available here; make a plan from a trace of this device")
         self.passive_enabled = passive
+        if eviction not in ("dtr", "lru") or remat not in REMAT:
+            raise PlanFormatError(f"eviction must be dtr or lru (got {eviction!r}), remat one of "
+                                  f"{', '.join(REMAT)} (got {remat!r})")
+        self.eviction = eviction
+        self.remat = remat
         self.measure_memory = measure_memory
         self.report_path = report_path
         # CAPUCHIN_VERIFY=1: keep a copy of every evicted storage and check it comes back equal
@@ -162,7 +173,7 @@ class Runtime:
         recompute = RecomputeEngine(lambda st: self.ex.ensure_resident(st),
                                     self._may_keep)
         self.ex = Executor(self, self.indexer, table, swap, recompute,
-                           lambda ex: BudgetGuard(budget, self.device, memory, swap, ex),
+                           lambda ex: self._guard(budget, memory, swap, ex),
                            self.backend)
         if self.plan is not None:  # Note [Iteration kinds] in tracker.py
             self.ex.kind_tables += [compile_plan(k) for k in self.plan.kinds]
@@ -179,6 +190,12 @@ class Runtime:
         self.ex.mode.__enter__()
         self._guard_save()
         return self
+
+    def _guard(self, budget, memory, swap, ex) -> BudgetGuard:
+        if self.eviction == "lru":
+            return BudgetGuard(budget, self.device, memory, swap, ex)
+        return DynamicGuard(budget, self.device, memory, swap, ex,
+                            self.bandwidth_h2d_bytes_per_s, self.remat)
 
     def _guard_save(self) -> None:
         """``torch.save`` reads storages' bytes without an op the tracker could see, so every

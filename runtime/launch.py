@@ -19,7 +19,7 @@ from .report import RunReport
 def run_script(script: str | os.PathLike, script_args: list[str] | tuple[str, ...] = (), *,
                plan: str | os.PathLike | None = None, budget_bytes: int | None = None,
                report_path: str | os.PathLike | None = None, force: bool = False,
-               measure_memory: bool = True) -> RunReport:
+               measure_memory: bool = True, eviction: str = "dtr") -> RunReport:
     """Run ``script`` to its end under the plan; returns the run's report (and writes it to
     ``report_path`` if given, checked before the script starts).
 
@@ -38,7 +38,8 @@ def run_script(script: str | os.PathLike, script_args: list[str] | tuple[str, ..
         plan = rank_plan_path(plan)
     if plan is not None and budget_bytes is not None:
         check_budget_against_plan(load_plan(plan), budget_bytes, plan)
-    rt = Runtime(plan, budget_bytes=budget_bytes, measure_memory=measure_memory)
+    rt = Runtime(plan, budget_bytes=budget_bytes, measure_memory=measure_memory,
+                 eviction=eviction)
     with rt:
         run_as_main(script, script_args,
                     consequence="; no report written" if report_path is not None else "")

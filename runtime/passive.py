@@ -224,6 +224,11 @@ class BudgetGuard:
         if self.active and self.budget_bytes is not None:
             self.short(self.resident_bytes() - self.budget_bytes)
 
+    def stays_out(self, e: Entry) -> bool:
+        """Whether evicted ``e`` may stay evicted at the step end (dynamic mode: a dropped
+        storage only its own replays read); the LRU guard restores everything."""
+        return False
+
     def on_oom(self, keys: set) -> bool:
         """A real out-of-memory error: evict something (passive mode only). True if it did."""
         return self.active and self.evict(1, keys) > 0

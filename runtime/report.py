@@ -46,6 +46,8 @@ class IterationStats:
     ops: int = 0
     evictions: int = 0  # planned evictions carried out
     passive_evictions: int = 0
+    dynamic_drops: int = 0  # of those, dropped to be replayed (dynamic mode, runtime/dynamic.py)
+    dynamic_swaps: int = 0  # of those, swapped by dynamic mode
     cow_restores: int = 0  # R3 regenerations before a source was overwritten
     fallback_swaps: int = 0  # planned drops swapped instead (not replayable)
     refused: int = 0  # planned evictions of storages that may not be evicted

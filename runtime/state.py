@@ -42,7 +42,8 @@ class Reason(enum.Enum):
     """Why a storage was evicted."""
 
     PLANNED = "planned"
-    PASSIVE = "passive"  # on demand, over budget (paper §4.2)
+    PASSIVE = "passive"  # on demand, over budget (paper §4.2), least recently used swapped
+    DYNAMIC = "dynamic"  # on demand, over budget, DTR's choice, dropped or swapped (dynamic.py)
 
 
 @dataclass(eq=False)

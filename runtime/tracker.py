@@ -79,7 +79,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..errors import PlanFormatError, RecomputeError
 from ..planner.plan import Step
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
-from ..tracer.schema import IdKind, id_kind, shape_signature
+from ..tracer.schema import IdKind, TensorId, id_kind, shape_signature
 from .backend import byte_view
 from .state import Entry, Reason, Residency, bump_writes, resize, storage_key
 
@@ -297,7 +297,7 @@ class Executor:
         for sid, d in tbl.decisions.items():
             if not d.wraps or n - d.back_op > m:
                 continue
-            a = int(sid.split(":")[1])
+            a = TensorId.parse(sid).position  # an "x{k}:{a}" id: the a-th argument
             refs = tail[len(tail) - (n - d.back_op)][2]
             st = refs[a]() if a < len(refs) and refs[a] is not None else None
             if st is not None:
@@ -314,7 +314,7 @@ class Executor:
         for e in list(self.entries.values()):
             if not wrapping and e.decision is not None and e.decision.wraps and self.guided:
                 continue
-            if e.storage is not None:
+            if e.storage is not None and not self.guard.stays_out(e):
                 self.restore(e)
                 restored = True
         self.swap.poll()
@@ -536,6 +536,9 @@ class Executor:
         if e.swap:
             if self.swap.restore(e, planned) and e.decision is not None and self.guided:
                 self._late_feedback(e)
+        elif e.reason is Reason.DYNAMIC:
+            self.guard.replay(e)  # dynamic mode (runtime/dynamic.py)
+            e.state = Residency.RESIDENT
         elif st is not None:
             dropped = {x.sid: (x.storage, x.nbytes) for x in self.by_sid.values()
                        if not x.swap and x.state is Residency.OUT and x is not e

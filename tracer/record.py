@@ -239,8 +239,10 @@ class Tracer:
                 self._start_profiler()
             self._mark_mode = _KernelMarkMode(self)
             self._mark_mode.__enter__()
+            # LRU swapping, not dynamic mode: a dropped storage's replay pins its sources, which
+            # would make them die later than in the unmanaged program the trace records
             self.runtime = Runtime(budget_bytes=self.budget_bytes, device=self.device,
-                                   measure_memory=False)
+                                   measure_memory=False, eviction="lru")
             try:
                 self.runtime.__enter__()
             except BaseException:

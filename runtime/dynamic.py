@@ -1,0 +1,611 @@
+"""Dynamic mode: DTR's eviction and rematerialization (Kirisame et al., ICLR'21) in the runtime,
+where no plan applies (a run with only a budget, iteration 0, the rest of a diverged iteration).
+
+While it is on, an op that allocates a storage in the iteration, or writes one that has a chain,
+is recorded after it ran (function, arguments, the RNG state a seeded op ran with, its measured
+time); views and reads are not. Each storage an op allocates keeps its *chain*: the producer and
+the in-place ops that wrote it since (rule R1 of recompute.py).
+When the next op would take resident bytes over the budget, the resident storage with the lowest
+
+    h(s) = C(s) / (M(s) * L(s))
+
+is evicted first (M: bytes, L: staleness in ops since its last access, C: the cheaper way back).
+C of a drop is the chain's measured time (plus a replay's measured overhead per op, and the time
+of the freed sources it regenerates, Note [Ghosts]) plus the value of every distinct set of dropped
+storages
+next to ``s`` (those its replay reads and those whose replay reads it), grouped by a union-find
+(DTR's e* approximation: sets merge when a neighbour is dropped, rematerializing ``s`` subtracts
+its cost, sets never split). C of a swap is the copy out and back at the host bandwidths measured
+on this run's swaps.
+An evicted storage comes back when an op reads it: a swapped one by copy, a dropped one by
+replaying its chain, after its dropped sources have come back first (ancestors first, each with
+room made under the budget, so nothing recurses deeply).
+
+# Note: [What may be dropped]
+# Dropping is exact only where the replay computes the same bytes (recompute.py's rules): every op
+# that wrote the storage since its producer is recorded (R1; a write by an unrecorded op, by a
+# collective, or a chain longer than ``MAX_CHAIN`` makes it swap-only), no storage the chain reads
+# was written since it read it (R2, checked at eviction time against the runtime's write
+# counters), seeded ops replay under their recorded RNG state (R4), arguments a replayed op writes
+# outside its chain are cloned (R5, R6). Once dropped, its sources are pinned (kept alive as
+# objects, so they stay countable and evictable themselves) and registered for copy-on-write (R3):
+# an op about to write one regenerates the dependent first. Everything else is swapped. Only
+# storages allocated by an op of the current iteration are evicted at all (Note [Storage-level
+# eviction] in state.py): parameters, optimizer state and data made outside ops stay resident.
+
+# Note: [Ghosts]
+# A chain's source may be freed by the script before the storage is evicted (autograd frees the
+# addmm output behind a tanh, which saves only its result). A storage that dies with a chain
+# leaves a ghost for the iteration (its records and final write counter); a replay that reads it
+# regenerates it first, into a temporary freed after its last use, recursively. Sources alive at
+# the drop are pinned instead. At the step end a dropped storage that only pins hold stays
+# dropped (``DynamicGuard.stays_out``); copy-on-write brings back the dropped storages the script
+# still holds that need the written one, through pinned sources (``DynamicGuard._live_roots``),
+# one at a time, since bringing one back releases what only it pinned.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..planner.plan import Decision, Method
+from ..tracer.hooks import op_info, written_inputs
+from .backend import byte_view
+from .passive import BudgetGuard, PassiveTracker
+from .recompute import RecomputeEngine, Record, _capture_rng, _Slot, _template
+from .state import Entry, Reason, Residency, resize, storage_key, storages, writes
+
+MAX_CHAIN = 64  # ops in one storage's chain (producer + in-place writes); longer: swap only
+_NAME_ATTR = "_capuchin_dtr_name"
+_COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+REMAT = ("auto", "recompute", "swap")
+
+
+class _Node:
+    """A union-find node of one dropped storage (objects, not keys: a key may be reused after its
+    storage dies, a node stays reachable from the nodes that point through it)."""
+
+    __slots__ = ("parent", "value")
+
+    def __init__(self, value: float):
+        self.parent = self
+        self.value = value
+
+    def root(self) -> _Node:
+        r = self
+        while r.parent is not r:
+            r = r.parent
+        x = self
+        while x.parent is not r:
+            x.parent, x = r, x.parent
+        return r
+
+
+def _union(a: _Node, b: _Node) -> None:
+    ra, rb = a.root(), b.root()
+    if ra is not rb:
+        rb.parent = ra
+        ra.value += rb.value
+        rb.value = 0.0
+
+
+class DynamicTracker(PassiveTracker):
+    """Passive mode's counting of storages, plus what DTR needs per storage: its chain (the
+    recorded producer and in-place writers), measured cost, neighbours and last access."""
+
+    def __init__(self, budget_bytes: int | None, device: torch.device, memory=None):
+        super().__init__(budget_bytes, device, memory)
+        self.engine = RecomputeEngine(None, lambda n: False)
+        self.engine.records = weakref.WeakValueDictionary()  # alive while a chain holds them
+        self.serial = 0
+        self.clock = 0
+        self.chain: dict[int, list[Record]] = {}  # storage key -> producer + in-place writers
+        self.cost_s: dict[int, float] = {}  # storage key -> measured seconds of its chain
+        self.sid: dict[int, str] = {}  # storage key -> its name in its producer's record
+        self.wcount: dict[int, int] = {}  # storage key -> write counter after its chain's last op
+        self.parents: dict[int, set[int]] = {}
+        self.children: dict[int, set[int]] = {}
+        self.node: dict[int, _Node] = {}  # dropped storages' union-find nodes
+        self.last_access: dict[int, int] = {}
+        self.new_out: dict[int, int] = {}  # serial -> bytes of the new storages the op allocated
+        # name -> (chain, write counter, seconds) of storages that died with a chain: a
+        # dependent's replay regenerates them on the way (DTR keeps freed tensors as thunks)
+        self.ghost: dict[str, tuple[list[Record], int, float]] = {}
+
+    def new_iteration(self) -> None:
+        super().new_iteration()
+        for d in (
+            self.chain,
+            self.cost_s,
+            self.sid,
+            self.wcount,
+            self.parents,
+            self.children,
+            self.node,
+            self.new_out,
+            self.ghost,
+        ):
+            d.clear()
+        self.engine.reset()
+
+    def _died(self, key: int):
+        base = super()._died(key)
+
+        def cb(ref, self=self, key=key, base=base):
+            base(ref)
+            ch = self.chain.pop(key, None)
+            cost = self.cost_s.pop(key, 0.0)
+            sid = self.sid.pop(key, None)
+            n = self.wcount.pop(key, None)
+            if ch is not None and sid is not None and n is not None:
+                self.ghost[sid] = (ch, n, cost)
+            self.parents.pop(key, None)
+            self.children.pop(key, None)
+            self.node.pop(key, None)
+            self.last_access.pop(key, None)
+
+        return cb
+
+    def touch(self, keys) -> None:
+        super().touch(keys)
+        self.clock += 1
+        la = self.last_access
+        for key in keys:
+            la[key] = self.clock
+
+    # ---- recording (every op while dynamic mode is on) ----------------------------------------
+    def prepare(
+        self, func, args: tuple, kwargs: dict, flat: list, written: tuple, seeded: bool
+    ) -> tuple:
+        """Before the op runs: what a record needs then (the RNG state of a seeded op, the views
+        of the arguments it writes). The record itself is made after it ran, and only if it
+        allocated or extended a storage's chain (views and reads are never recorded)."""
+        try:
+            wslots = {a: self._slot(flat[a]) for a in written}
+        except (RuntimeError, NotImplementedError):
+            wslots = None
+        rng = _capture_rng(func, args, kwargs, flat) if seeded else None
+        if rng is not None:  # kept in host memory the allocator does not count (5 KiB on CPU)
+            kind, where, state = rng
+            rng = (kind, where, torch.frombuffer(bytearray(state.numpy().tobytes()),
+                                                 dtype=torch.uint8))
+        return func, args, kwargs, flat, tuple(written), rng, wslots
+
+    def _slot(self, t) -> _Slot:
+        tag = getattr(t.untyped_storage(), _NAME_ATTR, None)
+        return _Slot(t, tag[1] if tag is not None and tag[0] == self.engine.epoch else None, False)
+
+    def recorded(self, pending: tuple, dt: float, outs: list, in_keys: set) -> None:
+        """The op ran (``dt`` seconds): name the storages it allocated, give them (or the
+        storages it wrote) their chain, cost and neighbours."""
+        func, args, kwargs, flat, written, rng, wslots = pending
+        if wslots is None:
+            return
+        chain = self.chain
+        fresh = False
+        for t in outs:
+            try:
+                key = storage_key(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                continue
+            if key not in in_keys and key in self.in_iteration and key not in chain:
+                fresh = True
+                break
+        if not fresh:
+            for a in written:
+                try:
+                    if storage_key(flat[a].untyped_storage()) in chain:
+                        break
+                except (RuntimeError, NotImplementedError):
+                    continue
+            else:
+                return  # a view, a read, or a write to storages nobody replays
+        try:
+            slots = [wslots[a] if a in wslots else self._slot(t) for a, t in enumerate(flat)]
+        except (RuntimeError, NotImplementedError):
+            return
+        self.serial += 1
+        counter = [0]
+        rec = Record(
+            self.serial,
+            func,
+            _template(tuple(args), counter),
+            _template(dict(kwargs), counter),
+            slots,
+            written,
+            [],
+            rng,
+        )
+        replayable = func.namespace not in _COLLECTIVES
+        for a in written:  # the write counts the op left (the executor bumped them)
+            s = slots[a]
+            st = s.weak()
+            if st is not None:
+                s.writes = writes(st)
+        src = [storage_key(st) for s in rec.slots if (st := s.weak()) is not None]
+        new_bytes = 0
+        made = []
+        for j, t in enumerate(outs):
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                rec.out_sids.append(None)
+                continue
+            key = storage_key(st)
+            if key in in_keys or key not in self.in_iteration or key in self.chain:
+                rec.out_sids.append(None)
+                continue
+            sid = f"{rec.op_index}:{j}"
+            setattr(st, _NAME_ATTR, (self.engine.epoch, sid))
+            rec.out_sids.append(sid)
+            new_bytes += st.nbytes()
+            made.append(key)
+            self.sid[key] = sid
+            self.last_access[key] = self.clock
+            if replayable:
+                self.chain[key] = [rec]
+                self.cost_s[key] = dt
+                self.wcount[key] = writes(st)
+        self.new_out[rec.op_index] = new_bytes
+        for a in rec.written:  # R1: an in-place write extends the written storage's chain
+            st = rec.slots[a].weak()
+            if st is None:
+                continue
+            key = storage_key(st)
+            ch = self.chain.get(key)
+            if ch is None:
+                continue
+            if replayable and len(ch) < MAX_CHAIN and ch[-1] is not rec:
+                ch.append(rec)
+                self.cost_s[key] += dt
+                self.wcount[key] = writes(st)
+                made.append(key)
+            elif ch[-1] is not rec:
+                del self.chain[key]  # a write that cannot be replayed: swap only from now on
+        if made:
+            self.engine.records[rec.op_index] = rec
+            for key in made:
+                ps = self.parents.setdefault(key, set())
+                for k in src:
+                    if k != key:
+                        ps.add(k)
+                        self.children.setdefault(k, set()).add(key)
+
+    # ---- what a drop would take -----------------------------------------------------------------
+    def replay_plan(self, key: int):
+        """How to replay ``key``'s chain now: ``(records in order, live sources by key, seconds,
+        bytes of regenerated dead sources)``, or None if it cannot be replayed exactly (a source
+        freed without a chain, or written since it was read: R2). A source that died with a chain
+        (a ghost) is regenerated on the way, recursively."""
+        ch = self.chain.get(key)
+        if not ch:
+            return None
+        recs = {}
+        live = {}
+        cost = self.cost_s[key]
+        extra = 0
+        todo = [(ch, self.sid.get(key))]
+        seen_ghosts = set()
+        live_sids = set()
+        while todo:
+            chain, own = todo.pop()
+            for rec in chain:
+                recs[rec.op_index] = rec
+            for rec in chain:
+                for s in rec.slots:
+                    if s.sid is not None and s.sid == own:
+                        continue
+                    st = s.weak()
+                    if st is not None:
+                        if writes(st) != s.writes:
+                            return None
+                        live[storage_key(st)] = st
+                        if s.sid is not None:
+                            live_sids.add(s.sid)
+                        continue
+                    g = self.ghost.get(s.sid) if s.sid is not None else None
+                    if g is None or g[1] != s.writes:
+                        return None
+                    if s.sid not in seen_ghosts:
+                        seen_ghosts.add(s.sid)
+                        if len(seen_ghosts) > MAX_CHAIN:
+                            return None
+                        todo.append((g[0], s.sid))
+                        cost += g[2]
+                        extra += self.new_out.get(g[0][0].op_index, 0)
+        live.pop(key, None)
+        if any(x in live_sids for r in recs.values() for x in r.out_sids if x):
+            # a regenerated producer would also remake a live storage that a later op changed
+            # (a ghost's sibling output, written in place since): the replay would read the
+            # regenerated copy, not the live one
+            return None
+        return [recs[k] for k in sorted(recs)], live, cost, extra
+
+    def neighbourhood_s(self, key: int) -> float:
+        """Value of the distinct dropped sets next to ``key`` (DTR's e*)."""
+        roots = set()
+        total = 0.0
+        for k in (*self.parents.get(key, ()), *self.children.get(key, ())):
+            n = self.node.get(k)
+            if n is not None:
+                r = n.root()
+                if r not in roots:
+                    roots.add(r)
+                    total += r.value
+        return total
+
+
+class DynamicGuard(BudgetGuard):
+    """The budget guard with DTR's choice of what to evict and how (module docstring).
+    ``remat``: "auto" (drop or swap, whichever the measured costs make cheaper), "recompute"
+    (drop whatever can be replayed exactly), "swap" (never drop: DTR's victims, swapped)."""
+
+    def __init__(
+        self,
+        budget_bytes: int | None,
+        device: torch.device,
+        memory,
+        swap,
+        executor,
+        bandwidth_bytes_per_s: float = 12e9,
+        remat: str = "auto",
+    ):
+        super().__init__(budget_bytes, device, memory, swap, executor)
+        if remat not in REMAT:
+            raise ValueError(f"remat must be one of {', '.join(REMAT)}, not {remat!r}")
+        self.tracker = DynamicTracker(budget_bytes, device, memory)
+        self.remat = remat
+        # host copies out and back (bytes/s), refined by the measured swaps
+        self.bw_out = self.bw_in = float(bandwidth_bytes_per_s)
+        self.writing: set[int] = set()  # storages the op being prepared writes
+        self.replay_op_s = 0.0  # measured cost of a replay beyond its ops' own times, per op
+        self.n_entries = 0
+
+    # ---- per op -----------------------------------------------------------------------------------
+    def before_op(self, func, args, kwargs, name: str, flat: list, keys: list):
+        tr = self.tracker
+        tr.touch(keys)
+        info = op_info(func)
+        written = tuple(written_inputs(info, args, kwargs, flat))
+        ex = self.ex
+        if ex.entries:
+            self.writing = {keys[a] for a in written if keys[a] is not None}
+            deps = []
+            for wk in self.writing:  # R3 with room made first (the executor's restore would not)
+                for sid in ex.dependents.get(wk, ()):
+                    e = ex.by_sid.get(sid)
+                    if e is not None and e.state is Residency.OUT and e.storage is not None:
+                        deps.append(storage_key(e.storage))
+            for root in self._live_roots(deps) if deps else ():
+                self.bring_back([*keys, root])  # one at a time: each frees what only it pins
+                ex.stats.cow_restores += 1
+            self.bring_back(keys)
+        pkey, out_bytes = self.memory.predict(func, args, kwargs)
+        out_bytes += self.memory.scratch(name, flat, out_bytes)
+        self.enforce(set(keys), out_bytes + ex.coming_back(keys))
+        self.writing = set()
+        pending = tr.prepare(func, args, kwargs, flat, written, info.seeded)
+        return pkey, pending, time.perf_counter()
+
+    def after_op(self, outs: list, in_keys: set, token) -> None:
+        pkey, pending, t0 = token
+        dt = time.perf_counter() - t0
+        self.tracker.track_outputs(outs, in_keys, pkey)
+        self.tracker.recorded(pending, dt, outs, in_keys)
+        self.enforce(in_keys | {k for k, _ in storages(outs)})
+
+    def stays_out(self, e: Entry) -> bool:
+        """A dropped storage nothing but dynamic mode holds (the source of a dropped storage's
+        replay, freed by the script) stays dropped at step end: a replay that reads it brings
+        it back first, and it is freed with the last entry that pins it."""
+        st = e.storage
+        return (
+            e.reason is Reason.DYNAMIC
+            and st is not None
+            and not e.swap
+            and e.state is Residency.OUT
+            and torch._C._storage_Use_Count(st._cdata) <= 1
+        )
+
+    def _live_roots(self, keys: list) -> list:
+        """The dropped storages the script still holds that need ``keys`` (themselves, or
+        through the pinned sources of their replays). Bringing those back is what copy-on-write
+        needs: a dropped source only replays read is freed once they are back."""
+        ex = self.ex
+        pinned_by: dict[int, list[int]] = {}
+        for k, e in ex.entries.items():
+            if e.reason is Reason.DYNAMIC and not e.swap:
+                for st in e.extra.get("pins", ()):
+                    pinned_by.setdefault(storage_key(st), []).append(k)
+        roots = []
+        seen = set()
+        stack = list(keys)
+        while stack:
+            k = stack.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            e = ex.entries.get(k)
+            if e is not None and not self.stays_out(e):
+                roots.append(k)
+            else:
+                stack.extend(pinned_by.get(k, ()))
+        return roots
+
+    # ---- eviction -------------------------------------------------------------------------------
+    def evict(self, need: int, protect: set) -> int:
+        """Evict resident storages of this iteration, lowest h first, until ``need`` bytes are
+        freed. Returns the bytes freed."""
+        tr = self.tracker
+        ex = self.ex
+        cands = []
+        dev = self.device_type
+        swap_s_per_byte = 1.0 / self.bw_out + 1.0 / self.bw_in
+        for key, (ref, n) in tr.lru.items():
+            if n == 0 or key in protect or key not in tr.in_iteration or key in ex.entries:
+                continue
+            st = ref()
+            if st is None or st.nbytes() == 0 or not st.resizable() or st.device.type != dev:
+                continue
+            c_swap = n * swap_s_per_byte
+            # ranked by the chain's own cost (a lower bound: regenerated dead sources add to
+            # it); whether and at what cost it replays is checked for the chosen ones only
+            drop = self.remat != "swap" and key in tr.chain
+            cost = c_swap
+            if drop:
+                c_drop = (
+                    tr.cost_s[key] + self.replay_op_s * len(tr.chain[key]) + tr.neighbourhood_s(key)
+                )
+                if self.remat == "auto" and c_drop >= c_swap:
+                    drop = False
+                else:
+                    cost = c_drop
+            stale = max(1, tr.clock - tr.last_access.get(key, 0))
+            cands.append((cost / (n * stale), key, st, n, drop, c_swap))
+        cands.sort(key=lambda c: c[0])
+        got = 0
+        for _, key, st, n, drop, c_swap in cands:
+            if got >= need:
+                break
+            if st.nbytes() == 0 or key in ex.entries:
+                continue
+            plan = tr.replay_plan(key) if drop else None
+            if plan is not None and self.writing and not self.writing.isdisjoint(plan[1]):
+                plan = None  # a source is about to be written (R3 would bring it back at once)
+            if (
+                plan is not None
+                and self.remat == "auto"
+                and plan[2] + tr.neighbourhood_s(key) + self.replay_op_s * len(plan[0]) >= c_swap
+            ):
+                plan = None  # the dead sources it regenerates make it dearer than a swap
+            if plan is not None:
+                self._drop(key, st, n, plan)
+            else:
+                self._swap(key, st, n)
+            got += n
+        return got
+
+    def _entry(self, key: int, st, n: int, swap: bool, d: Decision | None) -> Entry:
+        self.n_entries += 1
+        ex = self.ex
+        e = Entry(
+            f"dtr:{self.n_entries}", weakref.ref(st, ex.died(key)), n, swap, Reason.DYNAMIC, d
+        )
+        if ex.rt.verify:
+            with _disable_current_modes():
+                e.extra["copy"] = byte_view(st).clone()
+        ex.adopt(key, e)
+        return e
+
+    def _drop(self, key: int, st, n: int, plan) -> None:
+        tr = self.tracker
+        ex = self.ex
+        recs, srcs, cost, extra = plan
+        for r in recs:
+            tr.engine.records[r.op_index] = r
+        d = Decision(
+            tr.sid[key], Method.RECOMPUTE, n, 0, 0, replay_ops=tuple(r.op_index for r in recs)
+        )
+        e = self._entry(key, st, n, False, d)
+        e.extra["pins"] = list(srcs.values())  # the replay's sources stay alive (countable)
+        e.extra["recs"] = recs  # and so do the ghosts' records
+        e.extra["transient"] = extra
+        e.extra["cost_s"] = cost
+        e.extra["own_out"] = tr.new_out.get(tr.chain[key][0].op_index, n)
+        for k in srcs:
+            ex.dependents.setdefault(k, set()).add(e.sid)  # R3
+        resize(st, 0)
+        e.state = Residency.OUT
+        node = tr.node[key] = _Node(cost)
+        for k in (*tr.parents.get(key, ()), *tr.children.get(key, ())):
+            other = tr.node.get(k)
+            if other is not None:
+                _union(node, other)
+        tr.evicted(key)
+        ex.stats.passive_evictions += 1
+        ex.stats.dynamic_drops += 1
+
+    def _swap(self, key: int, st, n: int) -> None:
+        ex = self.ex
+        e = self._entry(key, st, n, True, None)
+        t0 = time.perf_counter()
+        ex.stats.stall_s += self.swap.evict_now(e)
+        dt = time.perf_counter() - t0
+        if dt > 0 and n >= 1 << 16:  # measured bandwidth, smoothed
+            self.bw_out = 0.8 * self.bw_out + 0.2 * (n / dt)
+        self.tracker.evicted(key)
+        ex.stats.passive_evictions += 1
+        ex.stats.dynamic_swaps += 1
+
+    # ---- rematerialization ------------------------------------------------------------------------
+    def bring_back(self, keys) -> None:
+        """Evicted storages ``keys`` come back, each dropped one after the evicted sources of its
+        replay (ancestors first), each with room made under the budget first."""
+        ex = self.ex
+        order = []
+        seen = set()
+        stack = [(k, False) for k in set(keys) if k is not None]
+        while stack:
+            key, done = stack.pop()
+            e = ex.entries.get(key)
+            if e is None or e.state is not Residency.OUT:
+                continue
+            if done:
+                order.append((key, e))
+                continue
+            if key in seen:
+                continue
+            seen.add(key)
+            stack.append((key, True))
+            if not e.swap:
+                for st in e.extra.get("pins", ()):
+                    stack.append((storage_key(st), False))
+        base = {k for k in keys if k is not None}
+        for i, (key, e) in enumerate(order):
+            if e.state is not Residency.OUT or ex.entries.get(key) is not e:
+                continue
+            # what this and the later replays read stays; what came back earlier for them only
+            # may go again (DTR: an ancestor is not kept once its children are back)
+            protect = set(base)
+            for _, later in order[i:]:
+                protect.update(storage_key(st) for st in later.extra.get("pins", ()))
+            protect.add(key)
+            need = e.nbytes
+            if not e.swap:
+                need = max(need, e.extra.get("own_out", 0)) + e.extra.get("transient", 0)
+            self.enforce(protect, need)
+            t0 = time.perf_counter()
+            ex.restore(e)
+            dt = time.perf_counter() - t0
+            if e.swap and dt > 0 and e.nbytes >= 1 << 16:  # measured, smoothed
+                self.bw_in = 0.8 * self.bw_in + 0.2 * (e.nbytes / dt)
+
+    def replay(self, e: Entry) -> None:
+        """Regenerate dropped ``e`` (the executor's restore of a DYNAMIC entry)."""
+        st = e.storage
+        if st is None:
+            return
+        ex = self.ex
+        pinned = [storage_key(src) for src in e.extra.get("pins", ())]
+        if any(k in ex.entries for k in pinned):  # paths other than bring_back (step end):
+            self.bring_back(pinned)  # ancestors first, never a recursion through them
+        tr = self.tracker
+        tr.engine.stats = ex.stats
+        tr.engine.ensure_resident = ex.ensure_resident
+        t0 = time.perf_counter()
+        tr.engine.replay(e.decision, st, e.nbytes, {})
+        ops = e.extra.get("recs", ())
+        if ops:  # what a replay costs beyond the ops' measured times (smoothed)
+            extra = (time.perf_counter() - t0 - e.extra.get("cost_s", 0.0)) / len(ops)
+            self.replay_op_s = max(0.0, 0.8 * self.replay_op_s + 0.2 * extra)
+        if self.budget_bytes is not None:  # unbudgeted paths (step end) count what they cost
+            self.short(self.resident_bytes() + e.nbytes - self.budget_bytes)
+        key = storage_key(st)
+        node = tr.node.pop(key, None)
+        if node is not None:
+            node.root().value -= tr.cost_s.get(key, 0.0)
+        tr.last_access[key] = tr.clock
