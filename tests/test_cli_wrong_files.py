@@ -33,3 +33,15 @@ def test_a_binary_file_as_plan_is_not_a_plan(tmp_path, command):
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 1
     assert r.output.strip() == f"capuchin: error: {bad}: not a plan (a binary file, not JSON text)"
+
+
+def test_show_states_a_small_trace_cap_in_its_own_unit():
+    from dataclasses import replace
+
+    from capuchin.tracer.reader import load_trace
+    from capuchin.tracer.summary import format_summary, summarize
+
+    s = replace(summarize(load_trace(MLP_TRACE)), trace_budget_bytes=1024,
+                measured_peak_bytes=1536 * 1024)
+    cap = [ln for ln in format_summary(s).splitlines() if ln.startswith("cap")]
+    assert cap and "traced under 1.00 KiB by passive eviction: measured peak 1.50 MiB" in cap[0]
