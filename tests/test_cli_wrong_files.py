@@ -45,3 +45,17 @@ def test_show_states_a_small_trace_cap_in_its_own_unit():
                 measured_peak_bytes=1536 * 1024)
     cap = [ln for ln in format_summary(s).splitlines() if ln.startswith("cap")]
     assert cap and "traced under 1.00 KiB by passive eviction: measured peak 1.50 MiB" in cap[0]
+
+
+@pytest.mark.parametrize("name", ["p.json", "t.parquet"])
+def test_show_of_a_name_written_per_rank_names_the_rank_files(tmp_path, name):
+    from capuchin.distributed import rank_path
+
+    for rank in (0, 1):
+        rank_path(tmp_path / name, rank).write_text("x")
+    r = CliRunner().invoke(main, ["show", str(tmp_path / name)])
+    assert r.exit_code == 1
+    stem, suffix = name.split(".")
+    assert r.output.strip() == (
+        f"capuchin: error: {tmp_path / name}: no such file; it was written per rank: "
+        f"{tmp_path / f'{stem}.rank0.{suffix}'}, {tmp_path / f'{stem}.rank1.{suffix}'}; show one of them")
