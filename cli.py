@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 
 import click
 
@@ -127,6 +128,13 @@ def trace(output, force, iterations, warmup, device, budget, script, script_args
 @_errors_to_exit
 def show(path, as_json, plot, chrome, force):
     """Summarize a trace (.parquet) or a plan (.json)."""
+    if not Path(path).exists():
+        from .distributed import ranked_files
+
+        ranks = ranked_files(path)
+        if ranks:  # written under torchrun: one file per rank, none under the name given
+            raise CapuchinError(f"{path}: no such file; it was written per rank: "
+                                f"{', '.join(str(f) for f in ranks.values())}; show one of them")
     if not str(path).endswith(".parquet"):
         try:
             from .planner.report import show_plan

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CapuchinError, ScriptError
+from .planner.budget import format_bytes
 
 COMPARISON_POLICIES = ("checkpoint-sqrt", "dtr", "swap", "recompute")
 VERIFY_TOLERANCE = 0.05  # Note [Verified, not only planned]
@@ -218,20 +219,20 @@ def max_batch(script: str | os.PathLike, script_args: Sequence[str] = (), *,
         first = search.candidate(min_value)
         if not first.fits_device:
             raise MaxBatchError(
-                f"{script}: memory {_mb(memory_bytes)} ({memory_bytes} B) is below what "
+                f"{script}: memory {format_bytes(memory_bytes)} ({memory_bytes} B) is below what "
                 f"{flag} {min_value} needs: it ran out of memory while traced under that cap")
         if first.fits_device and first.floor_bytes is not None \
                 and first.floor_bytes > memory_bytes and first.peak_bytes > memory_bytes:
             raise MaxBatchError(
-                f"{script}: memory {_mb(memory_bytes)} ({memory_bytes} B) is below what "
-                f"{flag} {min_value} needs: its peak is {_mb(first.peak_bytes)} unmanaged and no "
-                f"plan can go below {_mb(first.floor_bytes)} (what must stay resident)")
+                f"{script}: memory {format_bytes(memory_bytes)} ({memory_bytes} B) is below what "
+                f"{flag} {min_value} needs: its peak is {format_bytes(first.peak_bytes)} unmanaged and no "
+                f"plan can go below {format_bytes(first.floor_bytes)} (what must stay resident)")
         best = {policy: search.largest(policy, min_value, max_value)}
         unmanaged = search.largest(UNMANAGED, min_value, max_value)
         if best[policy] == 0 and unmanaged == 0:
             why = search.candidate(min_value).plans.get(policy, {})
             raise MaxBatchError(
-                f"{script}: memory {_mb(memory_bytes)} ({memory_bytes} B) is below what "
+                f"{script}: memory {format_bytes(memory_bytes)} ({memory_bytes} B) is below what "
                 f"{flag} {min_value} needs: its peak is {_mb(first.peak_bytes)} unmanaged and the "
                 f"{policy} plan peaks at {_mb(why.get('predicted_peak_bytes'))}"
                 + (f" (or costs more than {max_overhead:.0%})" if max_overhead is not None
@@ -351,7 +352,7 @@ class _Search:
                                       "predicted_peak_bytes": int(p.predicted_peak_bytes)}
             self.log(f"max-batch:   {self.flag} {value} {policy}: "
                      + (f"fits, predicted overhead {p.predicted_overhead:+.1%}" if p.feasible
-                        else f"does not fit (plan peaks at {_mb(p.predicted_peak_bytes)})"))
+                        else f"does not fit (plan peaks at {format_bytes(p.predicted_peak_bytes)})"))
         ok = info["feasible"]
         if ok and self.max_overhead is not None:
             ok = info["predicted_overhead"] <= self.max_overhead

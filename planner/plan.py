@@ -515,7 +515,15 @@ def load_plan(path: str | os.PathLike) -> Plan:
     if not path.exists():
         raise PlanFormatError(f"{path}: no such file")
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
         raise PlanFormatError(f"{path}: cannot read ({exc})") from None
+    if data[:4] == b"PAR1":
+        raise PlanFormatError(
+            f"{path}: a Parquet file (a trace?), not a plan; make a plan from a trace with "
+            f"`capuchin plan {path} --budget SIZE`")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise PlanFormatError(f"{path}: not a plan (a binary file, not JSON text)") from None
     return Plan.from_json(text, source=str(path))

@@ -73,6 +73,7 @@ def test_unknown_arg_is_one_clear_line(tiny):
 def test_memory_below_the_smallest_batch(tiny):
     line = _one_line_error(["--memory", "64K", "--arg", "--batch", "--no-verify", str(tiny)])
     assert "below what --batch 1 needs" in line
+    assert "memory 64.00 KiB (65536 B)" in line
 
 
 def test_script_failing_at_some_batch(tiny):

@@ -142,3 +142,23 @@ def capuchin_tracer(path, budget):
     from capuchin.tracer.record import Tracer
 
     return Tracer(path, iterations=2, warmup=1, device="cuda", log=None, budget_bytes=budget)
+
+
+def test_a_cap_that_was_not_kept_is_warned_about(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(4):\n"
+        "    opt.zero_grad(); m(torch.randn(128, 64)).sum().backward(); opt.step()\n")
+    warnings = {}
+    for cap in (1024, 64 * 2**20):
+        lines = []
+        trace_script(script, [], output=tmp_path / f"{cap}.parquet", iterations=1, device="cpu",
+                     budget_bytes=cap, log=lines.append)
+        warnings[cap] = [ln for ln in lines if "warning: the trace cap" in ln]
+    assert not warnings[64 * 2**20]
+    assert len(warnings[1024]) == 1
+    assert "the trace cap 1.00 KiB was not kept: the allocator measured" in warnings[1024][0]

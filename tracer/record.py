@@ -28,6 +28,7 @@ from .. import __version__
 from ..distributed import default_warmup, per_rank
 from ..errors import CapuchinError, ScriptError
 from ..outputs import check_output
+from ..planner.budget import format_bytes
 from .bandwidth import measure_bandwidth
 from .hooks import OpEvent, OpIndexer, describe_args, flatten_tensors
 from .reader import write_trace
@@ -430,6 +431,13 @@ class Tracer:
             its = [s for s in self.runtime.report.iterations if s.iteration in self._done]
             extra["passive_evictions"] = {str(s.iteration): s.passive_evictions for s in its}
             extra["passive_short_bytes"] = {str(s.iteration): s.passive_short_bytes for s in its}
+            if measured is not None and measured > 1.05 * self.budget_bytes:
+                # Not an error: the trace is the unmanaged program's either way; but a cap the
+                # run did not keep is said where it happened, not only by `capuchin show`.
+                self.log(f"capuchin: warning: the trace cap {format_bytes(self.budget_bytes)} was "
+                         f"not kept: the allocator measured {format_bytes(measured)} "
+                         f"({measured / self.budget_bytes:.2f}x); parameters, gradients, "
+                         "optimizer state and each op's own inputs and outputs stay resident")
         if self.device == "cuda":  # pragma: no cover - needs a GPU
             # PyTorch's own measurement of each iteration (blocks rounded to 512 bytes; includes
             # memory no op touched, e.g. the cuBLAS workspace, so compare the rise above start)

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
+from ..planner.budget import format_bytes
 from .reader import Trace
 from .schema import Col, Kind, Phase, Role
 
@@ -196,8 +197,8 @@ def format_summary(s: TraceSummary) -> str:
     ]
     if s.trace_budget_bytes is not None:
         measured = ("not measured" if s.measured_peak_bytes is None else
-                    f"measured peak {_mb(s.measured_peak_bytes)} "
+                    f"measured peak {format_bytes(s.measured_peak_bytes)} "
                     f"({s.measured_peak_bytes / s.trace_budget_bytes:.0%} of it)")
-        lines.append(f"cap        traced under {_mb(s.trace_budget_bytes)} by passive eviction: "
+        lines.append(f"cap        traced under {format_bytes(s.trace_budget_bytes)} by passive eviction: "
                      f"{measured}; the figures above are the unmanaged program's")
     return "\n".join(lines)
