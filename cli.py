@@ -78,8 +78,8 @@ def main() -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--iterations", type=click.IntRange(min=1), default=3, show_default=True,
               help="Iterations to record.")
-@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
-              help="Iterations to run before recording.")
+@click.option("--warmup", type=click.IntRange(min=0), default=None,
+              help="Iterations to run before recording [default: 1; 2 under torchrun].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True, help="Device whose memory and timeline are traced.")
 @click.option("--budget", default=None, metavar="SIZE",
@@ -203,13 +203,20 @@ def plan_cmd(trace, budget, output, policy, bandwidth, iteration, time_limit_s, 
     budget that works). With --policy ilp the summary gives the solver's status and optimality
     gap (--json: keys status, optimality_gap).
     """
+    from .planner.api import plan_files
+
+    # every rank's trace of a torchrun job: one plan each (Note [Per-rank files])
+    for plan, path in plan_files(trace, budget, output, policy=policy, bandwidth=bandwidth,
+                                 iteration=iteration, force=force, time_limit_s=time_limit_s):
+        _print_plan(plan, path, as_json)
+
+
+def _print_plan(plan, path, as_json: bool) -> None:
     import json
 
-    from .planner.api import format_solver_report, plan_file, plan_summary
+    from .planner.api import format_solver_report, plan_summary
     from .planner.report import format_summary
 
-    plan, path = plan_file(trace, budget, output, policy=policy, bandwidth=bandwidth,
-                           iteration=iteration, force=force, time_limit_s=time_limit_s)
     if as_json:
         click.echo(json.dumps({**plan_summary(plan), "output": str(path)}))
     else:
@@ -324,7 +331,9 @@ def run(plan, budget, report, force, no_measure, script, script_args):
                      report_path=report, force=force, measure_memory=not no_measure)
     click.echo(rep.summary())
     if report:
-        click.echo(f"wrote {report}")
+        from .distributed import per_rank
+
+        click.echo(f"wrote {per_rank(report)}")
 # CLI-RUN-END
 
 

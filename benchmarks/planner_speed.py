@@ -1,110 +1,122 @@
-"""Planner speed: time per stage on a generated 24-layer transformer trace (~100k ops) and on the
-bundled example traces. Prints a table; ``--csv FILE`` also writes it.
+"""Planner speed: cold ``capuchin plan`` CPU time per trace and budget, one process each.
 
-    python benchmarks/planner_speed.py                     # 24 layers x ~2000 ops/layer
-    python benchmarks/planner_speed.py --ops-per-layer 200 # a smaller one
-    python benchmarks/planner_speed.py --examples-only
+    python benchmarks/planner_speed.py                         # bundled + DTR traces, 80/60/40%
+    python benchmarks/planner_speed.py --traces a.parquet b.parquet --fractions 0.6
+    python benchmarks/planner_speed.py --synthetic             # also the generated ~100k-op trace
 
-Stages: generate (synthetic event table), write+load (Parquet round trip), problem
-(``Problem.from_trace``), policy (the Capuchin policy's decisions), build (lineage, simulation,
-action table), json (serialization). Targets (issue 3): under 30 s for 100k ops, under 2 s for the
-bundled examples.
+Every (trace, budget) cell runs in a fresh process (nothing cached: what a user waits for):
+load the trace, build the problem, the policy's decisions, the plan (lineage, simulation,
+action table) and its JSON. ``cpu_s`` is that process's CPU time for those stages (the machine
+may be shared; CPU time is what the planner costs). The eight DTR traces are imported from
+``--dtr-zip`` (tracer/dtr_import.py, as ``capuchin import-dtr``). ``--synthetic`` adds
+planner/synthetic.py's 24-layer transformer (~100k ops) at 50%.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
-from capuchin.planner.budget import parse_budget
-from capuchin.planner.build import build_plan
-from capuchin.planner.problem import Problem
-from capuchin.planner.registry import get_policy
-from capuchin.planner.synthetic import trace_from_ops, transformer_ops
-from capuchin.tracer.reader import load_trace, write_trace
-
 ROOT = Path(__file__).resolve().parent.parent
+DTR_ZIP = Path("/work/shared/data/dtr-logs.zip")
+COLS = ["trace", "ops", "budget", "cpu_s", "policy_s", "build_s", "decisions", "fits",
+        "overhead_pct"]
 
 
-def plan_stages(trace, budget: str, policy: str) -> dict:
-    row = {}
+def one(path: str, budget: str, policy: str) -> dict:
+    """The stages for one trace and budget, in this process (cold)."""
+    from capuchin.planner.budget import parse_budget
+    from capuchin.planner.build import build_plan
+    from capuchin.planner.problem import Problem
+    from capuchin.planner.registry import get_policy
+    from capuchin.tracer.reader import load_trace
+
     cpu = time.process_time()
-    t = time.perf_counter()
-    problem = Problem.from_trace(trace)
-    row["problem_s"] = time.perf_counter() - t
+    problem = Problem.from_trace(load_trace(path))
     budget_bytes = parse_budget(budget, problem.peak_bytes)
-    t = time.perf_counter()
+    t = time.process_time()
     decisions = get_policy(policy)(problem, budget_bytes)
-    row["policy_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    plan, sim = build_plan(problem, decisions, policy=policy, budget_bytes=budget_bytes)
-    row["build_s"] = time.perf_counter() - t
-    t = time.perf_counter()
+    policy_s = time.process_time() - t
+    t = time.process_time()
+    plan, _sim = build_plan(problem, decisions, policy=policy, budget_bytes=budget_bytes)
     plan.to_json()
-    row["json_s"] = time.perf_counter() - t
-    row.update(ops=problem.n_ops, decisions=len(plan.records),
-               fits=plan.predictions.feasible,
-               overhead_pct=100 * plan.predictions.predicted_overhead)
-    row["plan_total_s"] = row["problem_s"] + row["policy_s"] + row["build_s"] + row["json_s"]
-    row["plan_cpu_s"] = time.process_time() - cpu  # the machine may be shared: CPU time too
-    return row
+    build_s = time.process_time() - t
+    return dict(ops=problem.n_ops, budget=budget, cpu_s=time.process_time() - cpu,
+                policy_s=policy_s, build_s=build_s, decisions=len(plan.records),
+                fits=plan.predictions.feasible,
+                overhead_pct=100 * plan.predictions.predicted_overhead)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--ops-per-layer", type=int, default=2000,
-                    help="forward ops per layer (the iteration has about twice as many)")
-    ap.add_argument("--budget", default="50%", help="budget for the generated trace")
-    ap.add_argument("--example-budget", default="90%",
-                    help="budget for the bundled traces (50%% is below what two of them allow)")
+    ap.add_argument("--traces", nargs="*", type=Path, default=None,
+                    help="trace files (default: traces/*.trace.parquet and the DTR traces)")
+    ap.add_argument("--no-dtr", action="store_true")
+    ap.add_argument("--dtr-zip", type=Path, default=DTR_ZIP)
+    ap.add_argument("--fractions", default="80%,60%,40%")
     ap.add_argument("--policy", default="capuchin")
-    ap.add_argument("--examples-only", action="store_true")
-    ap.add_argument("--csv", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--synthetic", action="store_true",
+                    help="also the generated 24-layer transformer (~100k ops) at 50%%")
+    ap.add_argument("--csv", type=Path, default=None)
+    ap.add_argument("--one", nargs=2, metavar=("TRACE", "BUDGET"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(one(args.one[0], args.one[1], args.policy)))
+        return 0
 
     rows = []
-    for path in sorted((ROOT / "traces").glob("*.trace.parquet")):
-        t = time.perf_counter()
-        trace = load_trace(path)
-        row = {"trace": path.name, "generate_s": 0.0, "io_s": time.perf_counter() - t}
-        row["budget"] = args.example_budget
-        row.update(plan_stages(trace, args.example_budget, args.policy))
-        rows.append(row)
-    if not args.examples_only:
-        t = time.perf_counter()
-        ops, sizes, persistent = transformer_ops(args.layers, args.ops_per_layer,
-                                                 hidden_bytes=1 << 16)
-        trace = trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=12e9)
-        gen = time.perf_counter() - t
-        with tempfile.TemporaryDirectory() as d:
-            t = time.perf_counter()
-            p = write_trace(trace.events, trace.meta, Path(d) / "big.trace.parquet")
-            trace = load_trace(p)
-            io = time.perf_counter() - t
-        row = {"trace": f"synthetic transformer {args.layers}x{args.ops_per_layer}",
-               "generate_s": gen, "io_s": io, "budget": args.budget}
-        row.update(plan_stages(trace, args.budget, args.policy))
-        rows.append(row)
+    with tempfile.TemporaryDirectory(prefix="planner_speed.") as tmp:
+        paths = [(p.name.replace(".trace.parquet", ""), p) for p in (
+            args.traces if args.traces is not None
+            else sorted((ROOT / "traces").glob("*.trace.parquet")))]
+        if args.traces is None and not args.no_dtr and zipfile.is_zipfile(args.dtr_zip):
+            from capuchin.tracer.dtr_import import import_dtr_log, list_dtr_logs
 
-    cols = ["trace", "ops", "budget", "generate_s", "io_s", "problem_s", "policy_s", "build_s",
-            "json_s", "plan_total_s", "plan_cpu_s", "decisions", "fits", "overhead_pct"]
-    w = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
-    print("  ".join(c.ljust(n) for c, n in zip(cols, w, strict=True)))
+            for member in list_dtr_logs(args.dtr_zip):
+                name = "dtr-" + "-".join(Path(member).name.split("-")[:2])
+                paths.append((name, import_dtr_log(f"{args.dtr_zip}/{member}",
+                                                   Path(tmp) / f"{name}.trace.parquet")))
+        cells = [(n, p, b) for n, p in paths for b in args.fractions.split(",")]
+        if args.synthetic:
+            from capuchin.planner.synthetic import trace_from_ops, transformer_ops
+            from capuchin.tracer.reader import write_trace
+
+            ops, sizes, persistent = transformer_ops(24, 2000, hidden_bytes=1 << 16)
+            tr = trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=12e9)
+            p = write_trace(tr.events, tr.meta, Path(tmp) / "synthetic.trace.parquet")
+            cells.append(("synthetic transformer 24x2000", p, "50%"))
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for name, path, budget in cells:
+            out = subprocess.run([sys.executable, __file__, "--one", str(path), budget,
+                                  "--policy", args.policy], capture_output=True, text=True,
+                                 env=env, check=False)
+            if out.returncode != 0:
+                row = dict(trace=name, budget=budget, fits=f"error: {out.stderr.strip()[-200:]}")
+            else:
+                row = dict(trace=name, **json.loads(out.stdout.strip().splitlines()[-1]))
+            rows.append(row)
+            print("  ".join(f"{k}={_fmt(row.get(k))}" for k in COLS), flush=True)
+    w = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in COLS]
+    print()
+    print("  ".join(c.ljust(n) for c, n in zip(COLS, w, strict=True)))
     for r in rows:
-        print("  ".join(_fmt(r.get(c)).ljust(n) for c, n in zip(cols, w, strict=True)))
-    print(f"(policy {args.policy}; wall-clock seconds; plan_total_s = problem + policy + build "
-          f"+ json, plan_cpu_s its process CPU time; "
-          f"python {sys.version.split()[0]})")
+        print("  ".join(_fmt(r.get(c)).ljust(n) for c, n in zip(COLS, w, strict=True)))
+    print(f"(policy {args.policy}; cold, one process per cell; CPU seconds; load average "
+          f"{os.getloadavg()[0]:.1f}; python {sys.version.split()[0]})")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+            wr = csv.DictWriter(f, fieldnames=COLS, extrasaction="ignore")
             wr.writeheader()
             wr.writerows(rows)
+    return 0
 
 
 def _fmt(v) -> str:
@@ -114,4 +126,4 @@ def _fmt(v) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

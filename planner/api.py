@@ -17,6 +17,7 @@ from ..errors import InfeasibleBudgetError
 from ..outputs import check_output
 from ..tracer.reader import Trace, load_trace
 from ..tracer.schema import FILE_SUFFIX
+from ..tracer.summary import iteration_kinds
 from .budget import format_bytes, parse_budget, parse_rate
 from .build import build_plan, policy_parameters
 from .plan import Plan
@@ -64,6 +65,14 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
     budget it was found to meet, unless ``allow_infeasible`` (then the plan is returned with
     ``predictions.feasible`` false).
     """
+    if iteration is None and not isinstance(trace, Problem):
+        tr = trace if isinstance(trace, Trace) else load_trace(trace)
+        kinds = iteration_kinds(tr)
+        if len(kinds) > 1 and len(kinds[0][1]) > 1:  # Note [Iteration kinds]
+            return _plan_kinds(tr, kinds, budget, policy, bandwidth=bandwidth,
+                               allow_infeasible=allow_infeasible, time_limit_s=time_limit_s,
+                               **params)
+        trace = tr
     problem = load_problem(trace, iteration=iteration, bandwidth=bandwidth)
     budget_bytes = parse_budget(budget, problem.peak_bytes)
     fn = get_policy(policy)
@@ -121,6 +130,34 @@ def floor_text(problem: Problem) -> str:
             f"{format_bytes(b['working_set_bytes'])} plus {format_bytes(b['fixed_bytes'])} "
             f"that no access gap frees there; parameters, gradients and optimizer state are "
             f"swap candidates, across iterations too")
+
+
+# Note: [Iteration kinds]
+# A script whose iterations are not all alike (a training loop that also evaluates every N
+# steps: that iteration holds the evaluation pass too; the first step of an epoch) records
+# several kinds of iteration. ``iteration_kinds`` groups the recorded iterations by their op
+# names; when the most frequent kind was recorded at least twice, ``make_plan`` plans each kind
+# on its last recorded iteration, under one absolute budget (a ``%`` budget is a share of the
+# highest peak of all kinds), and returns the most frequent kind's plan ("train") with the others
+# in ``Plan.kinds`` ("kind1", "kind2", ... in order of frequency). The runtime picks the kind as
+# each iteration runs (Note [Iteration kinds] in runtime/tracker.py). A trace whose iterations
+# all differ is still refused (``--iteration N`` plans one of them).
+
+
+def _plan_kinds(trace: Trace, kinds: list[tuple[str, list[int]]], budget: str | int,
+                policy: str, **kw: Any) -> Plan:
+    problems = [load_problem(trace, iteration=its[-1], bandwidth=kw.get("bandwidth"))
+                for _, its in kinds]
+    budget_bytes = parse_budget(budget, max(p.peak_bytes for p in problems))
+    kw.pop("bandwidth", None)
+    plans = []
+    for (kind, _its), problem in zip(kinds, problems, strict=True):
+        plan = make_plan(problem, budget_bytes, policy, **kw)
+        plan.kind = kind
+        plans.append(plan)
+    main, *others = plans
+    main.kinds = others
+    return main
 
 
 def takes_time_limit(policy_fn) -> bool:
@@ -211,3 +248,21 @@ def plan_file(trace_path: str | os.PathLike, budget: str | int, output=None, *,
     plan = make_plan(trace_path, budget, policy, iteration=iteration, bandwidth=bandwidth,
                      time_limit_s=time_limit_s, **params)
     return plan, plan.save(out, force=force)
+
+
+def plan_files(trace_path: str | os.PathLike, budget: str | int, output=None, *,
+               force: bool = False, **kw: Any) -> list[tuple[Plan, Path]]:
+    """``plan_file`` for a trace, or for every rank's trace of a distributed job (Note [Per-rank
+    files] in distributed.py): when ``trace_path`` does not exist but ``t.rank{R}.parquet`` do,
+    each is planned (a ``%`` budget is a share of that rank's own peak) and written to the
+    output's per-rank name (``p.json`` -> ``p.rank{R}.json``). Every output is checked before any
+    planning, so a refused one leaves nothing half-written."""
+    from ..distributed import rank_path, ranked_files
+
+    ranks = ranked_files(trace_path) if not Path(trace_path).exists() else {}
+    if not ranks:
+        return [plan_file(trace_path, budget, output, force=force, **kw)]
+    base = output if output is not None else default_plan_path(trace_path)
+    outs = {r: check_output(rank_path(base, r), force=force, inputs=[t])
+            for r, t in ranks.items()}
+    return [plan_file(t, budget, outs[r], force=force, **kw) for r, t in ranks.items()]

@@ -236,7 +236,7 @@ def format_comparison(result: Comparison) -> str:
             and len({r.budget_bytes for r in result.records}) > 1:
         lines.append("(capuchin, swap and recompute plan a fixed grid of targets once per trace of up "
                      "to 5,000 ops "
-                     "(policies/capuchin.py Note [Targets]): their first budget's solve time "
+                     "(planner/search.py Note [Targets]): their first budget's solve time "
                      "includes it, later budgets reuse it)")
     smallest: dict[str, int] = {}
     limits: dict[str, float] = {}

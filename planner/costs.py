@@ -20,6 +20,8 @@ adds ``runtime_cost_ns`` to the simulated iteration for the plan's predicted tim
 #   cost per byte, whichever is slower) are added to the compute time
 #   (``copies_share_compute``); on CUDA the copy engines are separate and the simulator's copy
 #   channels already model them.
+# The policies do not see this cost: they compare the simulator's streams (``SimResult``), and a
+# larger budget never costs them more there; ``build_plan`` adds it to the plan's prediction.
 # Sources: ``python benchmarks/runtime.py`` prints the per-op figures (its "per-op cost" lines:
 # a 16-float ``aten.add`` without a mode, through a passthrough mode, on the runtime's hot path and
 # on its slow path; a swap cycle through the CPU backend) and the table whose "measured /

@@ -18,13 +18,16 @@ policies only say *what* to drop and *when*; the shared plan builder calls it.
 
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from ..errors import PlanError
 from .plan import Decision, Method
-from .problem import Problem
+from .problem import Problem, is_collective
 
 MAX_REPLAY_OPS = 5000
 
@@ -72,7 +75,10 @@ def chain_ops(problem: Problem, sid: str, upto: int) -> list[int] | None:
     if s.alloc_op is None or s.alloc_op > upto:
         return None
     w = s.writers
-    return [s.alloc_op, *(x for x in w[: bisect_right(w, upto)] if x > s.alloc_op)]
+    chain = [s.alloc_op, *(x for x in w[: bisect_right(w, upto)] if x > s.alloc_op)]
+    if any(is_collective(problem.ops[k].name) for k in chain):
+        return None  # never replayed (Note [Collectives] in problem.py)
+    return chain
 
 
 def replay_for(problem: Problem, sid: str, evict_op: int, back_op: int,
@@ -80,7 +86,43 @@ def replay_for(problem: Problem, sid: str, evict_op: int, back_op: int,
                max_ops: int = MAX_REPLAY_OPS) -> tuple[list[int], list[str]] | None:
     """``(replay_ops, sources)`` to regenerate ``sid`` (as of ``evict_op``) before op
     ``back_op``; see Note [Replay chains]. ``resident(x, j)`` may override the source test
-    (the Capuchin policy assumes candidates resident); None when it cannot be recomputed."""
+    (the Capuchin policy assumes candidates resident); None when it cannot be recomputed.
+    Memoized per problem (Note [Replay memo])."""
+    regen = isinstance(resident, _RegenResident)
+    if resident is not None and not regen:
+        return _replay_walk(problem, sid, evict_op, back_op, residency, resident, max_ops, None)
+    res = resident.res if regen else residency
+    memo = _REPLAY_MEMO.get(problem)
+    if memo is None:
+        memo = _REPLAY_MEMO[problem] = {}
+    key = (sid, evict_op, back_op, max_ops, regen, res is None)
+    entries = memo.setdefault(key, [])
+    for seen, result in entries:
+        if all(res.out_at(x, back_op) == v for x, v in seen):
+            return None if result is None else (list(result[0]), list(result[1]))
+    seen: list[tuple[str, Method | None]] = []
+    result = _replay_walk(problem, sid, evict_op, back_op, residency, resident, max_ops, seen)
+    entries.insert(0, (tuple(seen), None if result is None else
+                       (tuple(result[0]), tuple(result[1]))))
+    del entries[_MEMO_VARIANTS:]
+    return result
+
+
+# Note: [Replay memo]
+# A replay depends on the problem, the decision's storage and access pair, ``max_ops``, and the
+# residency only through ``out_at(x, back_op)`` of the storages x whose source test reached the
+# residency. The walk records those values; a later call with the same arguments reuses the
+# result when every recorded ``out_at`` is unchanged under its residency, which gives exactly
+# the result a new walk would. Searches re-resolve nearly the same decision list thousands of
+# times, so most walks are saved. Custom ``resident`` tests other than ``regen_resident`` are
+# not memoized.
+_REPLAY_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MEMO_VARIANTS = 4  # residency variants remembered per (storage, access pair)
+
+
+def _replay_walk(problem: Problem, sid: str, evict_op: int, back_op: int,
+                 residency: Residency | None, resident, max_ops: int,
+                 seen: list | None) -> tuple[list[int], list[str]] | None:
     st = problem.storages
     ops = problem.ops
     first = chain_ops(problem, sid, evict_op)
@@ -102,14 +144,24 @@ def replay_for(problem: Problem, sid: str, evict_op: int, back_op: int,
                     regen[x] = j - 1
                 continue
             xs = st[x]
-            if resident is not None:
+            if xs.communicated:
+                return None  # Note [Collectives] in problem.py: never a replay's source
+            if isinstance(resident, _RegenResident):
+                ok = xs.alive_at(back_op) and not xs.written_between(j, back_op)
+                if ok:
+                    v = resident.res.out_at(x, back_op)
+                    seen.append((x, v))
+                    ok = v is None
+            elif resident is not None:
                 ok = resident(x, j)
             else:
                 # a swapped-out source is restored on demand (a bounded wait) rather than
                 # regenerated through its whole lineage
-                ok = (xs.alive_at(back_op) and not xs.written_between(j, back_op)
-                      and (residency is None
-                           or residency.out_at(x, back_op) in (None, Method.SWAP)))
+                ok = xs.alive_at(back_op) and not xs.written_between(j, back_op)
+                if ok and residency is not None:
+                    v = residency.out_at(x, back_op)
+                    seen.append((x, v))
+                    ok = v in (None, Method.SWAP)
             if ok:
                 sources[x] = None
                 continue
@@ -186,3 +238,69 @@ def keepable(problem: Problem, d: Decision, replay_ops: Sequence[int], res: Resi
                     if chain and all(o in rs for o in chain):
                         out.append(x)
     return out
+
+
+class _RegenResident:
+    """``regen_resident``'s source test: alive at the back-access, not written since the
+    replayed op read it, and not out at all (a swapped-out source is regenerated)."""
+
+    def __init__(self, problem: Problem, res: Residency, back_op: int):
+        self.problem, self.res, self.back_op = problem, res, back_op
+
+    def __call__(self, x: str, j: int) -> bool:
+        xs = self.problem.storages[x]
+        return (xs.alive_at(self.back_op) and not xs.written_between(j, self.back_op)
+                and self.res.out_at(x, self.back_op) is None)
+
+
+def regen_resident(problem: Problem, res: Residency, back_op: int) -> _RegenResident:
+    """A ``resident`` test for ``replay_for`` under which a replay for ``back_op`` regenerates
+    the sources that ``res`` has swapped out there, instead of restoring them on demand."""
+    return _RegenResident(problem, res, back_op)
+
+
+def replay_of(problem: Problem, d: Decision, res: Residency, regen: frozenset = frozenset(),
+              max_ops: int = MAX_REPLAY_OPS):
+    """``replay_for`` of a recompute decision: for a storage in ``regen``, first the replay that
+    regenerates its swapped-out sources (``regen_resident``); otherwise, or when that finds
+    none, the ordinary replay that restores them on demand."""
+    r = None
+    if d.storage_id in regen:
+        r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
+                       resident=regen_resident(problem, res, d.back_op), max_ops=max_ops)
+    if r is None:
+        r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res, max_ops=max_ops)
+    return r
+
+
+def finish_decisions(problem: Problem, decisions: Sequence[Decision], excess: np.ndarray,
+                     collective: bool, regen: frozenset = frozenset()) -> list[Decision]:
+    """Exact lineage for the recompute decisions against the residency of ``decisions``, and
+    collective recomputation keeps (paper §5.3) where the estimated memory has room for them:
+    ``excess[k]`` is op k's estimated memory above the budget. The replays of the storages in
+    ``regen`` regenerate their swapped-out sources (``replay_of``). A recomputation whose
+    sources vanish under the other decisions becomes an on-demand swap. Sorted by
+    (evict_op, storage_id)."""
+    res = Residency(decisions)
+    room = -excess.astype(np.int64)  # estimated headroom per op (negative: over budget)
+    out = []
+    for d in sorted(decisions, key=lambda d: (d.back_op, d.storage_id)):
+        if d.method == Method.RECOMPUTE:
+            r = replay_of(problem, d, res, regen)
+            if r is None:
+                d = Decision(d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op)
+            else:
+                ops, srcs = r
+                keep = []
+                if collective:
+                    for x in keepable(problem, d, ops, res):
+                        xb = next(b for e, b, m in res._iv[x] if e < d.back_op <= b)
+                        size = problem.storages[x].size_bytes
+                        if room[d.back_op:xb].min(initial=size) >= size:
+                            room[d.back_op:xb] -= size
+                            keep.append(x)
+                d = Decision(d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op,
+                             d.back_op, replay_ops=tuple(ops), sources=tuple(srcs),
+                             keep=tuple(keep))
+        out.append(d)
+    return sorted(out, key=lambda d: (d.evict_op, d.storage_id))

@@ -51,6 +51,29 @@ class IrregularTraceError(CapuchinError):
     """The trace's steady iterations differ, so no single iteration stands for all of them."""
 
 
+# Note: [Collectives]
+# A collective (all-reduce, all-gather, reduce-scatter, broadcast: the ``c10d`` ops that
+# torch.distributed, DDP's gradient buckets and FSDP2 dispatch, and the functional collectives)
+# exchanges data with the other ranks, often asynchronously: the buffer is read or written by the
+# communication backend until the matching wait, outside any op this rank records. So a storage a
+# collective touches is never evicted (not ``evictable``: no eviction through it), and a
+# collective is never replayed (``is_collective`` ops end every replay chain, planner/lineage.py):
+# replaying one would run a communication the other ranks do not join. FSDP2's own ops
+# (``fsdp.all_gather_copy_in``, ``fsdp.split_with_sizes_copy``, ``fsdp.chunk_cat``) fill and
+# drain those buffers, and FSDP frees and re-allocates its unsharded parameters' storages itself
+# (``UntypedStorage.resize_``, no op), so what they touch (``StorageInfo.communicated``) is neither
+# evicted nor read by a replay: a replay whose source is such a storage is refused (a layer's
+# weight under FSDP2; measured: a replayed ``addmm`` read a resharded, 0-byte weight and the
+# process crashed), which leaves swapping for the activations of FSDP2 layers.
+COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")
+COMMUNICATION_NAMESPACES = (*COLLECTIVE_NAMESPACES, "fsdp.")
+
+
+def is_collective(op_name: str) -> bool:
+    """The op communicates with other ranks (Note [Collectives])."""
+    return op_name.startswith(COLLECTIVE_NAMESPACES)
+
+
 @dataclass(frozen=True)
 class OpInfo:
     """One op of the planned iteration. Storage ids, never tensor ids (see module docstring)."""
@@ -98,6 +121,7 @@ class StorageInfo:
     persistent: bool
     evictable: bool
     has_views: bool = False  # some access goes through a view of it (eviction is per storage)
+    communicated: bool = False  # a collective or FSDP touches it (Note [Collectives])
     wrap: tuple[int, int] | None = None  # Note [Wrap-around gaps]: (last access, first access)
 
     @property
@@ -444,6 +468,9 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
         ops.append(OpInfo(k, names[k], phases[k], int(durs[k]), tuple(inputs[k]),
                           tuple(outputs[k]), tuple(writes[k]), tuple(allocs[k]),
                           tuple(frees[k]), bool(seeded[k]), shape_signature(shp), scratch[k]))
+    # Note [Collectives]: what a collective reads or writes stays resident
+    collective_storages = {x for o in ops if o.name.startswith(COMMUNICATION_NAMESPACES)
+                           for x in o.accessed}
     storages: dict[str, StorageInfo] = {}
     for s in dict.fromkeys([*resident, *acc]):
         a = sorted(set(acc.get(s, ())))
@@ -453,16 +480,16 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
         persistent = kd in PERSISTENT_KINDS
         # views share their base's storage; eviction is per storage, so views do not matter
         evictable = (not persistent and len(a) >= 2 and size.get(s, 0) > 0
-                     and all(k >= 0 for k in a))
-        # Note [Wrap-around gaps]: resident at the start, alive at the end, not a view
+                     and all(k >= 0 for k in a) and s not in collective_storages)
+        # Note [Wrap-around gaps]: resident at the start, alive at the end
         wrap = None
         if (persistent and al is None and fr is None and s in resident and s not in freed_early
-                and a and a[0] >= 0 and size.get(s, 0) > 0 
+                and a and a[0] >= 0 and size.get(s, 0) > 0
                 and (n - 1 - a[-1]) + a[0] >= 1):
             wrap = (a[-1], a[0])
         storages[s] = StorageInfo(s, size.get(s, 0), kd, al, fr, tuple(a),
                                   tuple(sorted(set(wr.get(s, ())))), persistent, evictable,
-                                  s in views, wrap)
+                                  s in views, s in collective_storages, wrap)
     res_bytes = sum(size[s] for s in resident if s not in freed_early)
     delta = np.zeros(n + 1, dtype=np.int64)
     for s, k in alloc_op.items():

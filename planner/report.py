@@ -40,6 +40,18 @@ def format_summary(plan: Plan, output: str | os.PathLike | None = None) -> str:
                      f"({format_bytes(sum(d.size_bytes for d in wraps))}: out across the "
                      f"optimizer step until their first use in the next iteration)")
     lines += [f"note: {n}" for n in s["notes"]]
+    if plan.kinds:  # Note [Iteration kinds] in planner/api.py
+        lines.append(f"kinds of iteration: {plan.kind} (above, iteration {s['iteration']}) and "
+                     f"{len(plan.kinds)} more:")
+        for k in plan.kinds:
+            ks = k.summary()
+            lines.append(
+                f"  {k.kind}: iteration {ks['iteration']}, {len(k.ops)} ops, peak "
+                f"{format_bytes(ks['baseline_peak_bytes'])} -> "
+                f"{format_bytes(ks['predicted_peak_bytes'])} "
+                f"({'fits' if ks['feasible'] else 'DOES NOT FIT'}), overhead "
+                f"{100 * ks['predicted_overhead']:.2f}%, {ks['swap_count']} swaps, "
+                f"{ks['recompute_count']} recomputations")
     if output is not None:
         lines.append(f"wrote {output}")
     return "\n".join(lines)
@@ -64,7 +76,8 @@ def show_plan(path: str | os.PathLike, as_json: bool = False, plot: str | None =
         if chrome:
             written.append(write_chrome_trace(plan, sim, chrome, force=force))
     if as_json:
-        return json.dumps({"path": str(path), **plan.summary(),
+        return json.dumps({"path": str(path), **plan.summary(), "kind": plan.kind,
+                           "kinds": [{"kind": k.kind, **k.summary()} for k in plan.kinds],
                            "written": [str(w) for w in written]}, indent=1)
     text = format_summary(plan)
     return "\n".join([f"{path}:", text, *(f"wrote {w}" for w in written)])

@@ -59,6 +59,7 @@ independent of the policy that made the decisions; every policy's output goes th
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -113,7 +114,13 @@ class SimResult:
     def memory(self) -> pd.DataFrame:
         """One row per memory event: time_ns, live_bytes, op_index, delta_bytes, what,
         storage_id (what: "op" marks an op's start, then "alloc"/"free")."""
-        return pd.DataFrame(self._memory)
+        m = dict(self._memory)
+        csid, asid, order, kind = m.pop("_lazy")  # the object columns, built on first use
+        m["what"] = np.array(["free", "alloc", "op"], dtype=object)[kind]
+        m["storage_id"] = np.concatenate([np.asarray(csid, dtype=object),
+                                          np.asarray(asid, dtype=object)])[order]
+        return pd.DataFrame({k: m[k] for k in ("time_ns", "live_bytes", "op_index",
+                                               "delta_bytes", "what", "storage_id")})
 
     @cached_property
     def spans(self) -> pd.DataFrame:
@@ -146,7 +153,13 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
     """Static invariants of a plan; raises ``PlanError`` on the first broken one."""
     n = problem.n_ops
     by_storage: dict[str, list[Decision]] = {}
+    checked = _CHECKED.get(problem)
+    if checked is None:
+        checked = _CHECKED[problem] = set()
     for d in decisions:
+        by_storage.setdefault(d.storage_id, []).append(d)
+        if d in checked:  # every check below depends on the decision and the problem only
+            continue
         s = problem.storages.get(d.storage_id)
         where = f"decision {d.storage_id} ({d.method.value} after op {d.evict_op})"
         if s is None:
@@ -168,7 +181,7 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
                     d.trigger_op is not None and d.back_op < d.trigger_op <= d.evict_op):
                 raise PlanError(f"{where}: in-trigger op {d.trigger_op} not after op "
                                 f"{d.evict_op} nor up to op {d.back_op}")
-            by_storage.setdefault(d.storage_id, []).append(d)
+            checked.add(d)
             continue
         if not (0 <= d.evict_op < d.back_op < n):
             raise PlanError(f"{where}: needs 0 <= evict_op < back_op < {n}, got "
@@ -182,11 +195,14 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
                                 f"({d.evict_op}, {d.back_op}]")
         else:
             _check_replay(problem, d, where)
-        by_storage.setdefault(d.storage_id, []).append(d)
+        checked.add(d)
     for sid, ds in by_storage.items():
         if len(ds) > 1:  # the plan format and the runtime key decisions by storage
             raise PlanError(f"storage {sid}: {len(ds)} decisions evict it (after ops "
                             f"{sorted(d.evict_op for d in ds)}); a plan has one per storage")
+
+
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decisions that passed
 
 
 def _check_replay(problem: Problem, d: Decision, where: str) -> None:
@@ -237,11 +253,17 @@ def simulate(problem: Problem, decisions: Sequence[Decision], *,
     """
     bw_out = float(bandwidth_d2h_bytes_per_s or problem.bandwidth_d2h_bytes_per_s)
     bw_in = float(bandwidth_h2d_bytes_per_s or problem.bandwidth_h2d_bytes_per_s)
-    # the policy's last simulation is usually asked again by the plan builder: remember a few
+    # searches simulate the same plan again and again (and the plan builder the policy's
+    # last one): results are remembered per problem, the most recent first, as many as
+    # _MEMO_EVENTS op-slots allow (a result's arrays grow with the number of ops)
     key = (tuple(decisions), bw_out, bw_in, check)
-    for ref, k, res in _MEMO:
-        if ref() is problem and k == key:
-            return res
+    memo = _MEMO.get(problem)
+    if memo is None:
+        memo = _MEMO[problem] = OrderedDict()
+    res = memo.get(key)
+    if res is not None:
+        memo.move_to_end(key)
+        return res
     if check:
         check_decisions(problem, decisions)
     res = _simulate(problem, decisions, bw_out, bw_in)
@@ -253,12 +275,14 @@ def simulate(problem: Problem, decisions: Sequence[Decision], *,
         res = _simulate(problem, decisions, bw_out, bw_in, prev)
         if res._carry == prev:
             break
-    _MEMO.append((weakref.ref(problem), key, res))
-    del _MEMO[:-2]
+    memo[key] = res
+    while len(memo) > max(2, _MEMO_EVENTS // max(1, problem.n_ops)):
+        memo.popitem(last=False)
     return res
 
 
-_MEMO: list = []
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MEMO_EVENTS = 200_000
 
 
 def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
@@ -351,6 +375,7 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
             state[sid] = "in"
             info[active[sid]]["back_ns"] = t
 
+    accessed, pre, post = _op_events(problem)
     for k in range(n):
         op = ops[k]
         op_start[k] = t
@@ -379,28 +404,26 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
                 info[i]["back_ns"] = t
             state[sid] = "in"
             del active[sid]
-        for x in op.accessed:
-            if x in active:
-                raise PlanError(f"op {k} ({op.name}) accesses storage {x}, which the plan "
-                                f"evicted after op {decisions[active[x]].evict_op} and brings "
-                                f"back at op {decisions[active[x]].back_op}")
-        for s in op.allocs:
-            ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), cop.append(k)
-            csid.append(s)
-        if op.scratch_bytes:
-            ct.append(t), cd.append(op.scratch_bytes), ck.append(_ALLOC), cop.append(k)
-            csid.append(scratch_id(k))
+        if active and not active.keys().isdisjoint(accessed[k]):
+            x = next(x for x in accessed[k] if x in active)
+            raise PlanError(f"op {k} ({op.name}) accesses storage {x}, which the plan "
+                            f"evicted after op {decisions[active[x]].evict_op} and brings "
+                            f"back at op {decisions[active[x]].back_op}")
+        pd_, pk, ps = pre[k]  # the op's allocations (and scratch) at its start
+        if pd_:
+            m = len(pd_)
+            ct.extend([t] * m), cd.extend(pd_), ck.extend(pk), cop.extend([k] * m)
+            csid.extend(ps)
         t_end = t + op.duration_ns
         if op.duration_ns:
             spans.append(("compute", op.name, t, t_end, k, ""))
         t = t_end
         op_end[k] = t
-        if op.scratch_bytes:
-            ct.append(t), cd.append(-op.scratch_bytes), ck.append(_FREE), cop.append(k)
-            csid.append(scratch_id(k))
-        for s in op.frees:
-            ct.append(t), cd.append(-st[s].size_bytes), ck.append(_FREE), cop.append(k)
-            csid.append(s)
+        pd_, pk, ps = post[k]  # its scratch and the storages freed after it, at its end
+        if pd_:
+            m = len(pd_)
+            ct.extend([t] * m), cd.extend(pd_), ck.extend(pk), cop.extend([k] * m)
+            csid.extend(ps)
         for i in evict_at.get(k, ()):
             d = decisions[i]
             sid = d.storage_id
@@ -431,8 +454,8 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
 
     memory, op_peak = _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid, resident)
     outcomes = tuple(
-        DecisionOutcome(d.storage_id, d.method, int(stall[i]), int(recomp[i]), **{
-            k: int(v) for k, v in info[i].items()}) for i, d in enumerate(decisions))
+        DecisionOutcome(d.storage_id, d.method, int(stall[i]), int(recomp[i]), **info[i])
+        for i, d in enumerate(decisions))
     live = memory["live_bytes"]
     if len(live):
         j = int(live.argmax())
@@ -444,46 +467,86 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
                      outcomes, op_peak, op_start, op_end, memory, spans, new_carry)
 
 
+def _op_events(problem: Problem):
+    """Per op, once per problem: the storages it touches, and the memory events of its own
+    allocations and scratch at its start and of its scratch and frees at its end, each as
+    (deltas, kinds, storage ids)."""
+    got = _OP_EVENTS.get(problem)
+    if got is not None:
+        return got
+    st = problem.storages
+    accessed, pre, post = [], [], []
+    for op in problem.ops:
+        accessed.append(frozenset(op.accessed))
+        a = [(st[s].size_bytes, _ALLOC, s) for s in op.allocs]
+        f = [(-st[s].size_bytes, _FREE, s) for s in op.frees]
+        if op.scratch_bytes:
+            a.append((op.scratch_bytes, _ALLOC, scratch_id(op.index)))
+            f.insert(0, (-op.scratch_bytes, _FREE, scratch_id(op.index)))
+        pre.append(tuple(tuple(c) for c in zip(*a, strict=True)) if a else ((), (), ()))
+        post.append(tuple(tuple(c) for c in zip(*f, strict=True)) if f else ((), (), ()))
+    got = _OP_EVENTS[problem] = (accessed, pre, post)
+    return got
+
+
+_OP_EVENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_REPLAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # replay event templates
+
+
 def _replay(problem, d: Decision, t: int, k: int, state, decisions, active,
             ct, cd, ck, cop, csid, spans) -> int:
-    """Run a recompute decision's replay on the compute stream; returns the new time."""
+    """Run a recompute decision's replay on the compute stream; returns the new time. The
+    replay's events relative to its start depend only on the decision and which of its
+    ``keep`` storages are out: made once per problem (``_replay_template``)."""
+    keep = tuple(sorted(x for x in d.keep if state.get(x) == "out" and x in active
+                        and decisions[active[x]].method == Method.RECOMPUTE))
+    memo = _REPLAYS.get(problem)
+    if memo is None:
+        memo = _REPLAYS[problem] = {}
+    key = (d.storage_id, d.replay_ops, keep)
+    tpl = memo.get(key)
+    if tpl is None:
+        tpl = memo[key] = _replay_template(problem, d, set(keep))
+    dts, deltas, kinds, sids, dur = tpl
+    m = len(dts)
+    ct.extend([t + x for x in dts]), cd.extend(deltas), ck.extend(kinds)
+    cop.extend([k] * m), csid.extend(sids)
+    for x in keep:  # back early: its own RECOMPUTE will find it resident
+        state[x] = "in"
+    spans.append(("compute", f"recompute {d.storage_id}", t, t + dur, k, d.storage_id))
+    return t + dur
+
+
+def _replay_template(problem, d: Decision, keep: set):
+    """The memory events of ``d``'s replay as (times from its start, deltas, kinds, storage
+    ids, duration): its ops' outputs allocated, intermediates freed after their last use in
+    the replay, except the target and the ``keep`` storages, which stay resident."""
     ops = problem.ops
     st = problem.storages
     last_use: dict[str, int] = {}
     for pos, j in enumerate(d.replay_ops):
         for x in ops[j].inputs:
             last_use[x] = pos
-    keep = {x for x in d.keep if state.get(x) == "out" and x in active
-            and decisions[active[x]].method == Method.RECOMPUTE}
     temps: dict[str, int] = {}
-    t0 = t
+    ct, cd, ck, csid = [], [], [], []
+    t = 0
     for pos, j in enumerate(d.replay_ops):
         op = ops[j]
         for s in op.allocs:
-            if s == d.storage_id or s in keep:
-                ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), cop.append(k)
-                csid.append(s)
-            else:
+            if not (s == d.storage_id or s in keep):
                 temps[s] = st[s].size_bytes
-                ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), cop.append(k)
-                csid.append(s)
+            ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), csid.append(s)
         if op.scratch_bytes:
-            ct.append(t), cd.append(op.scratch_bytes), ck.append(_ALLOC), cop.append(k)
-            csid.append(scratch_id(j))
+            ct.append(t), cd.append(op.scratch_bytes), ck.append(_ALLOC), csid.append(scratch_id(j))
         t += op.duration_ns
         if op.scratch_bytes:
-            ct.append(t), cd.append(-op.scratch_bytes), ck.append(_FREE), cop.append(k)
-            csid.append(scratch_id(j))
+            ct.append(t), cd.append(-op.scratch_bytes), ck.append(_FREE), csid.append(scratch_id(j))
         for s in list(temps):
             if last_use.get(s, -1) <= pos:
-                ct.append(t), cd.append(-temps.pop(s)), ck.append(_FREE), cop.append(k)
-                csid.append(s)
+                ct.append(t), cd.append(-temps.pop(s)), ck.append(_FREE), csid.append(s)
     for s, b in temps.items():
-        ct.append(t), cd.append(-b), ck.append(_FREE), cop.append(k), csid.append(s)
-    for x in keep:  # back early: its own RECOMPUTE will find it resident
-        state[x] = "in"
-    spans.append(("compute", f"recompute {d.storage_id}", t0, t, k, d.storage_id))
-    return t
+        ct.append(t), cd.append(-b), ck.append(_FREE), csid.append(s)
+    return tuple(ct), tuple(cd), tuple(ck), tuple(csid), t
 
 
 def _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid, resident):
@@ -505,13 +568,11 @@ def _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid, resident):
     # op of each event: the last compute mark at or before it
     is_mark = kind == _MARK
     op_of = np.cumsum(is_mark) - 1
-    sid = np.concatenate([np.asarray(csid, dtype=object), np.asarray(asid, dtype=object)])[order]
-    what = np.array(["free", "alloc", "op"], dtype=object)[kind]
     if len(op_of) and op_of[0] < 0:  # async events before op 0 cannot exist (copies follow ops)
         op_of = np.maximum(op_of, 0)
     op_peak = np.zeros(n, dtype=np.int64)
     if len(live):
         np.maximum.at(op_peak, op_of, live)
-    memory = dict({"time_ns": time, "live_bytes": live, "op_index": op_of,
-                           "delta_bytes": delta, "what": what, "storage_id": sid})
+    memory = {"time_ns": time, "live_bytes": live, "op_index": op_of, "delta_bytes": delta,
+              "_lazy": (csid, asid, order, kind)}
     return memory, op_peak

@@ -23,42 +23,60 @@ from .problem import Problem
 
 
 class Channel:
-    """One copy direction: reserved, non-overlapping ``[start, end)`` intervals in ns."""
+    """One copy direction: reserved, non-overlapping ``[start, end)`` intervals in ns.
+
+    Besides the intervals as reserved (``starts``/``ends``), the channel keeps their union as
+    maximal runs (``_rs``/``_re``: back-to-back copies coalesced). A slot of positive length
+    overlaps a run exactly when it overlaps one of its intervals, so ``first_fit`` and
+    ``latest_fit`` step over a whole run of queued copies at once and give the same answer;
+    zero-length slots (copies that round to 0 ns) use the intervals as reserved.
+    """
 
     def __init__(self) -> None:
         self.starts: list[int] = []
         self.ends: list[int] = []
+        self._rs: list[int] = []
+        self._re: list[int] = []
 
     def reserve(self, start: int, end: int) -> None:
         i = bisect_left(self.starts, start)
         self.starts.insert(i, start)
         self.ends.insert(i, end)
+        rs, re_ = self._rs, self._re
+        lo = bisect_left(re_, start)  # first run ending at or after start: touches or follows
+        hi = bisect_right(rs, end)  # runs starting at or before end touch or overlap
+        if lo < hi:
+            start, end = min(start, rs[lo]), max(end, re_[hi - 1])
+        rs[lo:hi] = [start]
+        re_[lo:hi] = [end]
 
     def first_fit(self, earliest: int, dur: int) -> int:
         """The earliest start >= ``earliest`` with ``dur`` ns free."""
+        starts, ends = (self._rs, self._re) if dur > 0 else (self.starts, self.ends)
         t = earliest
-        i = max(0, bisect_right(self.starts, t) - 1)
-        while i < len(self.starts):
-            if self.ends[i] <= t:
+        i = max(0, bisect_right(starts, t) - 1)
+        while i < len(starts):
+            if ends[i] <= t:
                 i += 1
                 continue
-            if self.starts[i] >= t + dur:
+            if starts[i] >= t + dur:
                 return t
-            t = max(t, self.ends[i])
+            t = max(t, ends[i])
             i += 1
         return t
 
     def latest_fit(self, earliest: int, deadline: int, dur: int) -> int | None:
         """The latest start in [earliest, deadline - dur] with ``dur`` ns free, or None."""
+        starts, ends = (self._rs, self._re) if dur > 0 else (self.starts, self.ends)
         t = deadline - dur
         if t < earliest:
             return None
-        i = bisect_right(self.starts, t + dur) - 1  # intervals starting before the slot ends
+        i = bisect_right(starts, t + dur) - 1  # intervals starting before the slot ends
         while i >= 0:
-            if self.ends[i] <= t:
+            if ends[i] <= t:
                 return t
-            if self.starts[i] < t + dur:  # overlaps: move the slot before this interval
-                t = self.starts[i] - dur
+            if starts[i] < t + dur:  # overlaps: move the slot before this interval
+                t = starts[i] - dur
                 if t < earliest:
                     return None
             i -= 1

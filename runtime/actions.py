@@ -55,6 +55,7 @@ class ActionTable:
     decisions: dict[str, Decision]
     op_peak_bytes: list[int] = field(default_factory=list)  # the plan's simulated curve
     guarded: list = field(default_factory=list)  # ``fast`` less the ops that write in place
+    kind: str = "train"  # the plan's kind of iteration (Note [Iteration kinds] in tracker.py)
 
     @property
     def n_ops(self) -> int:
@@ -69,6 +70,19 @@ class ActionTable:
             if k < len(self.guarded):
                 self.guarded[k] = None
         return a
+
+    def late_match(self, k: int, func) -> bool:
+        """Op ``k`` is ``func`` although no OpOverload was known for its name when the plan was
+        compiled: ops of libraries the script imports later (``torch.ops.fsdp.*`` exists once
+        FSDP2 is imported) resolve at their first call, by name."""
+        if self.expected[k] is not None or str(func) != self.names[k]:
+            return False
+        self.expected[k] = func
+        if k not in self.ops:
+            self.fast[k] = func
+            if k < len(self.guarded):
+                self.guarded[k] = None if _writes(func) else func
+        return True
 
     def move_before(self, step: Step, sid: str, src: int, dst: int) -> None:
         """Move a before-step from op ``src`` to op ``dst`` (late prefetch feedback)."""
@@ -109,7 +123,7 @@ def compile_plan(plan: Plan) -> ActionTable:
     fast = [None if k in ops else f for k, f in enumerate(expected)]
     guarded = [None if f is None or _writes(f) else f for f in fast]
     return ActionTable([o[0] for o in plan.ops], expected, signatures, ops, fast, decisions,
-                       list(plan.op_peak_bytes), guarded)
+                       list(plan.op_peak_bytes), guarded, plan.kind)
 
 
 def _writes(func) -> bool:

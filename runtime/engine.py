@@ -6,6 +6,15 @@ named: on-demand restores (tracker.py), passive eviction over budget (passive.py
 guard, with the device's memory accounting in memory.py), late-prefetch feedback (tracker.py),
 drops that cannot be replayed exactly become swaps (recompute.py). It reads the plan alone: no
 trace is loaded at run time.
+
+# Note: [Reads outside ops]
+# An evicted storage comes back when an op reads it; a script may also read bytes without any op.
+# ``torch.save`` (a checkpoint, often written after the last step, where passive mode may have
+# evicted what it saves) is the common case: the runtime replaces ``torch.save`` while it runs
+# with one that restores every evicted storage first (without it, the state a torchrun job saved
+# after its last step held 0-byte storages and failed to load). Others (``Tensor.numpy()``
+# views, ``data_ptr()`` handed to an extension) are not covered: between steps, after the
+# step-end restore, nothing is evicted until the next op runs.
 """
 
 from __future__ import annotations
@@ -13,10 +22,12 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..distributed import default_warmup, per_rank, world
 from ..errors import PlanFormatError
 from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
@@ -29,6 +40,17 @@ from .swap import SwapEngine
 from .tracker import Executor
 
 
+def rank_plan_path(plan: str | os.PathLike) -> str | os.PathLike:
+    """This rank's plan under a world of several ranks (``p.rank{R}.json`` when it exists, else
+    ``p.json`` itself: one plan for every rank); ``plan`` as given in a single process."""
+    rank, size = world()
+    if size > 1 and not Path(plan).stem.endswith(f".rank{rank}"):
+        mine = per_rank(plan)
+        if mine.is_file() or not os.path.exists(plan):
+            return mine
+    return plan
+
+
 def _empty(plan: Plan | None) -> bool:
     """A plan that evicts nothing in any kind of iteration (the baseline fits its budget)."""
     return plan is not None and not plan.records and all(not k.records for k in plan.kinds)
@@ -36,7 +58,10 @@ def _empty(plan: Plan | None) -> bool:
 
 class _StepClock(OpIndexer):
     """What an empty plan installs (Note [Empty plan]): the optimizer step hooks only, which end
-    one iteration and start the next for the report; no dispatch mode, nothing per op."""
+    one iteration and start the next for the report; no dispatch mode, nothing per op (so
+    torch.compile is not refused either: Note [torch.compile] in tracer/compiled.py)."""
+
+    guards_compile = False
 
     def __init__(self, runtime: Runtime):
         super().__init__()
@@ -90,6 +115,7 @@ class Runtime:
                  passive: bool = True, measure_memory: bool = True,
                  report_path: str | os.PathLike | None = None):
         if isinstance(plan, (str, os.PathLike)):
+            plan = rank_plan_path(plan)  # Note [Per-rank files] in distributed.py
             self.plan_source = str(plan)
             plan = load_plan(plan)
         else:
@@ -112,7 +138,7 @@ class Runtime:
                                           if plan else 12e9)
         # iteration 0 runs everything before the first step (model creation, optimizer state
         # init), so it never matches a steady plan; a foreign plan is refused at iteration 1.
-        self.first_checked_iteration = 1
+        self.first_checked_iteration = default_warmup()  # Note [Distributed warm-up]
         self.report: RunReport | None = None
         self._iters: list[IterationStats] = []
         self._cur: IterationStats | None = None
@@ -138,6 +164,8 @@ class Runtime:
         self.ex = Executor(self, self.indexer, table, swap, recompute,
                            lambda ex: BudgetGuard(budget, self.device, memory, swap, ex),
                            self.backend)
+        if self.plan is not None:  # Note [Iteration kinds] in tracker.py
+            self.ex.kind_tables += [compile_plan(k) for k in self.plan.kinds]
         self._iters = []
         self.meter = MemoryMeter(self.device) if self.measure_memory else None
         if self.device.type == "cuda" and self.budget_bytes:
@@ -148,23 +176,22 @@ class Runtime:
         if self.meter is not None:
             self.meter.start()
         self.indexer.install()
+        self._patch_save()
         self.ex.mode.__enter__()
-        self._guard_save()
         return self
 
-    def _guard_save(self) -> None:
-        """``torch.save`` reads storages' bytes without an op the tracker could see, so every
-        evicted storage (those kept out across the step by wrap-around decisions, e.g. optimizer
-        state in ``optimizer.state_dict()``) comes back before it runs. Undone at exit."""
-        self._torch_save = torch.save
-        original = self._torch_save
+    def _patch_save(self) -> None:
+        """Note [Reads outside ops]: ``torch.save`` reads storages' bytes directly, not through
+        an op, so everything evicted comes back first, wrap-around decisions' storages too
+        (e.g. optimizer state in ``optimizer.state_dict()``)."""
+        save = self._save = torch.save
 
-        def save(*args, **kwargs):
+        def capuchin_save(*args, **kwargs):
             with _disable_current_modes(), torch.no_grad():
                 self.ex.restore_all(wrapping=True)
-            return original(*args, **kwargs)
+            return save(*args, **kwargs)
 
-        torch.save = save
+        torch.save = capuchin_save
 
     def _enter_empty(self) -> Runtime:
         self.ex = None
@@ -185,7 +212,8 @@ class Runtime:
         peaks = self.meter.finish() if self.meter is not None else {}
         for s in self._iters:
             s.peak_bytes = peaks.get(s.iteration)
-        self.report = RunReport(self.budget_bytes, str(self.device), self.plan_source, self._iters)
+        self.report = RunReport(self.budget_bytes, str(self.device), self.plan_source, self._iters,
+                                ops_checked=False)
         if self.report_path is not None and exc_type is None:
             self.report.save(self.report_path)
 
@@ -194,8 +222,10 @@ class Runtime:
             return self._exit_empty(exc_type)
         try:
             self.indexer.finish()
-            if self._cur is not None:  # ops after the last step: an incomplete iteration
-                self._cur.complete = False
+            if self._cur is not None:  # ops after the last step: an incomplete iteration,
+                self._cur.complete = False  # no divergence (Note [End of run] in tracker.py)
+                self._cur.diverged, self._cur.diverged_at = False, None
+                self.ex.warning = self.ex.foreign = None
                 self._iteration_end(self._cur.iteration, self.indexer.op_index)
             with _disable_current_modes(), torch.no_grad():
                 self.ex.restore_all(wrapping=True)  # the user's state is whole after the run
@@ -203,8 +233,8 @@ class Runtime:
             if exc_type is None:
                 raise  # otherwise the script's own error is the one to report
         finally:
-            torch.save = self._torch_save
             self.ex.mode.__exit__(exc_type, exc, tb)
+            torch.save = self._save
             self.indexer.uninstall()
             peaks = self.meter.finish() if self.meter is not None else {}
             if self._fraction_set:
@@ -222,7 +252,8 @@ class Runtime:
                   "earlier iterations, and an op's own inputs and outputs stay resident); see "
                   "passive_short_bytes in the report", file=sys.stderr)
         self.report = RunReport(self.budget_bytes, str(self.device),
-                                self.plan_source if self.plan is not None else None, self._iters)
+                                self.plan_source if self.plan is not None else None, self._iters,
+                                self.first_checked_iteration)
         if self.report_path is not None and exc_type is None:
             self.report.save(self.report_path)
 
@@ -256,6 +287,7 @@ class Runtime:
         self._t_step = time.perf_counter()
         with _disable_current_modes(), torch.no_grad():
             self.ex.restore_all()
+        self.ex.step_ended()
 
     def _may_keep(self, nbytes: int) -> bool:
         alloc = self.backend.allocated_bytes()

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..distributed import per_rank
 from ..errors import InfeasibleBudgetError, ScriptError
 from ..outputs import check_output
 from ..planner.budget import format_bytes
 from ..planner.plan import Plan, load_plan
 from ..runmain import run_as_main
-from .engine import Runtime
+from .engine import Runtime, rank_plan_path
 from .report import RunReport
 
 
@@ -30,8 +31,11 @@ def run_script(script: str | os.PathLike, script_args: list[str] | tuple[str, ..
     script = Path(script)
     if not script.is_file():
         raise ScriptError(f"{script}: no such script")
-    if report_path is not None:
+    if report_path is not None:  # Note [Per-rank files] in distributed.py
+        report_path = per_rank(report_path)
         check_output(report_path, force=force, inputs=[script, plan])
+    if plan is not None:
+        plan = rank_plan_path(plan)
     if plan is not None and budget_bytes is not None:
         check_budget_against_plan(load_plan(plan), budget_bytes, plan)
     rt = Runtime(plan, budget_bytes=budget_bytes, measure_memory=measure_memory)

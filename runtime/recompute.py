@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import RecomputeError
 from ..planner.plan import Decision
+from ..planner.problem import is_collective
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
 from .state import fill_from, storage_key, writes
 
@@ -204,6 +205,8 @@ class RecomputeEngine:
             rec = self.records.get(k)
             if rec is None:
                 return f"op {k} was not recorded"
+            if is_collective(str(rec.func)):  # Note [Collectives] in planner/problem.py
+                return f"op {k} is a collective"
             for s in rec.slots:
                 if s.sid in produced:
                     continue

@@ -52,6 +52,7 @@ class IterationStats:
     trigger_moves: int = 0  # in-triggers moved earlier after a late prefetch
     trigger_moves_refused: int = 0  # ... not moved: the plan's curve leaves no room in the budget
     complete: bool = True  # ended by an optimizer step (or capuchin.step())
+    kind: str | None = None  # the plan's kind of iteration it ran under (Note [Iteration kinds])
     # the most that passive mode's resident bytes (plus the next op's allocation) stayed over the
     # budget with nothing left it may evict (Note [Passive budget on CPU] in passive.py); 0 when
     # the budget was kept
@@ -64,10 +65,15 @@ class RunReport:
     device: str
     plan: str | None
     iterations: list[IterationStats]
+    # iterations before it run before any plan applies (model building, warm-up): not counted
+    # as diverged in the summary (Note [Distributed warm-up] in distributed.py)
+    first_checked_iteration: int = 1
+    ops_checked: bool = True  # False: an empty plan installed nothing (Note [Empty plan])
 
     def to_dict(self) -> dict:
         return {"format": REPORT_FORMAT, "version": REPORT_VERSION,
                 "budget_bytes": self.budget_bytes, "device": self.device, "plan": self.plan,
+                "ops_checked": self.ops_checked,
                 "iterations": [asdict(s) for s in self.iterations]}
 
     def save(self, path: str | os.PathLike, force: bool = True) -> Path:
@@ -103,7 +109,12 @@ class RunReport:
             f"{_mb(sum(s.swapped_in_bytes for s in its))}; recomputed ops "
             f"{sum(s.recomputed_ops for s in its)}; stalls {sum(s.stall_s for s in its) * 1e3:.1f} ms;"
             f" late prefetches {sum(s.late_prefetches for s in its)}")
-        div = [s.iteration for s in its if s.diverged]
+        if not self.ops_checked:
+            lines.append("  the plan evicts nothing: nothing was installed, ops were not checked "
+                         "against the trace")
+            return "\n".join(lines)
+        div = [s.iteration for s in its
+               if s.diverged and s.iteration >= self.first_checked_iteration]
         lines.append(f"  diverged from the plan: {len(div)} iteration(s)"
                      + (f" {div[:8]}" if div else "")
                      + f"; passive evictions {sum(s.passive_evictions for s in its)}")

@@ -46,6 +46,24 @@
 # and what they saved): at a divergence at op 100 of the transformer the measured peak went
 # 1.24x -> 0.98x the budget. It misses resident tensors outside any graph (data made under
 # no_grad, detached results).
+
+# Note: [Iteration kinds]
+# A plan may cover several kinds of iteration (training steps, steps that also evaluate, the
+# first step of an epoch: docs/plan-format.md ``kinds``). Every iteration starts under the plan's
+# main kind; at the first op that does not match it, the runtime looks for another kind whose
+# plan has the same ops (names and shapes) up to there and this op next, and continues under that
+# kind's plan (``Executor._switch_kind``); only when none matches is it a divergence. The kinds of
+# a trace usually part at their first ops (an evaluation pass before the training step), so
+# little of the new kind's plan is lost. Each iteration's kind is in the report (``kind``).
+
+# Note: [End of run]
+# Only a step ends an iteration, so the ops a script runs after its last step (a final evaluation,
+# saving, printing a metric) form an incomplete last iteration that usually matches no plan. That
+# is not a divergence: the warning of a divergence, and the refusal of a plan made for another
+# script, are held until a step ends the iteration (``Executor.step_ended``); when the run ends
+# first, the incomplete iteration is reported with ``complete: false`` and not as diverged. While
+# held, the iteration runs as after any divergence: planned actions stop, passive mode keeps the
+# budget.
 """
 
 from __future__ import annotations
@@ -155,18 +173,24 @@ class Executor:
         self.pending: dict[str, int] = {}  # recompute decisions still to come back this iteration
         self.op_refs: dict[int, int] = {}  # op index -> pending decisions that replay it
         self.op_time: dict[int, float] = {}
-        self.trigger_now: dict[str, int] = {}  # late-prefetch feedback (Note [Late prefetch ...])
+        self.trigger_now: dict = {}  # late-prefetch feedback (Note [Late prefetch ...])
         # bytes that moved in-triggers keep resident at each op, beyond the plan's simulation
         self.moved_bytes = [0] * (table.n_ops if table is not None else 0)
+        self._moved_by_kind: dict[str, list[int]] = {}  # the same for the plan's other kinds
         self.guided = False
         self.watching = False  # Note [Watched iterations]
         self.last_diverged = False
         self.warned = False
+        self.warning: str | None = None  # Note [End of run]: printed when a step ends the iteration
+        self.foreign: PlanFormatError | None = None  # likewise raised at that step
         self.stats = None
         # Note [Wrap-around storages before the first planned iteration]
         wraps = [d.back_op for d in (table.decisions.values() if table is not None else ())
                  if d.wraps]
         self._tail = collections.deque(maxlen=table.n_ops - min(wraps)) if wraps else None
+        # Note [Iteration kinds]: the plan of each kind, the first one the plan's main kind
+        self.kind_tables: list = [table] if table is not None else []
+        self._prefix: dict[tuple[int, int], int] = {}  # common (name, shapes) prefix of 2 kinds
 
     # ---- iteration lifecycle (called by the Runtime) --------------------------------------------
     def begin_iteration(self, stats) -> None:
@@ -179,9 +203,20 @@ class Executor:
         self.dependents.clear()
         guard = self.guard
         guard.new_iteration()
+        if self.kind_tables:  # Note [Iteration kinds]: every iteration starts as the main kind
+            self.table = self.kind_tables[0]
+            stats.kind = self.table.kind
         self.guided = self.table is not None
         # Note [Watched iterations]
         self.watching = self.guided and self.last_diverged and self.rt.passive_enabled
+        self._count_pending()
+        if self.guided:
+            guard.stop()  # a plan applies again; divergence may restart it
+        elif self.rt.passive_enabled and not guard.active:
+            guard.start()
+        self._update_fast()
+
+    def _count_pending(self) -> None:
         self.pending.clear()
         self.op_refs.clear()
         if self.table is not None:
@@ -190,11 +225,55 @@ class Executor:
                     self.pending[sid] = 1
                     for k in d.replay_ops:
                         self.op_refs[k] = self.op_refs.get(k, 0) + 1
-        if self.guided:
-            guard.stop()  # a plan applies again; divergence may restart it
-        elif self.rt.passive_enabled and not guard.active:
-            guard.start()
-        self._update_fast()
+
+    def _switch_kind(self, k: int, func, flat: list) -> bool:
+        """Note [Iteration kinds]: op ``k`` does not match the current kind's plan; take the
+        plan of another kind whose ops ``0..k-1`` are those of the current one and whose op
+        ``k`` is this op (name, and shapes where it has actions). Everything evicted comes back
+        first and the new kind's plan applies from op ``k`` on (its actions on earlier ops are
+        not carried out: their storages simply stay resident)."""
+        cur = self.table
+        sig = None
+        for t in self.kind_tables:
+            if t is cur or k >= t.n_ops:
+                continue
+            key = (id(cur), id(t))
+            if key not in self._prefix:
+                n = 0
+                for a, b in zip(zip(cur.names, cur.signatures, strict=True),
+                                zip(t.names, t.signatures, strict=True), strict=False):
+                    if a != b:
+                        break
+                    n += 1
+                self._prefix[key] = n
+            if self._prefix[key] < k:
+                continue
+            if func is not t.expected[k] and not t.late_match(k, func):
+                continue
+            if t.ops.get(k) is not None:
+                sig = sig if sig is not None else shape_signature(x.shape for x in flat)
+                if sig != t.signatures[k]:
+                    continue
+            with _disable_current_modes(), torch.no_grad():
+                self.restore_all()
+            self.table = t
+            self.live.clear()
+            self.dependents.clear()
+            self.recompute.reset()
+            self._count_pending()
+            self.stats.kind = t.kind
+            return True
+        return False
+
+    def step_ended(self) -> None:
+        """A step ended the current iteration: a divergence in it was real (Note [End of run])."""
+        if self.foreign is not None:
+            err, self.foreign = self.foreign, None
+            raise err
+        if self.warning is not None:
+            print(self.warning, file=sys.stderr)
+            self.warned = True
+            self.warning = None
 
     def end_iteration(self) -> None:
         st = self.stats  # iteration 0 builds the model: its divergence predicts nothing
@@ -269,14 +348,21 @@ class Executor:
         acts = None
         if self.guided:
             tbl = self.table
-            if k >= tbl.n_ops or func is not tbl.expected[k]:
-                self._diverge(k, info.name, "op", flat)
+            if k >= tbl.n_ops or (func is not tbl.expected[k] and not tbl.late_match(k, func)):
+                if self._switch_kind(k, func, flat):
+                    tbl = self.table
+                    acts = tbl.ops.get(k)
+                else:
+                    self._diverge(k, info.name, "op", flat)
             else:
                 acts = tbl.ops.get(k)
                 if (acts is not None or self.watching) \
                         and shape_signature(t.shape for t in flat) != tbl.signatures[k]:
-                    self._diverge(k, info.name, "shapes", flat)
-                    acts = None
+                    if self._switch_kind(k, func, flat):
+                        acts = self.table.ops.get(k)
+                    else:
+                        self._diverge(k, info.name, "shapes", flat)
+                        acts = None
         if not self.guided and self._tail is not None:  # Note [Wrap-around storages ...]
             refs = []
             for t in flat:
@@ -498,7 +584,10 @@ class Executor:
         """Move a late prefetch's in-trigger earlier for the next iteration (Note [Late prefetch
         feedback] in swap.py), never to where it would take the plan over its budget."""
         d = e.decision
-        trig = self.trigger_now.get(d.storage_id, d.trigger_op)
+        # by storage id in the main kind's plan, by (kind, storage id) in the others'
+        tkey = (d.storage_id if self.table is self.kind_tables[0]
+                else (self.table.kind, d.storage_id))
+        trig = self.trigger_now.get(tkey, d.trigger_op)
         if trig is None:
             return
         bw = self.rt.bandwidth_h2d_bytes_per_s
@@ -514,12 +603,22 @@ class Executor:
         new = self._fits_from(max(lo, min(new, trig - 1)), trig, e.nbytes)
         if new < trig:
             self.table.move_before(Step.PREFETCH, d.storage_id, trig, new)
-            self.trigger_now[d.storage_id] = new
+            self.trigger_now[tkey] = new
             self.stats.trigger_moves += 1
+            moved = self._moved()
             for i in range(new, trig):
-                self.moved_bytes[i] += e.nbytes
+                moved[i] += e.nbytes
         else:
             self.stats.trigger_moves_refused += 1
+
+    def _moved(self) -> list[int]:
+        """``moved_bytes`` of the current kind's plan (Note [Iteration kinds])."""
+        if self.table is self.kind_tables[0]:
+            return self.moved_bytes
+        moved = self._moved_by_kind.get(self.table.kind)
+        if moved is None:
+            moved = self._moved_by_kind[self.table.kind] = [0] * self.table.n_ops
+        return moved
 
     def _fits_from(self, new: int, trig: int, nbytes: int) -> int:
         """The earliest op in ``[new, trig)`` from which ``nbytes`` more stay resident up to
@@ -530,7 +629,7 @@ class Executor:
         budget = self.rt.budget_bytes
         if len(peak) < trig or budget is None:
             return trig
-        moved = self.moved_bytes
+        moved = self._moved()
         j = trig
         while j > new and peak[j - 1] + moved[j - 1] + nbytes <= budget:
             j -= 1
@@ -544,18 +643,19 @@ class Executor:
         st.diverged_at = k
         tbl = self.table
         exp_name = tbl.names[k] if k < tbl.n_ops else "the end of the iteration"
+        # Note [End of run]: both the refusal and the warning wait for the step that ends the
+        # iteration; code after the last step (evaluation, saving, printing) is no iteration.
         if (what == "op" and self.ix.iteration == self.rt.first_checked_iteration
                 and k < max(4, tbl.n_ops // 50)):
-            raise PlanFormatError(
+            self.foreign = PlanFormatError(
                 f"{self.rt.plan_source}: plan was made for another script or trace: op {k} of "
                 f"iteration {self.ix.iteration} is {name}, the plan expects {exp_name}")
         if not self.warned and self.ix.iteration >= self.rt.first_checked_iteration:
-            self.warned = True
-            print(f"capuchin: warning: iteration {self.ix.iteration} diverges from the plan at op "
-                  f"{k} ({what}: got {name}, expected {exp_name}); planned actions stop for the "
-                  "rest of the iteration, evicted storages come back on demand"
-                  + (", passive mode keeps the budget" if self.rt.passive_enabled else ""),
-                  file=sys.stderr)
+            self.warning = (
+                f"capuchin: warning: iteration {self.ix.iteration} diverges from the plan at op "
+                f"{k} ({what}: got {name}, expected {exp_name}); planned actions stop for the "
+                "rest of the iteration, evicted storages come back on demand"
+                + (", passive mode keeps the budget" if self.rt.passive_enabled else ""))
         for sid in list(self.pending):  # decisions not dropped yet will not be
             e = self.by_sid.get(sid)
             if e is None or e.state is not Residency.OUT:

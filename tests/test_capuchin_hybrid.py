@@ -11,6 +11,7 @@ import pytest
 from capuchin.planner.plan import Method
 from capuchin.planner.policies import capuchin as cap
 from capuchin.planner.problem import Problem
+from capuchin.planner.search import Switching, grid, pick
 from capuchin.planner.simulator import simulate
 from capuchin.planner.synthetic import random_ops, trace_from_ops, transformer_ops
 from capuchin.tracer.dtr_import import dtr_logs_path
@@ -60,15 +61,15 @@ def test_generated_hybrid_not_worse_than_variants(name, make, frac):
 
 
 def test_stalled_decisions_are_switched_in_the_hybrids_own_plan():
-    # Before Note [Stalled swaps], the hybrid's own plan here recomputed a tensor whose replay
+    # Before search Note [Stalled swaps], the hybrid's own plan here recomputed a tensor whose replay
     # waited ~44 us for a swapped-out source queued behind five prefetches (+6.9% vs the
     # recompute-only +2.0%). The hybrid's own selection (without the safety net) must now beat
     # recompute-only and still swap. Activations only: a swapped parameter is a source no replay
     # can regenerate (its wait is the union's to weigh, policies/capuchin.py _plan).
     p = _transformer().restricted()
     budget = p.peak_bytes // 2
-    own = cap._plan_mode(p, budget, "hybrid", 12, True, 200)
-    rec = cap._plan_mode(p, budget, "recompute", 12, True, 200)
+    own = pick(grid(p, cap.Capuchin("hybrid"), Switching()), budget)
+    rec = pick(grid(p, cap.Capuchin("recompute")), budget)
     fits, t_own = _judge(p, own, budget)
     assert fits
     assert t_own <= _judge(p, rec, budget)[1]
@@ -98,7 +99,7 @@ def test_resnet32_hybrid_not_worse_than_variants(resnet32, frac):
 
 
 def test_recompute_first_beats_both_variants_on_resnet32(resnet32):
-    # Note [Recompute first]: from the recompute-only plan, the replays a swap makes cheaper are
+    # search Note [Recompute first]: from the recompute-only plan, the replays a swap makes cheaper are
     # switched; at 60% that mixed plan is faster than recomputing alone (+8.6% before) and than
     # swapping alone (which does not fit), and it really mixes both methods.
     budget = int(resnet32.peak_bytes * 0.6)

@@ -148,6 +148,7 @@ def test_empty_plan_installs_no_dispatch_mode_and_reports_its_iterations():
     assert all(s.time_s > 0 and s.peak_bytes for s in its)
     assert all(s.peak_bytes <= 1.05 * prob.peak_bytes for s in its[1:]), (
         [s.peak_bytes for s in its], prob.peak_bytes)
+    assert not rt.report.ops_checked and "ops were not checked" in rt.report.summary()
 
 
 def test_hot_path_takes_no_slow_op_in_a_quiet_steady_iteration(monkeypatch):

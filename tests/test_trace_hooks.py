@@ -237,3 +237,30 @@ def test_finish_closes_a_final_step(n):
 
     _run(train, on_iteration_end=lambda it, last: ends.append(it))
     assert ends == list(range(n))  # the last one closed by finish()
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+def test_closure_step_phases_and_boundaries(keyword):
+    """optimizer.step(closure): the closure's ops are forward and backward (Note [Phases by the
+    autograd engine]); each step's closure starts a new iteration."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(16, 8)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    def train():
+        for _ in range(3):
+            opt.step(closure=closure) if keyword else opt.step(closure)
+
+    _, ops = _run(train)
+    by_it = collections.defaultdict(list)
+    for it, _k, phase, *_ in ops:
+        if not by_it[it] or by_it[it][-1] != phase:
+            by_it[it].append(phase)
+    assert dict(by_it) == {i: [Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER] for i in range(3)}

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compiled import CompileGuard
 from .schema import Phase, input_id, output_id, resident_id
 
 # Note: [Iteration boundaries]
@@ -58,6 +59,17 @@ from .schema import Phase, input_id, output_id, resident_id
 # anyway. A script without torch.optim calls `capuchin.step()` where its step would be. Frees that
 # happen between the step and the first op of the next iteration (e.g. `zero_grad(set_to_none=True)`)
 # belong to the ending iteration, after its last op.
+
+# Note: [Phases by the autograd engine]
+# Backward is what the autograd engine runs: an op dispatched while a graph task executes
+# (`torch._C._current_graph_task_id() != -1`, set by the engine on the thread that runs the task),
+# wherever it was called from. Optimizer is what `Optimizer.step` runs itself. A closure-based
+# step (`optimizer.step(closure)`: LBFGS, and every optimizer under Lightning's automatic
+# optimization) calls the script's forward and backward from inside the step; the global pre-hook
+# hands the step a wrapped closure that suspends the step while it runs (hooks may replace a
+# step's arguments), so its ops are forward or backward, and its first op after a step starts the
+# next iteration as any other op would. LBFGS calls its closure several times per step: one
+# iteration holds several forward/backward/optimizer rounds.
 
 # Note: [Storage identity]
 # A storage is identified by its Python object: PyTorch preserves the UntypedStorage PyObject for as
@@ -337,6 +349,8 @@ class OpIndexer:
     uses its own attribute names on tensors and storages.
     """
 
+    guards_compile = True  # refuse torch.compile while installed (Note [torch.compile])
+
     def __init__(self, on_iteration_start: Callable | None = None,
                  on_iteration_end: Callable | None = None, on_free: Callable | None = None,
                  on_step: Callable | None = None):
@@ -371,18 +385,44 @@ class OpIndexer:
             self._handles = [register_optimizer_step_pre_hook(self._pre_step),
                              register_optimizer_step_post_hook(self._post_step)]
             _ACTIVE.append(self)
+            if self.guards_compile:
+                CompileGuard.install()  # Note [torch.compile] in tracer/compiled.py
         return self
 
     def uninstall(self) -> None:
+        if self._handles and self.guards_compile:
+            CompileGuard.uninstall()
         for h in self._handles:
             h.remove()
         self._handles = []
         if self in _ACTIVE:
             _ACTIVE.remove(self)
 
-    def _pre_step(self, optimizer, args, kwargs) -> None:
+    def _pre_step(self, optimizer, args, kwargs):
         self.in_optimizer += 1
         self.optimizers.add(optimizer)
+        # Note [Phases by the autograd engine]: a closure runs the script's forward and backward
+        # (args[0] is the optimizer itself: the hook sees the arguments of the unbound step)
+        if len(args) > 1 and callable(args[1]):
+            return (args[0], self._closure(args[1]), *args[2:]), kwargs
+        if callable(kwargs.get("closure")):
+            return args, {**kwargs, "closure": self._closure(kwargs["closure"])}
+        return None
+
+    def _closure(self, closure):
+        """``closure`` with the optimizer step it is called from suspended while it runs: its ops
+        are forward (and backward, by the autograd engine), and its first op after a step starts
+        the next iteration."""
+        indexer = self
+
+        def capuchin_closure(*a, **kw):
+            depth, indexer.in_optimizer = indexer.in_optimizer, 0
+            try:
+                return closure(*a, **kw)
+            finally:
+                indexer.in_optimizer = depth
+
+        return capuchin_closure
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         self.in_optimizer = max(0, self.in_optimizer - 1)
@@ -408,12 +448,13 @@ class OpIndexer:
 
     # ---- phase and boundaries -----------------------------------------------------------------
     def phase(self) -> Phase:
-        """Phase of an op issued now: optimizer inside a step, backward inside an autograd graph
-        task (thread-local, so it holds on autograd worker threads too), else forward."""
-        if self.in_optimizer:
-            return Phase.OPTIMIZER
+        """Phase of an op issued now (Note [Phases by the autograd engine]): backward while the
+        autograd engine runs a graph task (thread-local, so it holds on autograd worker threads
+        too), optimizer inside a step outside its closure, else forward."""
         if torch._C._current_graph_task_id() != -1:
             return Phase.BACKWARD
+        if self.in_optimizer:
+            return Phase.OPTIMIZER
         return Phase.FORWARD
 
     def _start_iteration(self) -> None:

@@ -19,13 +19,13 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 
 import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import __version__
+from ..distributed import default_warmup, per_rank
 from ..errors import CapuchinError, ScriptError
 from ..outputs import check_output
 from .bandwidth import measure_bandwidth
@@ -169,7 +169,8 @@ class Tracer:
 
     path: output Parquet file (written atomically when the block ends).
     iterations: iterations recorded (default 3); warmup: iterations run before recording (default
-        1; iteration 0 differs from the others because optimizer state is created in it).
+        1; iteration 0 differs from the others because optimizer state is created in it; 2 under a
+        world of several ranks, ``distributed.default_warmup``).
     device: ``"auto"`` | ``"cpu"`` | ``"cuda"``: the device whose memory and timeline are traced.
     force: overwrite an existing ``path`` (otherwise CapuchinError before anything runs).
     script, argv: provenance stored in the metadata (default ``sys.argv``).
@@ -188,15 +189,17 @@ class Tracer:
     ``torch.profiler.profile`` of the recorded iterations, for cross-checks).
     """
 
-    def __init__(self, path: str | os.PathLike, iterations: int = 3, warmup: int = 1,
+    def __init__(self, path: str | os.PathLike, iterations: int = 3, warmup: int | None = None,
                  device: str = "auto", *, force: bool = False, script: str | None = None,
                  argv: list[str] | None = None, log: Callable[[str], None] | None = _stderr,
                  budget_bytes: int | None = None):
         if iterations < 1:
             raise CapuchinError(f"iterations must be at least 1, got {iterations}")
+        if warmup is None:
+            warmup = default_warmup()
         if warmup < 0:
             raise CapuchinError(f"warmup must be 0 or more, got {warmup}")
-        self.path = Path(path)
+        self.path = per_rank(path)  # Note [Per-rank files] in distributed.py
         self.iterations = iterations
         self.warmup = warmup
         self.device_request = device

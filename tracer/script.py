@@ -26,7 +26,8 @@ def run_script(script: str | os.PathLike, args: Sequence[str] = ()) -> None:
 
 
 def trace_script(script: str | os.PathLike, args: Sequence[str] = (), *,
-                 output: str | os.PathLike | None = None, iterations: int = 3, warmup: int = 1,
+                 output: str | os.PathLike | None = None, iterations: int = 3,
+                 warmup: int | None = None,
                  device: str = "auto", force: bool = False,
                  log: Callable[[str], None] | None = None,
                  budget_bytes: int | None = None) -> Path:
@@ -48,4 +49,4 @@ def trace_script(script: str | os.PathLike, args: Sequence[str] = (), *,
                     script=str(script), argv=list(args), budget_bytes=budget_bytes, **kwargs)
     with tracer:
         run_as_main(path, args, consequence="; no trace written")
-    return out
+    return tracer.path

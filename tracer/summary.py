@@ -56,6 +56,8 @@ class TraceSummary:
     bandwidth_h2d_bytes_per_s: float
     trace_budget_bytes: int | None = None
     measured_peak_bytes: int | None = None
+    # kinds of iteration, most frequent first: {"train": [1, 3], "kind1": [2]} (iteration_kinds)
+    kinds: dict | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -131,7 +133,20 @@ def summarize(trace: Trace, iteration: int | None = None) -> TraceSummary:
         bandwidth_h2d_bytes_per_s=float(meta.bandwidth_h2d_bytes_per_s),
         trace_budget_bytes=meta.trace_budget_bytes,
         measured_peak_bytes=meta.measured_peak_bytes,
+        kinds=dict(iteration_kinds(trace)),
     )
+
+
+def iteration_kinds(trace: Trace) -> list[tuple[str, list[int]]]:
+    """The kinds of iteration a trace recorded (Note [Iteration kinds] in planner/api.py):
+    ``[(kind, [iterations...]), ...]`` grouped by op names, the most frequent first (ties: the
+    one recorded last first), named "train", "kind1", ... ."""
+    ops = trace.ops.sort_values([Col.ITERATION, Col.OP], kind="stable")
+    groups: dict[tuple, list[int]] = {}
+    for it, names in ops.groupby(Col.ITERATION, sort=True)[Col.OP_NAME]:
+        groups.setdefault(tuple(names), []).append(int(it))
+    order = sorted(groups.values(), key=lambda its: (-len(its), -its[-1]))
+    return [("train" if i == 0 else f"kind{i}", its) for i, its in enumerate(order)]
 
 
 def _activation_bytes_at(ev: pd.DataFrame, op_index: int) -> int:
@@ -161,6 +176,10 @@ def format_summary(s: TraceSummary) -> str:
         d = s.first_divergence
         lines.append(f"           first divergence: iteration {d.get('iteration')} op "
                      f"{d.get('op_index')}: expected {d.get('expected')}, got {d.get('got')}")
+    if s.kinds and len(s.kinds) > 1:
+        lines.append("kinds      " + "; ".join(f"{k}: iterations {its}"
+                                              for k, its in s.kinds.items())
+                     + " (capuchin plan plans each kind)")
     lines += [
         f"ops        {s.ops_per_iteration} per iteration ({phases})",
         f"tensors    {s.tensors} tensors in {s.storages} storages",

@@ -1,0 +1,5 @@
+"""``python -m capuchin ...``: the ``capuchin`` command (also under ``torchrun -m capuchin``)."""
+
+from .cli import main
+
+main(prog_name="capuchin")

@@ -1,0 +1,90 @@
+"""Capuchin's distance from the optimum: a proven lower bound (planner/bound.py) on every
+fitting plan's extra time, against the capuchin plan, per trace and budget. Prints a table.
+
+    python benchmarks/lower_bound.py                      # DTR's U-Net and ResNet-32, 80/60/40%
+    python benchmarks/lower_bound.py --traces t.parquet --fractions 0.6 --time-limit 60
+
+gap = (capuchin's extra - bound) / capuchin's extra: capuchin is at most that fraction of its own
+extra time above the optimum (0: proven optimal). Extra times are the simulator's (ns above the
+baseline iteration); "% iter" is the same as a fraction of the baseline iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DTR_ZIP = Path("/work/shared/data/dtr-logs.zip")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", nargs="*", type=Path, help="trace files (default: DTR U-Net, "
+                    "ResNet-32 from --dtr-zip)")
+    ap.add_argument("--dtr-zip", type=Path, default=DTR_ZIP)
+    ap.add_argument("--fractions", default="0.8,0.6,0.4")
+    ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per bound")
+    args = ap.parse_args(argv)
+
+    from capuchin.planner.bound import lower_bound
+    from capuchin.planner.problem import Problem
+    from capuchin.planner.registry import get_policy
+    from capuchin.planner.simulator import simulate
+    from capuchin.tracer.dtr_import import import_dtr_log
+    from capuchin.tracer.reader import load_trace
+
+    fracs = [float(f) for f in args.fractions.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = list(args.traces or [])
+        if not paths:
+            for m in ("unet", "resnet32"):
+                paths.append(import_dtr_log(f"{args.dtr_zip}/{m}", Path(tmp) / f"dtr-{m}.trace.parquet"))
+        for path in paths:
+            problem = Problem.from_trace(load_trace(path))
+            name = Path(path).name.replace(".trace.parquet", "")
+            for f in fracs:
+                budget = int(problem.peak_bytes * f)
+                c = time.process_time()
+                ds = get_policy("capuchin")(problem, budget)
+                cap_cpu = time.process_time() - c
+                sim = simulate(problem, ds)
+                extra = sim.time_ns - problem.time_ns if sim.peak_bytes <= budget else None
+                t = time.perf_counter()
+                c = time.process_time()
+                b = lower_bound(problem, budget, time_limit_s=args.time_limit)
+                rows.append(dict(
+                    trace=name, budget=f"{f:.0%}", capuchin_ms=_ms(extra),
+                    capuchin_pct=f"{100 * extra / problem.time_ns:.2f}" if extra is not None else "over",
+                    bound_ms=_ms(b.bound_ns), lp_ms=_ms(b.lp_ns), cpsat_ms=_ms(b.cpsat_ns),
+                    gap=(f"{b.gap(extra):.1%}" if extra is not None and b.gap(extra) is not None
+                         else "-"),
+                    cpsat=b.cpsat_status, cands=b.candidates, vars=b.variables,
+                    bound_wall_s=f"{time.perf_counter() - t:.0f}",
+                    bound_cpu_s=f"{time.process_time() - c:.0f}", capuchin_cpu_s=f"{cap_cpu:.1f}"))
+                print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    cols = list(rows[0]) if rows else []
+    print()
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    print(f"(load average {os.getloadavg()[0]:.1f}; python {sys.version.split()[0]})")
+    return 0
+
+
+def _ms(ns) -> str:
+    if ns is None:
+        return "-"
+    if isinstance(ns, float) and math.isinf(ns):
+        return "inf"
+    return f"{ns / 1e6:.2f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

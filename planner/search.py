@@ -1,0 +1,448 @@
+"""Search around a policy: combinators that turn a planner for one target into a better policy.
+
+A *target planner* (``TargetPlanner``) makes one plan for one memory target and says what the
+simulator made of it (``Attempt``). The Capuchin policy's Algorithm 1 is one
+(policies/capuchin.py); any registered policy becomes one through ``PolicyPlanner``. The
+combinators here only read decisions and simulations, never a policy's internals:
+
+- ``prune``: drop decisions that cost time but are no longer needed for the budget.
+- ``switch_stalled``: Algorithm 1's swap-or-recompute comparison redone with *simulated* costs
+  (Note [Stalled swaps]).
+- ``grid`` and ``pick``: plans for a fixed, budget-independent grid of targets, then the
+  cheapest that fits (Note [Targets]); made once per problem and cached.
+- ``recompute_first``: switch replays of fitting plans to swaps where the simulation says a swap
+  is cheaper (Note [Recompute first]).
+- ``best_of``: the fastest fitting plan among several (Note [Best of variants]).
+
+All plans are judged by the one simulator; a combinator keeps a change only when the simulated
+plan gets faster without its peak rising above the bound it was given.
+
+# Note: [Targets]
+# Greedy selection is not monotone in the budget (a larger budget can end in a costlier plan),
+# and its estimates are optimistic. So ``grid`` plans for a fixed grid of targets (the floor,
+# nine steps up to the peak, and three below the floor), independent of the budget, and
+# ``pick`` returns the cheapest of those plans whose simulated peak fits: a larger budget can
+# only choose among more plans, so it never costs more.
+#
+# Note: [Stalled swaps]
+# Algorithm 1 compares a swap's *estimated* overhead with a recomputation's. The estimate sees
+# the copy channel as the swaps chosen so far occupy it, but the simulation can show a swap
+# stalling much longer (swap-outs delayed behind others, on-demand restores of swapped
+# sources, prefetches pushed later by the peak window). ``switch_stalled`` re-decides with the
+# simulated costs: a swap whose simulated stall exceeds the time of replaying it becomes a
+# recomputation; a recomputation that waited for a swapped-out source regenerates that source
+# instead, or is swapped itself, when that is cheaper than the wait (all such switches at once
+# first, else the most wasteful alone); when no stalled decision is left, the replays that
+# would gain most as swaps (overhead estimated on the channels as simulated) are tried. A
+# switch is kept only when the re-simulated plan is faster and its peak not above
+# ``max(bound, current peak)``; repeated until nothing improves. On the grid the switched plans
+# are *added* next to the unswitched one (each pruned on its own): the final plan switched;
+# when it stalled, also a plan switched after every round of selection (the planner's
+# ``after_round``), which changes what is selected next; and every stalled plan switched
+# against the next two grid targets above its peak. The grid only gains plans, so switching
+# never makes a plan worse and stays budget-independent.
+#
+# Note: [Recompute first]
+# Algorithm 1 takes swaps first and compares methods only for the rest, with *estimated* swap
+# costs. Where a replay is cheap next to a copy, early swaps crowd the copy channels. So
+# ``recompute_first`` runs the comparison the other way round, with simulated costs: from each
+# recompute-only grid plan that fits, switch, one at a time, the replay that a swap would make
+# cheapest (up to ``RECOMPUTE_FIRST_TRIES`` candidates per step, ``RECOMPUTE_FIRST_PASSES``
+# steps), none above the plan's own peak. The conversion of a grid plan does not depend on the
+# budget and is cached, so the result stays monotone in the budget.
+#
+# Note: [Best of variants]
+# ``best_of`` simulates each candidate plan in order and returns the fitting one with the
+# smallest simulated time (when none fits: the lowest peak; ties keep the earlier). It stops
+# early at a plan that fits at no cost. With the capuchin policy's candidates (its own plan,
+# then the recompute-only and swap-only plans, then ``recompute_first``), ``capuchin`` is never
+# worse than ``swap`` or ``recompute`` under the simulator.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from ..errors import PlanError
+from .lineage import Residency, finish_decisions, regen_resident, replay_for, replay_of
+from .plan import Decision, Method
+from .problem import Problem
+from .simulator import SimResult, simulate
+from .swapping import SwapTimer
+
+
+class Attempt(NamedTuple):
+    """A plan with its simulation; ``regen``: recompute decisions whose replays regenerate
+    their swapped-out sources rather than wait for them (Note [Stalled swaps])."""
+
+    decisions: list[Decision]
+    sim: SimResult | None
+    regen: frozenset = frozenset()
+
+
+class GridPlan(NamedTuple):
+    decisions: list[Decision]
+    peak_bytes: int
+    time_ns: int
+
+
+AfterRound = Callable[[Attempt], Attempt]
+
+
+class TargetPlanner(Protocol):
+    """Plans for one target (bytes). ``after_round``: applied to each intermediate plan of an
+    iterative planner (to its result only, for others). Hashable: results are cached per
+    planner."""
+
+    def __call__(self, problem: Problem, target: int,
+                 after_round: AfterRound | None = None) -> Attempt: ...
+
+
+@dataclass(frozen=True)
+class PolicyPlanner:
+    """Any registered policy as a target planner: its decisions for the target, simulated."""
+
+    name: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def __call__(self, problem: Problem, target: int,
+                 after_round: AfterRound | None = None) -> Attempt:
+        from .build import complete_decisions
+        from .registry import get_policy
+
+        # policies may leave recompute lineage to the builder (registry Note [Policy contract])
+        ds = complete_decisions(problem, get_policy(self.name)(problem, target,
+                                                               **dict(self.params)))
+        a = Attempt(ds, simulate(problem, ds))
+        return after_round(a) if after_round is not None else a
+
+
+@dataclass(frozen=True)
+class Switching:
+    """Options of ``switch_stalled``: collective keeps, longest replay considered."""
+
+    collective: bool = True
+    max_replay_ops: int = 200
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cached(problem: Problem, key, make: Callable[[], Any]):
+    """``make()``, once per problem and key."""
+    per = _CACHE.setdefault(problem, {})
+    if key not in per:
+        per[key] = make()
+    return per[key]
+
+
+def grid_targets(problem: Problem) -> list[int]:
+    """Note [Targets]: the floor, nine steps up to the peak, and three below the floor."""
+    floor, peak = problem.floor_bytes(), problem.peak_bytes
+    targets = [floor + (peak - floor) * i // 10 for i in range(10)]
+    targets += [floor * 9 // 10, floor * 3 // 4, floor // 2]
+    return [x for x in dict.fromkeys(targets) if 0 < x < peak]
+
+
+def grid(problem: Problem, planner: TargetPlanner,
+         switching: Switching | None = None) -> list[GridPlan]:
+    """Plans of ``planner`` for every grid target, each pruned against its own target, with the
+    switched variants of Note [Stalled swaps] when ``switching`` is given. Cached per problem."""
+    return cached(problem, ("grid", planner, switching),
+                  lambda: _grid(problem, planner, switching))
+
+
+def _grid(problem: Problem, planner: TargetPlanner,
+          switching: Switching | None) -> list[GridPlan]:
+    peak = problem.peak_bytes
+    targets = grid_targets(problem)
+    out = []
+    for t in targets:
+        try:
+            a = planner(problem, t)
+        except PlanError:  # a target whose plan breaks an invariant is skipped, not fatal
+            continue
+        if a.sim is None:
+            continue
+        variants = [a]
+        if switching is not None and a.sim.stall_ns + a.sim.recompute_ns > 0:
+            sw = switch_stalled(problem, a, t, switching)
+            if sw.decisions is not a.decisions:
+                variants.append(sw)
+            if a.sim.stall_ns > 0:  # and switched after every round, which changes the path
+                try:
+                    variants.append(planner(problem, t, after_round=lambda x, t=t: (
+                        switch_stalled(problem, x, t, switching))))
+                except PlanError:
+                    pass
+        for v in variants:
+            ds = prune(problem, v, max(t, v.sim.peak_bytes))
+            vsim = simulate(problem, ds)
+            out.append(GridPlan(ds, vsim.peak_bytes, vsim.time_ns))
+            if switching is None or vsim.stall_ns == 0:
+                continue
+            # and switched as far as the next grid targets above its peak allow
+            for c in sorted(x for x in targets if vsim.peak_bytes < x < peak)[:2]:
+                cds, csim, _ = switch_stalled(problem, Attempt(ds, vsim, v.regen), c,
+                                              switching)
+                if csim.time_ns < vsim.time_ns and csim.peak_bytes <= c:
+                    out.append(GridPlan(cds, csim.peak_bytes, csim.time_ns))
+    return out
+
+
+def pick(plans: Iterable[GridPlan], budget: int) -> list[Decision]:
+    """The fastest plan whose simulated peak fits ``budget`` (ties: the higher peak, then the
+    earlier); when none fits, the one with the lowest peak; ``[]`` when there is none."""
+    plans = list(plans)
+    fitting = [(p.time_ns, -p.peak_bytes, i) for i, p in enumerate(plans) if p.peak_bytes <= budget]
+    if fitting:
+        return plans[min(fitting)[2]].decisions
+    return min(plans, key=lambda p: p.peak_bytes).decisions if plans else []
+
+
+def best_of(problem: Problem, budget: int,
+            candidates: Iterable[Callable[[], list[Decision]]]) -> list[Decision]:
+    """Note [Best of variants]: the fastest fitting plan among ``candidates`` (made lazily, in
+    order); when none fits, the lowest peak; ties keep the earlier."""
+    best = None
+    for make in candidates:
+        decisions = make()
+        try:
+            sim = simulate(problem, decisions)
+        except PlanError:
+            continue
+        key = (sim.peak_bytes > budget, sim.time_ns if sim.peak_bytes <= budget
+               else sim.peak_bytes)
+        if best is None or key < best[0]:
+            best = (key, decisions)
+        if not key[0] and sim.time_ns <= sim.baseline_time_ns:
+            return decisions  # fits at no cost: nothing can beat it
+    return best[1] if best else []
+
+
+def descend(problem: Problem, budget: int, planner: TargetPlanner) -> list[Decision]:
+    """Without the grid: plan for the budget, then aim lower (halfway to the floor, the floor,
+    below it) while the simulated peak does not fit; the first fitting plan, pruned, else the
+    lowest peak. Cheaper than ``grid`` but not monotone in the budget."""
+    floor = problem.floor_bytes()
+    best: tuple[int, list[Decision]] | None = None
+    for target in dict.fromkeys([budget, (budget + floor) // 2, floor, floor * 9 // 10,
+                                 floor // 2]):
+        if target > budget or target <= 0:
+            continue
+        try:
+            a = planner(problem, target)
+        except PlanError:
+            continue
+        if a.sim is not None and a.sim.peak_bytes <= budget:
+            return prune(problem, a, budget)
+        if a.sim is not None and (best is None or a.sim.peak_bytes < best[0]):
+            best = (a.sim.peak_bytes, a.decisions)
+    return best[1] if best else []
+
+
+RECOMPUTE_FIRST_PASSES = 60  # switches tried one after another (Note [Recompute first])
+RECOMPUTE_FIRST_TRIES = 8  # candidates tried per pass before giving up
+
+
+def recompute_first(problem: Problem, planner: TargetPlanner, budget: int,
+                    switching: Switching) -> list[GridPlan]:
+    """Note [Recompute first]: the plans of ``grid(problem, planner)`` that fit ``budget``,
+    with the replays that a swap makes cheaper (as simulated) switched, none above its plan's
+    own peak; only those that got faster. Each conversion is made once per plan and cached."""
+    plans = grid(problem, planner)
+    done = cached(problem, ("recompute-first", planner, switching), dict)
+    out = []
+    for i, (ds, peak, t) in enumerate(plans):
+        if peak > budget:
+            continue
+        if i not in done:
+            done[i] = None
+            try:
+                sim = simulate(problem, ds)
+            except PlanError:
+                continue
+            if sim.recompute_ns <= 0:
+                continue
+            cds, csim, _ = switch_stalled(problem, Attempt(ds, sim), peak, switching,
+                                          max_passes=RECOMPUTE_FIRST_PASSES,
+                                          calm_tries=RECOMPUTE_FIRST_TRIES)
+            if csim.time_ns < t and csim.peak_bytes <= peak:
+                done[i] = GridPlan(cds, csim.peak_bytes, csim.time_ns)
+        if done[i] is not None:
+            out.append(done[i])
+    return out
+
+
+def switch_stalled(problem: Problem, a: Attempt, bound: int, switching: Switching, *,
+                   max_passes: int = 6, calm_tries: int = 1) -> Attempt:
+    """Note [Stalled swaps]: decisions whose simulated stall exceeds what the other method
+    would cost are switched, most wasteful first, while the simulation confirms the plan gets
+    faster without its peak rising above ``max(bound, current peak)``."""
+    decisions, sim, regen = a
+    collective, max_replay_ops = switching.collective, switching.max_replay_ops
+    ops = problem.ops
+    for _ in range(max_passes):
+        res = Residency(decisions)
+        timer = None
+        gains = []  # (time saved estimate, storage, replacement, regenerates its sources)
+        calm = []  # the same for replays that did not stall: swapping them may be cheaper
+        for d, o in zip(decisions, sim.outcomes, strict=True):
+            if o.stall_ns <= 0 and o.recompute_ns <= 0:
+                continue
+            if d.method == Method.SWAP:  # recompute it instead
+                if not problem.storages[d.storage_id].evictable:
+                    continue  # persistent: swap only (problem.py Note [Wrap-around gaps])
+                r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
+                               max_ops=max_replay_ops)
+                if r is not None:
+                    rp_ns = sum(ops[j].duration_ns for j in r[0])
+                    if rp_ns < o.stall_ns:
+                        gains.append((o.stall_ns - rp_ns, d.storage_id, Decision(
+                            d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op,
+                            d.back_op), True))
+                continue
+            # a replay waiting for swapped-out sources: regenerate them, or swap the target;
+            # a replay costlier than swapping given the channels as simulated: swap it
+            r = None
+            if o.stall_ns > 0:
+                r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
+                               resident=regen_resident(problem, res, d.back_op),
+                               max_ops=max_replay_ops)
+            if r is not None:
+                extra = sum(ops[j].duration_ns for j in r[0]) - o.recompute_ns
+                if extra < o.stall_ns:
+                    gains.append((o.stall_ns - extra, d.storage_id, d, True))
+                    continue
+            if timer is None:
+                timer = timer_from(problem, sim, sim.op_peak_bytes > bound)
+            e = timer.estimate(d.size_bytes, d.evict_op, d.back_op)
+            if e.overhead_ns < o.stall_ns + o.recompute_ns:
+                (gains if o.stall_ns > 0 else calm).append((
+                    o.stall_ns + o.recompute_ns - e.overhead_ns, d.storage_id,
+                    Decision(d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op,
+                             trigger_op=e.trigger_op), False))
+        gains.sort(key=lambda g: (-g[0], g[1]))
+        calm.sort(key=lambda g: (-g[0], g[1]))
+        cap = max(bound, sim.peak_bytes)
+        improved = False
+        # stalled decisions: all of them at once first (they also free the copy channel for
+        # the others), then the most wasteful alone; then the replays that would gain most as
+        # swaps
+        batches = [gains, gains[:1]] if len(gains) > 1 else [gains] if gains else []
+        for batch in batches + [[c] for c in calm[:calm_tries]]:
+            new = {g[1]: g[2] for g in batch}
+            trial = [new.get(d.storage_id, d) for d in decisions]
+            more = regen | {g[1] for g in batch if g[3]}
+            excess = sim.op_peak_bytes.astype(np.int64) - bound
+            try:
+                trial = finish_decisions(problem, trial, excess, collective, more)
+                tsim = simulate(problem, trial)
+            except PlanError:
+                continue
+            if tsim.peak_bytes <= cap and tsim.time_ns < sim.time_ns:
+                decisions, sim, improved, regen = trial, tsim, True, frozenset(more)
+                break
+        if not improved:
+            break
+    return Attempt(decisions, sim, regen)
+
+
+def timer_from(problem: Problem, sim: SimResult, in_peak) -> SwapTimer:
+    """A swap timer whose channels hold the simulated copies of a plan."""
+    timer = SwapTimer(problem, in_peak)
+    for o in sim.outcomes:
+        if o.out_start_ns >= 0:
+            timer.d2h.reserve(o.out_start_ns, o.out_end_ns)
+        if o.in_start_ns >= 0:
+            timer.h2d.reserve(o.in_start_ns, o.in_end_ns)
+    return timer
+
+
+def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> list[Decision]:
+    """Drop decisions that cost time but are no longer needed for the budget.
+
+    Greedy selection over-evicts: a recomputation picked for its MSPS can be made redundant by a
+    later, larger one, a stalled swap by later swaps. The costliest decisions are tried first:
+    the first ``max_exact`` by re-simulating the plan without them (kept out when it still fits),
+    the rest by a conservative estimate (their bytes back on every op of their gap) confirmed by
+    one final simulation.
+    """
+    decisions, sim, regen = a
+    cost = {d.storage_id: o.stall_ns + o.recompute_ns
+            for d, o in zip(decisions, sim.outcomes, strict=True)}
+    order = [d for d in sorted(decisions, key=lambda d: -cost[d.storage_id])
+             if cost[d.storage_id] > 0]
+    if not order:
+        return decisions
+    current = decisions
+    excess = sim.op_peak_bytes.astype(np.int64) - budget
+    out_of = {d.storage_id: o for d, o in zip(decisions, sim.outcomes, strict=True)}
+    for d in order[:max_exact]:
+        o = out_of[d.storage_id]
+        back = o.in_start_ns if o.in_start_ns >= 0 else o.back_ns
+        if o.freed_ns >= 0 and back > o.freed_ns:  # ops surely without it: it would add there
+            lo = int(np.searchsorted(sim.op_start_ns, o.freed_ns, side="left"))
+            hi = int(np.searchsorted(sim.op_end_ns, back, side="right"))
+            if hi > lo and excess[lo:hi].max() + d.size_bytes > 0:
+                continue
+        try:
+            trial = _without(problem, current, d, regen)
+            tsim = simulate(problem, trial) if trial is not None else None
+        except PlanError:
+            continue
+        if tsim is None:
+            continue
+        if tsim.peak_bytes <= budget and tsim.time_ns <= sim.time_ns:
+            current, sim = trial, tsim
+            excess = sim.op_peak_bytes.astype(np.int64) - budget
+    live = {x.storage_id for x in current}
+    rest = [d for d in order[max_exact:] if d.storage_id in live]
+    if not rest:
+        return current
+    peak = sim.op_peak_bytes.astype(np.int64).copy()
+    removed: set[str] = set()
+    for d in rest:
+        if d.wraps:  # out on two ranges; only the exact check above prunes it
+            continue
+        lo, hi = d.evict_op + 1, d.back_op
+        if hi > lo and peak[lo:hi].max() + d.size_bytes > budget:
+            continue
+        peak[lo:hi] += d.size_bytes
+        removed.add(d.storage_id)
+    if not removed:
+        return current
+    kept = [d for d in current if d.storage_id not in removed]
+    try:
+        pruned = finish_decisions(problem, kept, peak - budget, collective=True, regen=regen)
+        psim = simulate(problem, pruned)
+        if psim.peak_bytes <= budget and psim.time_ns <= sim.time_ns:
+            return pruned
+    except PlanError:
+        pass
+    return current
+
+
+def _without(problem: Problem, decisions: list[Decision], gone: Decision,
+             regen: frozenset = frozenset()) -> list[Decision] | None:
+    """``decisions`` minus ``gone``: the replays that regenerated its storage now read it as a
+    source instead (re-resolved, without collective keeps); the others are unchanged."""
+    sid = gone.storage_id
+    kept = [x for x in decisions if x is not gone]
+    producer = problem.storages[sid].alloc_op
+    res = Residency(kept)
+    out = []
+    for x in kept:
+        if x.method == Method.RECOMPUTE and (sid in x.keep or producer in x.replay_ops):
+            r = replay_of(problem, x, res, regen)
+            if r is None:
+                return None
+            x = Decision(x.storage_id, Method.RECOMPUTE, x.size_bytes, x.evict_op, x.back_op,
+                         replay_ops=tuple(r[0]), sources=tuple(r[1]))
+        out.append(x)
+    return out

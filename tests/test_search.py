@@ -1,0 +1,155 @@
+"""The search combinators of planner/search.py on their own: around a plain registered policy
+(DTR, through ``PolicyPlanner``) and around Capuchin's Algorithm 1, judged by the simulator."""
+
+from __future__ import annotations
+
+import pytest
+from capuchin.planner.plan import Decision, Method
+from capuchin.planner.policies.capuchin import Capuchin
+from capuchin.planner.problem import Problem
+from capuchin.planner.registry import get_policy
+from capuchin.planner.search import (
+    Attempt,
+    GridPlan,
+    PolicyPlanner,
+    Switching,
+    best_of,
+    grid,
+    grid_targets,
+    pick,
+    prune,
+    switch_stalled,
+)
+from capuchin.planner.simulator import simulate
+from capuchin.planner.synthetic import random_ops, trace_from_ops, transformer_ops
+
+
+def _transformer() -> Problem:
+    ops, sizes, persistent = transformer_ops(2, 12, hidden_bytes=1 << 16)
+    return Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent,
+                                             bandwidth_bytes_per_s=12e9))
+
+
+def _random(seed: int) -> Problem:
+    ops, sizes, persistent = random_ops(seed, 10, max_bytes=1 << 20)
+    return Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent,
+                                             bandwidth_bytes_per_s=2e9))
+
+
+def test_pick_fastest_fitting_else_lowest_peak():
+    a, b, c = [Decision("a", Method.SWAP, 1, 0, 2)], [], [Decision("c", Method.SWAP, 1, 0, 2)]
+    plans = [GridPlan(a, 90, 120), GridPlan(b, 80, 150), GridPlan(c, 70, 130)]
+    assert pick(plans, 100) is a
+    assert pick(plans, 75) is c
+    assert pick(plans, 60) is c  # none fits: the lowest peak
+    assert pick([GridPlan(a, 90, 120), GridPlan(c, 80, 120)], 100) is a  # tie: the higher peak
+    assert pick([], 100) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_grid_around_a_registered_policy_is_monotone_and_not_worse(seed):
+    # DTR is not monotone in the budget on its own; on the grid a larger budget only chooses
+    # among more plans, so the simulated time never rises with the budget.
+    p = _random(seed)
+    planner = PolicyPlanner("dtr")
+    plans = grid(p, planner)
+    assert len(plans) >= 1
+    assert grid(p, planner) is plans  # cached per problem and planner
+    times = []
+    for frac in (0.5, 0.6, 0.7, 0.8, 0.9):
+        budget = int(p.peak_bytes * frac)
+        ds = pick(plans, budget)
+        sim = simulate(p, ds)
+        if any(g.peak_bytes <= budget for g in plans):
+            assert sim.peak_bytes <= budget
+            times.append(sim.time_ns)
+    assert times == sorted(times, reverse=True)
+
+
+def test_grid_plans_report_their_simulation():
+    p = _transformer()
+    targets = grid_targets(p)
+    assert len(targets) >= 10 and all(0 < t < p.peak_bytes for t in targets)
+    assert p.floor_bytes() in targets
+    for g in grid(p, Capuchin("recompute")):
+        sim = simulate(p, g.decisions)
+        assert (sim.peak_bytes, sim.time_ns) == (g.peak_bytes, g.time_ns)
+
+
+def test_prune_drops_a_decision_the_budget_does_not_need():
+    p = _transformer()
+    budget = int(p.peak_bytes * 0.6)
+    a = Capuchin("recompute")(p, budget)
+    assert a.sim.peak_bytes <= budget and a.sim.recompute_ns > 0
+    # at the baseline peak nothing is needed: every decision that costs time goes
+    pruned = prune(p, a, p.peak_bytes)
+    sim = simulate(p, pruned)
+    assert len(pruned) < len(a.decisions)
+    assert sim.peak_bytes <= p.peak_bytes and sim.time_ns < a.sim.time_ns
+    # at the plan's own budget it never gets slower nor over the budget
+    kept = prune(p, a, budget)
+    ksim = simulate(p, kept)
+    assert ksim.peak_bytes <= budget and ksim.time_ns <= a.sim.time_ns
+
+
+def test_switch_stalled_never_slower_nor_above_its_bound():
+    p = _transformer()
+    budget = p.peak_bytes // 2
+    a = Capuchin("hybrid")(p, budget)
+    assert a.sim.stall_ns > 0  # the case the combinator exists for
+    out = switch_stalled(p, a, budget, Switching())
+    assert out.sim.time_ns < a.sim.time_ns
+    assert out.sim.peak_bytes <= max(budget, a.sim.peak_bytes)
+    assert simulate(p, out.decisions).time_ns == out.sim.time_ns
+
+
+def test_switch_stalled_around_a_registered_policy():
+    # a plain policy's plan goes through the same switching: never slower, bound kept
+    p = _transformer()
+    budget = int(p.peak_bytes * 0.6)
+    ds = get_policy("swap")(p, budget)
+    a = Attempt(ds, simulate(p, ds))
+    out = switch_stalled(p, a, budget, Switching())
+    assert out.sim.time_ns <= a.sim.time_ns
+    assert out.sim.peak_bytes <= max(budget, a.sim.peak_bytes)
+
+
+def test_best_of_fastest_fitting_else_lowest_peak():
+    p = _transformer()
+    budget = int(p.peak_bytes * 0.6)
+    rec = pick(grid(p, Capuchin("recompute")), budget)
+    swp = pick(grid(p, Capuchin("swap")), budget)
+    t = {id(ds): simulate(p, ds) for ds in (rec, swp)}
+    fast, slow = sorted((rec, swp), key=lambda ds: t[id(ds)].time_ns)
+    assert t[id(fast)].peak_bytes <= budget
+    assert best_of(p, budget, [lambda: slow, lambda: fast]) is fast
+    assert best_of(p, budget, [lambda: fast, lambda: slow]) is fast
+    # nothing fits 1 byte: the lower peak wins
+    low = min((rec, swp), key=lambda ds: t[id(ds)].peak_bytes)
+    assert best_of(p, 1, [lambda: rec, lambda: swp]) is low
+    assert best_of(p, budget, []) == []
+
+
+def test_best_of_stops_at_a_plan_that_costs_nothing():
+    p = _transformer()
+    budget = int(p.peak_bytes * 0.9)
+    free = pick(grid(p, Capuchin("swap")), budget)
+    assert simulate(p, free).time_ns == p.time_ns  # a zero-cost plan fits 90%
+
+    def candidates():
+        yield lambda: free
+        raise AssertionError("a candidate after a zero-cost fitting plan was made")
+
+    assert best_of(p, budget, candidates()) is free
+
+
+def test_capuchin_skips_the_variants_when_its_plan_costs_nothing():
+    from capuchin.planner import search
+    from capuchin.planner.policies.capuchin import capuchin
+
+    p = _transformer()
+    budget = int(p.peak_bytes * 0.9)
+    ds = capuchin(p, budget)
+    assert simulate(p, ds).time_ns == p.time_ns
+    made = [k[0] for k in search._CACHE[p]]
+    assert made == ["grid"]  # the hybrid's grid only: no recompute-only grid, no conversions

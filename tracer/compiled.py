@@ -1,0 +1,120 @@
+"""``torch.compile`` under capuchin: refused up front (Note [torch.compile]).
+
+# Note: [torch.compile]
+# The tracer and the runtime are ``TorchDispatchMode``s that must see every op of the script:
+# ids, iteration boundaries and the plan's actions are op by op. TorchDynamo does not compile a
+# frame while a dispatch mode is active unless the mode declares itself an infra mode or sets
+# ``ignore_compile_internals()`` (torch/_dynamo/convert_frame.py: "non-infra torch dispatch mode
+# present, this is not supported today in torch.compile"): it silently runs the frame eagerly.
+# The script would then train eagerly under capuchin and compiled without it, and the results
+# differ (eager and Inductor kernels round differently). Declaring capuchin's modes
+# ``ignore_compile_internals`` would let Dynamo compile, but the compiled code (Inductor's C++ or
+# Triton kernels, its own buffer allocations, the activations its forward graph saves for its
+# backward graph) then runs without dispatching most of its ops: the trace would miss the
+# tensors that live across a compiled region and the runtime could neither evict nor restore
+# them, nor keep the budget. So while a tracer or a runtime is installed, ``torch.compile`` and
+# ``torch._dynamo.optimize`` raise ``CompileRefused`` at the call, before the script trains:
+# one line naming the script's line, why, and what to do. A function compiled before capuchin
+# started (the Python API used after ``torch.compile``) is refused at its first call, where
+# Dynamo is about to skip it for the mode (``CatchErrorsWrapper._handle_skip`` with that
+# reason). When Dynamo is disabled (``TORCHDYNAMO_DISABLE=1``, ``torch._dynamo.config.disable``),
+# ``torch.compile`` is a no-op and is let through: the script then trains eagerly with and
+# without capuchin alike.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ..errors import CapuchinError
+
+
+class CompileRefused(CapuchinError):
+    """The script called torch.compile while capuchin traces or runs it."""
+
+
+def _caller() -> str:
+    """The innermost frame of the script: outside torch, capuchin's own modules and runpy."""
+    import os
+
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    own = {pkg, *(os.path.join(pkg, d) for d in ("tracer", "runtime", "planner"))}
+    torch_dir = os.path.dirname(torch.__file__)
+
+    def skipped(fn: str) -> bool:
+        return (fn.startswith(("<", torch_dir)) or os.path.dirname(os.path.abspath(fn)) in own
+                or os.path.basename(fn) == "runpy.py")
+
+    f = sys._getframe(1)
+    while f is not None and skipped(f.f_code.co_filename):
+        f = f.f_back
+    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "the script"
+
+
+def _disabled() -> bool:
+    try:
+        return bool(torch._dynamo.config.disable)
+    except AttributeError:
+        return False
+
+
+class CompileGuard:
+    """Replaces ``torch.compile`` and ``torch._dynamo.optimize`` while installed (nested
+    installs are counted)."""
+
+    depth = 0
+    saved: tuple = ()
+
+    @classmethod
+    def install(cls) -> None:
+        cls.depth += 1
+        if cls.depth > 1:
+            return
+        import torch._dynamo
+        from torch._dynamo.convert_frame import CatchErrorsWrapper
+
+        cls.saved = (torch.compile, torch._dynamo.optimize, CatchErrorsWrapper._handle_skip)
+        compile_, optimize, handle_skip = cls.saved
+
+        def capuchin_compile(*args, **kwargs):
+            if _disabled():
+                return compile_(*args, **kwargs)
+            raise CompileRefused(
+                f"{_caller()}: torch.compile cannot run under capuchin: TorchDynamo does not "
+                "compile while capuchin's dispatch mode watches every op, so the script would "
+                "silently train eagerly, with results that differ from the compiled run; "
+                "remove torch.compile, or set TORCHDYNAMO_DISABLE=1 to train eagerly both with "
+                "and without capuchin")
+
+        def capuchin_optimize(*args, **kwargs):
+            if _disabled():
+                return optimize(*args, **kwargs)
+            raise CompileRefused(
+                f"{_caller()}: torch._dynamo.optimize cannot run under capuchin (see "
+                "torch.compile): remove it, or set TORCHDYNAMO_DISABLE=1")
+
+        def capuchin_handle_skip(self, result, frame):
+            # a model compiled before capuchin started: Dynamo is about to skip it for the mode
+            reason = getattr(result, "skip_reason", None) or ""
+            if reason.startswith("non-infra torch dispatch mode") and not _disabled():
+                raise CompileRefused(
+                    f"{_caller()}: a function compiled by torch.compile ran under capuchin, which "
+                    "TorchDynamo does not compile under (it would silently run eagerly, with "
+                    "results that differ from the compiled run); remove torch.compile, or set "
+                    "TORCHDYNAMO_DISABLE=1 to train eagerly both with and without capuchin")
+            return handle_skip(self, result, frame)
+
+        torch.compile = capuchin_compile
+        torch._dynamo.optimize = capuchin_optimize
+        CatchErrorsWrapper._handle_skip = capuchin_handle_skip
+
+    @classmethod
+    def uninstall(cls) -> None:
+        cls.depth = max(0, cls.depth - 1)
+        if cls.depth == 0 and cls.saved:
+            from torch._dynamo.convert_frame import CatchErrorsWrapper
+
+            torch.compile, torch._dynamo.optimize, CatchErrorsWrapper._handle_skip = cls.saved
+            cls.saved = ()
