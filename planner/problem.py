@@ -481,10 +481,10 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
         # views share their base's storage; eviction is per storage, so views do not matter
         evictable = (not persistent and len(a) >= 2 and size.get(s, 0) > 0
                      and all(k >= 0 for k in a) and s not in collective_storages)
-        # Note [Wrap-around gaps]: resident at the start, alive at the end, not a view
+        # Note [Wrap-around gaps]: resident at the start, alive at the end
         wrap = None
         if (persistent and al is None and fr is None and s in resident and s not in freed_early
-                and a and a[0] >= 0 and size.get(s, 0) > 0 
+                and a and a[0] >= 0 and size.get(s, 0) > 0
                 and (n - 1 - a[-1]) + a[0] >= 1 and s not in collective_storages):
             wrap = (a[-1], a[0])
         storages[s] = StorageInfo(s, size.get(s, 0), kd, al, fr, tuple(a),

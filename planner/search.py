@@ -297,7 +297,7 @@ def switch_stalled(problem: Problem, a: Attempt, bound: int, switching: Switchin
                 continue
             if d.method == Method.SWAP:  # recompute it instead
                 if not problem.storages[d.storage_id].evictable:
-                    continue  # persistent: swap only
+                    continue  # persistent: swap only (problem.py Note [Wrap-around gaps])
                 r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
                                max_ops=max_replay_ops)
                 if r is not None:

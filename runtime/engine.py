@@ -187,8 +187,8 @@ class Runtime:
         if self.meter is not None:
             self.meter.start()
         self.indexer.install()
+        self._patch_save()
         self.ex.mode.__enter__()
-        self._guard_save()
         return self
 
     def _guard(self, budget, memory, swap, ex) -> BudgetGuard:
@@ -197,19 +197,18 @@ class Runtime:
         return DynamicGuard(budget, self.device, memory, swap, ex,
                             self.bandwidth_h2d_bytes_per_s, self.remat)
 
-    def _guard_save(self) -> None:
-        """``torch.save`` reads storages' bytes without an op the tracker could see, so every
-        evicted storage (those kept out across the step by wrap-around decisions, e.g. optimizer
-        state in ``optimizer.state_dict()``) comes back before it runs. Undone at exit."""
-        self._torch_save = torch.save
-        original = self._torch_save
+    def _patch_save(self) -> None:
+        """Note [Reads outside ops]: ``torch.save`` reads storages' bytes directly, not through
+        an op, so everything evicted comes back first, wrap-around decisions' storages too
+        (e.g. optimizer state in ``optimizer.state_dict()``)."""
+        save = self._save = torch.save
 
-        def save(*args, **kwargs):
+        def capuchin_save(*args, **kwargs):
             with _disable_current_modes(), torch.no_grad():
                 self.ex.restore_all(wrapping=True)
-            return original(*args, **kwargs)
+            return save(*args, **kwargs)
 
-        torch.save = save
+        torch.save = capuchin_save
 
     def _enter_empty(self) -> Runtime:
         self.ex = None
@@ -251,8 +250,8 @@ class Runtime:
             if exc_type is None:
                 raise  # otherwise the script's own error is the one to report
         finally:
-            torch.save = self._torch_save
             self.ex.mode.__exit__(exc_type, exc, tb)
+            torch.save = self._save
             self.indexer.uninstall()
             peaks = self.meter.finish() if self.meter is not None else {}
             if self._fraction_set:

@@ -21,17 +21,17 @@ recompute first, best of variants), which are not part of the paper.
 # within the iteration and across its boundary (problem.py Note [Wrap-around gaps]; their swap
 # timing: swapping.py Note [Wrap-around swaps]); they are never recomputed. They enter the
 # selection like any access pair, ranked by free time: optimizer state, whose free time is the
-# whole forward and backward pass, is usually swapped at no cost. Because greedy selection is
-# not monotone in its candidates (more candidates can end in a costlier plan), ``capuchin`` and
-# ``swap`` plan without them first (``Problem.restricted()``) and, unless that plan fits at no
-# cost, with them too, and return the better plan under the simulator (ties: the one without),
-# so the persistent candidates never make a plan worse.
+# whole forward and backward pass, is usually swapped first, at no cost. Because greedy
+# selection is not monotone in its candidates (more candidates can end in a costlier plan), each
+# registered policy also plans without them (``Problem.restricted()``: planning as it was
+# before) and returns the better plan under the simulator (ties: the one without), so the
+# persistent candidates never make a plan worse; the plan with them comes first and, when it
+# fits at no cost, the other is not made (docs/persistent-state.md).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,14 +82,34 @@ def capuchin(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
     Output contract (registry Note [Policy contract]): at most one decision per storage; swap
     decisions carry their in-trigger, recompute decisions their replay ops, sources and keeps.
     """
-    if problem.n_ops == 0 or problem.peak_bytes <= budget_bytes:
+    return _with_persistent(problem, budget_bytes, lambda p: _hybrid(
+        p, budget_bytes, max_rounds, collective, max_replay_ops))
+
+
+def _with_persistent(problem: Problem, budget: int, plan) -> list[Decision]:
+    """Note [Persistent candidates]: ``plan(problem)`` and, unless that fits at no cost,
+    ``plan(problem.restricted())``; the better under the simulator (ties: the latter)."""
+    if problem.n_ops == 0 or problem.peak_bytes <= budget:
         return []
-    return _with_persistent(problem, budget_bytes, lambda prob: _hybrid(
-        prob, budget_bytes, max_rounds, collective, max_replay_ops))
+    base = problem.restricted()
+    if base is problem:
+        return plan(problem)
+    with_them = plan(problem)
+    sim = None
+    try:
+        sim = simulate(problem, with_them)
+    except PlanError:
+        pass
+    if sim is not None and sim.peak_bytes <= budget and sim.time_ns <= sim.baseline_time_ns:
+        return with_them  # fits at no cost: nothing can beat it
+    without = plan(base)
+    return best_of(problem, budget, [lambda: without, lambda: with_them])
 
 
 def _hybrid(problem: Problem, budget_bytes: int, max_rounds: int, collective: bool,
             max_replay_ops: int) -> list[Decision]:
+    if problem.n_ops == 0 or problem.peak_bytes <= budget_bytes:
+        return []
     hybrid = Capuchin("hybrid", max_rounds, collective, max_replay_ops)
     if problem.n_ops > SEARCH_MAX_OPS:
         return descend(problem, budget_bytes, hybrid)
@@ -111,10 +131,8 @@ def _hybrid(problem: Problem, budget_bytes: int, max_rounds: int, collective: bo
 def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> list[Decision]:
     """Capuchin restricted to swapping: zero-overhead swaps by free time, then the swaps with the
     smallest exposed wait, until the simulated peak fits; on the target grid."""
-    if problem.n_ops == 0 or problem.peak_bytes <= budget_bytes:
-        return []
-    return _with_persistent(problem, budget_bytes, lambda prob: _searched(
-        prob, budget_bytes, Capuchin("swap", max_rounds, False, 0)))
+    return _with_persistent(problem, budget_bytes, lambda p: _searched(
+        p, budget_bytes, Capuchin("swap", max_rounds, False, 0)))
 
 
 @register("recompute")
@@ -122,32 +140,8 @@ def recompute_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
                    collective: bool = True, max_replay_ops: int = 200) -> list[Decision]:
     """Capuchin restricted to recomputation: Algorithm 2 (largest MSPS first, iterative update)
     until the simulated peak fits; on the target grid."""
-    return _searched(problem, budget_bytes,
-                     Capuchin("recompute", max_rounds, collective, max_replay_ops))
-
-
-def _with_persistent(problem: Problem, budget: int,
-                     plan: Callable[[Problem], list[Decision]]) -> list[Decision]:
-    """Note [Persistent candidates]: the plan without persistent candidates first (planning as
-    the paper does); when it does not fit at no cost, also the plan with them, and the better
-    one under the simulator (ties: the one without)."""
-    base = problem.restricted()
-    if base is problem:
-        return plan(problem)
-    best = None
-    for prob in (base, problem):
-        ds = plan(prob)
-        try:
-            sim = simulate(problem, ds)
-        except PlanError:
-            continue
-        fits = sim.peak_bytes <= budget
-        key = (not fits, sim.time_ns if fits else sim.peak_bytes)
-        if best is None or key < best[0]:  # ties keep the plan without persistent swaps
-            best = (key, ds)
-        if fits and sim.time_ns <= sim.baseline_time_ns:
-            break  # fits at no cost: nothing can beat it
-    return best[1] if best else []
+    return _with_persistent(problem, budget_bytes, lambda p: _searched(
+        p, budget_bytes, Capuchin("recompute", max_rounds, collective, max_replay_ops)))
 
 
 def _searched(problem: Problem, budget: int, planner: Capuchin) -> list[Decision]:
