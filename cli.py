@@ -70,8 +70,7 @@ def main() -> None:
     """Train PyTorch models that do not fit in GPU memory: trace, plan, run (Capuchin, ASPLOS'20)."""
 
 
-# ---- tracer (issue 2) -----------------------------------------------------------------------
-# CLI-TRACE-BEGIN
+# ---- tracer -----------------------------------------------------------------------
 @main.command(context_settings={"ignore_unknown_options": True,
                                 "allow_interspersed_args": False})
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
@@ -112,11 +111,9 @@ def trace(output, force, iterations, warmup, device, budget, script, script_args
     path = trace_script(script, list(script_args), output=out, iterations=iterations,
                         warmup=warmup, device=device, force=force, budget_bytes=budget_bytes)
     click.echo(f"capuchin: wrote {path}", err=True)
-# CLI-TRACE-END
 
 
 # ---- show: a trace (.parquet) or a plan (.json) ---------------------------------------------
-# CLI-SHOW-BEGIN
 @main.command()
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -179,11 +176,9 @@ def _floor(trace):
     pct = b["floor_bytes"] / problem.peak_bytes if problem.peak_bytes else 1.0
     return b, (f"floor {format_bytes(b['floor_bytes'])} ({pct:.0%} of the peak; no plan goes "
                f"below): {floor_text(problem)}")
-# CLI-SHOW-END
 
 
-# ---- planner (issue 3) ----------------------------------------------------------------------
-# CLI-PLAN-BEGIN
+# ---- planner ----------------------------------------------------------------------
 @main.command("plan")
 @click.argument("trace", type=click.Path(dir_okay=False, path_type=str))
 @click.option("--budget", required=True, metavar="SIZE",
@@ -234,11 +229,9 @@ def _print_plan(plan, path, as_json: bool) -> None:
             head, sep, tail = text.rpartition("\nwrote ")
             text = f"{head}\n{solver}{sep}{tail}" if sep else f"{text}\n{solver}"
         click.echo(text)
-# CLI-PLAN-END
 
 
-# ---- peers: compare, import-dtr (issue 4) ---------------------------------------------------
-# CLI-COMPARE-BEGIN
+# ---- peers: compare, import-dtr ---------------------------------------------------
 @main.command("import-dtr")
 @click.argument("log", type=click.Path(dir_okay=False, path_type=str))
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default=None,
@@ -308,11 +301,9 @@ def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: fl
                          title=f"{Path(trace).name}: every policy at {format_bytes(budget)}",
                          force=force)
         click.echo(f"wrote {out}", err=as_json)
-# CLI-COMPARE-END
 
 
-# ---- runtime (issue 5) ----------------------------------------------------------------------
-# CLI-RUN-BEGIN
+# ---- runtime ----------------------------------------------------------------------
 @main.command(context_settings={"ignore_unknown_options": True,
                                 "allow_interspersed_args": False})
 @click.option("--plan", "plan", type=click.Path(dir_okay=False), default=None,
@@ -346,13 +337,11 @@ def run(plan, budget, report, force, no_measure, eviction, script, script_args):
         from .distributed import per_rank
 
         click.echo(f"wrote {per_rank(report)}")
-# CLI-RUN-END
 
 
 
 
 # ---- max-batch ------------------------------------------------------------------------------
-# CLI-MAX-BATCH-BEGIN
 @main.command("max-batch", context_settings={"ignore_unknown_options": True,
                                              "allow_interspersed_args": False})
 @click.option("--memory", required=True, metavar="SIZE",
@@ -409,7 +398,6 @@ def max_batch_cmd(memory, arg, policy, compare, max_overhead, min_value, max_val
                        compare=[p for p in compare.split(",") if p.strip()],
                        verify=not no_verify, time_all=time_all)
     click.echo(json.dumps(result.to_dict(), sort_keys=True) if as_json else result.summary())
-# CLI-MAX-BATCH-END
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ everything as CSV.
     python benchmarks/plan_quality.py --traces traces/cnn.trace.parquet --no-dtr
     python benchmarks/plan_quality.py --ilp-time-limit 20 --ilp-max-ops 3000   # skip the ILP above
 
-The aims (issue 4): capuchin's overhead no worse than any heuristic at any budget; within 10% of
+The aims: capuchin's overhead no worse than any heuristic at any budget; within 10% of
 the ILP's wherever the ILP proves optimality (overheads as fractions of the baseline iteration:
 capuchin <= 1.1 x ILP); a smallest feasible budget no larger than DTR's. The "aims" section lists
 every place where capuchin falls short.
