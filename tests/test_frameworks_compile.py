@@ -58,6 +58,7 @@ def test_a_model_compiled_before_capuchin_started_is_refused_at_its_first_call()
     from torch import nn
     from torch._dynamo.convert_frame import CatchErrorsWrapper
 
+    torch._dynamo.reset()  # nothing compiled by an earlier test stands in for this model's frames
     original = CatchErrorsWrapper._handle_skip
     model = nn.Linear(8, 2)
     compiled = torch.compile(model)
