@@ -71,20 +71,42 @@ def main() -> None:
 
 
 # ---- tracer -----------------------------------------------------------------------
-@main.command(context_settings={"ignore_unknown_options": True,
-                                "allow_interspersed_args": False})
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
-              help="Trace file to write [default: <script stem>.trace.parquet].")
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Trace file to write [default: <script stem>.trace.parquet].",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
-@click.option("--iterations", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Iterations to record.")
-@click.option("--warmup", type=click.IntRange(min=0), default=None,
-              help="Iterations to run before recording [default: 1; 2 under torchrun].")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
-              show_default=True, help="Device whose memory and timeline are traced.")
-@click.option("--budget", default=None, metavar="SIZE",
-              help="Trace within SIZE of device memory (8G, 512MiB, bytes) by passive eviction; "
-                   "the trace still records the unmanaged program.")
+@click.option(
+    "--iterations",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Iterations to record.",
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Iterations to run before recording [default: 1; 2 under torchrun].",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="Device whose memory and timeline are traced.",
+)
+@click.option(
+    "--budget",
+    default=None,
+    metavar="SIZE",
+    help="Trace within SIZE of device memory (8G, 512MiB, bytes) by passive eviction; "
+    "the trace still records the unmanaged program.",
+)
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @_errors_to_exit
@@ -102,14 +124,24 @@ def trace(output, force, iterations, warmup, device, budget, script, script_args
         from .planner.budget import BudgetError, parse_budget
 
         if str(budget).strip().endswith("%"):
-            raise BudgetError(f"--budget {budget}: a percentage needs a peak, and tracing is what "
-                              "measures it; give a size (8G, 512MiB, bytes)")
+            raise BudgetError(
+                f"--budget {budget}: a percentage needs a peak, and tracing is what "
+                "measures it; give a size (8G, 512MiB, bytes)"
+            )
         budget_bytes = parse_budget(budget)
     if script_args[:1] == ("--",):  # `capuchin trace train.py -- --lr 0.1`: the separator is ours
         script_args = script_args[1:]
     out = output if output is not None else default_output(script)
-    path = trace_script(script, list(script_args), output=out, iterations=iterations,
-                        warmup=warmup, device=device, force=force, budget_bytes=budget_bytes)
+    path = trace_script(
+        script,
+        list(script_args),
+        output=out,
+        iterations=iterations,
+        warmup=warmup,
+        device=device,
+        force=force,
+        budget_bytes=budget_bytes,
+    )
     click.echo(f"capuchin: wrote {path}", err=True)
 
 
@@ -117,10 +149,18 @@ def trace(output, force, iterations, warmup, device, budget, script, script_args
 @main.command()
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None,
-              help="Plans: write the memory curve before/after as an image.")
-@click.option("--chrome", type=click.Path(dir_okay=False), default=None,
-              help="Plans: write a Chrome trace (chrome://tracing) of the simulated schedule.")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Plans: write the memory curve before/after as an image.",
+)
+@click.option(
+    "--chrome",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Plans: write a Chrome trace (chrome://tracing) of the simulated schedule.",
+)
 @click.option("--force", is_flag=True, help="Overwrite existing --plot / --chrome files.")
 @_errors_to_exit
 def show(path, as_json, plot, chrome, force):
@@ -130,15 +170,19 @@ def show(path, as_json, plot, chrome, force):
 
         ranks = ranked_files(path)
         if ranks:  # written under torchrun: one file per rank, none under the name given
-            raise CapuchinError(f"{path}: no such file; it was written per rank: "
-                                f"{', '.join(str(f) for f in ranks.values())}; show one of them")
+            raise CapuchinError(
+                f"{path}: no such file; it was written per rank: "
+                f"{', '.join(str(f) for f in ranks.values())}; show one of them"
+            )
     if not str(path).endswith(".parquet"):
         try:
             from .planner.report import show_plan
         except ModuleNotFoundError as exc:
             if exc.name and exc.name.startswith("capuchin"):
-                raise CapuchinError(f"{path}: not a trace (.parquet), and this capuchin cannot "
-                                    "show plans (capuchin.planner.report is missing)") from None
+                raise CapuchinError(
+                    f"{path}: not a trace (.parquet), and this capuchin cannot "
+                    "show plans (capuchin.planner.report is missing)"
+                ) from None
             raise
         click.echo(show_plan(path, as_json=as_json, plot=plot, chrome=chrome, force=force))
         return
@@ -174,28 +218,56 @@ def _floor(trace):
         return None
     b = problem.floor_breakdown()
     pct = b["floor_bytes"] / problem.peak_bytes if problem.peak_bytes else 1.0
-    return b, (f"floor {format_bytes(b['floor_bytes'])} ({pct:.0%} of the peak; no plan goes "
-               f"below): {floor_text(problem)}")
+    return b, (
+        f"floor {format_bytes(b['floor_bytes'])} ({pct:.0%} of the peak; no plan goes "
+        f"below): {floor_text(problem)}"
+    )
 
 
 # ---- planner ----------------------------------------------------------------------
 @main.command("plan")
 @click.argument("trace", type=click.Path(dir_okay=False, path_type=str))
-@click.option("--budget", required=True, metavar="SIZE",
-              help="Device memory budget: bytes, 8G / 8GiB (2^30), 8GB (10^9), 512M, or a share "
-                   "of the trace's peak: 60%.")
-@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
-              help="Plan file to write (default: <trace stem>.plan.json here).")
-@click.option("--policy", default="capuchin", show_default=True,
-              help="Registered policy (capuchin, swap, recompute, ...).")
-@click.option("--bandwidth", default=None, metavar="RATE",
-              help="Override the trace's host<->device bandwidth, both ways (12GB/s, 16e9).")
-@click.option("--iteration", type=int, default=None,
-              help="Recorded iteration to plan (default: the trace's steady one).")
-@click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True),
-              default=None, metavar="SECONDS",
-              help="Wall-clock limit of the solve, for policies that search (ilp); ignored, "
-                   "with a note, by the others.")
+@click.option(
+    "--budget",
+    required=True,
+    metavar="SIZE",
+    help="Device memory budget: bytes, 8G / 8GiB (2^30), 8GB (10^9), 512M, or a share "
+    "of the trace's peak: 60%.",
+)
+@click.option(
+    "-o",
+    "--output",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Plan file to write (default: <trace stem>.plan.json here).",
+)
+@click.option(
+    "--policy",
+    default="capuchin",
+    show_default=True,
+    help="Registered policy (capuchin, swap, recompute, ...).",
+)
+@click.option(
+    "--bandwidth",
+    default=None,
+    metavar="RATE",
+    help="Override the trace's host<->device bandwidth, both ways (12GB/s, 16e9).",
+)
+@click.option(
+    "--iteration",
+    type=int,
+    default=None,
+    help="Recorded iteration to plan (default: the trace's steady one).",
+)
+@click.option(
+    "--time-limit",
+    "time_limit_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="Wall-clock limit of the solve, for policies that search (ilp); ignored, "
+    "with a note, by the others.",
+)
 @click.option("--force", is_flag=True, help="Overwrite the output file.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_errors_to_exit
@@ -209,8 +281,16 @@ def plan_cmd(trace, budget, output, policy, bandwidth, iteration, time_limit_s, 
     from .planner.api import plan_files
 
     # every rank's trace of a torchrun job: one plan each (Note [Per-rank files])
-    for plan, path in plan_files(trace, budget, output, policy=policy, bandwidth=bandwidth,
-                                 iteration=iteration, force=force, time_limit_s=time_limit_s):
+    for plan, path in plan_files(
+        trace,
+        budget,
+        output,
+        policy=policy,
+        bandwidth=bandwidth,
+        iteration=iteration,
+        force=force,
+        time_limit_s=time_limit_s,
+    ):
         _print_plan(plan, path, as_json)
 
 
@@ -234,11 +314,22 @@ def _print_plan(plan, path, as_json: bool) -> None:
 # ---- peers: compare, import-dtr ---------------------------------------------------
 @main.command("import-dtr")
 @click.argument("log", type=click.Path(dir_okay=False, path_type=str))
-@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default=None,
-              help="Trace file to write (default: dtr-<model>-<batch>.trace.parquet here).")
-@click.option("--bandwidth", "bandwidth", default=None, metavar="RATE",
-              help="Host<->device bandwidth for both directions, e.g. 12GB/s (10^9) or "
-                   "16e9 (bytes/s; default 12GB/s, the paper's PCIe 3.0 x16).")
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Trace file to write (default: dtr-<model>-<batch>.trace.parquet here).",
+)
+@click.option(
+    "--bandwidth",
+    "bandwidth",
+    default=None,
+    metavar="RATE",
+    help="Host<->device bandwidth for both directions, e.g. 12GB/s (10^9) or "
+    "16e9 (bytes/s; default 12GB/s, the paper's PCIe 3.0 x16).",
+)
 @click.option("--force", is_flag=True, help="Overwrite the output file.")
 @_errors_to_exit
 def import_dtr_cmd(log: str, output: str | None, bandwidth: str | None, force: bool) -> None:
@@ -257,21 +348,48 @@ def import_dtr_cmd(log: str, output: str | None, bandwidth: str | None, force: b
 
 @main.command("compare")
 @click.argument("trace", type=click.Path(dir_okay=False, path_type=str))
-@click.option("--budget", "budgets", required=True, metavar="SIZE[,SIZE...]",
-              help="Budgets: bytes or 8G, 512MiB, or a fraction of the peak: 60%.")
-@click.option("--policies", default=None, metavar="a,b,...",
-              help="Policies to compare (default: every registered policy).")
-@click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True),
-              default=None, metavar="SECONDS",
-              help="Time limit per solve for policies that take one (the ILP).")
+@click.option(
+    "--budget",
+    "budgets",
+    required=True,
+    metavar="SIZE[,SIZE...]",
+    help="Budgets: bytes or 8G, 512MiB, or a fraction of the peak: 60%.",
+)
+@click.option(
+    "--policies",
+    default=None,
+    metavar="a,b,...",
+    help="Policies to compare (default: every registered policy).",
+)
+@click.option(
+    "--time-limit",
+    "time_limit_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="Time limit per solve for policies that take one (the ILP).",
+)
 @click.option("--no-search", is_flag=True, help="Skip the smallest-feasible-budget search.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of records instead.")
-@click.option("--plot", "plot", type=click.Path(dir_okay=False), default=None,
-              help="Also draw every policy's memory curve at the smallest budget into this PNG.")
+@click.option(
+    "--plot",
+    "plot",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also draw every policy's memory curve at the smallest budget into this PNG.",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing --plot file.")
 @_errors_to_exit
-def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: float | None,
-                no_search: bool, as_json: bool, plot: str | None, force: bool) -> None:
+def compare_cmd(
+    trace: str,
+    budgets: str,
+    policies: str | None,
+    time_limit_s: float | None,
+    no_search: bool,
+    as_json: bool,
+    plot: str | None,
+    force: bool,
+) -> None:
     """Run every policy on TRACE at each budget through the one simulator; print a table.
 
     Per policy and budget: feasible, predicted peak, overhead, bytes swapped, ops recomputed,
@@ -286,8 +404,12 @@ def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: fl
         check_output(plot, force=force, inputs=[trace], suffixes=IMAGE_SUFFIXES)
     problem = load_problem(trace)  # once: the table and the plot use the same
     result = compare_policies(
-        problem, budgets, policies=policies.split(",") if policies else None,
-        time_limit_s=time_limit_s, search_smallest=not no_search)
+        problem,
+        budgets,
+        policies=policies.split(",") if policies else None,
+        time_limit_s=time_limit_s,
+        search_smallest=not no_search,
+    )
     click.echo(records_to_json(result) if as_json else format_comparison(result))
     if plot:
         from pathlib import Path
@@ -297,27 +419,50 @@ def compare_cmd(trace: str, budgets: str, policies: str | None, time_limit_s: fl
 
         budget = min(r.budget_bytes for r in result.records)
         plans = {pol: pl for (pol, b), pl in result.plans.items() if b == budget and pl}
-        out = plot_plans(plans, plot, problem=problem,
-                         title=f"{Path(trace).name}: every policy at {format_bytes(budget)}",
-                         force=force)
+        out = plot_plans(
+            plans,
+            plot,
+            problem=problem,
+            title=f"{Path(trace).name}: every policy at {format_bytes(budget)}",
+            force=force,
+        )
         click.echo(f"wrote {out}", err=as_json)
 
 
 # ---- runtime ----------------------------------------------------------------------
-@main.command(context_settings={"ignore_unknown_options": True,
-                                "allow_interspersed_args": False})
-@click.option("--plan", "plan", type=click.Path(dir_okay=False), default=None,
-              help="Plan file (capuchin plan). Without it, --budget runs in dynamic mode.")
-@click.option("--budget", default=None, metavar="SIZE",
-              help="Budget in bytes or 8G / 512MiB (default: the plan's).")
-@click.option("--report", "report", type=click.Path(dir_okay=False), default=None,
-              help="Write the per-iteration JSON report there.")
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option(
+    "--plan",
+    "plan",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Plan file (capuchin plan). Without it, --budget runs in dynamic mode.",
+)
+@click.option(
+    "--budget",
+    default=None,
+    metavar="SIZE",
+    help="Budget in bytes or 8G / 512MiB (default: the plan's).",
+)
+@click.option(
+    "--report",
+    "report",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the per-iteration JSON report there.",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing report.")
-@click.option("--no-measure", is_flag=True,
-              help="Do not measure peaks with the profiler (faster on CPU).")
-@click.option("--eviction", type=click.Choice(["dtr", "lru"]), default="dtr", show_default=True,
-              help="Where no plan applies: DTR's eviction and replay (dynamic mode) or "
-                   "swapping the least recently used storage.")
+@click.option(
+    "--no-measure", is_flag=True, help="Do not measure peaks with the profiler (faster on CPU)."
+)
+@click.option(
+    "--eviction",
+    type=click.Choice(["dtr", "lru"]),
+    default="dtr",
+    show_default=True,
+    help="Where no plan applies: DTR's eviction and replay (dynamic mode) or "
+    "swapping the least recently used storage.",
+)
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @_errors_to_exit
@@ -329,9 +474,16 @@ def run(plan, budget, report, force, no_measure, eviction, script, script_args):
     budget_bytes = parse_budget(budget) if budget is not None else None
     if plan is None and budget_bytes is None:
         raise click.UsageError("give --plan PLAN (or --budget SIZE for dynamic mode)")
-    rep = run_script(script, list(script_args), plan=plan, budget_bytes=budget_bytes,
-                     report_path=report, force=force, measure_memory=not no_measure,
-                     eviction=eviction)
+    rep = run_script(
+        script,
+        list(script_args),
+        plan=plan,
+        budget_bytes=budget_bytes,
+        report_path=report,
+        force=force,
+        measure_memory=not no_measure,
+        eviction=eviction,
+    )
     click.echo(rep.summary())
     if report:
         from .distributed import per_rank
@@ -339,38 +491,98 @@ def run(plan, budget, report, force, no_measure, eviction, script, script_args):
         click.echo(f"wrote {per_rank(report)}")
 
 
-
-
 # ---- max-batch ------------------------------------------------------------------------------
-@main.command("max-batch", context_settings={"ignore_unknown_options": True,
-                                             "allow_interspersed_args": False})
-@click.option("--memory", required=True, metavar="SIZE",
-              help="Device memory to fit: 8G / 8GiB (2^30), 8GB (10^9), 512M, bytes.")
-@click.option("--arg", "arg", required=True, metavar="NAME",
-              help="The script's option to maximize, e.g. --batch (appended as NAME VALUE).")
-@click.option("--policy", default="capuchin", show_default=True,
-              help="The chosen policy (its largest value is verified by a real run).")
-@click.option("--compare", default="checkpoint-sqrt,dtr,swap,recompute", show_default=True,
-              metavar="P[,P...]", help="Comparison policies also searched ('' for none).")
-@click.option("--max-overhead", default=None, metavar="PCT",
-              help="Largest predicted overhead accepted (20% or 20) [default: no limit].")
-@click.option("--min", "min_value", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Smallest value tried (the doubling starts here).")
-@click.option("--max", "max_value", type=click.IntRange(min=1), default=65536, show_default=True,
-              help="Largest value tried.")
-@click.option("--steps", type=click.IntRange(min=2), default=5, show_default=True,
-              help="Optimizer steps of the verifying run.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
-              show_default=True, help="Device whose memory is fitted.")
-@click.option("--time-all", is_flag=True,
-              help="Also run every compared policy at its own largest value (time per sample).")
+@main.command(
+    "max-batch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False}
+)
+@click.option(
+    "--memory",
+    required=True,
+    metavar="SIZE",
+    help="Device memory to fit: 8G / 8GiB (2^30), 8GB (10^9), 512M, bytes.",
+)
+@click.option(
+    "--arg",
+    "arg",
+    required=True,
+    metavar="NAME",
+    help="The script's option to maximize, e.g. --batch (appended as NAME VALUE).",
+)
+@click.option(
+    "--policy",
+    default="capuchin",
+    show_default=True,
+    help="The chosen policy (its largest value is verified by a real run).",
+)
+@click.option(
+    "--compare",
+    default="checkpoint-sqrt,dtr,swap,recompute",
+    show_default=True,
+    metavar="P[,P...]",
+    help="Comparison policies also searched ('' for none).",
+)
+@click.option(
+    "--max-overhead",
+    default=None,
+    metavar="PCT",
+    help="Largest predicted overhead accepted (20% or 20) [default: no limit].",
+)
+@click.option(
+    "--min",
+    "min_value",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Smallest value tried (the doubling starts here).",
+)
+@click.option(
+    "--max",
+    "max_value",
+    type=click.IntRange(min=1),
+    default=65536,
+    show_default=True,
+    help="Largest value tried.",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=2),
+    default=5,
+    show_default=True,
+    help="Optimizer steps of the verifying run.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="Device whose memory is fitted.",
+)
+@click.option(
+    "--time-all",
+    is_flag=True,
+    help="Also run every compared policy at its own largest value (time per sample).",
+)
 @click.option("--no-verify", is_flag=True, help="Skip the verifying run.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @_errors_to_exit
-def max_batch_cmd(memory, arg, policy, compare, max_overhead, min_value, max_value, steps, device,
-                  time_all, no_verify, as_json, script, script_args):
+def max_batch_cmd(
+    memory,
+    arg,
+    policy,
+    compare,
+    max_overhead,
+    min_value,
+    max_value,
+    steps,
+    device,
+    time_all,
+    no_verify,
+    as_json,
+    script,
+    script_args,
+):
     """Find the largest value of SCRIPT's option --arg that trains within --memory.
 
     Each candidate is traced under the memory cap and planned at it; search by doubling, then
@@ -388,15 +600,26 @@ def max_batch_cmd(memory, arg, policy, compare, max_overhead, min_value, max_val
         try:
             overhead = float(text) / 100
         except ValueError:
-            raise CapuchinError(f"--max-overhead {max_overhead}: expected a percentage like 20% "
-                                "or 20") from None
+            raise CapuchinError(
+                f"--max-overhead {max_overhead}: expected a percentage like 20% or 20"
+            ) from None
     if script_args[:1] == ("--",):
         script_args = script_args[1:]
-    result = max_batch(script, list(script_args), memory=memory, arg=arg, policy=policy,
-                       max_overhead=overhead, min_value=min_value, max_value=max_value,
-                       steps=steps, device=device,
-                       compare=[p for p in compare.split(",") if p.strip()],
-                       verify=not no_verify, time_all=time_all)
+    result = max_batch(
+        script,
+        list(script_args),
+        memory=memory,
+        arg=arg,
+        policy=policy,
+        max_overhead=overhead,
+        min_value=min_value,
+        max_value=max_value,
+        steps=steps,
+        device=device,
+        compare=[p for p in compare.split(",") if p.strip()],
+        verify=not no_verify,
+        time_all=time_all,
+    )
     click.echo(json.dumps(result.to_dict(), sort_keys=True) if as_json else result.summary())
 
 

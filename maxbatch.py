@@ -124,36 +124,53 @@ class MaxBatchResult:
 
     def summary(self) -> str:
         mb = _mb
-        lines = [f"max-batch: {self.script} {self.arg} within {mb(self.memory_bytes)} "
-                 f"({self.memory_bytes} B) on {self.device}"
-                 + (f", predicted overhead <= {self.max_overhead:.0%}"
-                    if self.max_overhead is not None else "")]
+        lines = [
+            f"max-batch: {self.script} {self.arg} within {mb(self.memory_bytes)} "
+            f"({self.memory_bytes} B) on {self.device}"
+            + (
+                f", predicted overhead <= {self.max_overhead:.0%}"
+                if self.max_overhead is not None
+                else ""
+            )
+        ]
         rows = [(UNMANAGED, self.unmanaged_max)] + sorted(
-            self.max_by_policy.items(), key=lambda kv: (kv[0] != self.policy, kv[0]))
+            self.max_by_policy.items(), key=lambda kv: (kv[0] != self.policy, kv[0])
+        )
         for name, v in rows:
             mark = "  <- chosen" if name == self.policy else ""
-            x = (f" ({v / self.unmanaged_max:.2f}x unmanaged)"
-                 if self.unmanaged_max and name != UNMANAGED else "")
+            x = (
+                f" ({v / self.unmanaged_max:.2f}x unmanaged)"
+                if self.unmanaged_max and name != UNMANAGED
+                else ""
+            )
             run = self.runs.get(name)
-            t = (f", {run['time_per_sample_s'] * 1e3:.2f} ms/sample measured"
-                 if run and run.get("time_per_sample_s") else "")
+            t = (
+                f", {run['time_per_sample_s'] * 1e3:.2f} ms/sample measured"
+                if run and run.get("time_per_sample_s")
+                else ""
+            )
             lines.append(f"  {name:<16} {v:>7}{x}{t}{mark}")
         for name, why in self.not_applicable.items():
             lines.append(f"  {name:<16}     n/a ({why})")
         for rej in self.rejected:
-            lines.append(f"rejected: {self.arg} {rej['value']} measured "
-                         f"{rej['peak_bytes'] / self.memory_bytes:.3f} x memory in its "
-                         "verifying run")
+            lines.append(
+                f"rejected: {self.arg} {rej['value']} measured "
+                f"{rej['peak_bytes'] / self.memory_bytes:.3f} x memory in its "
+                "verifying run"
+            )
         if self.verified_peak_bytes is not None:
-            lines.append(f"verified: {self.verify_steps} steps at {self.arg} {self.chosen} under "
-                         f"the {self.policy} plan: measured peak {mb(self.verified_peak_bytes)} "
-                         f"= {self.verified_peak_bytes / self.memory_bytes:.3f} x memory"
-                         + ("" if self.verified else
-                            f" (NOT within {VERIFY_TOLERANCE:.0%} of memory)"))
+            lines.append(
+                f"verified: {self.verify_steps} steps at {self.arg} {self.chosen} under "
+                f"the {self.policy} plan: measured peak {mb(self.verified_peak_bytes)} "
+                f"= {self.verified_peak_bytes / self.memory_bytes:.3f} x memory"
+                + ("" if self.verified else f" (NOT within {VERIFY_TOLERANCE:.0%} of memory)")
+            )
         if self.time_per_sample_ratio is not None:
-            lines.append(f"time per sample {self.time_per_sample_s * 1e3:.3f} ms vs "
-                         f"{self.unmanaged_time_per_sample_s * 1e3:.3f} ms unmanaged at "
-                         f"{self.arg} {self.unmanaged_max}: {self.time_per_sample_ratio:.2f}x")
+            lines.append(
+                f"time per sample {self.time_per_sample_s * 1e3:.3f} ms vs "
+                f"{self.unmanaged_time_per_sample_s * 1e3:.3f} ms unmanaged at "
+                f"{self.arg} {self.unmanaged_max}: {self.time_per_sample_ratio:.2f}x"
+            )
         return "\n".join(lines)
 
 
@@ -165,13 +182,24 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def max_batch(script: str | os.PathLike, script_args: Sequence[str] = (), *,
-              memory: str | int, arg: str, policy: str = "capuchin",
-              max_overhead: float | None = None, min_value: int = 1,
-              max_value: int = 65536, steps: int = 5, device: str = "auto",
-              compare: Sequence[str] | None = COMPARISON_POLICIES, verify: bool = True,
-              time_all: bool = False, keep_state: bool = False,
-              log: Callable[[str], None] | None = _stderr) -> MaxBatchResult:
+def max_batch(
+    script: str | os.PathLike,
+    script_args: Sequence[str] = (),
+    *,
+    memory: str | int,
+    arg: str,
+    policy: str = "capuchin",
+    max_overhead: float | None = None,
+    min_value: int = 1,
+    max_value: int = 65536,
+    steps: int = 5,
+    device: str = "auto",
+    compare: Sequence[str] | None = COMPARISON_POLICIES,
+    verify: bool = True,
+    time_all: bool = False,
+    keep_state: bool = False,
+    log: Callable[[str], None] | None = _stderr,
+) -> MaxBatchResult:
     """Find the largest value of ``script``'s option ``arg`` that trains within ``memory``.
 
     memory: bytes or a size (``"8G"``, ``"512MiB"``; no percentage). arg: the option, e.g.
@@ -214,19 +242,26 @@ def max_batch(script: str | os.PathLike, script_args: Sequence[str] = (), *,
     dev = resolve_device(device)
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="capuchin-max-batch-") as tmp:
-        search = _Search(path, list(script_args), flag, memory_bytes, dev, Path(tmp), max_overhead,
-                         log)
+        search = _Search(
+            path, list(script_args), flag, memory_bytes, dev, Path(tmp), max_overhead, log
+        )
         first = search.candidate(min_value)
         if not first.fits_device:
             raise MaxBatchError(
                 f"{script}: memory {format_bytes(memory_bytes)} ({memory_bytes} B) is below what "
-                f"{flag} {min_value} needs: it ran out of memory while traced under that cap")
-        if first.fits_device and first.floor_bytes is not None \
-                and first.floor_bytes > memory_bytes and first.peak_bytes > memory_bytes:
+                f"{flag} {min_value} needs: it ran out of memory while traced under that cap"
+            )
+        if (
+            first.fits_device
+            and first.floor_bytes is not None
+            and first.floor_bytes > memory_bytes
+            and first.peak_bytes > memory_bytes
+        ):
             raise MaxBatchError(
                 f"{script}: memory {format_bytes(memory_bytes)} ({memory_bytes} B) is below what "
                 f"{flag} {min_value} needs: its peak is {format_bytes(first.peak_bytes)} unmanaged and no "
-                f"plan can go below {format_bytes(first.floor_bytes)} (what must stay resident)")
+                f"plan can go below {format_bytes(first.floor_bytes)} (what must stay resident)"
+            )
         best = {policy: search.largest(policy, min_value, max_value)}
         unmanaged = search.largest(UNMANAGED, min_value, max_value)
         if best[policy] == 0 and unmanaged == 0:
@@ -235,8 +270,8 @@ def max_batch(script: str | os.PathLike, script_args: Sequence[str] = (), *,
                 f"{script}: memory {format_bytes(memory_bytes)} ({memory_bytes} B) is below what "
                 f"{flag} {min_value} needs: its peak is {_mb(first.peak_bytes)} unmanaged and the "
                 f"{policy} plan peaks at {_mb(why.get('predicted_peak_bytes'))}"
-                + (f" (or costs more than {max_overhead:.0%})" if max_overhead is not None
-                   else ""))
+                + (f" (or costs more than {max_overhead:.0%})" if max_overhead is not None else "")
+            )
         for p in others:
             best[p] = search.largest(p, min_value, max_value)
         na = {p: search.not_applicable[p] for p in others if p in search.not_applicable}
@@ -245,26 +280,50 @@ def max_batch(script: str | os.PathLike, script_args: Sequence[str] = (), *,
         chosen = best[policy]
         plan = search.plan(chosen, policy) if chosen else None
         result = MaxBatchResult(
-            script=str(script), arg=flag, memory_bytes=memory_bytes, device=dev, policy=policy,
-            chosen=chosen, unmanaged_max=unmanaged, max_by_policy=best, not_applicable=na,
+            script=str(script),
+            arg=flag,
+            memory_bytes=memory_bytes,
+            device=dev,
+            policy=policy,
+            chosen=chosen,
+            unmanaged_max=unmanaged,
+            max_by_policy=best,
+            not_applicable=na,
             max_overhead=max_overhead,
-            predicted_overhead=(plan.predictions.predicted_overhead if plan is not None
-                                else None),
-            verified_peak_bytes=None, verified_steady_peak_bytes=None, time_per_sample_s=None,
-            unmanaged_time_per_sample_s=None, time_per_sample_ratio=None, verify_steps=steps,
-            planned_max=chosen, plan=plan)
+            predicted_overhead=(plan.predictions.predicted_overhead if plan is not None else None),
+            verified_peak_bytes=None,
+            verified_steady_peak_bytes=None,
+            time_per_sample_s=None,
+            unmanaged_time_per_sample_s=None,
+            time_per_sample_ratio=None,
+            verify_steps=steps,
+            planned_max=chosen,
+            plan=plan,
+        )
         if verify and chosen:
             run = None
             for attempt in range(VERIFY_TRIES):  # Note [Verified, not only planned]
-                log(f"max-batch: verifying: {steps} steps at {flag} {chosen} under the {policy} "
-                    "plan")
-                run = run_steps(path, [*script_args, flag, str(chosen)], steps, plan=plan,
-                                device=dev, keep_state=keep_state)
-                log(f"max-batch:   measured peak {_mb(run.peak_bytes)} "
+                log(
+                    f"max-batch: verifying: {steps} steps at {flag} {chosen} under the {policy} "
+                    "plan"
+                )
+                run = run_steps(
+                    path,
+                    [*script_args, flag, str(chosen)],
+                    steps,
+                    plan=plan,
+                    device=dev,
+                    keep_state=keep_state,
+                )
+                log(
+                    f"max-batch:   measured peak {_mb(run.peak_bytes)} "
                     f"({(run.peak_bytes or 0) / memory_bytes:.3f} x memory), "
-                    f"{(run.time_per_sample_s or 0) * 1e3:.3f} ms/sample")
-                over = run.peak_bytes is not None and \
-                    run.peak_bytes > (1 + VERIFY_TOLERANCE) * memory_bytes
+                    f"{(run.time_per_sample_s or 0) * 1e3:.3f} ms/sample"
+                )
+                over = (
+                    run.peak_bytes is not None
+                    and run.peak_bytes > (1 + VERIFY_TOLERANCE) * memory_bytes
+                )
                 if not over or attempt == VERIFY_TRIES - 1:
                     break
                 lower = chosen - 1
@@ -273,8 +332,10 @@ def max_batch(script: str | os.PathLike, script_args: Sequence[str] = (), *,
                 if lower < min_value:
                     break
                 result.rejected.append({"value": chosen, "peak_bytes": run.peak_bytes})
-                log(f"max-batch:   over memory by more than {VERIFY_TOLERANCE:.0%}: "
-                    f"trying {flag} {lower}")
+                log(
+                    f"max-batch:   over memory by more than {VERIFY_TOLERANCE:.0%}: "
+                    f"trying {flag} {lower}"
+                )
                 chosen = lower
                 plan = search.plan(chosen, policy)
                 result.plan = plan
@@ -288,8 +349,9 @@ def max_batch(script: str | os.PathLike, script_args: Sequence[str] = (), *,
             result.runs[policy] = _run_dict(run)
             if unmanaged:
                 log(f"max-batch: timing plain training: {steps} steps at {flag} {unmanaged}")
-                base = run_steps(path, [*script_args, flag, str(unmanaged)], steps, plan=None,
-                                 device=dev)
+                base = run_steps(
+                    path, [*script_args, flag, str(unmanaged)], steps, plan=None, device=dev
+                )
                 result.runs[UNMANAGED] = _run_dict(base)
                 result.unmanaged_time_per_sample_s = base.time_per_sample_s
                 if base.time_per_sample_s and run.time_per_sample_s:
@@ -299,9 +361,15 @@ def max_batch(script: str | os.PathLike, script_args: Sequence[str] = (), *,
                     if p == policy or not v:
                         continue
                     log(f"max-batch: timing {p}: {steps} steps at {flag} {v} under its plan")
-                    result.runs[p] = _run_dict(run_steps(
-                        path, [*script_args, flag, str(v)], steps, plan=search.plan(v, p),
-                        device=dev))
+                    result.runs[p] = _run_dict(
+                        run_steps(
+                            path,
+                            [*script_args, flag, str(v)],
+                            steps,
+                            plan=search.plan(v, p),
+                            device=dev,
+                        )
+                    )
         result.candidates = [asdict(c) for _, c in sorted(search.cache.items())]
     result.search_s = time.perf_counter() - t_start
     return result
@@ -317,8 +385,17 @@ def _run_dict(run: PolicyRun) -> dict:
 class _Search:
     """Traces per value (cached), plans per (value, policy) (cached), the doubling/bisection."""
 
-    def __init__(self, script: Path, args: list[str], flag: str, memory_bytes: int, device: str,
-                 tmp: Path, max_overhead: float | None, log):
+    def __init__(
+        self,
+        script: Path,
+        args: list[str],
+        flag: str,
+        memory_bytes: int,
+        device: str,
+        tmp: Path,
+        max_overhead: float | None,
+        log,
+    ):
         self.script = script
         self.args = args
         self.flag = flag
@@ -347,12 +424,19 @@ class _Search:
             if plan is None:
                 return False
             p = plan.predictions
-            info = c.plans[policy] = {"feasible": bool(p.feasible),
-                                      "predicted_overhead": float(p.predicted_overhead),
-                                      "predicted_peak_bytes": int(p.predicted_peak_bytes)}
-            self.log(f"max-batch:   {self.flag} {value} {policy}: "
-                     + (f"fits, predicted overhead {p.predicted_overhead:+.1%}" if p.feasible
-                        else f"does not fit (plan peaks at {format_bytes(p.predicted_peak_bytes)})"))
+            info = c.plans[policy] = {
+                "feasible": bool(p.feasible),
+                "predicted_overhead": float(p.predicted_overhead),
+                "predicted_peak_bytes": int(p.predicted_peak_bytes),
+            }
+            self.log(
+                f"max-batch:   {self.flag} {value} {policy}: "
+                + (
+                    f"fits, predicted overhead {p.predicted_overhead:+.1%}"
+                    if p.feasible
+                    else f"does not fit (plan peaks at {format_bytes(p.predicted_peak_bytes)})"
+                )
+            )
         ok = info["feasible"]
         if ok and self.max_overhead is not None:
             ok = info["predicted_overhead"] <= self.max_overhead
@@ -398,20 +482,29 @@ class _Search:
         c = Candidate(value)
         t0 = time.perf_counter()
         gc.collect()
-        tracer = Tracer(out, iterations=1, warmup=1, device=self.device, force=True,
-                        script=str(self.script), argv=args, log=None,
-                        budget_bytes=self.memory_bytes)
+        tracer = Tracer(
+            out,
+            iterations=1,
+            warmup=1,
+            device=self.device,
+            force=True,
+            script=str(self.script),
+            argv=args,
+            log=None,
+            budget_bytes=self.memory_bytes,
+        )
         err = io.StringIO()
         try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), \
-                    tracer:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), tracer:
                 run_script(self.script, args)
         except BaseException as exc:  # noqa: BLE001 - classified below, re-raised as one line
             if _is_oom(exc):
                 c.fits_device = False
                 c.trace_s = time.perf_counter() - t0
-                self.log(f"max-batch: {self.flag} {value}: out of memory while tracing under "
-                         f"the cap: does not fit")
+                self.log(
+                    f"max-batch: {self.flag} {value}: out of memory while tracing under "
+                    f"the cap: does not fit"
+                )
                 gc.collect()
                 return c
             raise self._script_failure(value, exc, err.getvalue()) from None
@@ -429,29 +522,36 @@ class _Search:
         c.measured_peak_bytes = trace.meta.measured_peak_bytes
         c.iteration_time_s = problem.time_ns / 1e9
         c.trace_s = time.perf_counter() - t0
-        self.log(f"max-batch: {self.flag} {value}: unmanaged peak {_mb(c.peak_bytes)} "
-                 f"({'fits' if c.peak_bytes <= self.memory_bytes else 'over'} "
-                 f"{_mb(self.memory_bytes)}); traced under the cap in {c.trace_s:.1f} s, measured "
-                 f"{_mb(c.measured_peak_bytes)}")
+        self.log(
+            f"max-batch: {self.flag} {value}: unmanaged peak {_mb(c.peak_bytes)} "
+            f"({'fits' if c.peak_bytes <= self.memory_bytes else 'over'} "
+            f"{_mb(self.memory_bytes)}); traced under the cap in {c.trace_s:.1f} s, measured "
+            f"{_mb(c.measured_peak_bytes)}"
+        )
         return c
 
     def _script_failure(self, value: int, exc: BaseException, stderr: str) -> MaxBatchError:
         text = stderr.strip().splitlines()
         unknown = [ln for ln in text if "unrecognized arguments" in ln]
         if unknown and self.flag in unknown[-1]:
-            return MaxBatchError(f"{self.script}: the script does not accept {self.flag} "
-                                 f"(its own error: {unknown[-1].strip()})")
+            return MaxBatchError(
+                f"{self.script}: the script does not accept {self.flag} "
+                f"(its own error: {unknown[-1].strip()})"
+            )
         if isinstance(exc, ScriptError):
             # runmain's "SCRIPT raised TYPE: message" (or "exited with status N"): name the value
             msg = str(exc)
             m = re.match(r"^(.*) raised ([\w.]+): (.*)$", msg)
             if m:
-                return MaxBatchError(f"{m.group(1)}: the script raised {m.group(2)} at "
-                                     f"{self.flag} {value}: {m.group(3)}")
+                return MaxBatchError(
+                    f"{m.group(1)}: the script raised {m.group(2)} at "
+                    f"{self.flag} {value}: {m.group(3)}"
+                )
             return MaxBatchError(f"{msg} at {self.flag} {value}")
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "(no message)"
-        return MaxBatchError(f"{self.script}: the script raised {type(exc).__name__} at "
-                             f"{self.flag} {value}: {first}")
+        return MaxBatchError(
+            f"{self.script}: the script raised {type(exc).__name__} at {self.flag} {value}: {first}"
+        )
 
     def plan(self, value: int, policy: str):
         """The policy's plan at memory for the value's trace (None: it does not apply)."""
@@ -470,13 +570,19 @@ class _Search:
             else:
                 t0 = time.perf_counter()
                 decisions = get_policy(policy)(problem, self.memory_bytes)
-                plan, _ = build_plan(problem, decisions, policy=policy,
-                                     budget_bytes=self.memory_bytes,
-                                     parameters=policy_parameters({}, decisions),
-                                     solve_time_s=time.perf_counter() - t0)
+                plan, _ = build_plan(
+                    problem,
+                    decisions,
+                    policy=policy,
+                    budget_bytes=self.memory_bytes,
+                    parameters=policy_parameters({}, decisions),
+                    solve_time_s=time.perf_counter() - t0,
+                )
         except CapuchinError as exc:
             self.not_applicable[policy] = str(exc).splitlines()[0][:160]
-            self.log(f"max-batch:   {self.flag} {value} {policy}: does not apply ({self.not_applicable[policy]})")
+            self.log(
+                f"max-batch:   {self.flag} {value} {policy}: does not apply ({self.not_applicable[policy]})"
+            )
             plan = None
         self.plans[key] = plan
         return plan
@@ -498,8 +604,15 @@ class _Enough(BaseException):
     """Raised from the optimizer step hook after the last step of a verifying run."""
 
 
-def run_steps(script: Path, args: list[str], steps: int, *, plan=None, device: str = "cpu",
-              keep_state: bool = False) -> PolicyRun:
+def run_steps(
+    script: Path,
+    args: list[str],
+    steps: int,
+    *,
+    plan=None,
+    device: str = "cpu",
+    keep_state: bool = False,
+) -> PolicyRun:
     """Run ``script`` for ``steps`` optimizer steps (stopped after the last), under ``plan``
     (a ``capuchin.Runtime`` measuring the peak) or plain. Step times are the wall time between
     consecutive optimizer steps (the script's own data preparation included, as a user sees it).
@@ -527,8 +640,11 @@ def run_steps(script: Path, args: list[str], steps: int, *, plan=None, device: s
     handle = None
     err = io.StringIO()
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), \
-                (rt if rt is not None else contextlib.nullcontext()):
+        with (
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(err),
+            rt if rt is not None else contextlib.nullcontext(),
+        ):
             handle = register_optimizer_step_post_hook(hook)  # after the runtime's own hook
             run_script(script, args)
     except _Enough:
@@ -537,8 +653,10 @@ def run_steps(script: Path, args: list[str], steps: int, *, plan=None, device: s
         raise
     except BaseException as exc:  # noqa: BLE001
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "(no message)"
-        raise MaxBatchError(f"{script}: the script raised {type(exc).__name__} in the "
-                            f"verifying run ({' '.join(args)}): {first}") from None
+        raise MaxBatchError(
+            f"{script}: the script raised {type(exc).__name__} in the "
+            f"verifying run ({' '.join(args)}): {first}"
+        ) from None
     finally:
         if handle is not None:
             handle.remove()

@@ -21,9 +21,14 @@ parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 
 torch.manual_seed(args.seed)
-config = BertConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                    num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                    intermediate_size=4 * args.hidden, max_position_embeddings=max(512, args.seq))
+config = BertConfig(
+    vocab_size=args.vocab,
+    hidden_size=args.hidden,
+    num_hidden_layers=args.layers,
+    num_attention_heads=max(1, args.hidden // 64),
+    intermediate_size=4 * args.hidden,
+    max_position_embeddings=max(512, args.seq),
+)
 model = BertForMaskedLM(config)
 model.train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -39,10 +39,10 @@ class Count(TorchDispatchMode):
 def build():
     torch.manual_seed(0)
     vocab, dim = 256, 64
-    layer = nn.TransformerEncoderLayer(dim, 4, dim_feedforward=128, dropout=0.0,
-                                       batch_first=True)
-    model = nn.Sequential(nn.Embedding(vocab, dim), nn.TransformerEncoder(layer, 2),
-                          nn.Linear(dim, vocab))
+    layer = nn.TransformerEncoderLayer(dim, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+    model = nn.Sequential(
+        nn.Embedding(vocab, dim), nn.TransformerEncoder(layer, 2), nn.Linear(dim, vocab)
+    )
     return model, vocab
 
 
@@ -56,8 +56,7 @@ def train(compiled: bool, steps: int, count_step: int | None = None):
         mode = Count() if step == count_step else None
         with mode if mode is not None else contextlib.nullcontext():
             logits = fn(tokens[:, :-1])
-            loss = nn.functional.cross_entropy(logits.reshape(-1, vocab),
-                                               tokens[:, 1:].reshape(-1))
+            loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
             opt.zero_grad()
             loss.backward()
         if mode is not None:
@@ -77,13 +76,17 @@ def main() -> None:
     t = time.time()
     eager, eager_ops = train(False, args.steps, count_step=args.steps - 1)
     comp, comp_ops = train(True, args.steps, count_step=args.steps - 1)
-    print(f"ops seen by a dispatch mode in one forward+backward: eager {sum(eager_ops.values())}, "
-          f"compiled (ignore_compile_internals) {sum(comp_ops.values())}")
+    print(
+        f"ops seen by a dispatch mode in one forward+backward: eager {sum(eager_ops.values())}, "
+        f"compiled (ignore_compile_internals) {sum(comp_ops.values())}"
+    )
     print("  compiled, by op:", dict(comp_ops.most_common(8)))
     diff = [k for k in eager if not torch.equal(eager[k], comp[k])]
     worst = max((float((eager[k] - comp[k]).abs().max()) for k in diff), default=0.0)
-    print(f"eager vs compiled after {args.steps} steps: {len(diff)} of {len(eager)} state "
-          f"entries differ, max |difference| {worst:.3g}")
+    print(
+        f"eager vs compiled after {args.steps} steps: {len(diff)} of {len(eager)} state "
+        f"entries differ, max |difference| {worst:.3g}"
+    )
     print(f"({time.time() - t:.0f} s, torch {torch.__version__})")
 
 

@@ -23,8 +23,16 @@ ap.add_argument("--steps", type=int, default=6)
 args = ap.parse_args()
 
 torch.manual_seed(0)
-cfg = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.heads, vocab_size=512,
-                 n_positions=args.seq, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+cfg = GPT2Config(
+    n_layer=args.layers,
+    n_embd=args.width,
+    n_head=args.heads,
+    vocab_size=512,
+    n_positions=args.seq,
+    resid_pdrop=0.1,
+    embd_pdrop=0.1,
+    attn_pdrop=0.1,
+)
 model = GPT2LMHeadModel(cfg)
 model.train()
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)

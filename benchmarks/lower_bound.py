@@ -24,8 +24,12 @@ DTR_ZIP = Path("/work/shared/data/dtr-logs.zip")
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", nargs="*", type=Path, help="trace files (default: DTR U-Net, "
-                    "ResNet-32 from --dtr-zip)")
+    ap.add_argument(
+        "--traces",
+        nargs="*",
+        type=Path,
+        help="trace files (default: DTR U-Net, ResNet-32 from --dtr-zip)",
+    )
     ap.add_argument("--dtr-zip", type=Path, default=DTR_ZIP)
     ap.add_argument("--fractions", default="0.8,0.6,0.4")
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per bound")
@@ -44,7 +48,9 @@ def main(argv=None) -> int:
         paths = list(args.traces or [])
         if not paths:
             for m in ("unet", "resnet32"):
-                paths.append(import_dtr_log(f"{args.dtr_zip}/{m}", Path(tmp) / f"dtr-{m}.trace.parquet"))
+                paths.append(
+                    import_dtr_log(f"{args.dtr_zip}/{m}", Path(tmp) / f"dtr-{m}.trace.parquet")
+                )
         for path in paths:
             problem = Problem.from_trace(load_trace(path))
             name = Path(path).name.replace(".trace.parquet", "")
@@ -58,15 +64,30 @@ def main(argv=None) -> int:
                 t = time.perf_counter()
                 c = time.process_time()
                 b = lower_bound(problem, budget, time_limit_s=args.time_limit)
-                rows.append(dict(
-                    trace=name, budget=f"{f:.0%}", capuchin_ms=_ms(extra),
-                    capuchin_pct=f"{100 * extra / problem.time_ns:.2f}" if extra is not None else "over",
-                    bound_ms=_ms(b.bound_ns), lp_ms=_ms(b.lp_ns), cpsat_ms=_ms(b.cpsat_ns),
-                    gap=(f"{b.gap(extra):.1%}" if extra is not None and b.gap(extra) is not None
-                         else "-"),
-                    cpsat=b.cpsat_status, cands=b.candidates, vars=b.variables,
-                    bound_wall_s=f"{time.perf_counter() - t:.0f}",
-                    bound_cpu_s=f"{time.process_time() - c:.0f}", capuchin_cpu_s=f"{cap_cpu:.1f}"))
+                rows.append(
+                    dict(
+                        trace=name,
+                        budget=f"{f:.0%}",
+                        capuchin_ms=_ms(extra),
+                        capuchin_pct=f"{100 * extra / problem.time_ns:.2f}"
+                        if extra is not None
+                        else "over",
+                        bound_ms=_ms(b.bound_ns),
+                        lp_ms=_ms(b.lp_ns),
+                        cpsat_ms=_ms(b.cpsat_ns),
+                        gap=(
+                            f"{b.gap(extra):.1%}"
+                            if extra is not None and b.gap(extra) is not None
+                            else "-"
+                        ),
+                        cpsat=b.cpsat_status,
+                        cands=b.candidates,
+                        vars=b.variables,
+                        bound_wall_s=f"{time.perf_counter() - t:.0f}",
+                        bound_cpu_s=f"{time.process_time() - c:.0f}",
+                        capuchin_cpu_s=f"{cap_cpu:.1f}",
+                    )
+                )
                 print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     cols = list(rows[0]) if rows else []
     print()

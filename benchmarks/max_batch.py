@@ -55,26 +55,46 @@ def main() -> None:
     for name in args.models.split(","):
         script, extra, ref, lo = MODELS[name]
         with tempfile.TemporaryDirectory() as tmp:
-            t = trace_script(script, [*extra, "--batch", str(ref)], output=Path(tmp) / "r.parquet",
-                             iterations=1, device="cpu", log=None)
+            t = trace_script(
+                script,
+                [*extra, "--batch", str(ref)],
+                output=Path(tmp) / "r.parquet",
+                iterations=1,
+                device="cpu",
+                log=None,
+            )
             peak = summarize(capuchin.load_trace(t)).peak_bytes
         memory = peak // 2
         load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
-        r = capuchin.max_batch(script, extra, memory=memory, arg="--batch", min_value=lo,
-                               steps=args.steps, compare=SHOWN, time_all=True)
+        r = capuchin.max_batch(
+            script,
+            extra,
+            memory=memory,
+            arg="--batch",
+            min_value=lo,
+            steps=args.steps,
+            compare=SHOWN,
+            time_all=True,
+        )
         took = time.perf_counter() - t0
         load1 = os.getloadavg()[0]
         d = r.to_dict()
-        d.update(reference_batch=ref, reference_peak_bytes=peak, seconds=round(took, 1),
-                 load=[round(load0, 1), round(load1, 1)])
+        d.update(
+            reference_batch=ref,
+            reference_peak_bytes=peak,
+            seconds=round(took, 1),
+            load=[round(load0, 1), round(load1, 1)],
+        )
         results[name] = d
         rows.append(_row(name, ref, r, load0, load1))
         print(rows[-1], flush=True)
     print()
-    print("| model | memory (half the peak at batch) | unmanaged | checkpoint-sqrt | dtr | "
-          "swap | recompute | capuchin | capuchin / unmanaged | verified peak / memory | "
-          "load |")
+    print(
+        "| model | memory (half the peak at batch) | unmanaged | checkpoint-sqrt | dtr | "
+        "swap | recompute | capuchin | capuchin / unmanaged | verified peak / memory | "
+        "load |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(row)
@@ -93,10 +113,12 @@ def _cell(r, policy: str) -> str:
 
 def _row(name, ref, r, load0, load1) -> str:
     ratio = f"{r.chosen / r.unmanaged_max:.2f}x" if r.unmanaged_max else "-"
-    ver = (f"{r.verified_peak_bytes / r.memory_bytes:.3f}" if r.verified_peak_bytes else "-")
+    ver = f"{r.verified_peak_bytes / r.memory_bytes:.3f}" if r.verified_peak_bytes else "-"
     cells = " | ".join(_cell(r, p) for p in ("unmanaged", *SHOWN, r.policy))
-    return (f"| {name} | {r.memory_bytes / 2**20:.1f} MiB ({ref}) | {cells} | {ratio} | {ver} | "
-            f"{load0:.1f}-{load1:.1f} |")
+    return (
+        f"| {name} | {r.memory_bytes / 2**20:.1f} MiB ({ref}) | {cells} | {ratio} | {ver} | "
+        f"{load0:.1f}-{load1:.1f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -42,10 +42,11 @@ def _state(path: Path, args: list[str], context=None) -> dict:
     mods: dict = {}
     opts: list = []
     h1 = register_module_forward_pre_hook(lambda m, a: mods.setdefault(id(m), m) and None)
-    h2 = register_optimizer_step_post_hook(lambda o, a, k: opts.append(o) if o not in opts
-                                           else None)
+    h2 = register_optimizer_step_post_hook(
+        lambda o, a, k: opts.append(o) if o not in opts else None
+    )
     try:
-        with contextlib.redirect_stdout(io.StringIO()), (context or contextlib.nullcontext()):
+        with contextlib.redirect_stdout(io.StringIO()), context or contextlib.nullcontext():
             run_as_main(path, args)
     finally:
         h1.remove()
@@ -72,8 +73,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-run", action="store_true", help="plan only, no BERT run")
     ap.add_argument("--out", type=Path, default=Path("out/persistent"))
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--bert-budget", type=int, default=None,
-                    help="run BERT at this budget (bytes) and skip the table")
+    ap.add_argument(
+        "--bert-budget",
+        type=int,
+        default=None,
+        help="run BERT at this budget (bytes) and skip the table",
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -85,25 +90,31 @@ def main(argv=None) -> int:
     from capuchin.tracer.reader import load_trace
 
     args.out.mkdir(parents=True, exist_ok=True)
-    traces = [(p.name.replace(".trace.parquet", ""), p) for p in
-              (args.traces or sorted((ROOT / "traces").glob("*.trace.parquet")))]
+    traces = [
+        (p.name.replace(".trace.parquet", ""), p)
+        for p in (args.traces or sorted((ROOT / "traces").glob("*.trace.parquet")))
+    ]
     bert_trace = args.out / "bert_mlm.trace.parquet"
     if not args.no_bert:
         if not bert_trace.exists():
             print(f"tracing {BERT} -> {bert_trace}", flush=True)
-            with contextlib.redirect_stdout(io.StringIO()), capuchin.Tracer(
-                    bert_trace, iterations=2, warmup=1, device="cpu", log=None):
+            with (
+                contextlib.redirect_stdout(io.StringIO()),
+                capuchin.Tracer(bert_trace, iterations=2, warmup=1, device="cpu", log=None),
+            ):
                 from capuchin.runmain import run_as_main
 
                 run_as_main(BERT, ["--steps", "4"])
         traces.append(("bert-mlm", bert_trace))
     fn = get_policy("capuchin")
     print(f"load: {os.getloadavg()[0]:.1f}\n")
-    print("| trace | ops | peak | floor before | smallest before | floor after | smallest after "
-          "| floor breakdown after (working set + fixed) | planning after |")
+    print(
+        "| trace | ops | peak | floor before | smallest before | floor after | smallest after "
+        "| floor breakdown after (working set + fixed) | planning after |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     bert_budget = args.bert_budget
-    for name, path in ([] if bert_budget else traces):
+    for name, path in [] if bert_budget else traces:
         p = Problem.from_trace(load_trace(path))
         row = []
         for prob in (p.restricted(), p):
@@ -116,10 +127,14 @@ def main(argv=None) -> int:
 
         def pct(x, pk=pk):
             return f"{format_bytes(x)} ({x / pk:.1%})"
-        print(f"| {name} | {p.n_ops} | {format_bytes(pk)} | {pct(row[0][0])} | {pct(row[0][1])} "
-              f"| {pct(row[1][0])} | {pct(row[1][1])} | op {b['floor_op']} "
-              f"({p.ops[b['floor_op']].name}): {format_bytes(b['working_set_bytes'])} + "
-              f"{format_bytes(b['fixed_bytes'])} | {row[1][2]:.0f} s |", flush=True)
+
+        print(
+            f"| {name} | {p.n_ops} | {format_bytes(pk)} | {pct(row[0][0])} | {pct(row[0][1])} "
+            f"| {pct(row[1][0])} | {pct(row[1][1])} | op {b['floor_op']} "
+            f"({p.ops[b['floor_op']].name}): {format_bytes(b['working_set_bytes'])} + "
+            f"{format_bytes(b['fixed_bytes'])} | {row[1][2]:.0f} s |",
+            flush=True,
+        )
         if name == "bert-mlm":
             bert_budget = row[1][1]
     if args.no_bert or args.no_run or bert_budget is None:
@@ -131,10 +146,13 @@ def main(argv=None) -> int:
     plan = make_plan(bert_trace, budget=str(bert_budget), policy="capuchin")
     plan.save(args.out / "bert_mlm.plan.json")
     wraps = [d for d in plan.records if d.wraps]
-    print(f"\nBERT-MLM plan at {format_bytes(bert_budget)}: {len(plan.records)} decisions, "
-          f"{len(wraps)} wrap-around ({format_bytes(sum(d.size_bytes for d in wraps))}), "
-          f"predicted peak {format_bytes(plan.predictions.predicted_peak_bytes)}, predicted "
-          f"overhead {plan.predictions.predicted_overhead:+.1%}", flush=True)
+    print(
+        f"\nBERT-MLM plan at {format_bytes(bert_budget)}: {len(plan.records)} decisions, "
+        f"{len(wraps)} wrap-around ({format_bytes(sum(d.size_bytes for d in wraps))}), "
+        f"predicted peak {format_bytes(plan.predictions.predicted_peak_bytes)}, predicted "
+        f"overhead {plan.predictions.predicted_overhead:+.1%}",
+        flush=True,
+    )
     steps = ["--steps", str(args.steps)]
     t0 = time.perf_counter()
     ref = _state(BERT, steps)
@@ -148,14 +166,19 @@ def main(argv=None) -> int:
     bad = [k for k in ref if k not in got or not torch.equal(ref[k], got[k])]
     bad += [k for k in got if k not in ref]
     its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
-    print(f"run: {len(ref)} tensors compared, {len(bad)} differ{(': ' + str(bad[:5])) if bad else ''}")
+    print(
+        f"run: {len(ref)} tensors compared, {len(bad)} differ{(': ' + str(bad[:5])) if bad else ''}"
+    )
     for s in its:
-        print(f"  iteration {s.iteration}: measured peak {format_bytes(s.peak_bytes or 0)} = "
-              f"{(s.peak_bytes or 0) / bert_budget:.3f} x budget, diverged {s.diverged}, "
-              f"swapped out {format_bytes(s.swapped_out_bytes)}, in "
-              f"{format_bytes(s.swapped_in_bytes)}, {s.time_s:.2f} s")
-    print(f"  wall: plain {t_ref:.1f} s, under the plan {t_run:.1f} s (load "
-          f"{os.getloadavg()[0]:.1f})")
+        print(
+            f"  iteration {s.iteration}: measured peak {format_bytes(s.peak_bytes or 0)} = "
+            f"{(s.peak_bytes or 0) / bert_budget:.3f} x budget, diverged {s.diverged}, "
+            f"swapped out {format_bytes(s.swapped_out_bytes)}, in "
+            f"{format_bytes(s.swapped_in_bytes)}, {s.time_s:.2f} s"
+        )
+    print(
+        f"  wall: plain {t_ref:.1f} s, under the plan {t_run:.1f} s (load {os.getloadavg()[0]:.1f})"
+    )
     return 1 if bad else 0
 
 

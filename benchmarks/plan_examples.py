@@ -25,8 +25,10 @@ def main() -> None:
     ap.add_argument("--budget", default="50%")
     ap.add_argument("--policies", default="capuchin")
     args = ap.parse_args()
-    print("| trace | policy | baseline peak | budget | predicted peak | predicted overhead "
-          "| swaps | recomputations | solve (s) |")
+    print(
+        "| trace | policy | baseline peak | budget | predicted peak | predicted overhead "
+        "| swaps | recomputations | solve (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for path in sorted((ROOT / "traces").glob("*.trace.parquet")):
         problem = load_problem(path)
@@ -37,20 +39,24 @@ def main() -> None:
                 try:
                     plan = make_plan(problem, budget, policy)
                 except InfeasibleBudgetError as err:
-                    print(f"| {path.name} | {policy} | {format_bytes(problem.peak_bytes)} | "
-                          f"{budget} | infeasible: smallest feasible "
-                          f"{format_bytes(err.smallest_feasible_bytes)} "
-                          f"({100 * err.smallest_feasible_bytes / problem.peak_bytes:.1f}%) "
-                          f"| | | | {time.perf_counter() - t:.2f} |")
+                    print(
+                        f"| {path.name} | {policy} | {format_bytes(problem.peak_bytes)} | "
+                        f"{budget} | infeasible: smallest feasible "
+                        f"{format_bytes(err.smallest_feasible_bytes)} "
+                        f"({100 * err.smallest_feasible_bytes / problem.peak_bytes:.1f}%) "
+                        f"| | | | {time.perf_counter() - t:.2f} |"
+                    )
                     budget = err.smallest_feasible_bytes
                     continue
                 s = plan.summary()
                 label = budget if isinstance(budget, str) else format_bytes(budget)
-                print(f"| {path.name} | {policy} | {format_bytes(s['baseline_peak_bytes'])} | "
-                      f"{label} ({format_bytes(s['budget_bytes'])}) | "
-                      f"{format_bytes(s['predicted_peak_bytes'])} | "
-                      f"{100 * s['predicted_overhead']:.2f}% | {s['swap_count']} | "
-                      f"{s['recompute_count']} | {time.perf_counter() - t:.2f} |")
+                print(
+                    f"| {path.name} | {policy} | {format_bytes(s['baseline_peak_bytes'])} | "
+                    f"{label} ({format_bytes(s['budget_bytes'])}) | "
+                    f"{format_bytes(s['predicted_peak_bytes'])} | "
+                    f"{100 * s['predicted_overhead']:.2f}% | {s['swap_count']} | "
+                    f"{s['recompute_count']} | {time.perf_counter() - t:.2f} |"
+                )
                 break
 
 

@@ -215,10 +215,19 @@ def _write_csv(rows: list[dict], path: Path) -> None:
         w.writerows(rows)
 
 
-_NUMERIC = {"ops": int, "peak_bytes": int, "floor_bytes": int, "budget_bytes": int,
-            "budget_frac": float, "predicted_peak_bytes": int, "predicted_overhead": float,
-            "solve_time_s": float, "optimality_gap": float, "smallest_feasible_bytes": int,
-            "smallest_feasible_frac": float}
+_NUMERIC = {
+    "ops": int,
+    "peak_bytes": int,
+    "floor_bytes": int,
+    "budget_bytes": int,
+    "budget_frac": float,
+    "predicted_peak_bytes": int,
+    "predicted_overhead": float,
+    "solve_time_s": float,
+    "optimality_gap": float,
+    "smallest_feasible_bytes": int,
+    "smallest_feasible_frac": float,
+}
 
 
 def merge_csv(paths: list[Path]) -> list[dict]:
@@ -241,9 +250,14 @@ def merge_csv(paths: list[Path]) -> list[dict]:
     traces = list(dict.fromkeys(k[0] for k in merged))
     order = _default_order(available())
     rank = {p: i for i, p in enumerate(order)}
-    return sorted(merged.values(), key=lambda r: (traces.index(r["trace"]),
-                                                  rank.get(r["policy"], len(order)),
-                                                  -r["budget_frac"]))
+    return sorted(
+        merged.values(),
+        key=lambda r: (
+            traces.index(r["trace"]),
+            rank.get(r["policy"], len(order)),
+            -r["budget_frac"],
+        ),
+    )
 
 
 def markdown_table(rows: list[dict]) -> str:

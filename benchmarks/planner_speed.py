@@ -27,8 +27,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DTR_ZIP = Path("/work/shared/data/dtr-logs.zip")
-COLS = ["trace", "ops", "budget", "cpu_s", "policy_s", "build_s", "decisions", "fits",
-        "overhead_pct"]
+COLS = [
+    "trace",
+    "ops",
+    "budget",
+    "cpu_s",
+    "policy_s",
+    "build_s",
+    "decisions",
+    "fits",
+    "overhead_pct",
+]
 
 
 def one(path: str, budget: str, policy: str) -> dict:
@@ -49,22 +58,36 @@ def one(path: str, budget: str, policy: str) -> dict:
     plan, _sim = build_plan(problem, decisions, policy=policy, budget_bytes=budget_bytes)
     plan.to_json()
     build_s = time.process_time() - t
-    return dict(ops=problem.n_ops, budget=budget, cpu_s=time.process_time() - cpu,
-                policy_s=policy_s, build_s=build_s, decisions=len(plan.records),
-                fits=plan.predictions.feasible,
-                overhead_pct=100 * plan.predictions.predicted_overhead)
+    return dict(
+        ops=problem.n_ops,
+        budget=budget,
+        cpu_s=time.process_time() - cpu,
+        policy_s=policy_s,
+        build_s=build_s,
+        decisions=len(plan.records),
+        fits=plan.predictions.feasible,
+        overhead_pct=100 * plan.predictions.predicted_overhead,
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", nargs="*", type=Path, default=None,
-                    help="trace files (default: traces/*.trace.parquet and the DTR traces)")
+    ap.add_argument(
+        "--traces",
+        nargs="*",
+        type=Path,
+        default=None,
+        help="trace files (default: traces/*.trace.parquet and the DTR traces)",
+    )
     ap.add_argument("--no-dtr", action="store_true")
     ap.add_argument("--dtr-zip", type=Path, default=DTR_ZIP)
     ap.add_argument("--fractions", default="80%,60%,40%")
     ap.add_argument("--policy", default="capuchin")
-    ap.add_argument("--synthetic", action="store_true",
-                    help="also the generated 24-layer transformer (~100k ops) at 50%%")
+    ap.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="also the generated 24-layer transformer (~100k ops) at 50%%",
+    )
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--one", nargs=2, metavar=("TRACE", "BUDGET"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -74,16 +97,27 @@ def main(argv=None) -> int:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="planner_speed.") as tmp:
-        paths = [(p.name.replace(".trace.parquet", ""), p) for p in (
-            args.traces if args.traces is not None
-            else sorted((ROOT / "traces").glob("*.trace.parquet")))]
+        paths = [
+            (p.name.replace(".trace.parquet", ""), p)
+            for p in (
+                args.traces
+                if args.traces is not None
+                else sorted((ROOT / "traces").glob("*.trace.parquet"))
+            )
+        ]
         if args.traces is None and not args.no_dtr and zipfile.is_zipfile(args.dtr_zip):
             from capuchin.tracer.dtr_import import import_dtr_log, list_dtr_logs
 
             for member in list_dtr_logs(args.dtr_zip):
                 name = "dtr-" + "-".join(Path(member).name.split("-")[:2])
-                paths.append((name, import_dtr_log(f"{args.dtr_zip}/{member}",
-                                                   Path(tmp) / f"{name}.trace.parquet")))
+                paths.append(
+                    (
+                        name,
+                        import_dtr_log(
+                            f"{args.dtr_zip}/{member}", Path(tmp) / f"{name}.trace.parquet"
+                        ),
+                    )
+                )
         cells = [(n, p, b) for n, p in paths for b in args.fractions.split(",")]
         if args.synthetic:
             from capuchin.planner.synthetic import trace_from_ops, transformer_ops
@@ -95,9 +129,13 @@ def main(argv=None) -> int:
             cells.append(("synthetic transformer 24x2000", p, "50%"))
         env = dict(os.environ, OMP_NUM_THREADS="1")
         for name, path, budget in cells:
-            out = subprocess.run([sys.executable, __file__, "--one", str(path), budget,
-                                  "--policy", args.policy], capture_output=True, text=True,
-                                 env=env, check=False)
+            out = subprocess.run(
+                [sys.executable, __file__, "--one", str(path), budget, "--policy", args.policy],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=False,
+            )
             if out.returncode != 0:
                 row = dict(trace=name, budget=budget, fits=f"error: {out.stderr.strip()[-200:]}")
             else:
@@ -109,8 +147,10 @@ def main(argv=None) -> int:
     print("  ".join(c.ljust(n) for c, n in zip(COLS, w, strict=True)))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).ljust(n) for c, n in zip(COLS, w, strict=True)))
-    print(f"(policy {args.policy}; cold, one process per cell; CPU seconds; load average "
-          f"{os.getloadavg()[0]:.1f}; python {sys.version.split()[0]})")
+    print(
+        f"(policy {args.policy}; cold, one process per cell; CPU seconds; load average "
+        f"{os.getloadavg()[0]:.1f}; python {sys.version.split()[0]})"
+    )
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             wr = csv.DictWriter(f, fieldnames=COLS, extrasaction="ignore")

@@ -58,8 +58,11 @@ def _run(script: Path, argv: list[str], prepare=None, context=None) -> None:
     g = run_as_main(script, argv, run_name="capuchin_bench")
     if prepare is not None:
         prepare(g)
-    with script_environment(script, argv), contextlib.redirect_stdout(io.StringIO()), \
-            (context or contextlib.nullcontext()):
+    with (
+        script_environment(script, argv),
+        contextlib.redirect_stdout(io.StringIO()),
+        context or contextlib.nullcontext(),
+    ):
         g["main"]()
 
 
@@ -140,13 +143,15 @@ def _checkpointed(g: dict) -> None:
             cuts = [i for i, m in enumerate(mods) if i > 0 and not getattr(m, "inplace", False)]
             n_seg = max(1, round(math.sqrt(len(mods))))
             step = max(1, len(cuts) // n_seg)
-            bounds = [0, *cuts[step - 1::step][: n_seg - 1], len(mods)]
+            bounds = [0, *cuts[step - 1 :: step][: n_seg - 1], len(mods)]
             for a, b in zip(bounds, bounds[1:], strict=False):
                 seg = nn.Sequential(*mods[a:b])
                 x = checkpoint(seg, x, use_reentrant=False)
             return x
 
-    g["nn"] = types.SimpleNamespace(**{k: getattr(nn, k) for k in dir(nn) if not k.startswith("__")})
+    g["nn"] = types.SimpleNamespace(
+        **{k: getattr(nn, k) for k in dir(nn) if not k.startswith("__")}
+    )
     g["nn"].Sequential = Seq
     if "Block" in g:
         block = g["Block"]
@@ -185,10 +190,12 @@ def per_op_us(n: int = 20000) -> dict[str, float]:
     engine_empty = engine._empty
     engine._empty = lambda p: False  # measure the hot path: an empty plan installs nothing
     out = {}
-    for name, ctx in (("no mode", contextlib.nullcontext), ("passthrough mode", _Passthrough),
-                      ("runtime hot path", lambda: Runtime(plan, measure_memory=False)),
-                      ("runtime slow path", lambda: Runtime(budget_bytes=1 << 40,
-                                                            measure_memory=False))):
+    for name, ctx in (
+        ("no mode", contextlib.nullcontext),
+        ("passthrough mode", _Passthrough),
+        ("runtime hot path", lambda: Runtime(plan, measure_memory=False)),
+        ("runtime slow path", lambda: Runtime(budget_bytes=1 << 40, measure_memory=False)),
+    ):
         best = math.inf
         for _ in range(3):
             with ctx():
@@ -287,11 +294,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--examples", default="cnn,transformer,mlp,hf_gpt2")
     ap.add_argument("--budget", default="50%")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="intra-op threads (default 1: on an oversubscribed host, 2 OpenMP threads "
-                         "made the same iteration 1x-10x slower from one run to the next)")
-    ap.add_argument("--default-malloc", action="store_true",
-                    help="keep glibc's dynamic mmap threshold (see _steady_malloc)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads (default 1: on an oversubscribed host, 2 OpenMP threads "
+        "made the same iteration 1x-10x slower from one run to the next)",
+    )
+    ap.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="keep glibc's dynamic mmap threshold (see _steady_malloc)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not args.default_malloc:
@@ -324,36 +338,64 @@ def main() -> None:
             else:
                 peak, stats = runtime_peak(script, argv, p)
             pred = predicted_s(p, plain_s) if p is not None else None
-            rows.append((name, v, p.budget_bytes if p is not None and p.records else None, peak,
-                         best[v], best[v] / plain_s, pred, stats))
+            rows.append(
+                (
+                    name,
+                    v,
+                    p.budget_bytes if p is not None and p.records else None,
+                    peak,
+                    best[v],
+                    best[v] / plain_s,
+                    pred,
+                    stats,
+                )
+            )
         print(f"{name}: done", file=sys.stderr)
     import datetime
     import subprocess
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip()
-    print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}; "
-          f"plan budget {args.budget} of each trace's peak (or the smallest feasible); times "
-          f"ms/iteration (median steady iteration, best of {args.repeats} interleaved rounds); "
-          f"peaks MiB (allocator, max over steady iterations); {args.threads} intra-op "
-          f"thread(s); load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n")
-    hdr = ("| example | variant | budget MiB | peak MiB | step ms | x plain | predicted ms | "
-           "measured / predicted | stalls ms, late prefetches |")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+    ).stdout.strip()
+    print(
+        f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}; "
+        f"plan budget {args.budget} of each trace's peak (or the smallest feasible); times "
+        f"ms/iteration (median steady iteration, best of {args.repeats} interleaved rounds); "
+        f"peaks MiB (allocator, max over steady iterations); {args.threads} intra-op "
+        f"thread(s); load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n"
+    )
+    hdr = (
+        "| example | variant | budget MiB | peak MiB | step ms | x plain | predicted ms | "
+        "measured / predicted | stalls ms, late prefetches |"
+    )
     print(hdr)
     print("|---" * (hdr.count("|") - 1) + "|")
     for name, v, bud, peak, t, ratio, pred, stats in rows:
-        stall = (f"{sum(s.stall_s for s in stats) / len(stats) * 1e3:.1f}, "
-                 f"{sum(s.late_prefetches for s in stats)}"
-                 f"{' (diverged)' if any(s.diverged for s in stats) else ''}") if stats else ""
-        print(f"| {name} | {v} | {'' if bud is None else f'{bud / MIB:.1f}'} | {peak / MIB:.1f} | "
-              f"{t * 1e3:.1f} | {ratio:.3f} | {'' if pred is None else f'{pred * 1e3:.1f}'} | "
-              f"{'' if pred is None else f'{t / pred:.3f}'} | {stall} |")
+        stall = (
+            (
+                f"{sum(s.stall_s for s in stats) / len(stats) * 1e3:.1f}, "
+                f"{sum(s.late_prefetches for s in stats)}"
+                f"{' (diverged)' if any(s.diverged for s in stats) else ''}"
+            )
+            if stats
+            else ""
+        )
+        print(
+            f"| {name} | {v} | {'' if bud is None else f'{bud / MIB:.1f}'} | {peak / MIB:.1f} | "
+            f"{t * 1e3:.1f} | {ratio:.3f} | {'' if pred is None else f'{pred * 1e3:.1f}'} | "
+            f"{'' if pred is None else f'{t / pred:.3f}'} | {stall} |"
+        )
     print()
     for k, v in per_op_us().items():
         print(f"per-op cost, {k}: {v:.2f} µs")
     for n, v in swap_cycle_ns_per_byte().items():
-        print(f"swap cycle, {n >> 10} KiB: {v:.2f} ns per byte moved ({v * n / 1e3:.0f} µs per "
-              "direction)")
+        print(
+            f"swap cycle, {n >> 10} KiB: {v:.2f} ns per byte moved ({v * n / 1e3:.0f} µs per "
+            "direction)"
+        )
 
 
 if __name__ == "__main__":

@@ -40,11 +40,14 @@ class _StepClock:
     def __init__(self):
         self.times: list[tuple[float, float]] = []
         self.handle = register_optimizer_step_post_hook(
-            lambda *a: self.times.append((time.perf_counter(), time.process_time())))
+            lambda *a: self.times.append((time.perf_counter(), time.process_time()))
+        )
 
     def intervals(self) -> list[tuple[float, float]]:
         """[i-1] = (wall s, CPU s) of iteration i."""
-        return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(self.times, self.times[1:], strict=False)]
+        return [
+            (b[0] - a[0], b[1] - a[1]) for a, b in zip(self.times, self.times[1:], strict=False)
+        ]
 
     def close(self):
         self.handle.remove()
@@ -67,8 +70,10 @@ def untraced(script: Path) -> list[tuple[float, float]]:
 def traced(script: Path, out: Path) -> tuple[list, list, int]:
     clock = _StepClock()
     try:
-        with _quiet(), capuchin.Tracer(out, iterations=4, warmup=3, device="cpu", force=True,
-                                       log=None):
+        with (
+            _quiet(),
+            capuchin.Tracer(out, iterations=4, warmup=3, device="cpu", force=True, log=None),
+        ):
             run_script(script, ["--steps", "20"])
     finally:
         clock.close()
@@ -82,9 +87,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--csv", type=Path, default=None)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1: steadier on a shared host; "
-                        "OpenMP spin-waits inflate CPU time under contention)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: steadier on a shared host; "
+        "OpenMP spin-waits inflate CPU time under contention)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -102,21 +111,30 @@ def main() -> None:
             cpu = [min(x[1] for x in v) * 1e3 for v in (base, idx, rec)]
             rows.append((name, n_ops, *wall, *cpu))
             print(f"  {name}: done", file=sys.stderr)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds, "
-          "best iteration time in ms (ratio to untraced)")
-    print("| example | ops / iteration | untraced wall | indexed wall | traced wall "
-          "| untraced CPU | indexed CPU | traced CPU |")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds, "
+        "best iteration time in ms (ratio to untraced)"
+    )
+    print(
+        "| example | ops / iteration | untraced wall | indexed wall | traced wall "
+        "| untraced CPU | indexed CPU | traced CPU |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, n_ops, bw, iw, rw, bc, ic, rc in rows:
-        print(f"| {name} | {n_ops} | {bw:.0f} | {iw:.0f} ({iw / bw:.2f}x) | {rw:.0f} ({rw / bw:.2f}x) "
-              f"| {bc:.0f} | {ic:.0f} ({ic / bc:.2f}x) | {rc:.0f} ({rc / bc:.2f}x) |")
+        print(
+            f"| {name} | {n_ops} | {bw:.0f} | {iw:.0f} ({iw / bw:.2f}x) | {rw:.0f} ({rw / bw:.2f}x) "
+            f"| {bc:.0f} | {ic:.0f} ({ic / bc:.2f}x) | {rc:.0f} ({rc / bc:.2f}x) |"
+        )
     if args.csv:
         with open(args.csv, "w") as f:
-            f.write("example,ops_per_iteration,untraced_wall_ms,indexed_wall_ms,traced_wall_ms,"
-                    "untraced_cpu_ms,indexed_cpu_ms,traced_cpu_ms\n")
+            f.write(
+                "example,ops_per_iteration,untraced_wall_ms,indexed_wall_ms,traced_wall_ms,"
+                "untraced_cpu_ms,indexed_cpu_ms,traced_cpu_ms\n"
+            )
             for row in rows:
-                f.write(",".join(f"{x:.3f}" if isinstance(x, float) else str(x) for x in row)
-                        + "\n")
+                f.write(
+                    ",".join(f"{x:.3f}" if isinstance(x, float) else str(x) for x in row) + "\n"
+                )
 
 
 if __name__ == "__main__":

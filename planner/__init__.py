@@ -1,16 +1,16 @@
 """The planner: from one traced iteration to a swap/recompute plan. Never imports torch.
 
-    problem.py    Problem: ops and storages of one steady iteration, baseline memory curve
-    simulator.py  simulate(problem, decisions) -> SimResult: the one judge of every plan
-    lineage.py    replay chains and sources for recomputation (resolve_recompute)
-    swapping.py   copy channels, free time, in-trigger search (for policies)
-    msps.py       Algorithm 2: recompute candidates by MSPS with the iterative update
-    registry.py   @register("name"), get_policy(name), the Policy protocol
-    policies/     one module per policy (capuchin, swap, recompute, and the comparison ones)
-    build.py      build_plan(problem, decisions, ...) -> (Plan, SimResult)
-    plan.py       the plan format (Plan, Decision, Action; to_json/from_json)
-    api.py        make_plan(trace, budget=..., policy=...), plan_file (the CLI's)
-    budget.py     "8G", "8GB", "60%" -> bytes
-    report.py     summaries, show_plan, memory plot, Chrome trace
-    synthetic.py  traces from hand-written op lists; generated transformer/random iterations
+problem.py    Problem: ops and storages of one steady iteration, baseline memory curve
+simulator.py  simulate(problem, decisions) -> SimResult: the one judge of every plan
+lineage.py    replay chains and sources for recomputation (resolve_recompute)
+swapping.py   copy channels, free time, in-trigger search (for policies)
+msps.py       Algorithm 2: recompute candidates by MSPS with the iterative update
+registry.py   @register("name"), get_policy(name), the Policy protocol
+policies/     one module per policy (capuchin, swap, recompute, and the comparison ones)
+build.py      build_plan(problem, decisions, ...) -> (Plan, SimResult)
+plan.py       the plan format (Plan, Decision, Action; to_json/from_json)
+api.py        make_plan(trace, budget=..., policy=...), plan_file (the CLI's)
+budget.py     "8G", "8GB", "60%" -> bytes
+report.py     summaries, show_plan, memory plot, Chrome trace
+synthetic.py  traces from hand-written op lists; generated transformer/random iterations
 """

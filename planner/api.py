@@ -1,8 +1,8 @@
 """The planning API shared by the CLI and notebooks: ``make_plan`` and ``load_problem``.
 
-    >>> plan = capuchin.make_plan("traces/mlp.trace.parquet", budget="50%")
-    >>> plan.decisions            # DataFrame, one row per evicted storage
-    >>> plan.simulate().memory    # DataFrame, the simulated memory curve
+>>> plan = capuchin.make_plan("traces/mlp.trace.parquet", budget="50%")
+>>> plan.decisions            # DataFrame, one row per evicted storage
+>>> plan.simulate().memory    # DataFrame, the simulated memory curve
 """
 
 from __future__ import annotations
@@ -25,8 +25,12 @@ from .problem import Problem
 from .registry import get_policy
 
 
-def load_problem(trace: str | os.PathLike | Trace | Problem, *, iteration: int | None = None,
-                 bandwidth: str | float | None = None) -> Problem:
+def load_problem(
+    trace: str | os.PathLike | Trace | Problem,
+    *,
+    iteration: int | None = None,
+    bandwidth: str | float | None = None,
+) -> Problem:
     """A ``Problem`` from a trace path, a loaded ``Trace``, or a ``Problem`` (returned as is).
 
     ``bandwidth`` (bytes/s, or text like ``"12GB/s"``) overrides both copy directions.
@@ -43,10 +47,17 @@ def load_problem(trace: str | os.PathLike | Trace | Problem, *, iteration: int |
     return problem
 
 
-def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "50%",
-              policy: str = "capuchin", *, iteration: int | None = None,
-              bandwidth: str | float | None = None, allow_infeasible: bool = False,
-              time_limit_s: float | None = None, **params: Any) -> Plan:
+def make_plan(
+    trace: str | os.PathLike | Trace | Problem,
+    budget: str | int = "50%",
+    policy: str = "capuchin",
+    *,
+    iteration: int | None = None,
+    bandwidth: str | float | None = None,
+    allow_infeasible: bool = False,
+    time_limit_s: float | None = None,
+    **params: Any,
+) -> Plan:
     """Plan ``trace`` for ``budget`` with the registered ``policy`` (default ``"capuchin"``).
 
     ``budget``: bytes or text (``"8G"``, ``"8GB"``, ``"60%"`` of the trace's baseline peak; see
@@ -69,9 +80,16 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
         tr = trace if isinstance(trace, Trace) else load_trace(trace)
         kinds = iteration_kinds(tr)
         if len(kinds) > 1 and len(kinds[0][1]) > 1:  # Note [Iteration kinds]
-            return _plan_kinds(tr, kinds, budget, policy, bandwidth=bandwidth,
-                               allow_infeasible=allow_infeasible, time_limit_s=time_limit_s,
-                               **params)
+            return _plan_kinds(
+                tr,
+                kinds,
+                budget,
+                policy,
+                bandwidth=bandwidth,
+                allow_infeasible=allow_infeasible,
+                time_limit_s=time_limit_s,
+                **params,
+            )
         trace = tr
     problem = load_problem(trace, iteration=iteration, bandwidth=bandwidth)
     budget_bytes = parse_budget(budget, problem.peak_bytes)
@@ -81,39 +99,55 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
         if takes_time_limit(fn):
             params["time_limit_s"] = float(time_limit_s)
         else:
-            notes.append(f"time limit {time_limit_s:g} s ignored: policy {policy!r} takes none "
-                         f"(it is not a time-limited search)")
+            notes.append(
+                f"time limit {time_limit_s:g} s ignored: policy {policy!r} takes none "
+                f"(it is not a time-limited search)"
+            )
     if budget_bytes >= problem.peak_bytes:
-        plan, _ = build_plan(problem, [], policy=policy, budget_bytes=budget_bytes,
-                             parameters=params, notes=notes)
+        plan, _ = build_plan(
+            problem, [], policy=policy, budget_bytes=budget_bytes, parameters=params, notes=notes
+        )
         return plan
     t0 = time.perf_counter()
     decisions = fn(problem, budget_bytes, **params)
     solve_s = time.perf_counter() - t0
-    plan, sim = build_plan(problem, decisions, policy=policy, budget_bytes=budget_bytes,
-                           parameters=policy_parameters(params, decisions),
-                           solve_time_s=solve_s, notes=notes)
+    plan, sim = build_plan(
+        problem,
+        decisions,
+        policy=policy,
+        budget_bytes=budget_bytes,
+        parameters=policy_parameters(params, decisions),
+        solve_time_s=solve_s,
+        notes=notes,
+    )
     if plan.predictions.feasible:
         return plan
     floor = problem.floor_bytes()
     # the best effort's own peak is a good first guess, unless the policy gave up (an exact
     # policy such as the ilp returns no decisions when nothing fits): then search up from the floor
     gave_up = sim.peak_bytes >= problem.peak_bytes
-    best = smallest_feasible_budget(problem, fn, params,
-                                    start_bytes=max(floor if gave_up else sim.peak_bytes, floor,
-                                                    budget_bytes + 1),
-                                    steps=10 if problem.n_ops <= 20_000 else 4)
-    msg = (f"{problem.trace_path or 'trace'}: budget {format_bytes(budget_bytes)} "
-           f"({budget_bytes} B) cannot be met by policy {policy!r}: its plan peaks at "
-           f"{format_bytes(sim.peak_bytes)}; the smallest budget it reaches is "
-           f"{format_bytes(best)} ({best} B); no plan of any policy can go below "
-           f"{format_bytes(floor)} (what must stay resident: {floor_text(problem)})")
+    best = smallest_feasible_budget(
+        problem,
+        fn,
+        params,
+        start_bytes=max(floor if gave_up else sim.peak_bytes, floor, budget_bytes + 1),
+        steps=10 if problem.n_ops <= 20_000 else 4,
+    )
+    msg = (
+        f"{problem.trace_path or 'trace'}: budget {format_bytes(budget_bytes)} "
+        f"({budget_bytes} B) cannot be met by policy {policy!r}: its plan peaks at "
+        f"{format_bytes(sim.peak_bytes)}; the smallest budget it reaches is "
+        f"{format_bytes(best)} ({best} B); no plan of any policy can go below "
+        f"{format_bytes(floor)} (what must stay resident: {floor_text(problem)})"
+    )
     reported = plan.provenance.parameters or {}
     limit, status = reported.get("time_limit_s"), reported.get("status")
     if limit is not None and status not in ("OPTIMAL", "INFEASIBLE"):
-        msg += (f"; policy {policy!r} stopped at its time limit of {limit:g} s (solver status "
-                f"{status}): these are what it found within it, a longer --time-limit may reach "
-                "lower")
+        msg += (
+            f"; policy {policy!r} stopped at its time limit of {limit:g} s (solver status "
+            f"{status}): these are what it found within it, a longer --time-limit may reach "
+            "lower"
+        )
     if allow_infeasible:
         plan.predictions.notes.append(msg)
         return plan
@@ -132,10 +166,12 @@ def make_plan(trace: str | os.PathLike | Trace | Problem, budget: str | int = "5
 # all differ is still refused (``--iteration N`` plans one of them).
 
 
-def _plan_kinds(trace: Trace, kinds: list[tuple[str, list[int]]], budget: str | int,
-                policy: str, **kw: Any) -> Plan:
-    problems = [load_problem(trace, iteration=its[-1], bandwidth=kw.get("bandwidth"))
-                for _, its in kinds]
+def _plan_kinds(
+    trace: Trace, kinds: list[tuple[str, list[int]]], budget: str | int, policy: str, **kw: Any
+) -> Plan:
+    problems = [
+        load_problem(trace, iteration=its[-1], bandwidth=kw.get("bandwidth")) for _, its in kinds
+    ]
     budget_bytes = parse_budget(budget, max(p.peak_bytes for p in problems))
     kw.pop("bandwidth", None)
     plans = []
@@ -154,10 +190,12 @@ def floor_text(problem: Problem) -> str:
     if b["floor_op"] < 0:
         return "nothing runs"
     op = problem.ops[b["floor_op"]]
-    return (f"at op {b['floor_op']} ({op.name}), its own inputs, outputs and scratch "
-            f"{format_bytes(b['working_set_bytes'])} plus {format_bytes(b['fixed_bytes'])} "
-            f"that no access gap frees there; parameters, gradients and optimizer state are "
-            f"swap candidates, across iterations too")
+    return (
+        f"at op {b['floor_op']} ({op.name}), its own inputs, outputs and scratch "
+        f"{format_bytes(b['working_set_bytes'])} plus {format_bytes(b['fixed_bytes'])} "
+        f"that no access gap frees there; parameters, gradients and optimizer state are "
+        f"swap candidates, across iterations too"
+    )
 
 
 def takes_time_limit(policy_fn) -> bool:
@@ -200,16 +238,16 @@ def format_solver_report(plan: Plan) -> str | None:
     return ", ".join(parts)
 
 
-def smallest_feasible_budget(problem: Problem, policy_fn, params: dict[str, Any], *,
-                             start_bytes: int, steps: int = 10) -> int:
+def smallest_feasible_budget(
+    problem: Problem, policy_fn, params: dict[str, Any], *, start_bytes: int, steps: int = 10
+) -> int:
     """The smallest budget >= ``start_bytes`` found for which ``policy_fn`` makes a feasible
     plan (verified by simulation). Greedy policies are not monotone in the budget, so this
     tries ``start_bytes``, then bisects towards the baseline peak (always feasible)."""
 
     def peak_at(b: int) -> int | None:
         try:
-            _, sim = build_plan(problem, policy_fn(problem, b, **params), policy="",
-                                budget_bytes=b)
+            _, sim = build_plan(problem, policy_fn(problem, b, **params), policy="", budget_bytes=b)
         except Exception:  # noqa: BLE001 - a broken plan counts as not feasible
             return None
         return sim.peak_bytes if sim.peak_bytes <= b else None
@@ -236,22 +274,41 @@ def default_plan_path(trace_path: str | os.PathLike) -> Path:
     return Path(stem + ".plan.json")
 
 
-def plan_file(trace_path: str | os.PathLike, budget: str | int, output=None, *,
-              policy: str = "capuchin", bandwidth: str | float | None = None,
-              iteration: int | None = None, force: bool = False,
-              time_limit_s: float | None = None, **params: Any) -> tuple[Plan, Path]:
+def plan_file(
+    trace_path: str | os.PathLike,
+    budget: str | int,
+    output=None,
+    *,
+    policy: str = "capuchin",
+    bandwidth: str | float | None = None,
+    iteration: int | None = None,
+    force: bool = False,
+    time_limit_s: float | None = None,
+    **params: Any,
+) -> tuple[Plan, Path]:
     """What ``capuchin plan`` does: ``make_plan`` on a trace file, saved (atomically) to
     ``output`` (default ``default_plan_path``). Refuses to overwrite without ``force`` (checked
     before planning, with the other checks of ``outputs.check_output``)."""
-    out = check_output(output if output is not None else default_plan_path(trace_path),
-                       force=force, inputs=[trace_path])
-    plan = make_plan(trace_path, budget, policy, iteration=iteration, bandwidth=bandwidth,
-                     time_limit_s=time_limit_s, **params)
+    out = check_output(
+        output if output is not None else default_plan_path(trace_path),
+        force=force,
+        inputs=[trace_path],
+    )
+    plan = make_plan(
+        trace_path,
+        budget,
+        policy,
+        iteration=iteration,
+        bandwidth=bandwidth,
+        time_limit_s=time_limit_s,
+        **params,
+    )
     return plan, plan.save(out, force=force)
 
 
-def plan_files(trace_path: str | os.PathLike, budget: str | int, output=None, *,
-               force: bool = False, **kw: Any) -> list[tuple[Plan, Path]]:
+def plan_files(
+    trace_path: str | os.PathLike, budget: str | int, output=None, *, force: bool = False, **kw: Any
+) -> list[tuple[Plan, Path]]:
     """``plan_file`` for a trace, or for every rank's trace of a distributed job (Note [Per-rank
     files] in distributed.py): when ``trace_path`` does not exist but ``t.rank{R}.parquet`` do,
     each is planned (a ``%`` budget is a share of that rank's own peak) and written to the
@@ -263,6 +320,5 @@ def plan_files(trace_path: str | os.PathLike, budget: str | int, output=None, *,
     if not ranks:
         return [plan_file(trace_path, budget, output, force=force, **kw)]
     base = output if output is not None else default_plan_path(trace_path)
-    outs = {r: check_output(rank_path(base, r), force=force, inputs=[t])
-            for r, t in ranks.items()}
+    outs = {r: check_output(rank_path(base, r), force=force, inputs=[t]) for r, t in ranks.items()}
     return [plan_file(t, budget, outs[r], force=force, **kw) for r, t in ranks.items()]

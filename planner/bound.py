@@ -60,8 +60,14 @@ class LowerBound:
         return max(0.0, (extra_ns - self.bound_ns) / extra_ns)
 
 
-def lower_bound(problem: Problem, budget_bytes: int, *, time_limit_s: float = 120.0,
-                tick_ns: int | None = None, cpsat: bool = True) -> LowerBound:
+def lower_bound(
+    problem: Problem,
+    budget_bytes: int,
+    *,
+    time_limit_s: float = 120.0,
+    tick_ns: int | None = None,
+    cpsat: bool = True,
+) -> LowerBound:
     """See the module docstring. ``time_limit_s``: wall-clock seconds for the whole call; the
     model build and the LP run to completion, CP-SAT gets what is left (none: no CP-SAT bound).
     ``cpsat``: run CP-SAT at all. ``tick_ns``: the copy schedule's unit (default 1/100000 of the
@@ -73,8 +79,17 @@ def lower_bound(problem: Problem, budget_bytes: int, *, time_limit_s: float = 12
     cands = [replace(c, trigger=c.evict_op + 1) for c in candidates(problem, budget_bytes)]
     if not cands:
         over = bool((problem.live_bytes > budget_bytes).any())
-        return LowerBound(math.inf if over else 0.0, None, None, 0, 0, 0, 0.0, 0.0,
-                          "INFEASIBLE" if over else "OPTIMAL")
+        return LowerBound(
+            math.inf if over else 0.0,
+            None,
+            None,
+            0,
+            0,
+            0,
+            0.0,
+            0.0,
+            "INFEASIBLE" if over else "OPTIMAL",
+        )
     n = problem.n_ops
     stages = coarsen(problem.durations_ns.tolist(), problem.live_bytes.tolist(), max_stages=n)
     if not stages.is_op_level:  # pragma: no cover - coarsen keeps every op when asked to
@@ -84,8 +99,17 @@ def lower_bound(problem: Problem, budget_bytes: int, *, time_limit_s: float = 12
     model = _Model(problem, stages, budget_bytes, cands, tick_ns)
     proto = model.m.proto
     if model.hopeless:
-        return LowerBound(math.inf, None, None, len(cands), len(proto.variables),
-                          len(proto.constraints), 0.0, 0.0, "INFEASIBLE")
+        return LowerBound(
+            math.inf,
+            None,
+            None,
+            len(cands),
+            len(proto.variables),
+            len(proto.constraints),
+            0.0,
+            0.0,
+            "INFEASIBLE",
+        )
     t_lp = time.perf_counter()
     lp = _lp_bound(model)
     lp_s = time.perf_counter() - t_lp
@@ -107,8 +131,17 @@ def lower_bound(problem: Problem, budget_bytes: int, *, time_limit_s: float = 12
             # the tie-break adds at most scale - 1 to scale * objective (_Model.__init__)
             cp_bound = max(0, int(solver.best_objective_bound + 1e-6) // model.scale)
     bounds = [b for b in (lp, cp_bound) if b is not None]
-    return LowerBound(max(bounds, default=0.0), lp, cp_bound, len(cands), len(proto.variables),
-                      len(proto.constraints), lp_s, cp_s, status)
+    return LowerBound(
+        max(bounds, default=0.0),
+        lp,
+        cp_bound,
+        len(cands),
+        len(proto.variables),
+        len(proto.constraints),
+        lp_s,
+        cp_s,
+        status,
+    )
 
 
 def _lp_bound(model) -> float | None:
@@ -125,8 +158,10 @@ def _lp_bound(model) -> float | None:
         xs.append(lp.NumVar(float(dom[0]), float(dom[-1]), ""))
     for c in proto.constraints:
         if not c.has_linear() or len(c.enforcement_literal):
-            raise CapuchinError("lower_bound: the model has a constraint that is not plain "
-                                "linear (no LP relaxation here)")
+            raise CapuchinError(
+                "lower_bound: the model has a constraint that is not plain "
+                "linear (no LP relaxation here)"
+            )
         lin = c.linear
         dom = list(lin.domain)  # (a split domain relaxes to its hull)
         lo, hi = dom[0], dom[-1]
@@ -138,8 +173,9 @@ def _lp_bound(model) -> float | None:
                 terms.append((-ref - 1, -coef))
             else:
                 terms.append((ref, coef))
-        row = lp.Constraint(-inf if lo <= -(2**62) else lo - const,
-                            inf if hi >= 2**62 else hi - const)
+        row = lp.Constraint(
+            -inf if lo <= -(2**62) else lo - const, inf if hi >= 2**62 else hi - const
+        )
         for i, coef in terms:
             row.SetCoefficient(xs[i], row.GetCoefficient(xs[i]) + coef)
     obj = lp.Objective()

@@ -35,8 +35,10 @@ def parse_size(text: str | int | float, *, what: str = "size") -> int:
     else:
         m = _SIZE.match(str(text))
         if not m:
-            raise BudgetError(f"{what} {text!r}: expected bytes or a size like 8G, 8GiB, 8GB, "
-                              f"512M, 1e9 (or a percentage like 60%)")
+            raise BudgetError(
+                f"{what} {text!r}: expected bytes or a size like 8G, 8GiB, 8GB, "
+                f"512M, 1e9 (or a percentage like 60%)"
+            )
         letter, suffix = m.group(2).lower(), (m.group(3) or "").lower()
         num = float(m.group(1))
         base = (1000 if suffix == "b" else 1024) ** _LETTERS[letter]

@@ -22,8 +22,13 @@ from .plan import Action, Decision, Method, Plan, Predictions, Provenance, Step
 from .problem import Problem
 from .simulator import SimResult, simulate
 
-_STEP_ORDER = {Step.PREFETCH: 0, Step.RESTORE: 1, Step.RECOMPUTE: 2, Step.EVICT_SWAP: 3,
-               Step.EVICT_DROP: 4}
+_STEP_ORDER = {
+    Step.PREFETCH: 0,
+    Step.RESTORE: 1,
+    Step.RECOMPUTE: 2,
+    Step.EVICT_SWAP: 3,
+    Step.EVICT_DROP: 4,
+}
 
 
 def complete_decisions(problem: Problem, decisions: Sequence[Decision]) -> list[Decision]:
@@ -46,8 +51,9 @@ def action_table(decisions: Sequence[Decision]) -> list[Action]:
     for d in decisions:
         if d.method == Method.SWAP:
             acts.append(Action(d.evict_op, Step.EVICT_SWAP, d.storage_id))
-            if d.trigger_op is not None and (d.trigger_op < d.back_op or (
-                    d.wraps and d.trigger_op != d.back_op)):  # wraps: Decision.wraps
+            if d.trigger_op is not None and (
+                d.trigger_op < d.back_op or (d.wraps and d.trigger_op != d.back_op)
+            ):  # wraps: Decision.wraps
                 acts.append(Action(d.trigger_op, Step.PREFETCH, d.storage_id))
             acts.append(Action(d.back_op, Step.RESTORE, d.storage_id))
         else:
@@ -56,9 +62,16 @@ def action_table(decisions: Sequence[Decision]) -> list[Action]:
     return sorted(acts, key=lambda a: (a.op_index, _STEP_ORDER[a.step]))
 
 
-def build_plan(problem: Problem, decisions: Sequence[Decision], *, policy: str,
-               budget_bytes: int, parameters: dict[str, Any] | None = None,
-               solve_time_s: float = 0.0, notes: Sequence[str] = ()) -> tuple[Plan, SimResult]:
+def build_plan(
+    problem: Problem,
+    decisions: Sequence[Decision],
+    *,
+    policy: str,
+    budget_bytes: int,
+    parameters: dict[str, Any] | None = None,
+    solve_time_s: float = 0.0,
+    notes: Sequence[str] = (),
+) -> tuple[Plan, SimResult]:
     """A complete ``Plan`` from ``decisions`` and the simulation that predicts it.
 
     Raises ``PlanError`` (from the simulator) when the decisions break an invariant.
@@ -66,29 +79,52 @@ def build_plan(problem: Problem, decisions: Sequence[Decision], *, policy: str,
     """
     ds = complete_decisions(problem, decisions)
     sim = simulate(problem, ds)
-    ds = [replace(d, predicted_stall_ns=o.stall_ns, predicted_recompute_ns=o.recompute_ns,
-                  out_done_op=_out_done_op(sim, d, o))
-          for d, o in zip(ds, sim.outcomes, strict=True)]
+    ds = [
+        replace(
+            d,
+            predicted_stall_ns=o.stall_ns,
+            predicted_recompute_ns=o.recompute_ns,
+            out_done_op=_out_done_op(sim, d, o),
+        )
+        for d, o in zip(ds, sim.outcomes, strict=True)
+    ]
     feasible = sim.peak_bytes <= budget_bytes
     notes = list(notes)
     if not ds and problem.peak_bytes <= budget_bytes:
         notes.append("the baseline peak fits the budget: nothing to evict")
     prov = Provenance(
-        policy=policy, parameters=_jsonable(parameters or {}), budget_bytes=int(budget_bytes),
-        trace_path=problem.trace_path, trace_fingerprint=problem.fingerprint(),
-        iteration=problem.iteration, device=problem.device,
+        policy=policy,
+        parameters=_jsonable(parameters or {}),
+        budget_bytes=int(budget_bytes),
+        trace_path=problem.trace_path,
+        trace_fingerprint=problem.fingerprint(),
+        iteration=problem.iteration,
+        device=problem.device,
         bandwidth_d2h_bytes_per_s=problem.bandwidth_d2h_bytes_per_s,
         bandwidth_h2d_bytes_per_s=problem.bandwidth_h2d_bytes_per_s,
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        solve_time_s=round(float(solve_time_s), 4), capuchin_version=__version__)
+        solve_time_s=round(float(solve_time_s), 4),
+        capuchin_version=__version__,
+    )
     cost = runtime_cost_ns(problem, ds)  # Note [Runtime cost model] in costs.py
-    pred = Predictions(baseline_peak_bytes=problem.peak_bytes, baseline_time_ns=problem.time_ns,
-                       predicted_peak_bytes=sim.peak_bytes, predicted_time_ns=sim.time_ns + cost,
-                       feasible=feasible, notes=notes, runtime_cost_ns=cost)
-    plan = Plan(provenance=prov, predictions=pred, records=ds, ops=problem.op_signatures(),
-                actions=action_table(ds),
-                op_scratch_bytes=[int(o.scratch_bytes) for o in problem.ops],
-                op_peak_bytes=[int(b) for b in sim.op_peak_bytes])
+    pred = Predictions(
+        baseline_peak_bytes=problem.peak_bytes,
+        baseline_time_ns=problem.time_ns,
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_time_ns=sim.time_ns + cost,
+        feasible=feasible,
+        notes=notes,
+        runtime_cost_ns=cost,
+    )
+    plan = Plan(
+        provenance=prov,
+        predictions=pred,
+        records=ds,
+        ops=problem.op_signatures(),
+        actions=action_table(ds),
+        op_scratch_bytes=[int(o.scratch_bytes) for o in problem.ops],
+        op_peak_bytes=[int(b) for b in sim.op_peak_bytes],
+    )
     return plan, sim
 
 

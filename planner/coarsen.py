@@ -55,8 +55,13 @@ class Stages:
         return all(a == b for a, b in zip(self.first_op, self.last_op, strict=True))
 
 
-def coarsen(duration_ns: Sequence[int], live_bytes: Sequence[int], *, max_stages: int,
-            pinned: dict[int, int] | None = None) -> Stages:
+def coarsen(
+    duration_ns: Sequence[int],
+    live_bytes: Sequence[int],
+    *,
+    max_stages: int,
+    pinned: dict[int, int] | None = None,
+) -> Stages:
     """Partition ops into at most ``max_stages`` stages (more only if pins forbid fewer).
 
     ``duration_ns[k]``/``live_bytes[k]``: op ``k``'s duration (ns) and memory while it runs
@@ -105,5 +110,9 @@ def coarsen(duration_ns: Sequence[int], live_bytes: Sequence[int], *, max_stages
         if nxt[a] < n and first[nxt[a]] not in hard:
             heapq.heappush(heap, (dur[a] + dur[nxt[a]], a, nxt[a]))
     idx = [i for i in range(n) if alive[i]]
-    return Stages(tuple(first[i] for i in idx), tuple(last[i] for i in idx),
-                  tuple(dur[i] for i in idx), tuple(peak[i] for i in idx))
+    return Stages(
+        tuple(first[i] for i in idx),
+        tuple(last[i] for i in idx),
+        tuple(dur[i] for i in idx),
+        tuple(peak[i] for i in idx),
+    )

@@ -73,8 +73,9 @@ class Comparison:
     floor_bytes: int
     records: tuple[CompareRecord, ...]
     # (policy, budget_bytes) -> the plan evaluated there (None when the policy failed)
-    plans: dict[tuple[str, int], Plan | None] = field(default_factory=dict, repr=False,
-                                                      compare=False)
+    plans: dict[tuple[str, int], Plan | None] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def frame(self):
@@ -89,8 +90,9 @@ class Comparison:
         return df
 
 
-def evaluate(problem: Problem, policy: str, budget_bytes: int,
-             params: dict[str, Any] | None = None) -> tuple[CompareRecord, Plan | None]:
+def evaluate(
+    problem: Problem, policy: str, budget_bytes: int, params: dict[str, Any] | None = None
+) -> tuple[CompareRecord, Plan | None]:
     """Plan ``problem`` at ``budget_bytes`` with ``policy`` and predict it (simulator).
 
     ``params`` are given to the policy (only those its signature accepts). A budget at or above
@@ -104,28 +106,57 @@ def evaluate(problem: Problem, policy: str, budget_bytes: int,
         ds = fn(problem, budget_bytes, **kwargs) if budget_bytes < problem.peak_bytes else []
         solve_s = time.perf_counter() - t0
         reported = dict(getattr(ds, "parameters", None) or {})
-        plan, sim = build_plan(problem, ds, policy=policy, budget_bytes=budget_bytes,
-                               parameters={**kwargs, **reported}, solve_time_s=solve_s)
+        plan, sim = build_plan(
+            problem,
+            ds,
+            policy=policy,
+            budget_bytes=budget_bytes,
+            parameters={**kwargs, **reported},
+            solve_time_s=solve_s,
+        )
     except CapuchinError as exc:
-        rec = CompareRecord(policy, int(budget_bytes), False, -1, math.nan,
-                            round(time.perf_counter() - t0, 4), error=str(exc))
+        rec = CompareRecord(
+            policy,
+            int(budget_bytes),
+            False,
+            -1,
+            math.nan,
+            round(time.perf_counter() - t0, 4),
+            error=str(exc),
+        )
         return rec, None
     swapped = sum(d.size_bytes for d in plan.records if d.method == Method.SWAP)
-    replayed = sum(len(d.replay_ops) for d, o in zip(plan.records, sim.outcomes, strict=True)
-                   if d.method == Method.RECOMPUTE and o.recompute_ns > 0)
+    replayed = sum(
+        len(d.replay_ops)
+        for d, o in zip(plan.records, sim.outcomes, strict=True)
+        if d.method == Method.RECOMPUTE and o.recompute_ns > 0
+    )
     gap = reported.get("optimality_gap")
     rec = CompareRecord(
-        policy=policy, budget_bytes=int(budget_bytes), feasible=bool(plan.predictions.feasible),
-        predicted_peak_bytes=int(sim.peak_bytes), predicted_overhead=float(sim.overhead),
-        solve_time_s=round(solve_s, 4), bytes_swapped=int(swapped), ops_recomputed=int(replayed),
-        decisions=len(plan.records), optimality_gap=None if gap is None else float(gap),
-        status=reported.get("status"), time_limit_s=reported.get("time_limit_s"))
+        policy=policy,
+        budget_bytes=int(budget_bytes),
+        feasible=bool(plan.predictions.feasible),
+        predicted_peak_bytes=int(sim.peak_bytes),
+        predicted_overhead=float(sim.overhead),
+        solve_time_s=round(solve_s, 4),
+        bytes_swapped=int(swapped),
+        ops_recomputed=int(replayed),
+        decisions=len(plan.records),
+        optimality_gap=None if gap is None else float(gap),
+        status=reported.get("status"),
+        time_limit_s=reported.get("time_limit_s"),
+    )
     return rec, plan
 
 
-def smallest_feasible_budget(problem: Problem, policy: str, *, params: dict[str, Any] | None = None,
-                             tolerance: float = DEFAULT_SEARCH_TOLERANCE,
-                             known: Sequence[CompareRecord] = ()) -> int:
+def smallest_feasible_budget(
+    problem: Problem,
+    policy: str,
+    *,
+    params: dict[str, Any] | None = None,
+    tolerance: float = DEFAULT_SEARCH_TOLERANCE,
+    known: Sequence[CompareRecord] = (),
+) -> int:
     """The smallest budget (bytes) at which ``policy``'s plan is feasible, by bisection; see
     Note [Smallest feasible budget]. ``known``: records already evaluated for this policy."""
     peak = problem.peak_bytes
@@ -148,10 +179,16 @@ def smallest_feasible_budget(problem: Problem, policy: str, *, params: dict[str,
     return hi
 
 
-def compare_policies(trace: str | os.PathLike | Any, budgets: str | Sequence[str | int], *,
-                     policies: Sequence[str] | None = None, time_limit_s: float | None = None,
-                     search_smallest: bool = True, params: dict[str, dict[str, Any]] | None = None,
-                     search_tolerance: float = DEFAULT_SEARCH_TOLERANCE) -> Comparison:
+def compare_policies(
+    trace: str | os.PathLike | Any,
+    budgets: str | Sequence[str | int],
+    *,
+    policies: Sequence[str] | None = None,
+    time_limit_s: float | None = None,
+    search_smallest: bool = True,
+    params: dict[str, dict[str, Any]] | None = None,
+    search_tolerance: float = DEFAULT_SEARCH_TOLERANCE,
+) -> Comparison:
     """Run ``policies`` (default: every registered one) on ``trace`` at each budget.
 
     ``trace``: a path, a ``Trace`` or a ``Problem``. ``budgets``: ``"8G,6G,60%"`` or a list
@@ -166,8 +203,10 @@ def compare_policies(trace: str | os.PathLike | Any, budgets: str | Sequence[str
     for name in names:
         get_policy(name)
     items = budgets.split(",") if isinstance(budgets, str) else list(budgets)
-    amounts = sorted({parse_budget(str(b).strip(), problem.peak_bytes) for b in items
-                      if str(b).strip()}, reverse=True)
+    amounts = sorted(
+        {parse_budget(str(b).strip(), problem.peak_bytes) for b in items if str(b).strip()},
+        reverse=True,
+    )
     if not amounts:
         raise CapuchinError("no budget given (e.g. --budget 8G,6G or --budget 60%)")
     records: list[CompareRecord] = []
@@ -181,13 +220,19 @@ def compare_policies(trace: str | os.PathLike | Any, budgets: str | Sequence[str
             rec, plans[name, b] = evaluate(problem, name, b, p)
             mine.append(rec)
         if search_smallest:
-            best = smallest_feasible_budget(problem, name, params=p, known=mine,
-                                            tolerance=search_tolerance)
+            best = smallest_feasible_budget(
+                problem, name, params=p, known=mine, tolerance=search_tolerance
+            )
             mine = [_with(r, smallest_feasible_bytes=best) for r in mine]
         records.extend(mine)
-    return Comparison(trace=problem.trace_path or str(trace),
-                      baseline_peak_bytes=problem.peak_bytes, baseline_time_ns=problem.time_ns,
-                      floor_bytes=problem.floor_bytes(), records=tuple(records), plans=plans)
+    return Comparison(
+        trace=problem.trace_path or str(trace),
+        baseline_peak_bytes=problem.peak_bytes,
+        baseline_time_ns=problem.time_ns,
+        floor_bytes=problem.floor_bytes(),
+        records=tuple(records),
+        plans=plans,
+    )
 
 
 # ---- output -------------------------------------------------------------------------------------
@@ -213,31 +258,66 @@ def records_to_json(result: Comparison) -> str:
 def format_comparison(result: Comparison) -> str:
     """The policy x budget table and each policy's smallest feasible budget, as text."""
     peak = result.baseline_peak_bytes
-    lines = [f"trace {result.trace}: baseline peak {format_bytes(peak)}, iteration "
-             f"{result.baseline_time_ns / 1e6:.2f} ms, floor {format_bytes(result.floor_bytes)} "
-             f"({_pct(result.floor_bytes, peak)} of peak: no plan goes below)"]
-    header = ["policy", "budget", "feasible", "peak", "overhead", "swapped", "recomputed",
-              "solve", "note"]
+    lines = [
+        f"trace {result.trace}: baseline peak {format_bytes(peak)}, iteration "
+        f"{result.baseline_time_ns / 1e6:.2f} ms, floor {format_bytes(result.floor_bytes)} "
+        f"({_pct(result.floor_bytes, peak)} of peak: no plan goes below)"
+    ]
+    header = [
+        "policy",
+        "budget",
+        "feasible",
+        "peak",
+        "overhead",
+        "swapped",
+        "recomputed",
+        "solve",
+        "note",
+    ]
     rows = []
     for r in result.records:
         if r.error:
-            rows.append([r.policy, _budget(r.budget_bytes, peak), "error", "-", "-", "-", "-",
-                         f"{r.solve_time_s:.2f}s", r.error[:60]])
+            rows.append(
+                [
+                    r.policy,
+                    _budget(r.budget_bytes, peak),
+                    "error",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    f"{r.solve_time_s:.2f}s",
+                    r.error[:60],
+                ]
+            )
             continue
         note = ""
         if r.status is not None:
             note = r.status + (f" gap {r.optimality_gap:.1%}" if r.optimality_gap else "")
-        rows.append([r.policy, _budget(r.budget_bytes, peak), "yes" if r.feasible else "NO",
-                     format_bytes(r.predicted_peak_bytes), f"{r.predicted_overhead:+.1%}",
-                     format_bytes(r.bytes_swapped) if r.bytes_swapped else "0",
-                     f"{r.ops_recomputed} ops", f"{r.solve_time_s:.2f}s", note])
+        rows.append(
+            [
+                r.policy,
+                _budget(r.budget_bytes, peak),
+                "yes" if r.feasible else "NO",
+                format_bytes(r.predicted_peak_bytes),
+                f"{r.predicted_overhead:+.1%}",
+                format_bytes(r.bytes_swapped) if r.bytes_swapped else "0",
+                f"{r.ops_recomputed} ops",
+                f"{r.solve_time_s:.2f}s",
+                note,
+            ]
+        )
     lines += _table(header, rows)
-    if any(r.policy in ("capuchin", "swap", "recompute") for r in result.records) \
-            and len({r.budget_bytes for r in result.records}) > 1:
-        lines.append("(capuchin, swap and recompute plan a fixed grid of targets once per trace of up "
-                     "to 5,000 ops "
-                     "(planner/search.py Note [Targets]): their first budget's solve time "
-                     "includes it, later budgets reuse it)")
+    if (
+        any(r.policy in ("capuchin", "swap", "recompute") for r in result.records)
+        and len({r.budget_bytes for r in result.records}) > 1
+    ):
+        lines.append(
+            "(capuchin, swap and recompute plan a fixed grid of targets once per trace of up "
+            "to 5,000 ops "
+            "(planner/search.py Note [Targets]): their first budget's solve time "
+            "includes it, later budgets reuse it)"
+        )
     smallest: dict[str, int] = {}
     limits: dict[str, float] = {}
     for r in result.records:
@@ -247,11 +327,17 @@ def format_comparison(result: Comparison) -> str:
             limits[r.policy] = r.time_limit_s
     if smallest:
         lines.append("")
-        lines.append("smallest feasible budget (bisection between the floor and the peak, to 0.5% "
-                     "of the peak; an upper bound if a policy is not monotone in the budget):")
-        lines += _table(["policy", "smallest budget", "of peak", "note"],
-                        [[p, format_bytes(b), _pct(b, peak), _limit_note(limits.get(p), b, peak)]
-                         for p, b in smallest.items()])
+        lines.append(
+            "smallest feasible budget (bisection between the floor and the peak, to 0.5% "
+            "of the peak; an upper bound if a policy is not monotone in the budget):"
+        )
+        lines += _table(
+            ["policy", "smallest budget", "of peak", "note"],
+            [
+                [p, format_bytes(b), _pct(b, peak), _limit_note(limits.get(p), b, peak)]
+                for p, b in smallest.items()
+            ],
+        )
     return "\n".join(lines)
 
 
@@ -277,8 +363,16 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt.format(*header).rstrip(), *(fmt.format(*map(str, r)).rstrip() for r in rows)]
 
 
-_ORDER = ["capuchin", "swap", "recompute", "ilp", "dtr", "checkpoint-sqrt", "checkpoint-speed",
-          "vdnn"]
+_ORDER = [
+    "capuchin",
+    "swap",
+    "recompute",
+    "ilp",
+    "dtr",
+    "checkpoint-sqrt",
+    "checkpoint-speed",
+    "vdnn",
+]
 
 
 def _default_order(names: list[str]) -> list[str]:

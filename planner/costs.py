@@ -58,21 +58,34 @@ class RuntimeCosts:
 # swap_action_ns and copy_ns_per_byte: its "swap cycle" lines (a swap-out and swap-in through the
 # CPU backend: 64 KiB cost 200-285 µs per direction, 2-8 MiB 0.30-0.36 ns per byte, means under load
 # 10); replay_op_ns: the slow path's cost again (a replay re-enters the same bookkeeping).
-CPU = RuntimeCosts(hot_op_ns=11_000, guarded_op_ns=1_100, slow_op_ns=34_000,
-                   swap_action_ns=200_000, replay_op_ns=34_000, copies_share_compute=True,
-                   copy_ns_per_byte=0.30)
+CPU = RuntimeCosts(
+    hot_op_ns=11_000,
+    guarded_op_ns=1_100,
+    slow_op_ns=34_000,
+    swap_action_ns=200_000,
+    replay_op_ns=34_000,
+    copies_share_compute=True,
+    copy_ns_per_byte=0.30,
+)
 # not measured (no GPU here): the host-side costs are those of CPU; the copies run on the copy
 # engines, which the simulator's channels model.
-CUDA = RuntimeCosts(hot_op_ns=11_000, guarded_op_ns=1_100, slow_op_ns=34_000,
-                    swap_action_ns=200_000, replay_op_ns=34_000, copies_share_compute=False)
+CUDA = RuntimeCosts(
+    hot_op_ns=11_000,
+    guarded_op_ns=1_100,
+    slow_op_ns=34_000,
+    swap_action_ns=200_000,
+    replay_op_ns=34_000,
+    copies_share_compute=False,
+)
 
 
 def costs_for(device: str) -> RuntimeCosts:
     return CUDA if str(device).startswith("cuda") else CPU
 
 
-def runtime_cost_ns(problem: Problem, decisions: Sequence[Decision],
-                    costs: RuntimeCosts | None = None) -> int:
+def runtime_cost_ns(
+    problem: Problem, decisions: Sequence[Decision], costs: RuntimeCosts | None = None
+) -> int:
     """What the runtime adds to the simulated iteration time for ``decisions`` on ``problem``'s
     device (Note [Runtime cost model])."""
     if not decisions:
@@ -106,8 +119,13 @@ def runtime_cost_ns(problem: Problem, decisions: Sequence[Decision],
             slow += 1
         elif in_window[k]:
             guarded += 1
-    total = (n * c.hot_op_ns + guarded * c.guarded_op_ns + slow * c.slow_op_ns
-             + 2 * swaps * c.swap_action_ns + replays * c.replay_op_ns)
+    total = (
+        n * c.hot_op_ns
+        + guarded * c.guarded_op_ns
+        + slow * c.slow_op_ns
+        + 2 * swaps * c.swap_action_ns
+        + replays * c.replay_op_ns
+    )
     if c.copies_share_compute:
         total += copy_ns
     return int(total)

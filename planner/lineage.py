@@ -40,7 +40,8 @@ class Residency:
         for d in decisions:
             if d.wraps:  # out after evict_op to the end, and from the start to back_op
                 self._iv.setdefault(d.storage_id, []).extend(
-                    [(-1, d.back_op, d.method), (d.evict_op, 1 << 62, d.method)])
+                    [(-1, d.back_op, d.method), (d.evict_op, 1 << 62, d.method)]
+                )
                 continue
             self._iv.setdefault(d.storage_id, []).append((d.evict_op, d.back_op, d.method))
         for v in self._iv.values():
@@ -81,9 +82,15 @@ def chain_ops(problem: Problem, sid: str, upto: int) -> list[int] | None:
     return chain
 
 
-def replay_for(problem: Problem, sid: str, evict_op: int, back_op: int,
-               residency: Residency | None = None, resident=None,
-               max_ops: int = MAX_REPLAY_OPS) -> tuple[list[int], list[str]] | None:
+def replay_for(
+    problem: Problem,
+    sid: str,
+    evict_op: int,
+    back_op: int,
+    residency: Residency | None = None,
+    resident=None,
+    max_ops: int = MAX_REPLAY_OPS,
+) -> tuple[list[int], list[str]] | None:
     """``(replay_ops, sources)`` to regenerate ``sid`` (as of ``evict_op``) before op
     ``back_op``; see Note [Replay chains]. ``resident(x, j)`` may override the source test
     (the Capuchin policy assumes candidates resident); None when it cannot be recomputed.
@@ -102,8 +109,9 @@ def replay_for(problem: Problem, sid: str, evict_op: int, back_op: int,
             return None if result is None else (list(result[0]), list(result[1]))
     seen: list[tuple[str, Method | None]] = []
     result = _replay_walk(problem, sid, evict_op, back_op, residency, resident, max_ops, seen)
-    entries.insert(0, (tuple(seen), None if result is None else
-                       (tuple(result[0]), tuple(result[1]))))
+    entries.insert(
+        0, (tuple(seen), None if result is None else (tuple(result[0]), tuple(result[1])))
+    )
     del entries[_MEMO_VARIANTS:]
     return result
 
@@ -120,9 +128,16 @@ _REPLAY_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MEMO_VARIANTS = 4  # residency variants remembered per (storage, access pair)
 
 
-def _replay_walk(problem: Problem, sid: str, evict_op: int, back_op: int,
-                 residency: Residency | None, resident, max_ops: int,
-                 seen: list | None) -> tuple[list[int], list[str]] | None:
+def _replay_walk(
+    problem: Problem,
+    sid: str,
+    evict_op: int,
+    back_op: int,
+    residency: Residency | None,
+    resident,
+    max_ops: int,
+    seen: list | None,
+) -> tuple[list[int], list[str]] | None:
     st = problem.storages
     ops = problem.ops
     first = chain_ops(problem, sid, evict_op)
@@ -212,11 +227,17 @@ def resolve_recompute(problem: Problem, decisions: Sequence[Decision]) -> list[D
         if not d.replay_ops:
             r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res)
             if r is None:
-                raise PlanError(f"decision {d.storage_id}: cannot be recomputed for op "
-                                f"{d.back_op} (no producer, or its sources are gone)")
+                raise PlanError(
+                    f"decision {d.storage_id}: cannot be recomputed for op "
+                    f"{d.back_op} (no producer, or its sources are gone)"
+                )
             ops, srcs = r
-            d = out[i] = replace(d, replay_ops=tuple(ops), sources=tuple(srcs),
-                                 keep=tuple(keepable(problem, d, ops, res)))
+            d = out[i] = replace(
+                d,
+                replay_ops=tuple(ops),
+                sources=tuple(srcs),
+                keep=tuple(keepable(problem, d, ops, res)),
+            )
         # what this replay leaves resident for the decisions brought back after it
         for x in (d.storage_id, *d.keep) if replays else ():
             res.regenerated(x, d.back_op)
@@ -249,8 +270,11 @@ class _RegenResident:
 
     def __call__(self, x: str, j: int) -> bool:
         xs = self.problem.storages[x]
-        return (xs.alive_at(self.back_op) and not xs.written_between(j, self.back_op)
-                and self.res.out_at(x, self.back_op) is None)
+        return (
+            xs.alive_at(self.back_op)
+            and not xs.written_between(j, self.back_op)
+            and self.res.out_at(x, self.back_op) is None
+        )
 
 
 def regen_resident(problem: Problem, res: Residency, back_op: int) -> _RegenResident:
@@ -259,22 +283,39 @@ def regen_resident(problem: Problem, res: Residency, back_op: int) -> _RegenResi
     return _RegenResident(problem, res, back_op)
 
 
-def replay_of(problem: Problem, d: Decision, res: Residency, regen: frozenset = frozenset(),
-              max_ops: int = MAX_REPLAY_OPS):
+def replay_of(
+    problem: Problem,
+    d: Decision,
+    res: Residency,
+    regen: frozenset = frozenset(),
+    max_ops: int = MAX_REPLAY_OPS,
+):
     """``replay_for`` of a recompute decision: for a storage in ``regen``, first the replay that
     regenerates its swapped-out sources (``regen_resident``); otherwise, or when that finds
     none, the ordinary replay that restores them on demand."""
     r = None
     if d.storage_id in regen:
-        r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
-                       resident=regen_resident(problem, res, d.back_op), max_ops=max_ops)
+        r = replay_for(
+            problem,
+            d.storage_id,
+            d.evict_op,
+            d.back_op,
+            res,
+            resident=regen_resident(problem, res, d.back_op),
+            max_ops=max_ops,
+        )
     if r is None:
         r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res, max_ops=max_ops)
     return r
 
 
-def finish_decisions(problem: Problem, decisions: Sequence[Decision], excess: np.ndarray,
-                     collective: bool, regen: frozenset = frozenset()) -> list[Decision]:
+def finish_decisions(
+    problem: Problem,
+    decisions: Sequence[Decision],
+    excess: np.ndarray,
+    collective: bool,
+    regen: frozenset = frozenset(),
+) -> list[Decision]:
     """Exact lineage for the recompute decisions against the residency of ``decisions``, and
     collective recomputation keeps (paper §5.3) where the estimated memory has room for them:
     ``excess[k]`` is op k's estimated memory above the budget. The replays of the storages in
@@ -296,11 +337,18 @@ def finish_decisions(problem: Problem, decisions: Sequence[Decision], excess: np
                     for x in keepable(problem, d, ops, res):
                         xb = next(b for e, b, m in res._iv[x] if e < d.back_op <= b)
                         size = problem.storages[x].size_bytes
-                        if room[d.back_op:xb].min(initial=size) >= size:
-                            room[d.back_op:xb] -= size
+                        if room[d.back_op : xb].min(initial=size) >= size:
+                            room[d.back_op : xb] -= size
                             keep.append(x)
-                d = Decision(d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op,
-                             d.back_op, replay_ops=tuple(ops), sources=tuple(srcs),
-                             keep=tuple(keep))
+                d = Decision(
+                    d.storage_id,
+                    Method.RECOMPUTE,
+                    d.size_bytes,
+                    d.evict_op,
+                    d.back_op,
+                    replay_ops=tuple(ops),
+                    sources=tuple(srcs),
+                    keep=tuple(keep),
+                )
         out.append(d)
     return sorted(out, key=lambda d: (d.evict_op, d.storage_id))

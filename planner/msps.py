@@ -70,9 +70,15 @@ class MspsQueue:
         if r is None:
             return None
         ops, srcs = r
-        c = RecomputeCandidate(sid, self.p.storages[sid].size_bytes, evict_op, back_op,
-                               set(srcs), sum(durs[j].duration_ns for j in ops),
-                               replay_ops=set(ops))
+        c = RecomputeCandidate(
+            sid,
+            self.p.storages[sid].size_bytes,
+            evict_op,
+            back_op,
+            set(srcs),
+            sum(durs[j].duration_ns for j in ops),
+            replay_ops=set(ops),
+        )
         c.temp_bytes = self._temp_bytes(c)
         self.cands[sid] = c
         for x in c.srcs:
@@ -83,8 +89,9 @@ class MspsQueue:
     def _temp_bytes(self, c: RecomputeCandidate) -> int:
         ops = self.p.ops
         st = self.p.storages
-        made = sum(st[x].size_bytes for j in c.replay_ops for x in ops[j].allocs
-                   if x != c.storage_id)
+        made = sum(
+            st[x].size_bytes for j in c.replay_ops for x in ops[j].allocs if x != c.storage_id
+        )
         return made + max((ops[j].scratch_bytes for j in c.replay_ops), default=0)
 
     def _substitute(self, t: RecomputeCandidate, cand: RecomputeCandidate) -> None:
@@ -122,8 +129,11 @@ class MspsQueue:
         c = self.cands.get(sid)
         if c is None:
             return 0
-        n = sum(1 for r in self.users.get(sid, ()) if r in self.recomps
-                and evict_op < self.recomps[r].back_op <= back_op)
+        n = sum(
+            1
+            for r in self.users.get(sid, ())
+            if r in self.recomps and evict_op < self.recomps[r].back_op <= back_op
+        )
         return n * c.rp_time_ns
 
     def _push(self, c: RecomputeCandidate) -> None:

@@ -75,7 +75,9 @@ class Decision:
     keep: tuple[str, ...] = ()
     predicted_stall_ns: int = 0  # swap: exposed wait at the back-access (simulated)
     predicted_recompute_ns: int = 0  # recompute: replay time added to compute (simulated)
-    wraps: bool = False  # evicted in iteration i, back before ``back_op`` of iteration i+1 (swap only)
+    wraps: bool = (
+        False  # evicted in iteration i, back before ``back_op`` of iteration i+1 (swap only)
+    )
     out_done_op: int | None = None  # swap: the simulated swap-out is complete before this op
 
     def to_dict(self) -> dict[str, Any]:
@@ -170,8 +172,10 @@ class Plan:
         return {
             "kind": self.kind,
             "iteration": self.provenance.iteration,
-            "predictions": {**asdict(self.predictions),
-                            "predicted_overhead": self.predictions.predicted_overhead},
+            "predictions": {
+                **asdict(self.predictions),
+                "predicted_overhead": self.predictions.predicted_overhead,
+            },
             "decisions": [d.to_dict() for d in self.records],
             "ops": self.ops,
             "op_scratch_bytes": list(self.op_scratch_bytes),
@@ -213,7 +217,9 @@ class Plan:
         try:
             doc = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise PlanFormatError(f"{source}: not a JSON file ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+            raise PlanFormatError(
+                f"{source}: not a JSON file ({exc.msg if hasattr(exc, 'msg') else exc})"
+            ) from None
         if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
             raise PlanFormatError(f"{source}: JSON file is not a capuchin plan")
         version = doc.get("schema_version")
@@ -222,7 +228,8 @@ class Plan:
         if version != PLAN_SCHEMA_VERSION:
             raise PlanFormatError(
                 f"{source}: plan schema version {version}, this capuchin reads "
-                f"version {PLAN_SCHEMA_VERSION}; make the plan again with `capuchin plan`")
+                f"version {PLAN_SCHEMA_VERSION}; make the plan again with `capuchin plan`"
+            )
         try:
             check_plan_doc(doc)
         except _Bad as bad:
@@ -285,13 +292,15 @@ class Plan:
             elif not isinstance(trace, Trace):
                 trace = load_trace(trace)
             problem = Problem.from_trace(trace, iteration=self.provenance.iteration)
-        problem = problem.with_bandwidth(self.provenance.bandwidth_d2h_bytes_per_s,
-                                         self.provenance.bandwidth_h2d_bytes_per_s)
+        problem = problem.with_bandwidth(
+            self.provenance.bandwidth_d2h_bytes_per_s, self.provenance.bandwidth_h2d_bytes_per_s
+        )
         if problem.fingerprint() != self.provenance.trace_fingerprint:
             raise PlanFormatError(
                 f"{self.provenance.trace_path or 'trace'}: op sequence differs from the one the "
                 f"plan was made for (fingerprint {problem.fingerprint()} vs "
-                f"{self.provenance.trace_fingerprint})")
+                f"{self.provenance.trace_fingerprint})"
+            )
         return simulate(problem, self.records)
 
     @property
@@ -306,18 +315,25 @@ class Plan:
         """The headline numbers (what ``capuchin plan --json`` prints)."""
         p, pr = self.predictions, self.provenance
         return {
-            "policy": pr.policy, "budget_bytes": pr.budget_bytes,
+            "policy": pr.policy,
+            "budget_bytes": pr.budget_bytes,
             "baseline_peak_bytes": p.baseline_peak_bytes,
             "predicted_peak_bytes": p.predicted_peak_bytes,
-            "predicted_overhead": p.predicted_overhead, "feasible": p.feasible,
-            "swap_count": self.swap_count, "recompute_count": self.recompute_count,
+            "predicted_overhead": p.predicted_overhead,
+            "feasible": p.feasible,
+            "swap_count": self.swap_count,
+            "recompute_count": self.recompute_count,
             "swapped_bytes": sum(d.size_bytes for d in self.records if d.method == Method.SWAP),
-            "recomputed_bytes": sum(d.size_bytes for d in self.records
-                                    if d.method == Method.RECOMPUTE),
+            "recomputed_bytes": sum(
+                d.size_bytes for d in self.records if d.method == Method.RECOMPUTE
+            ),
             "replayed_ops": sum(len(d.replay_ops) for d in self.records),
-            "baseline_time_ns": p.baseline_time_ns, "predicted_time_ns": p.predicted_time_ns,
-            "solve_time_s": pr.solve_time_s, "trace_fingerprint": pr.trace_fingerprint,
-            "iteration": pr.iteration, "notes": list(p.notes),
+            "baseline_time_ns": p.baseline_time_ns,
+            "predicted_time_ns": p.predicted_time_ns,
+            "solve_time_s": pr.solve_time_s,
+            "trace_fingerprint": pr.trace_fingerprint,
+            "iteration": pr.iteration,
+            "notes": list(p.notes),
         }
 
     @property
@@ -325,8 +341,9 @@ class Plan:
         """Decisions as a pandas DataFrame (one row per evicted storage)."""
         import pandas as pd
 
-        return pd.DataFrame([d.to_dict() for d in self.records],
-                            columns=[f.name for f in fields(Decision)])
+        return pd.DataFrame(
+            [d.to_dict() for d in self.records], columns=[f.name for f in fields(Decision)]
+        )
 
 
 # -- validation at load -------------------------------------------------------------------------
@@ -345,8 +362,9 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _obj(v: Any, where: str, required: dict[str, Any], optional: dict[str, Any],
-         known: Any = None) -> None:
+def _obj(
+    v: Any, where: str, required: dict[str, Any], optional: dict[str, Any], known: Any = None
+) -> None:
     """``v`` is an object with the ``required`` keys and maybe the ``optional`` ones, each value
     checked by its function (called with the value and its path). ``known``: a dataclass whose
     fields are the only keys allowed (a field added to it later, with a default, is accepted
@@ -380,6 +398,7 @@ def _int_min(lo: int):
     def check(v, where):
         if not _is_int(v) or v < lo:
             raise _Bad(where, f"{v!r} is not an integer >= {lo}")
+
     return check
 
 
@@ -387,6 +406,7 @@ def _num_min(lo: float):
     def check(v, where):
         if not _is_number(v) or v < lo:
             raise _Bad(where, f"{v!r} is not a finite number >= {lo:g}")
+
     return check
 
 
@@ -396,6 +416,7 @@ def _list_of(check):
             raise _Bad(where, f"expected a list, got {type(v).__name__}")
         for i, x in enumerate(v):
             check(x, f"{where}[{i}]")
+
     return check_list
 
 
@@ -413,30 +434,54 @@ def _object(v, where):
         raise _Bad(where, f"expected an object, got {type(v).__name__}")
 
 
-_PROVENANCE = {"policy": _str, "parameters": _object, "budget_bytes": _int_min(1),
-               "trace_path": _str, "trace_fingerprint": _str, "iteration": _int_min(0),
-               "device": _device, "bandwidth_d2h_bytes_per_s": _num_min(1),
-               "bandwidth_h2d_bytes_per_s": _num_min(1), "date": _str,
-               "solve_time_s": _num_min(0)}
-_PREDICTIONS = {"baseline_peak_bytes": _int_min(0), "baseline_time_ns": _int_min(0),
-                "predicted_peak_bytes": _int_min(0), "predicted_time_ns": _int_min(0)}
+_PROVENANCE = {
+    "policy": _str,
+    "parameters": _object,
+    "budget_bytes": _int_min(1),
+    "trace_path": _str,
+    "trace_fingerprint": _str,
+    "iteration": _int_min(0),
+    "device": _device,
+    "bandwidth_d2h_bytes_per_s": _num_min(1),
+    "bandwidth_h2d_bytes_per_s": _num_min(1),
+    "date": _str,
+    "solve_time_s": _num_min(0),
+}
+_PREDICTIONS = {
+    "baseline_peak_bytes": _int_min(0),
+    "baseline_time_ns": _int_min(0),
+    "predicted_peak_bytes": _int_min(0),
+    "predicted_time_ns": _int_min(0),
+}
 _PREDICTIONS_OPT = {"feasible": _bool, "notes": _list_of(_str), "predicted_overhead": _anything}
 
 
 def check_plan_doc(doc: dict[str, Any]) -> None:
     """Validate a plan document (docs/plan-format.md) before any object is built; raises
     ``_Bad`` for the first problem."""
-    kind_fields = {"kind": _str, "predictions": _anything, "decisions": _anything,
-                   "ops": _anything, "actions": _anything}
-    _obj(doc, "", {"format": _str, "schema_version": _int_min(0), "provenance": _anything,
-                   **kind_fields},
-         {"op_scratch_bytes": _anything, "op_peak_bytes": _anything, "kinds": _list_of(_object)})
+    kind_fields = {
+        "kind": _str,
+        "predictions": _anything,
+        "decisions": _anything,
+        "ops": _anything,
+        "actions": _anything,
+    }
+    _obj(
+        doc,
+        "",
+        {"format": _str, "schema_version": _int_min(0), "provenance": _anything, **kind_fields},
+        {"op_scratch_bytes": _anything, "op_peak_bytes": _anything, "kinds": _list_of(_object)},
+    )
     _obj(doc["provenance"], "provenance", _PROVENANCE, {"capuchin_version": _str}, Provenance)
     _check_kind(doc, "")
     for i, k in enumerate(doc.get("kinds", [])):
         where = f"kinds[{i}]"
-        _obj(k, where, {**kind_fields, "iteration": _int_min(0)},
-             {"op_scratch_bytes": _anything, "op_peak_bytes": _anything})
+        _obj(
+            k,
+            where,
+            {**kind_fields, "iteration": _int_min(0)},
+            {"op_scratch_bytes": _anything, "op_peak_bytes": _anything},
+        )
         _check_kind(k, where + ".")
 
 
@@ -446,15 +491,19 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
     _obj(doc["predictions"], f"{at}predictions", _PREDICTIONS, _PREDICTIONS_OPT, Predictions)
     ops = doc["ops"]
     if not isinstance(ops, list) or not all(
-            isinstance(o, list) and len(o) == 2 and all(isinstance(x, str) for x in o)
-            for o in ops):
+        isinstance(o, list) and len(o) == 2 and all(isinstance(x, str) for x in o) for o in ops
+    ):
         raise _Bad(f"{at}ops", "expected a list of [op name, shape signature] string pairs")
     n = len(ops)
 
     def op_index(v, where):
         if not _is_int(v) or not 0 <= v < n:
-            raise _Bad(where, f"{v!r} is not an op index of this plan (0..{n - 1})"
-                       if n else f"{v!r}: the plan has no ops")
+            raise _Bad(
+                where,
+                f"{v!r} is not an op index of this plan (0..{n - 1})"
+                if n
+                else f"{v!r}: the plan has no ops",
+            )
 
     def op_index_or_null(v, where):
         if v is not None:
@@ -471,13 +520,27 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
     methods: dict[str, str] = {}
     for i, d in enumerate(decisions):
         where = f"{at}decisions[{i}]"
-        _obj(d, where,
-             {"storage_id": _str, "method": _str, "size_bytes": _int_min(0),
-              "evict_op": op_index, "back_op": op_index},
-             {"trigger_op": op_index_or_null, "replay_ops": _list_of(op_index),
-              "sources": _list_of(_str), "keep": _list_of(_str),
-              "predicted_stall_ns": _int_min(0), "predicted_recompute_ns": _int_min(0),
-              "wraps": _bool}, Decision)
+        _obj(
+            d,
+            where,
+            {
+                "storage_id": _str,
+                "method": _str,
+                "size_bytes": _int_min(0),
+                "evict_op": op_index,
+                "back_op": op_index,
+            },
+            {
+                "trigger_op": op_index_or_null,
+                "replay_ops": _list_of(op_index),
+                "sources": _list_of(_str),
+                "keep": _list_of(_str),
+                "predicted_stall_ns": _int_min(0),
+                "predicted_recompute_ns": _int_min(0),
+                "wraps": _bool,
+            },
+            Decision,
+        )
         if d["method"] not in {m.value for m in Method}:
             raise _Bad(f"{where}.method", f"{d['method']!r} is not 'swap' or 'recompute'")
         if d["storage_id"] in methods:
@@ -487,11 +550,18 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
         if wraps and d["method"] != Method.SWAP.value:
             raise _Bad(f"{where}.wraps", "only a swap decision may wrap around the iteration")
         if not wraps and d["back_op"] <= d["evict_op"]:
-            raise _Bad(where, f"back_op {d['back_op']} is not after evict_op {d['evict_op']} "
-                       "(and the decision does not wrap)")
-    steps = {Step.EVICT_SWAP.value: Method.SWAP.value, Step.PREFETCH.value: Method.SWAP.value,
-             Step.RESTORE.value: Method.SWAP.value, Step.EVICT_DROP.value: Method.RECOMPUTE.value,
-             Step.RECOMPUTE.value: Method.RECOMPUTE.value}
+            raise _Bad(
+                where,
+                f"back_op {d['back_op']} is not after evict_op {d['evict_op']} "
+                "(and the decision does not wrap)",
+            )
+    steps = {
+        Step.EVICT_SWAP.value: Method.SWAP.value,
+        Step.PREFETCH.value: Method.SWAP.value,
+        Step.RESTORE.value: Method.SWAP.value,
+        Step.EVICT_DROP.value: Method.RECOMPUTE.value,
+        Step.RECOMPUTE.value: Method.RECOMPUTE.value,
+    }
     actions = doc["actions"]
     if not isinstance(actions, list):
         raise _Bad(f"{at}actions", f"expected a list, got {type(actions).__name__}")
@@ -521,7 +591,8 @@ def load_plan(path: str | os.PathLike) -> Plan:
     if data[:4] == b"PAR1":
         raise PlanFormatError(
             f"{path}: a Parquet file (a trace?), not a plan; make a plan from a trace with "
-            f"`capuchin plan {path} --budget SIZE`")
+            f"`capuchin plan {path} --budget SIZE`"
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

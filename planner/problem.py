@@ -131,8 +131,14 @@ class StorageInfo:
         never recomputed (no op of the iteration produces them from scratch)."""
         if self.evictable:
             return True
-        return (self.persistent and not self.communicated and self.size_bytes > 0 and bool(self.accesses)
-                and self.accesses[0] >= 0 and (self.wrap is not None or bool(self.gaps())))
+        return (
+            self.persistent
+            and not self.communicated
+            and self.size_bytes > 0
+            and bool(self.accesses)
+            and self.accesses[0] >= 0
+            and (self.wrap is not None or bool(self.gaps()))
+        )
 
     @property
     def producer_op(self) -> int | None:
@@ -196,12 +202,17 @@ class Problem:
         if iteration is None:
             if not trace.meta.regular:
                 div = trace.meta.first_divergence or {}
-                where = (f" (first divergence: iteration {div.get('iteration')}, op "
-                         f"{div.get('op_index')}: expected {div.get('expected')}, got "
-                         f"{div.get('got')})" if div else "")
+                where = (
+                    f" (first divergence: iteration {div.get('iteration')}, op "
+                    f"{div.get('op_index')}: expected {div.get('expected')}, got "
+                    f"{div.get('got')})"
+                    if div
+                    else ""
+                )
                 raise IrregularTraceError(
                     f"{name}: the recorded iterations differ{where}; no single iteration "
-                    f"stands for the others. Choose one with --iteration N (recorded: {its})")
+                    f"stands for the others. Choose one with --iteration N (recorded: {its})"
+                )
             steady = trace.meta.steady_iteration
             iteration = steady if steady is not None and steady in its else its[-1]
         if iteration not in its:
@@ -223,12 +234,15 @@ class Problem:
 
         return cls.from_trace(trace_from_ops(ops, sizes, **kwargs))
 
-    def with_bandwidth(self, d2h_bytes_per_s: float | None = None,
-                       h2d_bytes_per_s: float | None = None) -> Problem:
+    def with_bandwidth(
+        self, d2h_bytes_per_s: float | None = None, h2d_bytes_per_s: float | None = None
+    ) -> Problem:
         """The same problem with other copy bandwidths (None keeps the current one)."""
-        return replace(self,
-                       bandwidth_d2h_bytes_per_s=float(d2h_bytes_per_s or self.bandwidth_d2h_bytes_per_s),
-                       bandwidth_h2d_bytes_per_s=float(h2d_bytes_per_s or self.bandwidth_h2d_bytes_per_s))
+        return replace(
+            self,
+            bandwidth_d2h_bytes_per_s=float(d2h_bytes_per_s or self.bandwidth_d2h_bytes_per_s),
+            bandwidth_h2d_bytes_per_s=float(h2d_bytes_per_s or self.bandwidth_h2d_bytes_per_s),
+        )
 
     # -- views ----------------------------------------------------------------------------------
     @property
@@ -289,7 +303,8 @@ class Problem:
         """This problem without the persistent candidates (what planning was before them):
         the same object when there are none. Cached."""
         if not self.persistent_candidates or not any(
-                s.swappable and not s.evictable for s in self.storages.values()):
+            s.swappable and not s.evictable for s in self.storages.values()
+        ):
             return self
         r = _RESTRICTED.get(self)
         if r is None:
@@ -318,8 +333,11 @@ class Problem:
                     diff[b] -= s.size_bytes
         floor = self.live_bytes - np.cumsum(diff[:n])
         st = self.storages
-        work = np.fromiter((sum(st[x].size_bytes for x in o.accessed) + o.scratch_bytes
-                            for o in self.ops), dtype=np.int64, count=n)
+        work = np.fromiter(
+            (sum(st[x].size_bytes for x in o.accessed) + o.scratch_bytes for o in self.ops),
+            dtype=np.int64,
+            count=n,
+        )
         return floor, np.minimum(work, floor)
 
     def floor_breakdown(self) -> dict[str, int]:
@@ -328,26 +346,51 @@ class Problem:
         resident while it runs) and ``fixed_bytes`` (the rest: storages with no access gap
         around that op, resident state that cannot move there)."""
         if self.n_ops == 0:
-            return {"floor_bytes": self.resident_bytes, "floor_op": -1,
-                    "working_set_bytes": 0, "fixed_bytes": self.resident_bytes}
+            return {
+                "floor_bytes": self.resident_bytes,
+                "floor_op": -1,
+                "working_set_bytes": 0,
+                "fixed_bytes": self.resident_bytes,
+            }
         floor, work = self.floor_curve()
         k = int(floor.argmax())
-        return {"floor_bytes": int(floor[k]), "floor_op": k,
-                "working_set_bytes": int(work[k]), "fixed_bytes": int(floor[k] - work[k])}
+        return {
+            "floor_bytes": int(floor[k]),
+            "floor_op": k,
+            "working_set_bytes": int(work[k]),
+            "fixed_bytes": int(floor[k] - work[k]),
+        }
 
     def memory(self) -> pd.DataFrame:
         """The baseline curve: op_index, name, phase, start_ns, duration_ns, live_bytes."""
-        return pd.DataFrame({
-            "op_index": np.arange(self.n_ops), "name": [o.name for o in self.ops],
-            "phase": [o.phase.value for o in self.ops], "start_ns": self.start_ns,
-            "duration_ns": self.durations_ns, "live_bytes": self.live_bytes})
+        return pd.DataFrame(
+            {
+                "op_index": np.arange(self.n_ops),
+                "name": [o.name for o in self.ops],
+                "phase": [o.phase.value for o in self.ops],
+                "start_ns": self.start_ns,
+                "duration_ns": self.durations_ns,
+                "live_bytes": self.live_bytes,
+            }
+        )
 
     def storage_table(self) -> pd.DataFrame:
         """One row per storage (a notebook view)."""
-        return pd.DataFrame([{
-            "storage_id": s.storage_id, "size_bytes": s.size_bytes, "kind": s.kind.value,
-            "alloc_op": s.alloc_op, "free_op": s.free_op, "accesses": len(s.accesses),
-            "persistent": s.persistent, "evictable": s.evictable} for s in self.storages.values()])
+        return pd.DataFrame(
+            [
+                {
+                    "storage_id": s.storage_id,
+                    "size_bytes": s.size_bytes,
+                    "kind": s.kind.value,
+                    "alloc_op": s.alloc_op,
+                    "free_op": s.free_op,
+                    "accesses": len(s.accesses),
+                    "persistent": s.persistent,
+                    "evictable": s.evictable,
+                }
+                for s in self.storages.values()
+            ]
+        )
 
     def op_signatures(self) -> list[list[str]]:
         """``[[name, shape_signature], ...]`` by op index, as plans store them."""
@@ -401,8 +444,10 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
     if len(op_rows) != n:
         raise IrregularTraceError(f"{name}: iteration {iteration} has gaps in its op indices")
     names = op_rows[Col.OP_NAME].fillna("").to_list()
-    phases = [Phase(p) if isinstance(p, str) and p else Phase.FORWARD
-              for p in op_rows[Col.PHASE].to_list()]
+    phases = [
+        Phase(p) if isinstance(p, str) and p else Phase.FORWARD
+        for p in op_rows[Col.PHASE].to_list()
+    ]
     durs = op_rows[Col.DURATION_NS].fillna(0).astype("int64").clip(lower=0).to_list()
     seeded = op_rows[Col.SEEDED].fillna(False).astype(bool).to_list()
 
@@ -420,13 +465,19 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
     free_op: dict[str, int] = {}
     resident: dict[str, None] = {}
     views: dict[str, str] = {}
-    r_in, r_wr, r_out, r_free, r_res = (Role.INPUT.value, Role.WRITE.value, Role.OUTPUT.value,
-                                       Role.FREE.value, Role.RESIDENT.value)
+    r_in, r_wr, r_out, r_free, r_res = (
+        Role.INPUT.value,
+        Role.WRITE.value,
+        Role.OUTPUT.value,
+        Role.FREE.value,
+        Role.RESIDENT.value,
+    )
     r_scratch = Role.SCRATCH.value
     scratch = [0] * n
     freed_early: set[str] = set()
-    for r, k, s, b, al, kd, ai, shp, v in zip(role, opi, sid, sbytes, alloc, kind, argi, shapes,
-                                              view_of, strict=True):
+    for r, k, s, b, al, kd, ai, shp, v in zip(
+        role, opi, sid, sbytes, alloc, kind, argi, shapes, view_of, strict=True
+    ):
         if r == r_scratch:  # op-internal temporary memory, not a storage (schema Role.SCRATCH)
             if 0 <= k < n:
                 scratch[k] = max(scratch[k], int(b))
@@ -465,12 +516,26 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
         if len(sig) > 1:
             sig.sort(key=lambda x: -1 if x[0] is None else x[0])
         shp = [sh if sh is not None else () for _, sh in sig]
-        ops.append(OpInfo(k, names[k], phases[k], int(durs[k]), tuple(inputs[k]),
-                          tuple(outputs[k]), tuple(writes[k]), tuple(allocs[k]),
-                          tuple(frees[k]), bool(seeded[k]), shape_signature(shp), scratch[k]))
+        ops.append(
+            OpInfo(
+                k,
+                names[k],
+                phases[k],
+                int(durs[k]),
+                tuple(inputs[k]),
+                tuple(outputs[k]),
+                tuple(writes[k]),
+                tuple(allocs[k]),
+                tuple(frees[k]),
+                bool(seeded[k]),
+                shape_signature(shp),
+                scratch[k],
+            )
+        )
     # Note [Collectives]: what a collective reads or writes stays resident
-    collective_storages = {x for o in ops if o.name.startswith(COMMUNICATION_NAMESPACES)
-                           for x in o.accessed}
+    collective_storages = {
+        x for o in ops if o.name.startswith(COMMUNICATION_NAMESPACES) for x in o.accessed
+    }
     storages: dict[str, StorageInfo] = {}
     for s in dict.fromkeys([*resident, *acc]):
         a = sorted(set(acc.get(s, ())))
@@ -479,17 +544,42 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
         fr = free_op.get(s)
         persistent = kd in PERSISTENT_KINDS
         # views share their base's storage; eviction is per storage, so views do not matter
-        evictable = (not persistent and len(a) >= 2 and size.get(s, 0) > 0
-                     and all(k >= 0 for k in a) and s not in collective_storages)
+        evictable = (
+            not persistent
+            and len(a) >= 2
+            and size.get(s, 0) > 0
+            and all(k >= 0 for k in a)
+            and s not in collective_storages
+        )
         # Note [Wrap-around gaps]: resident at the start, alive at the end
         wrap = None
-        if (persistent and al is None and fr is None and s in resident and s not in freed_early
-                and a and a[0] >= 0 and size.get(s, 0) > 0
-                and (n - 1 - a[-1]) + a[0] >= 1 and s not in collective_storages):
+        if (
+            persistent
+            and al is None
+            and fr is None
+            and s in resident
+            and s not in freed_early
+            and a
+            and a[0] >= 0
+            and size.get(s, 0) > 0
+            and (n - 1 - a[-1]) + a[0] >= 1
+            and s not in collective_storages
+        ):
             wrap = (a[-1], a[0])
-        storages[s] = StorageInfo(s, size.get(s, 0), kd, al, fr, tuple(a),
-                                  tuple(sorted(set(wr.get(s, ())))), persistent, evictable,
-                                  s in views, s in collective_storages, wrap)
+        storages[s] = StorageInfo(
+            s,
+            size.get(s, 0),
+            kd,
+            al,
+            fr,
+            tuple(a),
+            tuple(sorted(set(wr.get(s, ())))),
+            persistent,
+            evictable,
+            s in views,
+            s in collective_storages,
+            wrap,
+        )
     res_bytes = sum(size[s] for s in resident if s not in freed_early)
     delta = np.zeros(n + 1, dtype=np.int64)
     for s, k in alloc_op.items():
@@ -502,13 +592,17 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
     start = np.concatenate([[0], np.cumsum(d)[:-1]]) if n else np.zeros(0, dtype=np.int64)
     meta = trace.meta
     return Problem(
-        ops=tuple(ops), storages=storages, resident_bytes=int(res_bytes),
-        start_ns=start.astype(np.int64), live_bytes=live.astype(np.int64),
+        ops=tuple(ops),
+        storages=storages,
+        resident_bytes=int(res_bytes),
+        start_ns=start.astype(np.int64),
+        live_bytes=live.astype(np.int64),
         bandwidth_d2h_bytes_per_s=float(meta.bandwidth_d2h_bytes_per_s),
         bandwidth_h2d_bytes_per_s=float(meta.bandwidth_h2d_bytes_per_s),
-        iteration=int(iteration), trace_path=str(trace.path) if trace.path else "",
-        device=meta.device)
+        iteration=int(iteration),
+        trace_path=str(trace.path) if trace.path else "",
+        device=meta.device,
+    )
 
 
-__all__ = ["IrregularTraceError", "OpInfo", "Problem", "StorageInfo", "op_fingerprint",
-           "ranges_of"]
+__all__ = ["IrregularTraceError", "OpInfo", "Problem", "StorageInfo", "op_fingerprint", "ranges_of"]

@@ -85,10 +85,12 @@ def get_policy(name: str) -> Policy:
     try:
         return _POLICIES[name]
     except KeyError:
-        broken = "".join(f"; module policies/{m}.py failed to import ({e})"
-                         for m, e in _BROKEN.items())
+        broken = "".join(
+            f"; module policies/{m}.py failed to import ({e})" for m, e in _BROKEN.items()
+        )
         raise UnknownPolicyError(
-            f"unknown policy {name!r}; valid policies: {', '.join(available())}{broken}") from None
+            f"unknown policy {name!r}; valid policies: {', '.join(available())}{broken}"
+        ) from None
 
 
 def available() -> list[str]:

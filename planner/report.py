@@ -36,13 +36,17 @@ def format_summary(plan: Plan, output: str | os.PathLike | None = None) -> str:
     ]
     wraps = [d for d in plan.records if d.wraps]
     if wraps:
-        lines.append(f"{len(wraps)} of the swaps wrap around the iteration boundary "
-                     f"({format_bytes(sum(d.size_bytes for d in wraps))}: out across the "
-                     f"optimizer step until their first use in the next iteration)")
+        lines.append(
+            f"{len(wraps)} of the swaps wrap around the iteration boundary "
+            f"({format_bytes(sum(d.size_bytes for d in wraps))}: out across the "
+            f"optimizer step until their first use in the next iteration)"
+        )
     lines += [f"note: {n}" for n in s["notes"]]
     if plan.kinds:  # Note [Iteration kinds] in planner/api.py
-        lines.append(f"kinds of iteration: {plan.kind} (above, iteration {s['iteration']}) and "
-                     f"{len(plan.kinds)} more:")
+        lines.append(
+            f"kinds of iteration: {plan.kind} (above, iteration {s['iteration']}) and "
+            f"{len(plan.kinds)} more:"
+        )
         for k in plan.kinds:
             ks = k.summary()
             lines.append(
@@ -51,14 +55,21 @@ def format_summary(plan: Plan, output: str | os.PathLike | None = None) -> str:
                 f"{format_bytes(ks['predicted_peak_bytes'])} "
                 f"({'fits' if ks['feasible'] else 'DOES NOT FIT'}), overhead "
                 f"{100 * ks['predicted_overhead']:.2f}%, {ks['swap_count']} swaps, "
-                f"{ks['recompute_count']} recomputations")
+                f"{ks['recompute_count']} recomputations"
+            )
     if output is not None:
         lines.append(f"wrote {output}")
     return "\n".join(lines)
 
 
-def show_plan(path: str | os.PathLike, as_json: bool = False, plot: str | None = None,
-              chrome: str | None = None, *, force: bool = False) -> str:
+def show_plan(
+    path: str | os.PathLike,
+    as_json: bool = False,
+    plot: str | None = None,
+    chrome: str | None = None,
+    *,
+    force: bool = False,
+) -> str:
     """What ``capuchin show PLAN`` prints; writes the plot / Chrome trace when asked (they
     re-simulate the plan, so the trace it was made from must still be at
     ``provenance.trace_path``). Both outputs are checked before anything is read
@@ -76,9 +87,16 @@ def show_plan(path: str | os.PathLike, as_json: bool = False, plot: str | None =
         if chrome:
             written.append(write_chrome_trace(plan, sim, chrome, force=force))
     if as_json:
-        return json.dumps({"path": str(path), **plan.summary(), "kind": plan.kind,
-                           "kinds": [{"kind": k.kind, **k.summary()} for k in plan.kinds],
-                           "written": [str(w) for w in written]}, indent=1)
+        return json.dumps(
+            {
+                "path": str(path),
+                **plan.summary(),
+                "kind": plan.kind,
+                "kinds": [{"kind": k.kind, **k.summary()} for k in plan.kinds],
+                "written": [str(w) for w in written],
+            },
+            indent=1,
+        )
     text = format_summary(plan)
     return "\n".join([f"{path}:", text, *(f"wrote {w}" for w in written)])
 
@@ -88,39 +106,66 @@ def _resimulate(plan: Plan, path) -> tuple[Problem, SimResult]:
 
     found = plan.trace_file(path)
     if found is None:
-        raise CapuchinError(f"{path}: the plan's trace {plan.provenance.trace_path or '(none)'} "
-                            f"is not there; --plot and --chrome re-simulate the plan on its trace")
+        raise CapuchinError(
+            f"{path}: the plan's trace {plan.provenance.trace_path or '(none)'} "
+            f"is not there; --plot and --chrome re-simulate the plan on its trace"
+        )
     problem = Problem.from_trace(load_trace(found), iteration=plan.provenance.iteration)
     return problem, plan.simulate(problem)
 
 
 # -- memory plot ------------------------------------------------------------------------------
-def plot_memory(plan: Plan, sim: SimResult, problem: Problem, out: str | os.PathLike,
-                max_bars: int = 150, *, force: bool = True) -> Path:
+def plot_memory(
+    plan: Plan,
+    sim: SimResult,
+    problem: Problem,
+    out: str | os.PathLike,
+    max_bars: int = 150,
+    *,
+    force: bool = True,
+) -> Path:
     """Baseline vs planned memory over the iteration (ms), the budget line, both peaks marked,
     and below it one bar per evicted storage (largest first, at most ``max_bars``) from the
     moment its memory is freed until it is back: blue = swapped, orange = recomputed."""
     plt = pyplot()
     mib = 2**20
     base = problem.memory()
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 7), sharex=True,
-                                  gridspec_kw={"height_ratios": [3, 1.4]})
+    fig, (ax, ax2) = plt.subplots(
+        2, 1, figsize=(11, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]}
+    )
     bt = list(base["start_ns"] / 1e6) + [problem.time_ns / 1e6]
     bl = list(base["live_bytes"] / mib)
     ax.step(bt, bl + bl[-1:], where="post", color="0.55", label="baseline")
     mem = sim.memory
-    ax.step(mem["time_ns"] / 1e6, mem["live_bytes"] / mib, where="post", color="C0",
-            label=f"planned ({plan.provenance.policy})")
+    ax.step(
+        mem["time_ns"] / 1e6,
+        mem["live_bytes"] / mib,
+        where="post",
+        color="C0",
+        label=f"planned ({plan.provenance.policy})",
+    )
     ax.axhline(plan.budget_bytes / mib, color="C3", ls="--", lw=1, label="budget")
-    ax.plot([problem.start_ns[problem.peak_op] / 1e6], [problem.peak_bytes / mib], "v",
-            color="0.3", label=f"baseline peak {format_bytes(problem.peak_bytes)}")
-    ax.plot([sim.peak_time_ns / 1e6], [sim.peak_bytes / mib], "v", color="C0",
-            label=f"planned peak {format_bytes(sim.peak_bytes)}")
+    ax.plot(
+        [problem.start_ns[problem.peak_op] / 1e6],
+        [problem.peak_bytes / mib],
+        "v",
+        color="0.3",
+        label=f"baseline peak {format_bytes(problem.peak_bytes)}",
+    )
+    ax.plot(
+        [sim.peak_time_ns / 1e6],
+        [sim.peak_bytes / mib],
+        "v",
+        color="C0",
+        label=f"planned peak {format_bytes(sim.peak_bytes)}",
+    )
     ax.set_ylabel("device memory (MiB)")
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(f"{Path(plan.provenance.trace_path).name or 'trace'}: "
-                 f"{plan.swap_count} swaps, {plan.recompute_count} recomputations, "
-                 f"overhead {100 * plan.predictions.predicted_overhead:.1f}%")
+    ax.set_title(
+        f"{Path(plan.provenance.trace_path).name or 'trace'}: "
+        f"{plan.swap_count} swaps, {plan.recompute_count} recomputations, "
+        f"overhead {100 * plan.predictions.predicted_overhead:.1f}%"
+    )
     rows = sorted(zip(plan.records, sim.outcomes, strict=True), key=lambda r: -r[0].size_bytes)
     for y, (d, o) in enumerate(rows[:max_bars]):
         start = o.freed_ns if o.freed_ns >= 0 else sim.op_end_ns[d.evict_op]
@@ -164,39 +209,84 @@ def save_figure(fig, out: str | os.PathLike, *, force: bool = True) -> Path:
 
 # -- Chrome trace -----------------------------------------------------------------------------
 _TIDS = {"compute": 1, "d2h": 2, "h2d": 3}
-_NAMES = {"compute": "compute stream", "d2h": "copy device->host (swap-out)",
-          "h2d": "copy host->device (swap-in)"}
+_NAMES = {
+    "compute": "compute stream",
+    "d2h": "copy device->host (swap-out)",
+    "h2d": "copy host->device (swap-in)",
+}
 
 
 def chrome_trace(plan: Plan, sim: SimResult, max_counter_events: int = 200_000) -> dict:
     """The simulated schedule in Chrome trace format (opens in Perfetto / chrome://tracing):
     compute, swap-out and swap-in streams as threads, plus a memory counter and the budget."""
-    ev: list[dict] = [{"ph": "M", "name": "process_name", "pid": 1,
-                       "args": {"name": f"capuchin plan ({plan.provenance.policy})"}}]
+    ev: list[dict] = [
+        {
+            "ph": "M",
+            "name": "process_name",
+            "pid": 1,
+            "args": {"name": f"capuchin plan ({plan.provenance.policy})"},
+        }
+    ]
     for stream, tid in _TIDS.items():
-        ev.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid,
-                   "args": {"name": _NAMES[stream]}})
+        ev.append(
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": 1,
+                "tid": tid,
+                "args": {"name": _NAMES[stream]},
+            }
+        )
     sp = sim.spans
-    for stream, name, s, e, k, sid in zip(sp["stream"], sp["name"], sp["start_ns"],
-                                          sp["end_ns"], sp["op_index"], sp["storage_id"],
-                                          strict=True):
+    for stream, name, s, e, k, sid in zip(
+        sp["stream"],
+        sp["name"],
+        sp["start_ns"],
+        sp["end_ns"],
+        sp["op_index"],
+        sp["storage_id"],
+        strict=True,
+    ):
         args = {"op_index": int(k)} if k >= 0 else {}
         if sid:
             args["storage_id"] = sid
-        ev.append({"ph": "X", "name": name, "pid": 1, "tid": _TIDS[stream], "ts": s / 1e3,
-                   "dur": max(e - s, 0) / 1e3, "args": args})
+        ev.append(
+            {
+                "ph": "X",
+                "name": name,
+                "pid": 1,
+                "tid": _TIDS[stream],
+                "ts": s / 1e3,
+                "dur": max(e - s, 0) / 1e3,
+                "args": args,
+            }
+        )
     mem = sim.memory
     step = max(1, len(mem) // max_counter_events)
-    for t, v in zip(mem["time_ns"].to_numpy()[::step], mem["live_bytes"].to_numpy()[::step],
-                    strict=True):
-        ev.append({"ph": "C", "name": "device memory", "pid": 1, "ts": float(t) / 1e3,
-                   "args": {"live_bytes": int(v), "budget_bytes": int(plan.budget_bytes)}})
-    return {"traceEvents": ev, "displayTimeUnit": "ns",
-            "otherData": {"policy": plan.provenance.policy,
-                          "trace_fingerprint": plan.provenance.trace_fingerprint}}
+    for t, v in zip(
+        mem["time_ns"].to_numpy()[::step], mem["live_bytes"].to_numpy()[::step], strict=True
+    ):
+        ev.append(
+            {
+                "ph": "C",
+                "name": "device memory",
+                "pid": 1,
+                "ts": float(t) / 1e3,
+                "args": {"live_bytes": int(v), "budget_bytes": int(plan.budget_bytes)},
+            }
+        )
+    return {
+        "traceEvents": ev,
+        "displayTimeUnit": "ns",
+        "otherData": {
+            "policy": plan.provenance.policy,
+            "trace_fingerprint": plan.provenance.trace_fingerprint,
+        },
+    }
 
 
-def write_chrome_trace(plan: Plan, sim: SimResult, out: str | os.PathLike, *,
-                       force: bool = True) -> Path:
+def write_chrome_trace(
+    plan: Plan, sim: SimResult, out: str | os.PathLike, *, force: bool = True
+) -> Path:
     """Write ``chrome_trace`` atomically to ``out`` (``force``: as ``outputs.atomic_write``)."""
     return write_text(out, json.dumps(chrome_trace(plan, sim)), force=force)

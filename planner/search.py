@@ -99,8 +99,9 @@ class TargetPlanner(Protocol):
     iterative planner (to its result only, for others). Hashable: results are cached per
     planner."""
 
-    def __call__(self, problem: Problem, target: int,
-                 after_round: AfterRound | None = None) -> Attempt: ...
+    def __call__(
+        self, problem: Problem, target: int, after_round: AfterRound | None = None
+    ) -> Attempt: ...
 
 
 @dataclass(frozen=True)
@@ -110,14 +111,16 @@ class PolicyPlanner:
     name: str
     params: tuple[tuple[str, Any], ...] = ()
 
-    def __call__(self, problem: Problem, target: int,
-                 after_round: AfterRound | None = None) -> Attempt:
+    def __call__(
+        self, problem: Problem, target: int, after_round: AfterRound | None = None
+    ) -> Attempt:
         from .build import complete_decisions
         from .registry import get_policy
 
         # policies may leave recompute lineage to the builder (registry Note [Policy contract])
-        ds = complete_decisions(problem, get_policy(self.name)(problem, target,
-                                                               **dict(self.params)))
+        ds = complete_decisions(
+            problem, get_policy(self.name)(problem, target, **dict(self.params))
+        )
         a = Attempt(ds, simulate(problem, ds))
         return after_round(a) if after_round is not None else a
 
@@ -149,16 +152,15 @@ def grid_targets(problem: Problem) -> list[int]:
     return [x for x in dict.fromkeys(targets) if 0 < x < peak]
 
 
-def grid(problem: Problem, planner: TargetPlanner,
-         switching: Switching | None = None) -> list[GridPlan]:
+def grid(
+    problem: Problem, planner: TargetPlanner, switching: Switching | None = None
+) -> list[GridPlan]:
     """Plans of ``planner`` for every grid target, each pruned against its own target, with the
     switched variants of Note [Stalled swaps] when ``switching`` is given. Cached per problem."""
-    return cached(problem, ("grid", planner, switching),
-                  lambda: _grid(problem, planner, switching))
+    return cached(problem, ("grid", planner, switching), lambda: _grid(problem, planner, switching))
 
 
-def _grid(problem: Problem, planner: TargetPlanner,
-          switching: Switching | None) -> list[GridPlan]:
+def _grid(problem: Problem, planner: TargetPlanner, switching: Switching | None) -> list[GridPlan]:
     peak = problem.peak_bytes
     targets = grid_targets(problem)
     out = []
@@ -176,8 +178,13 @@ def _grid(problem: Problem, planner: TargetPlanner,
                 variants.append(sw)
             if a.sim.stall_ns > 0:  # and switched after every round, which changes the path
                 try:
-                    variants.append(planner(problem, t, after_round=lambda x, t=t: (
-                        switch_stalled(problem, x, t, switching))))
+                    variants.append(
+                        planner(
+                            problem,
+                            t,
+                            after_round=lambda x, t=t: switch_stalled(problem, x, t, switching),
+                        )
+                    )
                 except PlanError:
                     pass
         for v in variants:
@@ -188,8 +195,7 @@ def _grid(problem: Problem, planner: TargetPlanner,
                 continue
             # and switched as far as the next grid targets above its peak allow
             for c in sorted(x for x in targets if vsim.peak_bytes < x < peak)[:2]:
-                cds, csim, _ = switch_stalled(problem, Attempt(ds, vsim, v.regen), c,
-                                              switching)
+                cds, csim, _ = switch_stalled(problem, Attempt(ds, vsim, v.regen), c, switching)
                 if csim.time_ns < vsim.time_ns and csim.peak_bytes <= c:
                     out.append(GridPlan(cds, csim.peak_bytes, csim.time_ns))
     return out
@@ -205,8 +211,9 @@ def pick(plans: Iterable[GridPlan], budget: int) -> list[Decision]:
     return min(plans, key=lambda p: p.peak_bytes).decisions if plans else []
 
 
-def best_of(problem: Problem, budget: int,
-            candidates: Iterable[Callable[[], list[Decision]]]) -> list[Decision]:
+def best_of(
+    problem: Problem, budget: int, candidates: Iterable[Callable[[], list[Decision]]]
+) -> list[Decision]:
     """Note [Best of variants]: the fastest fitting plan among ``candidates`` (made lazily, in
     order); when none fits, the lowest peak; ties keep the earlier."""
     best = None
@@ -216,8 +223,7 @@ def best_of(problem: Problem, budget: int,
             sim = simulate(problem, decisions)
         except PlanError:
             continue
-        key = (sim.peak_bytes > budget, sim.time_ns if sim.peak_bytes <= budget
-               else sim.peak_bytes)
+        key = (sim.peak_bytes > budget, sim.time_ns if sim.peak_bytes <= budget else sim.peak_bytes)
         if best is None or key < best[0]:
             best = (key, decisions)
         if not key[0] and sim.time_ns <= sim.baseline_time_ns:
@@ -231,8 +237,9 @@ def descend(problem: Problem, budget: int, planner: TargetPlanner) -> list[Decis
     lowest peak. Cheaper than ``grid`` but not monotone in the budget."""
     floor = problem.floor_bytes()
     best: tuple[int, list[Decision]] | None = None
-    for target in dict.fromkeys([budget, (budget + floor) // 2, floor, floor * 9 // 10,
-                                 floor // 2]):
+    for target in dict.fromkeys(
+        [budget, (budget + floor) // 2, floor, floor * 9 // 10, floor // 2]
+    ):
         if target > budget or target <= 0:
             continue
         try:
@@ -250,8 +257,9 @@ RECOMPUTE_FIRST_PASSES = 60  # switches tried one after another (Note [Recompute
 RECOMPUTE_FIRST_TRIES = 8  # candidates tried per pass before giving up
 
 
-def recompute_first(problem: Problem, planner: TargetPlanner, budget: int,
-                    switching: Switching) -> list[GridPlan]:
+def recompute_first(
+    problem: Problem, planner: TargetPlanner, budget: int, switching: Switching
+) -> list[GridPlan]:
     """Note [Recompute first]: the plans of ``grid(problem, planner)`` that fit ``budget``,
     with the replays that a swap makes cheaper (as simulated) switched, none above its plan's
     own peak; only those that got faster. Each conversion is made once per plan and cached."""
@@ -269,9 +277,14 @@ def recompute_first(problem: Problem, planner: TargetPlanner, budget: int,
                 continue
             if sim.recompute_ns <= 0:
                 continue
-            cds, csim, _ = switch_stalled(problem, Attempt(ds, sim), peak, switching,
-                                          max_passes=RECOMPUTE_FIRST_PASSES,
-                                          calm_tries=RECOMPUTE_FIRST_TRIES)
+            cds, csim, _ = switch_stalled(
+                problem,
+                Attempt(ds, sim),
+                peak,
+                switching,
+                max_passes=RECOMPUTE_FIRST_PASSES,
+                calm_tries=RECOMPUTE_FIRST_TRIES,
+            )
             if csim.time_ns < t and csim.peak_bytes <= peak:
                 done[i] = GridPlan(cds, csim.peak_bytes, csim.time_ns)
         if done[i] is not None:
@@ -279,8 +292,15 @@ def recompute_first(problem: Problem, planner: TargetPlanner, budget: int,
     return out
 
 
-def switch_stalled(problem: Problem, a: Attempt, bound: int, switching: Switching, *,
-                   max_passes: int = 6, calm_tries: int = 1) -> Attempt:
+def switch_stalled(
+    problem: Problem,
+    a: Attempt,
+    bound: int,
+    switching: Switching,
+    *,
+    max_passes: int = 6,
+    calm_tries: int = 1,
+) -> Attempt:
     """Note [Stalled swaps]: decisions whose simulated stall exceeds what the other method
     would cost are switched, most wasteful first, while the simulation confirms the plan gets
     faster without its peak rising above ``max(bound, current peak)``."""
@@ -298,22 +318,40 @@ def switch_stalled(problem: Problem, a: Attempt, bound: int, switching: Switchin
             if d.method == Method.SWAP:  # recompute it instead
                 if not problem.storages[d.storage_id].evictable:
                     continue  # persistent: swap only (problem.py Note [Wrap-around gaps])
-                r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
-                               max_ops=max_replay_ops)
+                r = replay_for(
+                    problem, d.storage_id, d.evict_op, d.back_op, res, max_ops=max_replay_ops
+                )
                 if r is not None:
                     rp_ns = sum(ops[j].duration_ns for j in r[0])
                     if rp_ns < o.stall_ns:
-                        gains.append((o.stall_ns - rp_ns, d.storage_id, Decision(
-                            d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op,
-                            d.back_op), True))
+                        gains.append(
+                            (
+                                o.stall_ns - rp_ns,
+                                d.storage_id,
+                                Decision(
+                                    d.storage_id,
+                                    Method.RECOMPUTE,
+                                    d.size_bytes,
+                                    d.evict_op,
+                                    d.back_op,
+                                ),
+                                True,
+                            )
+                        )
                 continue
             # a replay waiting for swapped-out sources: regenerate them, or swap the target;
             # a replay costlier than swapping given the channels as simulated: swap it
             r = None
             if o.stall_ns > 0:
-                r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res,
-                               resident=regen_resident(problem, res, d.back_op),
-                               max_ops=max_replay_ops)
+                r = replay_for(
+                    problem,
+                    d.storage_id,
+                    d.evict_op,
+                    d.back_op,
+                    res,
+                    resident=regen_resident(problem, res, d.back_op),
+                    max_ops=max_replay_ops,
+                )
             if r is not None:
                 extra = sum(ops[j].duration_ns for j in r[0]) - o.recompute_ns
                 if extra < o.stall_ns:
@@ -323,10 +361,21 @@ def switch_stalled(problem: Problem, a: Attempt, bound: int, switching: Switchin
                 timer = timer_from(problem, sim, sim.op_peak_bytes > bound)
             e = timer.estimate(d.size_bytes, d.evict_op, d.back_op)
             if e.overhead_ns < o.stall_ns + o.recompute_ns:
-                (gains if o.stall_ns > 0 else calm).append((
-                    o.stall_ns + o.recompute_ns - e.overhead_ns, d.storage_id,
-                    Decision(d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op,
-                             trigger_op=e.trigger_op), False))
+                (gains if o.stall_ns > 0 else calm).append(
+                    (
+                        o.stall_ns + o.recompute_ns - e.overhead_ns,
+                        d.storage_id,
+                        Decision(
+                            d.storage_id,
+                            Method.SWAP,
+                            d.size_bytes,
+                            d.evict_op,
+                            d.back_op,
+                            trigger_op=e.trigger_op,
+                        ),
+                        False,
+                    )
+                )
         gains.sort(key=lambda g: (-g[0], g[1]))
         calm.sort(key=lambda g: (-g[0], g[1]))
         cap = max(bound, sim.peak_bytes)
@@ -374,10 +423,13 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
     one final simulation.
     """
     decisions, sim, regen = a
-    cost = {d.storage_id: o.stall_ns + o.recompute_ns
-            for d, o in zip(decisions, sim.outcomes, strict=True)}
-    order = [d for d in sorted(decisions, key=lambda d: -cost[d.storage_id])
-             if cost[d.storage_id] > 0]
+    cost = {
+        d.storage_id: o.stall_ns + o.recompute_ns
+        for d, o in zip(decisions, sim.outcomes, strict=True)
+    }
+    order = [
+        d for d in sorted(decisions, key=lambda d: -cost[d.storage_id]) if cost[d.storage_id] > 0
+    ]
     if not order:
         return decisions
     current = decisions
@@ -428,8 +480,9 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
     return current
 
 
-def _without(problem: Problem, decisions: list[Decision], gone: Decision,
-             regen: frozenset = frozenset()) -> list[Decision] | None:
+def _without(
+    problem: Problem, decisions: list[Decision], gone: Decision, regen: frozenset = frozenset()
+) -> list[Decision] | None:
     """``decisions`` minus ``gone``: the replays that regenerated its storage now read it as a
     source instead (re-resolved, without collective keeps); the others are unchanged."""
     sid = gone.storage_id
@@ -442,7 +495,14 @@ def _without(problem: Problem, decisions: list[Decision], gone: Decision,
             r = replay_of(problem, x, res, regen)
             if r is None:
                 return None
-            x = Decision(x.storage_id, Method.RECOMPUTE, x.size_bytes, x.evict_op, x.back_op,
-                         replay_ops=tuple(r[0]), sources=tuple(r[1]))
+            x = Decision(
+                x.storage_id,
+                Method.RECOMPUTE,
+                x.size_bytes,
+                x.evict_op,
+                x.back_op,
+                replay_ops=tuple(r[0]),
+                sources=tuple(r[1]),
+            )
         out.append(x)
     return out

@@ -117,17 +117,23 @@ class SimResult:
         m = dict(self._memory)
         csid, asid, order, kind = m.pop("_lazy")  # the object columns, built on first use
         m["what"] = np.array(["free", "alloc", "op"], dtype=object)[kind]
-        m["storage_id"] = np.concatenate([np.asarray(csid, dtype=object),
-                                          np.asarray(asid, dtype=object)])[order]
-        return pd.DataFrame({k: m[k] for k in ("time_ns", "live_bytes", "op_index",
-                                               "delta_bytes", "what", "storage_id")})
+        m["storage_id"] = np.concatenate(
+            [np.asarray(csid, dtype=object), np.asarray(asid, dtype=object)]
+        )[order]
+        return pd.DataFrame(
+            {
+                k: m[k]
+                for k in ("time_ns", "live_bytes", "op_index", "delta_bytes", "what", "storage_id")
+            }
+        )
 
     @cached_property
     def spans(self) -> pd.DataFrame:
         """What ran when: stream (compute, d2h, h2d), name, start_ns, end_ns, op_index,
         storage_id."""
-        return pd.DataFrame(self._spans, columns=["stream", "name", "start_ns", "end_ns",
-                                                  "op_index", "storage_id"])
+        return pd.DataFrame(
+            self._spans, columns=["stream", "name", "start_ns", "end_ns", "op_index", "storage_id"]
+        )
 
     @property
     def overhead(self) -> float:
@@ -165,41 +171,58 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
         if s is None:
             raise PlanError(f"{where}: no such storage in the planned iteration")
         if not s.swappable or (not s.evictable and not problem.persistent_candidates):
-            raise PlanError(f"{where}: storage is not evictable (a view, accessed once, or "
-                            f"persistent without a swap candidate gap)")
+            raise PlanError(
+                f"{where}: storage is not evictable (a view, accessed once, or "
+                f"persistent without a swap candidate gap)"
+            )
         if not s.evictable and d.method != Method.SWAP:
-            raise PlanError(f"{where}: storage is persistent ({s.kind.value}): it can only be "
-                            f"swapped, no op of the iteration produces it")
+            raise PlanError(
+                f"{where}: storage is persistent ({s.kind.value}): it can only be "
+                f"swapped, no op of the iteration produces it"
+            )
         if d.size_bytes != s.size_bytes:
             raise PlanError(f"{where}: size {d.size_bytes} B, the storage has {s.size_bytes} B")
         if d.wraps:
             if d.method != Method.SWAP or s.wrap != (d.evict_op, d.back_op):
-                raise PlanError(f"{where}: a wrap-around decision must be a swap from the "
-                                f"storage's last access to its first (its wrap-around gap: "
-                                f"{s.wrap})")
-            if d.trigger_op is not None and not (0 <= d.trigger_op < n) or (
-                    d.trigger_op is not None and d.back_op < d.trigger_op <= d.evict_op):
-                raise PlanError(f"{where}: in-trigger op {d.trigger_op} not after op "
-                                f"{d.evict_op} nor up to op {d.back_op}")
+                raise PlanError(
+                    f"{where}: a wrap-around decision must be a swap from the "
+                    f"storage's last access to its first (its wrap-around gap: "
+                    f"{s.wrap})"
+                )
+            if (
+                d.trigger_op is not None
+                and not (0 <= d.trigger_op < n)
+                or (d.trigger_op is not None and d.back_op < d.trigger_op <= d.evict_op)
+            ):
+                raise PlanError(
+                    f"{where}: in-trigger op {d.trigger_op} not after op "
+                    f"{d.evict_op} nor up to op {d.back_op}"
+                )
             checked.add(d)
             continue
         if not (0 <= d.evict_op < d.back_op < n):
-            raise PlanError(f"{where}: needs 0 <= evict_op < back_op < {n}, got "
-                            f"{d.evict_op}, {d.back_op}")
+            raise PlanError(
+                f"{where}: needs 0 <= evict_op < back_op < {n}, got {d.evict_op}, {d.back_op}"
+            )
         if d.evict_op not in s.accesses or s.next_access(d.evict_op) != d.back_op:
-            raise PlanError(f"{where}: evict_op and back_op must be consecutive accesses of the "
-                            f"storage (its accesses: {list(s.accesses)[:12]}...)")
+            raise PlanError(
+                f"{where}: evict_op and back_op must be consecutive accesses of the "
+                f"storage (its accesses: {list(s.accesses)[:12]}...)"
+            )
         if d.method == Method.SWAP:
             if d.trigger_op is not None and not (d.evict_op < d.trigger_op <= d.back_op):
-                raise PlanError(f"{where}: in-trigger op {d.trigger_op} not in "
-                                f"({d.evict_op}, {d.back_op}]")
+                raise PlanError(
+                    f"{where}: in-trigger op {d.trigger_op} not in ({d.evict_op}, {d.back_op}]"
+                )
         else:
             _check_replay(problem, d, where)
         checked.add(d)
     for sid, ds in by_storage.items():
         if len(ds) > 1:  # the plan format and the runtime key decisions by storage
-            raise PlanError(f"storage {sid}: {len(ds)} decisions evict it (after ops "
-                            f"{sorted(d.evict_op for d in ds)}); a plan has one per storage")
+            raise PlanError(
+                f"storage {sid}: {len(ds)} decisions evict it (after ops "
+                f"{sorted(d.evict_op for d in ds)}); a plan has one per storage"
+            )
 
 
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decisions that passed
@@ -227,22 +250,33 @@ def _check_replay(problem: Problem, d: Decision, where: str) -> None:
         made.update(op.allocs)
     srcs = set(d.sources)
     if set(need) != srcs:
-        raise PlanError(f"{where}: sources {sorted(srcs)} but the replayed ops read "
-                        f"{sorted(need)} from outside the replay")
+        raise PlanError(
+            f"{where}: sources {sorted(srcs)} but the replayed ops read "
+            f"{sorted(need)} from outside the replay"
+        )
     for x, j in need.items():
         xs = problem.storages[x]
         if not xs.alive_at(d.back_op):
-            raise PlanError(f"{where}: source {x} is not alive at the back-access op "
-                            f"{d.back_op} (allocated after op {xs.alloc_op}, freed after op "
-                            f"{xs.free_op})")
+            raise PlanError(
+                f"{where}: source {x} is not alive at the back-access op "
+                f"{d.back_op} (allocated after op {xs.alloc_op}, freed after op "
+                f"{xs.free_op})"
+            )
         if xs.written_between(j, d.back_op):
-            raise PlanError(f"{where}: source {x} is written in place after replayed op {j} "
-                            f"read it, before op {d.back_op}")
+            raise PlanError(
+                f"{where}: source {x} is written in place after replayed op {j} "
+                f"read it, before op {d.back_op}"
+            )
 
 
-def simulate(problem: Problem, decisions: Sequence[Decision], *,
-             bandwidth_d2h_bytes_per_s: float | None = None,
-             bandwidth_h2d_bytes_per_s: float | None = None, check: bool = True) -> SimResult:
+def simulate(
+    problem: Problem,
+    decisions: Sequence[Decision],
+    *,
+    bandwidth_d2h_bytes_per_s: float | None = None,
+    bandwidth_h2d_bytes_per_s: float | None = None,
+    check: bool = True,
+) -> SimResult:
     """Replay ``problem``'s iteration under ``decisions``; see Note [Simulation model].
 
     Bandwidths default to the problem's (bytes/s). Raises ``PlanError`` when the plan breaks an
@@ -285,8 +319,13 @@ _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MEMO_EVENTS = 200_000
 
 
-def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
-              bw_in: float, carry: dict | None = None) -> SimResult:
+def _simulate(
+    problem: Problem,
+    decisions: Sequence[Decision],
+    bw_out: float,
+    bw_in: float,
+    carry: dict | None = None,
+) -> SimResult:
     n = problem.n_ops
     ops = problem.ops
     st = problem.storages
@@ -296,8 +335,11 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
     for i, d in enumerate(decisions):
         evict_at.setdefault(d.evict_op, []).append(i)
         back_at.setdefault(d.back_op, []).append(i)
-        if d.method == Method.SWAP and d.trigger_op is not None and (
-                d.trigger_op < d.back_op or (d.wraps and d.trigger_op != d.back_op)):
+        if (
+            d.method == Method.SWAP
+            and d.trigger_op is not None
+            and (d.trigger_op < d.back_op or (d.wraps and d.trigger_op != d.back_op))
+        ):
             trig_at.setdefault(d.trigger_op, []).append(i)
     for lst in trig_at.values():
         lst.sort(key=lambda i: (decisions[i].back_op, i))
@@ -398,17 +440,20 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
                             raise PlanError(f"decision {sid}: source {x} is dropped at op {k}")
                         restore(x, k, i)
                 t1 = t
-                t = _replay(problem, d, t, k, state, decisions, active, ct, cd, ck, cop, csid,
-                            spans)
+                t = _replay(
+                    problem, d, t, k, state, decisions, active, ct, cd, ck, cop, csid, spans
+                )
                 recomp[i] = t - t1
                 info[i]["back_ns"] = t
             state[sid] = "in"
             del active[sid]
         if active and not active.keys().isdisjoint(accessed[k]):
             x = next(x for x in accessed[k] if x in active)
-            raise PlanError(f"op {k} ({op.name}) accesses storage {x}, which the plan "
-                            f"evicted after op {decisions[active[x]].evict_op} and brings "
-                            f"back at op {decisions[active[x]].back_op}")
+            raise PlanError(
+                f"op {k} ({op.name}) accesses storage {x}, which the plan "
+                f"evicted after op {decisions[active[x]].evict_op} and brings "
+                f"back at op {decisions[active[x]].back_op}"
+            )
         pd_, pk, ps = pre[k]  # the op's allocations (and scratch) at its start
         if pd_:
             m = len(pd_)
@@ -448,14 +493,18 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
     for d in decisions:
         if d.wraps:
             sid = d.storage_id
-            new_carry[sid] = (max(0, out_end.get(sid, 0) - t),
-                              max(0, in_end.get(sid, 0) - t)
-                              if d.trigger_op is not None and d.trigger_op > d.evict_op else 0)
+            new_carry[sid] = (
+                max(0, out_end.get(sid, 0) - t),
+                max(0, in_end.get(sid, 0) - t)
+                if d.trigger_op is not None and d.trigger_op > d.evict_op
+                else 0,
+            )
 
     memory, op_peak = _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid, resident)
     outcomes = tuple(
         DecisionOutcome(d.storage_id, d.method, int(stall[i]), int(recomp[i]), **info[i])
-        for i, d in enumerate(decisions))
+        for i, d in enumerate(decisions)
+    )
     live = memory["live_bytes"]
     if len(live):
         j = int(live.argmax())
@@ -463,8 +512,21 @@ def _simulate(problem: Problem, decisions: Sequence[Decision], bw_out: float,
         peak_op = int(memory["op_index"][j])
     else:
         peak, peak_t, peak_op = problem.resident_bytes, 0, -1
-    return SimResult(peak, peak_op, peak_t, int(t), problem.time_ns, problem.peak_bytes,
-                     outcomes, op_peak, op_start, op_end, memory, spans, new_carry)
+    return SimResult(
+        peak,
+        peak_op,
+        peak_t,
+        int(t),
+        problem.time_ns,
+        problem.peak_bytes,
+        outcomes,
+        op_peak,
+        op_start,
+        op_end,
+        memory,
+        spans,
+        new_carry,
+    )
 
 
 def _op_events(problem: Problem):
@@ -493,13 +555,21 @@ _OP_EVENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _REPLAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # replay event templates
 
 
-def _replay(problem, d: Decision, t: int, k: int, state, decisions, active,
-            ct, cd, ck, cop, csid, spans) -> int:
+def _replay(
+    problem, d: Decision, t: int, k: int, state, decisions, active, ct, cd, ck, cop, csid, spans
+) -> int:
     """Run a recompute decision's replay on the compute stream; returns the new time. The
     replay's events relative to its start depend only on the decision and which of its
     ``keep`` storages are out: made once per problem (``_replay_template``)."""
-    keep = tuple(sorted(x for x in d.keep if state.get(x) == "out" and x in active
-                        and decisions[active[x]].method == Method.RECOMPUTE))
+    keep = tuple(
+        sorted(
+            x
+            for x in d.keep
+            if state.get(x) == "out"
+            and x in active
+            and decisions[active[x]].method == Method.RECOMPUTE
+        )
+    )
     memo = _REPLAYS.get(problem)
     if memo is None:
         memo = _REPLAYS[problem] = {}
@@ -556,8 +626,11 @@ def _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid, resident):
     ak_a = np.asarray(ak, dtype=np.int8)
     # position of each async event among the compute events: frees before compute events at the
     # same instant, allocations after them. See Note [Simulation model].
-    pos = np.where(ak_a == _FREE, np.searchsorted(ct_a, at_a, side="left"),
-                   np.searchsorted(ct_a, at_a, side="right"))
+    pos = np.where(
+        ak_a == _FREE,
+        np.searchsorted(ct_a, at_a, side="left"),
+        np.searchsorted(ct_a, at_a, side="right"),
+    )
     key = np.concatenate([2 * np.arange(len(ct_a)) + 1, 2 * pos])
     tie = np.concatenate([np.zeros(len(ct_a), dtype=np.int64), at_a])
     order = np.lexsort((tie, key))
@@ -573,6 +646,11 @@ def _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid, resident):
     op_peak = np.zeros(n, dtype=np.int64)
     if len(live):
         np.maximum.at(op_peak, op_of, live)
-    memory = {"time_ns": time, "live_bytes": live, "op_index": op_of, "delta_bytes": delta,
-              "_lazy": (csid, asid, order, kind)}
+    memory = {
+        "time_ns": time,
+        "live_bytes": live,
+        "op_index": op_of,
+        "delta_bytes": delta,
+        "_lazy": (csid, asid, order, kind),
+    }
     return memory, op_peak

@@ -163,15 +163,24 @@ class SwapTimer:
                 best = (key, e)
         return best[1]
 
-    def _at(self, k: int | None, a: int, b: int, out_start: int, out_end: int,
-            t_in: int) -> SwapEstimate:
+    def _at(
+        self, k: int | None, a: int, b: int, out_start: int, out_end: int, t_in: int
+    ) -> SwapEstimate:
         issue = int(self.start[k]) if k is not None else int(self.start[b])
         in_start = self.h2d.first_fit(max(issue, out_end), t_in)
         in_end = in_start + t_in
         lo = int(np.searchsorted(self.start, out_end, side="left"))
         hi = int(np.searchsorted(self.end, in_start, side="right")) - 1
-        return SwapEstimate(k, out_start, out_end, in_start, in_end,
-                            max(0, in_end - int(self.start[b])), max(lo, a + 1), min(hi, b - 1))
+        return SwapEstimate(
+            k,
+            out_start,
+            out_end,
+            in_start,
+            in_end,
+            max(0, in_end - int(self.start[b])),
+            max(lo, a + 1),
+            min(hi, b - 1),
+        )
 
     def reserve(self, e: SwapEstimate) -> None:
         self.d2h.reserve(e.out_start_ns, e.out_end_ns)
@@ -253,15 +262,15 @@ def estimate_wrap(timer: SwapTimer, size: int, a: int, b: int, useful=None) -> W
                 if len(part):  # contiguous in each iteration
                     rng.append((int(real[part[0]]), int(real[part[-1]])))
         trig = None if i is None else int(real[i])
-        return WrapEstimate(trig, out_start, out_end, in_start, in_end,
-                            max(0, in_end - deadline), tuple(rng))
+        return WrapEstimate(
+            trig, out_start, out_end, in_start, in_end, max(0, in_end - deadline), tuple(rng)
+        )
 
     options: list[int | None] = []
     allowed = timer.prev_ok[real] == real  # outside the peak window
     last = len(vops) - 1  # the back-access itself: not a trigger
     # latest trigger whose copy ends in time, outside the peak window, channel free
-    ok = np.flatnonzero((vst[:last] <= deadline - t_in) & (vst[:last] >= out_end)
-                        & allowed[:last])
+    ok = np.flatnonzero((vst[:last] <= deadline - t_in) & (vst[:last] >= out_end) & allowed[:last])
     for i in ok[::-1][:8]:
         if _wrap_fit(timer.h2d, int(vst[i]), t_in, T) + t_in <= deadline:
             options.append(int(i))

@@ -106,18 +106,31 @@ def trace_from_ops(
 
         def row(role, k, s, arg=-1, alloc=None, op=None, start=None, *, _it=it):
             nonlocal ev
-            rows.append({
-                Col.ITERATION: _it, Col.EVENT: ev, Col.OP: k,
-                Col.OP_NAME: op.name if op else None,
-                Col.PHASE: op.phase.value if op else None,
-                Col.ROLE: role.value, Col.ARG: arg, Col.TENSOR: s if op else None, Col.STORAGE: s,
-                Col.ALLOC: alloc, Col.ALIASES: -1 if role == Role.OUTPUT else None,
-                Col.VIEW_OF: None, Col.BYTES: int(sizes[s]), Col.STORAGE_BYTES: int(sizes[s]),
-                Col.SHAPE: [max(int(sizes[s]) // 4, 0)], Col.DTYPE: "float32",
-                Col.KIND: kinds[s].value,
-                Col.START_NS: start, Col.DURATION_NS: op.duration_ns if op else None,
-                Col.SEEDED: op.seeded if op else None, Col.OP_ARGS: "" if op else None,
-            })
+            rows.append(
+                {
+                    Col.ITERATION: _it,
+                    Col.EVENT: ev,
+                    Col.OP: k,
+                    Col.OP_NAME: op.name if op else None,
+                    Col.PHASE: op.phase.value if op else None,
+                    Col.ROLE: role.value,
+                    Col.ARG: arg,
+                    Col.TENSOR: s if op else None,
+                    Col.STORAGE: s,
+                    Col.ALLOC: alloc,
+                    Col.ALIASES: -1 if role == Role.OUTPUT else None,
+                    Col.VIEW_OF: None,
+                    Col.BYTES: int(sizes[s]),
+                    Col.STORAGE_BYTES: int(sizes[s]),
+                    Col.SHAPE: [max(int(sizes[s]) // 4, 0)],
+                    Col.DTYPE: "float32",
+                    Col.KIND: kinds[s].value,
+                    Col.START_NS: start,
+                    Col.DURATION_NS: op.duration_ns if op else None,
+                    Col.SEEDED: op.seeded if op else None,
+                    Col.OP_ARGS: "" if op else None,
+                }
+            )
             ev += 1
 
         for s in pre:
@@ -140,9 +153,12 @@ def trace_from_ops(
                 if last[s] == k and s not in keep:
                     row(Role.FREE, k, s)
     meta = TraceMeta(
-        device="cpu", bandwidth_d2h_bytes_per_s=float(bandwidth_bytes_per_s),
+        device="cpu",
+        bandwidth_d2h_bytes_per_s=float(bandwidth_bytes_per_s),
         bandwidth_h2d_bytes_per_s=float(bandwidth_h2d_bytes_per_s or bandwidth_bytes_per_s),
-        iterations=list(range(iterations)), steady_iteration=iterations - 1, source="synthetic",
+        iterations=list(range(iterations)),
+        steady_iteration=iterations - 1,
+        source="synthetic",
     )
     events = pd.DataFrame(rows, columns=list(COLUMNS))
     return Trace(path=None, events=events, meta=meta)
@@ -153,8 +169,14 @@ def _read_before(specs: Sequence[OpSpec], s: str, k: int) -> bool:
     return s in op.inputs or s in op.writes
 
 
-def transformer_ops(layers: int = 2, ops_per_layer: int = 24, *, hidden_bytes: int = 1 << 20,
-                    seed: int = 0, mm_factor: int = 50) -> tuple[list[OpSpec], dict[str, int], set[str]]:
+def transformer_ops(
+    layers: int = 2,
+    ops_per_layer: int = 24,
+    *,
+    hidden_bytes: int = 1 << 20,
+    seed: int = 0,
+    mm_factor: int = 50,
+) -> tuple[list[OpSpec], dict[str, int], set[str]]:
     """A transformer-like training iteration: ``layers`` blocks of ``ops_per_layer`` forward ops
     (activation chains with residual adds, some 4x-wide and some seeded "dropout" ops, one
     in-place op per block), the mirrored backward that reads the saved activations, and an SGD
@@ -214,11 +236,17 @@ def transformer_ops(layers: int = 2, ops_per_layer: int = 24, *, hidden_bytes: i
                 grads[w] = f"grad_{w}"
                 sizes[grads[w]] = sizes[w]
                 persistent.add(grads[w])
-                ops.append(OpSpec(f"aten.{name}_backward", dur * 2, reads, (gi, grads[w]), (),
-                                  Phase.BACKWARD))
+                ops.append(
+                    OpSpec(
+                        f"aten.{name}_backward", dur * 2, reads, (gi, grads[w]), (), Phase.BACKWARD
+                    )
+                )
             else:
-                ops.append(OpSpec(f"aten.{name}_backward", dur * 2, reads, (gi,), (grads[w],),
-                                  Phase.BACKWARD))
+                ops.append(
+                    OpSpec(
+                        f"aten.{name}_backward", dur * 2, reads, (gi,), (grads[w],), Phase.BACKWARD
+                    )
+                )
         else:
             ops.append(OpSpec(f"aten.{name}_backward", dur * 2, reads, (gi,), (), Phase.BACKWARD))
         g = gi
@@ -227,8 +255,9 @@ def transformer_ops(layers: int = 2, ops_per_layer: int = 24, *, hidden_bytes: i
     return ops, sizes, persistent
 
 
-def random_ops(seed: int, n_forward: int = 8, *, max_bytes: int = 1000
-               ) -> tuple[list[OpSpec], dict[str, int], set[str]]:
+def random_ops(
+    seed: int, n_forward: int = 8, *, max_bytes: int = 1000
+) -> tuple[list[OpSpec], dict[str, int], set[str]]:
     """A random training-like iteration for property tests: a forward chain with skip reads,
     parameters, in-place ops and two-output ops, then a backward pass reading saved activations
     in reverse. Returns ``(ops, sizes, persistent)`` for ``trace_from_ops``."""
@@ -254,8 +283,11 @@ def random_ops(seed: int, n_forward: int = 8, *, max_bytes: int = 1000
         if rng.random() < 0.2:
             sizes[f"s{i}"] = rng.randint(1, 16)
             outs.append(f"s{i}")
-        ops.append(OpSpec(f"f{i}", rng.randint(10, 1000), tuple(reads), tuple(outs),
-                          seeded=rng.random() < 0.1))
+        ops.append(
+            OpSpec(
+                f"f{i}", rng.randint(10, 1000), tuple(reads), tuple(outs), seeded=rng.random() < 0.1
+            )
+        )
         if rng.random() < 0.2:
             ops.append(OpSpec(f"inplace{i}", rng.randint(5, 100), (), (), (out,)))
         acts.append(out)
@@ -268,7 +300,8 @@ def random_ops(seed: int, n_forward: int = 8, *, max_bytes: int = 1000
         saved = {acts[i + 1], acts[i]}
         if rng.random() < 0.3:
             saved.add(rng.choice(acts))
-        ops.append(OpSpec(f"b{i}", rng.randint(10, 2000), (g, *sorted(saved)), (gi,), (),
-                          Phase.BACKWARD))
+        ops.append(
+            OpSpec(f"b{i}", rng.randint(10, 2000), (g, *sorted(saved)), (gi,), (), Phase.BACKWARD)
+        )
         g = gi
     return ops, sizes, persistent

@@ -49,16 +49,24 @@ def plans_frame(plans: Plans) -> pd.DataFrame:
     rows = []
     for name, p in _named(plans).items():
         s = p.summary()
-        rows.append({
-            "plan": name, "policy": s["policy"], "budget_bytes": s["budget_bytes"],
-            "baseline_peak_bytes": s["baseline_peak_bytes"],
-            "predicted_peak_bytes": s["predicted_peak_bytes"], "feasible": s["feasible"],
-            "overhead_pct": 100.0 * s["predicted_overhead"],
-            "swap_count": s["swap_count"], "recompute_count": s["recompute_count"],
-            "swapped_bytes": s["swapped_bytes"], "replayed_ops": s["replayed_ops"],
-            "stall_ns": sum(d.predicted_stall_ns for d in p.records),
-            "recompute_ns": sum(d.predicted_recompute_ns for d in p.records),
-            "solve_time_s": s["solve_time_s"]})
+        rows.append(
+            {
+                "plan": name,
+                "policy": s["policy"],
+                "budget_bytes": s["budget_bytes"],
+                "baseline_peak_bytes": s["baseline_peak_bytes"],
+                "predicted_peak_bytes": s["predicted_peak_bytes"],
+                "feasible": s["feasible"],
+                "overhead_pct": 100.0 * s["predicted_overhead"],
+                "swap_count": s["swap_count"],
+                "recompute_count": s["recompute_count"],
+                "swapped_bytes": s["swapped_bytes"],
+                "replayed_ops": s["replayed_ops"],
+                "stall_ns": sum(d.predicted_stall_ns for d in p.records),
+                "recompute_ns": sum(d.predicted_recompute_ns for d in p.records),
+                "solve_time_s": s["solve_time_s"],
+            }
+        )
     return pd.DataFrame(rows).set_index("plan") if rows else pd.DataFrame()
 
 
@@ -92,12 +100,24 @@ def _baseline(plan: Plan, problem: Problem | None) -> SimResult:
 
 def _curve(name: str, sim: SimResult) -> pd.DataFrame:
     m = sim.memory
-    return pd.DataFrame({"plan": name, "time_ns": m["time_ns"], "live_bytes": m["live_bytes"],
-                         "op_index": m["op_index"]})
+    return pd.DataFrame(
+        {
+            "plan": name,
+            "time_ns": m["time_ns"],
+            "live_bytes": m["live_bytes"],
+            "op_index": m["op_index"],
+        }
+    )
 
 
-def plot_plans(plans: Plans, out: str | os.PathLike, problem: Problem | None = None,
-               title: str | None = None, *, force: bool = True) -> Path:
+def plot_plans(
+    plans: Plans,
+    out: str | os.PathLike,
+    problem: Problem | None = None,
+    title: str | None = None,
+    *,
+    force: bool = True,
+) -> Path:
     """The memory curves of ``memory_curves`` in one figure (MiB over ms), each plan's budget as
     a dashed line in its colour and each peak marked; the legend gives overhead and peak."""
     from .report import pyplot, save_figure
@@ -111,17 +131,29 @@ def plot_plans(plans: Plans, out: str | os.PathLike, problem: Problem | None = N
     fig, ax = plt.subplots(figsize=(11, 5))
     for name, c in curves.groupby("plan", sort=False):
         if name.startswith("baseline"):
-            ax.step(c["time_ns"] / 1e6, c["live_bytes"] / mib, where="post", color="0.6",
-                    lw=1, label=name)
+            ax.step(
+                c["time_ns"] / 1e6,
+                c["live_bytes"] / mib,
+                where="post",
+                color="0.6",
+                lw=1,
+                label=name,
+            )
     budgets_drawn: set[int] = set()
     for i, (name, p) in enumerate(named.items()):
         c = curves[curves["plan"] == name]
         color = f"C{i % 10}"
         peak = int(c["live_bytes"].max())
-        ax.step(c["time_ns"] / 1e6, c["live_bytes"] / mib, where="post", color=color, lw=1.2,
-                label=f"{name}: peak {format_bytes(peak)}, "
-                      f"+{100 * p.predictions.predicted_overhead:.2f}%"
-                      + ("" if p.predictions.feasible else " (over budget)"))
+        ax.step(
+            c["time_ns"] / 1e6,
+            c["live_bytes"] / mib,
+            where="post",
+            color=color,
+            lw=1.2,
+            label=f"{name}: peak {format_bytes(peak)}, "
+            f"+{100 * p.predictions.predicted_overhead:.2f}%"
+            + ("" if p.predictions.feasible else " (over budget)"),
+        )
         at = c.loc[c["live_bytes"].idxmax(), "time_ns"]
         ax.plot([at / 1e6], [peak / mib], "v", color=color)
         if p.budget_bytes not in budgets_drawn:

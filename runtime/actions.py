@@ -32,8 +32,14 @@ class OpActions:
 
     @property
     def empty(self) -> bool:
-        return not (self.before or self.after or self.name_inputs or self.name_outputs
-                    or self.record or self.sync_out)
+        return not (
+            self.before
+            or self.after
+            or self.name_inputs
+            or self.name_outputs
+            or self.record
+            or self.sync_out
+        )
 
 
 def resolve_op(name: str):
@@ -122,8 +128,17 @@ def compile_plan(plan: Plan) -> ActionTable:
         (at(a.op_index).before if a.before else at(a.op_index).after).append((a.step, a.storage_id))
     fast = [None if k in ops else f for k, f in enumerate(expected)]
     guarded = [None if f is None or _writes(f) else f for f in fast]
-    return ActionTable([o[0] for o in plan.ops], expected, signatures, ops, fast, decisions,
-                       list(plan.op_peak_bytes), guarded, plan.kind)
+    return ActionTable(
+        [o[0] for o in plan.ops],
+        expected,
+        signatures,
+        ops,
+        fast,
+        decisions,
+        list(plan.op_peak_bytes),
+        guarded,
+        plan.kind,
+    )
 
 
 def _writes(func) -> bool:

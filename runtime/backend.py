@@ -62,8 +62,9 @@ class DeviceBackend(Protocol):
 
     def copy_out(self, storage: torch.UntypedStorage, buf: torch.Tensor) -> Copy: ...
 
-    def copy_in(self, buf: torch.Tensor, storage: torch.UntypedStorage,
-                after: Copy | None = None) -> Copy:
+    def copy_in(
+        self, buf: torch.Tensor, storage: torch.UntypedStorage, after: Copy | None = None
+    ) -> Copy:
         """Start host->device; ``after``: a swap-out of the same data that must finish first."""
         ...
 
@@ -133,8 +134,9 @@ class _CopyChannel:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int,
-               after: _ThreadCopy | None = None) -> _ThreadCopy:
+    def submit(
+        self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, after: _ThreadCopy | None = None
+    ) -> _ThreadCopy:
         c = _ThreadCopy(nbytes)
         self._q.put((dst, src, c, after))
         return c
@@ -192,8 +194,9 @@ class CPUBackend:
         n = storage.nbytes()
         return self._d2h.submit(buf[:n], byte_view(storage, n), n)
 
-    def copy_in(self, buf: torch.Tensor, storage: torch.UntypedStorage,
-                after: Copy | None = None) -> Copy:
+    def copy_in(
+        self, buf: torch.Tensor, storage: torch.UntypedStorage, after: Copy | None = None
+    ) -> Copy:
         n = storage.nbytes()
         return self._h2d.submit(byte_view(storage, n), buf[:n], n, after)
 
@@ -292,8 +295,9 @@ class CUDABackend:
                 done = self._d2h.record_event()
         return _EventCopy(n, done, (src, buf))
 
-    def copy_in(self, buf: torch.Tensor, storage: torch.UntypedStorage,
-                after: Copy | None = None) -> Copy:
+    def copy_in(
+        self, buf: torch.Tensor, storage: torch.UntypedStorage, after: Copy | None = None
+    ) -> Copy:
         n = storage.nbytes()  # already resized by the caller on the compute stream
         with _disable_current_modes(), torch.no_grad():
             dst = byte_view(storage, n)

@@ -171,8 +171,11 @@ class DynamicTracker(PassiveTracker):
         rng = _capture_rng(func, args, kwargs, flat) if seeded else None
         if rng is not None:  # kept in host memory the allocator does not count (5 KiB on CPU)
             kind, where, state = rng
-            rng = (kind, where, torch.frombuffer(bytearray(state.numpy().tobytes()),
-                                                 dtype=torch.uint8))
+            rng = (
+                kind,
+                where,
+                torch.frombuffer(bytearray(state.numpy().tobytes()), dtype=torch.uint8),
+            )
         return func, args, kwargs, flat, tuple(written), rng, wslots
 
     def _slot(self, t) -> _Slot:

@@ -116,10 +116,18 @@ class Runtime:
     # noticed; ``Runtime(budget_bytes=...)`` guards a budget without a plan.
     """
 
-    def __init__(self, plan: Plan | str | os.PathLike | None = None, *,
-                 budget_bytes: int | None = None, device: str | torch.device | None = None,
-                 passive: bool = True, eviction: str = "dtr", remat: str = "auto",
-                 measure_memory: bool = True, report_path: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        plan: Plan | str | os.PathLike | None = None,
+        *,
+        budget_bytes: int | None = None,
+        device: str | torch.device | None = None,
+        passive: bool = True,
+        eviction: str = "dtr",
+        remat: str = "auto",
+        measure_memory: bool = True,
+        report_path: str | os.PathLike | None = None,
+    ):
         if isinstance(plan, (str, os.PathLike)):
             plan = rank_plan_path(plan)  # Note [Per-rank files] in distributed.py
             self.plan_source = str(plan)
@@ -133,20 +141,23 @@ class Runtime:
         dev = device if device is not None else (plan.provenance.device if plan else "cpu")
         self.device = torch.device(dev or "cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise PlanFormatError(f"{self.plan_source}: plan is for {self.device}, but CUDA is not "
-                                  "available here; make a plan from a trace of this device")
+            raise PlanFormatError(
+                f"{self.plan_source}: plan is for {self.device}, but CUDA is not "
+                "available here; make a plan from a trace of this device"
+            )
         self.passive_enabled = passive
         if eviction not in ("dtr", "lru") or remat not in REMAT:
-            raise PlanFormatError(f"eviction must be dtr or lru (got {eviction!r}), remat one of "
-                                  f"{', '.join(REMAT)} (got {remat!r})")
+            raise PlanFormatError(
+                f"eviction must be dtr or lru (got {eviction!r}), remat one of "
+                f"{', '.join(REMAT)} (got {remat!r})"
+            )
         self.eviction = eviction
         self.remat = remat
         self.measure_memory = measure_memory
         self.report_path = report_path
         # CAPUCHIN_VERIFY=1: keep a copy of every evicted storage and check it comes back equal
         self.verify = os.environ.get("CAPUCHIN_VERIFY", "") not in ("", "0")
-        self.bandwidth_h2d_bytes_per_s = (plan.provenance.bandwidth_h2d_bytes_per_s
-                                          if plan else 12e9)
+        self.bandwidth_h2d_bytes_per_s = plan.provenance.bandwidth_h2d_bytes_per_s if plan else 12e9
         # iteration 0 runs everything before the first step (model creation, optimizer state
         # init), so it never matches a steady plan; a foreign plan is refused at iteration 1.
         self.first_checked_iteration = default_warmup()  # Note [Distributed warm-up]
@@ -162,27 +173,36 @@ class Runtime:
         if _empty(self.plan):
             return self._enter_empty()
         self.backend = backend_for(self.device, self.plan)
-        self.indexer = _Indexer(self, on_iteration_start=self._iteration_start,
-                                on_iteration_end=self._iteration_end)
+        self.indexer = _Indexer(
+            self, on_iteration_start=self._iteration_start, on_iteration_end=self._iteration_end
+        )
         table = compile_plan(self.plan) if self.plan is not None else None
-        swap = SwapEngine(self.backend, self.plan.provenance.bandwidth_d2h_bytes_per_s
-                          if self.plan is not None else 12e9)
+        swap = SwapEngine(
+            self.backend,
+            self.plan.provenance.bandwidth_d2h_bytes_per_s if self.plan is not None else 12e9,
+        )
         memory = self.backend.memory
         budget = self.budget_bytes if self.passive_enabled else None
         self.ex = None
-        recompute = RecomputeEngine(lambda st: self.ex.ensure_resident(st),
-                                    self._may_keep)
-        self.ex = Executor(self, self.indexer, table, swap, recompute,
-                           lambda ex: self._guard(budget, memory, swap, ex),
-                           self.backend)
+        recompute = RecomputeEngine(lambda st: self.ex.ensure_resident(st), self._may_keep)
+        self.ex = Executor(
+            self,
+            self.indexer,
+            table,
+            swap,
+            recompute,
+            lambda ex: self._guard(budget, memory, swap, ex),
+            self.backend,
+        )
         if self.plan is not None:  # Note [Iteration kinds] in tracker.py
             self.ex.kind_tables += [compile_plan(k) for k in self.plan.kinds]
         self._iters = []
         self.meter = MemoryMeter(self.device) if self.measure_memory else None
         if self.device.type == "cuda" and self.budget_bytes:
             total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / total),
-                                                       self.device)
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, self.budget_bytes / total), self.device
+            )
             self._fraction_set = True
         if self.meter is not None:
             self.meter.start()
@@ -194,8 +214,9 @@ class Runtime:
     def _guard(self, budget, memory, swap, ex) -> BudgetGuard:
         if self.eviction == "lru":
             return BudgetGuard(budget, self.device, memory, swap, ex)
-        return DynamicGuard(budget, self.device, memory, swap, ex,
-                            self.bandwidth_h2d_bytes_per_s, self.remat)
+        return DynamicGuard(
+            budget, self.device, memory, swap, ex, self.bandwidth_h2d_bytes_per_s, self.remat
+        )
 
     def _patch_save(self) -> None:
         """Note [Reads outside ops]: ``torch.save`` reads storages' bytes directly, not through
@@ -229,8 +250,9 @@ class Runtime:
         peaks = self.meter.finish() if self.meter is not None else {}
         for s in self._iters:
             s.peak_bytes = peaks.get(s.iteration)
-        self.report = RunReport(self.budget_bytes, str(self.device), self.plan_source, self._iters,
-                                ops_checked=False)
+        self.report = RunReport(
+            self.budget_bytes, str(self.device), self.plan_source, self._iters, ops_checked=False
+        )
         if self.report_path is not None and exc_type is None:
             self.report.save(self.report_path)
 
@@ -262,15 +284,22 @@ class Runtime:
         short = [s for s in self._iters if s.passive_short_bytes > 0]
         if short and exc_type is None:
             worst = max(s.passive_short_bytes for s in short)
-            print(f"capuchin: warning: passive mode could not keep {len(short)} iteration(s) "
-                  f"{[s.iteration for s in short][:8]} within the budget of "
-                  f"{self.budget_bytes / 2**20:.1f} MiB: up to {worst / 2**20:.1f} MiB over it "
-                  "with nothing left to evict (parameters, gradients and optimizer state of "
-                  "earlier iterations, and an op's own inputs and outputs stay resident); see "
-                  "passive_short_bytes in the report", file=sys.stderr)
-        self.report = RunReport(self.budget_bytes, str(self.device),
-                                self.plan_source if self.plan is not None else None, self._iters,
-                                self.first_checked_iteration)
+            print(
+                f"capuchin: warning: passive mode could not keep {len(short)} iteration(s) "
+                f"{[s.iteration for s in short][:8]} within the budget of "
+                f"{self.budget_bytes / 2**20:.1f} MiB: up to {worst / 2**20:.1f} MiB over it "
+                "with nothing left to evict (parameters, gradients and optimizer state of "
+                "earlier iterations, and an op's own inputs and outputs stay resident); see "
+                "passive_short_bytes in the report",
+                file=sys.stderr,
+            )
+        self.report = RunReport(
+            self.budget_bytes,
+            str(self.device),
+            self.plan_source if self.plan is not None else None,
+            self._iters,
+            self.first_checked_iteration,
+        )
         if self.report_path is not None and exc_type is None:
             self.report.save(self.report_path)
 

@@ -29,9 +29,11 @@ _SCRATCH_MIN_BYTES = 4096  # smaller measured scratch is noise of the allocator 
 
 # Scratch of CPU kernels measured by the tracer (Role.SCRATCH) on the bundled CNN, as a multiple
 # of the op's new output bytes ("out") or of its input bytes ("in"); used only without a plan.
-_CPU_SCRATCH = {"aten.convolution.default": "out",
-                "aten.convolution_backward.default": "in",
-                "aten.native_batch_norm_backward.default": "out"}
+_CPU_SCRATCH = {
+    "aten.convolution.default": "out",
+    "aten.convolution_backward.default": "in",
+    "aten.native_batch_norm_backward.default": "out",
+}
 
 _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}  # autograd node class -> its "_saved_*" names
 
@@ -163,7 +165,8 @@ class CPUMemory(DeviceMemory):
                 names = _SAVED_ATTRS.get(type(node))
                 if names is None:
                     names = _SAVED_ATTRS[type(node)] = tuple(
-                        a for a in dir(node) if a.startswith("_saved_"))
+                        a for a in dir(node) if a.startswith("_saved_")
+                    )
                 for attr in names:
                     try:
                         v = getattr(node, attr)
@@ -256,11 +259,15 @@ def _meta_new_bytes(func, args: tuple, kwargs: dict) -> int | None:
                 mkw["device"] = torch.device("meta")
         elif not has_tensor:
             return None
-        if any(isinstance(a, torch.Tensor) and a.device.type != "meta"
-               for a in _leaves(margs, mkw)):
+        if any(
+            isinstance(a, torch.Tensor) and a.device.type != "meta" for a in _leaves(margs, mkw)
+        ):
             return None
-        ins = {storage_key(a.untyped_storage()) for a in _leaves(margs, mkw)
-               if isinstance(a, torch.Tensor)}
+        ins = {
+            storage_key(a.untyped_storage())
+            for a in _leaves(margs, mkw)
+            if isinstance(a, torch.Tensor)
+        }
         with _disable_current_modes(), torch.no_grad():
             out = func(*margs, **mkw)
         seen = set()

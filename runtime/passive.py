@@ -53,8 +53,9 @@ from .state import Entry, Reason, storage_key, storages
 class PassiveTracker:
     """The storages the guard counts: an LRU order of last access, bytes resident per storage."""
 
-    def __init__(self, budget_bytes: int | None, device: torch.device,
-                 memory: DeviceMemory | None = None):
+    def __init__(
+        self, budget_bytes: int | None, device: torch.device, memory: DeviceMemory | None = None
+    ):
         self.budget_bytes = budget_bytes
         self.device_type = device.type
         self.memory = memory if memory is not None else memory_for(device)
@@ -125,6 +126,7 @@ class PassiveTracker:
             self.in_iteration.discard(key)
             if item is not None:
                 self.tracked_bytes -= item[1]
+
         return cb
 
     def evicted(self, key: int) -> None:
@@ -171,8 +173,9 @@ class BudgetGuard:
     - ``discover(flat)``: count what an unwatched iteration left resident before a divergence.
     """
 
-    def __init__(self, budget_bytes: int | None, device: torch.device, memory: DeviceMemory,
-                 swap, executor):
+    def __init__(
+        self, budget_bytes: int | None, device: torch.device, memory: DeviceMemory, swap, executor
+    ):
         self.tracker = PassiveTracker(budget_bytes, device, memory)
         self.memory = memory
         self.device_type = device.type
@@ -275,8 +278,9 @@ class BudgetGuard:
     def _base_bytes(self) -> int:
         """Resident bytes passive mode cannot see on CPU: the optimizers' tensors (parameters,
         gradients, state) that it does not track. CUDA uses the allocator's count instead."""
-        return sum(st.nbytes() for key, st in self._optimizer_storages()
-                   if key not in self.tracker.lru)
+        return sum(
+            st.nbytes() for key, st in self._optimizer_storages() if key not in self.tracker.lru
+        )
 
     # ---- eviction --------------------------------------------------------------------------------
     def enforce(self, protect: set, extra_bytes: int = 0) -> None:
@@ -312,4 +316,3 @@ class BudgetGuard:
             ex.stats.passive_evictions += 1
             got += n
         return got
-

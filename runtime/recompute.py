@@ -155,8 +155,9 @@ class RecomputeEngine:
         self.epoch += 1
 
     # ---- recording ----------------------------------------------------------------------------
-    def record(self, k: int, func, args: tuple, kwargs: dict, flat: list, written: tuple,
-               seeded: bool) -> Record:
+    def record(
+        self, k: int, func, args: tuple, kwargs: dict, flat: list, written: tuple, seeded: bool
+    ) -> Record:
         """Record op ``k`` before it runs (RNG state is captured now)."""
         slots = []
         for t in flat:
@@ -165,8 +166,16 @@ class RecomputeEngine:
             sid = tag[1] if tag is not None and tag[0] == self.epoch else None
             slots.append(_Slot(t, sid, pin=sid is None))
         counter = [0]
-        rec = Record(k, func, _template(tuple(args), counter), _template(dict(kwargs), counter),
-                     slots, written, [], _capture_rng(func, args, kwargs, flat) if seeded else None)
+        rec = Record(
+            k,
+            func,
+            _template(tuple(args), counter),
+            _template(dict(kwargs), counter),
+            slots,
+            written,
+            [],
+            _capture_rng(func, args, kwargs, flat) if seeded else None,
+        )
         self.records[k] = rec
         return rec
 
@@ -225,8 +234,13 @@ class RecomputeEngine:
                 self.records.pop(k, None)
 
     # ---- replay -------------------------------------------------------------------------------
-    def replay(self, d: Decision, target: torch.UntypedStorage, nbytes: int,
-               dropped: dict[str, tuple[torch.UntypedStorage, int]]) -> list[str]:
+    def replay(
+        self,
+        d: Decision,
+        target: torch.UntypedStorage,
+        nbytes: int,
+        dropped: dict[str, tuple[torch.UntypedStorage, int]],
+    ) -> list[str]:
         """Regenerate ``target`` (storage ``d.storage_id``, currently 0 bytes) by replaying
         ``d.replay_ops``. ``dropped``: other dropped storages by id (storage, nbytes) that the
         replay may refill on the way (``d.keep``). Returns the ids refilled besides the target."""
@@ -244,8 +258,10 @@ class RecomputeEngine:
         for k in d.replay_ops:
             rec = self.records.get(k)
             if rec is None:
-                raise RecomputeError(f"recompute of {d.storage_id}: op {k} was not recorded "
-                                     "(the run diverged from the plan)")
+                raise RecomputeError(
+                    f"recompute of {d.storage_id}: op {k} was not recorded "
+                    "(the run diverged from the plan)"
+                )
             recs.append(rec)
         last_use: dict[str, int] = {}
         for i, rec in enumerate(recs):
@@ -267,7 +283,11 @@ class RecomputeEngine:
                 tensors.append(s.view(st))
             args = _fill(rec.args, tensors)
             kwargs = _fill(rec.kwargs, tensors)
-            out = _run_with_rng(rec, args, kwargs) if rec.rng is not None else rec.func(*args, **kwargs)
+            out = (
+                _run_with_rng(rec, args, kwargs)
+                if rec.rng is not None
+                else rec.func(*args, **kwargs)
+            )
             for sid, t in zip(rec.out_sids, flatten_outputs(out), strict=False):
                 if sid is not None:
                     env[sid] = t.untyped_storage()
@@ -289,13 +309,15 @@ class RecomputeEngine:
     def _source(self, d: Decision, rec: Record, s: _Slot) -> torch.UntypedStorage:
         st = s.storage()
         if st is None:
-            raise RecomputeError(f"recompute of {d.storage_id}: a source of op {rec.op_index} "
-                                 "was freed")
+            raise RecomputeError(
+                f"recompute of {d.storage_id}: a source of op {rec.op_index} was freed"
+            )
         self.ensure_resident(st)  # a swapped or dropped source comes back first
         if writes(st) != s.writes:  # R2
             raise RecomputeError(
                 f"recompute of {d.storage_id}: source {s.sid or f'of op {rec.op_index}'} was "
-                f"written after op {rec.op_index} read it; replaying would give a wrong value")
+                f"written after op {rec.op_index} read it; replaying would give a wrong value"
+            )
         return st
 
 

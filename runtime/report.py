@@ -73,10 +73,15 @@ class RunReport:
     ops_checked: bool = True  # False: an empty plan installed nothing (Note [Empty plan])
 
     def to_dict(self) -> dict:
-        return {"format": REPORT_FORMAT, "version": REPORT_VERSION,
-                "budget_bytes": self.budget_bytes, "device": self.device, "plan": self.plan,
-                "ops_checked": self.ops_checked,
-                "iterations": [asdict(s) for s in self.iterations]}
+        return {
+            "format": REPORT_FORMAT,
+            "version": REPORT_VERSION,
+            "budget_bytes": self.budget_bytes,
+            "device": self.device,
+            "plan": self.plan,
+            "ops_checked": self.ops_checked,
+            "iterations": [asdict(s) for s in self.iterations],
+        }
 
     def save(self, path: str | os.PathLike, force: bool = True) -> Path:
         """Write the JSON report atomically; without ``force`` an existing file is kept
@@ -98,8 +103,10 @@ class RunReport:
         peak = max((s.peak_bytes or 0) for s in its)
         steady_peak = max((s.peak_bytes or 0) for s in st)
         t = sum(s.time_s for s in st) / len(st)
-        lines = [f"capuchin run: {len(its)} iterations on {self.device}"
-                 + (f", budget {_mb(self.budget_bytes)}" if self.budget_bytes else "")]
+        lines = [
+            f"capuchin run: {len(its)} iterations on {self.device}"
+            + (f", budget {_mb(self.budget_bytes)}" if self.budget_bytes else "")
+        ]
         if any(s.peak_bytes is not None for s in its):
             fit = ""
             if self.budget_bytes:
@@ -110,20 +117,28 @@ class RunReport:
             f"  swapped out {_mb(sum(s.swapped_out_bytes for s in its))}, in "
             f"{_mb(sum(s.swapped_in_bytes for s in its))}; recomputed ops "
             f"{sum(s.recomputed_ops for s in its)}; stalls {sum(s.stall_s for s in its) * 1e3:.1f} ms;"
-            f" late prefetches {sum(s.late_prefetches for s in its)}")
+            f" late prefetches {sum(s.late_prefetches for s in its)}"
+        )
         if not self.ops_checked:
-            lines.append("  the plan evicts nothing: nothing was installed, ops were not checked "
-                         "against the trace")
+            lines.append(
+                "  the plan evicts nothing: nothing was installed, ops were not checked "
+                "against the trace"
+            )
             return "\n".join(lines)
-        div = [s.iteration for s in its
-               if s.diverged and s.iteration >= self.first_checked_iteration]
-        lines.append(f"  diverged from the plan: {len(div)} iteration(s)"
-                     + (f" {div[:8]}" if div else "")
-                     + f"; passive evictions {sum(s.passive_evictions for s in its)}")
+        div = [
+            s.iteration for s in its if s.diverged and s.iteration >= self.first_checked_iteration
+        ]
+        lines.append(
+            f"  diverged from the plan: {len(div)} iteration(s)"
+            + (f" {div[:8]}" if div else "")
+            + f"; passive evictions {sum(s.passive_evictions for s in its)}"
+        )
         short = max((s.passive_short_bytes for s in its), default=0)
         if short:
-            lines.append(f"  budget not reachable: up to {_mb(short)} over it with nothing left "
-                         f"to evict (passive_short_bytes in the report)")
+            lines.append(
+                f"  budget not reachable: up to {_mb(short)} over it with nothing left "
+                f"to evict (passive_short_bytes in the report)"
+            )
         return "\n".join(lines)
 
 
@@ -145,8 +160,12 @@ class MemoryMeter:
             return
         from torch.profiler import ProfilerActivity, profile
 
-        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                            record_shapes=False, with_stack=False)
+        self.prof = profile(
+            activities=[ProfilerActivity.CPU],
+            profile_memory=True,
+            record_shapes=False,
+            with_stack=False,
+        )
         self.prof.__enter__()
 
     def iteration_start(self, n: int) -> None:
@@ -194,7 +213,7 @@ def cpu_peaks(prof) -> dict[int, int]:
             if a.device.type == "cpu":
                 events.append((ev.start_time_ns, a.ptr, a.alloc_size))
         elif ev.tag == _EventType.TorchOp and ev.name.startswith(_RANGE):
-            ranges.append((ev.start_time_ns, ev.end_time_ns, int(ev.name[len(_RANGE):])))
+            ranges.append((ev.start_time_ns, ev.end_time_ns, int(ev.name[len(_RANGE) :])))
     times, values = live_bytes_series(events)
     peaks: dict[int, int] = {}
     for t0, t1, n in ranges:

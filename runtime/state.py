@@ -105,7 +105,8 @@ def fill_from(st: torch.UntypedStorage, src: torch.UntypedStorage, nbytes: int) 
         st.resize_(nbytes)
         byte = torch.empty(0, dtype=torch.uint8, device=st.device)
         byte.set_(st, 0, (nbytes,), (1,)).copy_(
-            torch.empty(0, dtype=torch.uint8, device=src.device).set_(src, 0, (nbytes,), (1,)))
+            torch.empty(0, dtype=torch.uint8, device=src.device).set_(src, 0, (nbytes,), (1,))
+        )
 
 
 # Own write counters (rule R2): bumped by the tracker for storages it watches, when an op writes

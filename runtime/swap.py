@@ -108,8 +108,11 @@ class SwapEngine:
             if e.state is not Residency.SWAPPING_OUT or e.storage is None:
                 self.pending_out.popleft()
                 continue
-            due = e.extra.get("out_start_s", now) + OVERDUE_SLACK_S \
+            due = (
+                e.extra.get("out_start_s", now)
+                + OVERDUE_SLACK_S
                 + OVERDUE_FACTOR * e.nbytes / self.bandwidth_d2h
+            )
             if now < due:
                 break
             freed += self.sync_earliest()

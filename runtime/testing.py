@@ -47,7 +47,7 @@ def run_example(script: str | Path, args: list[str], context=None) -> dict[str, 
     h = register_optimizer_step_post_hook(hook)
     hf = register_module_forward_hook(forward_hook)
     try:
-        with contextlib.redirect_stdout(io.StringIO()), (context or contextlib.nullcontext()):
+        with contextlib.redirect_stdout(io.StringIO()), context or contextlib.nullcontext():
             g = run_as_main(script, args)
     finally:
         h.remove()
@@ -108,8 +108,14 @@ def state_mismatches(a: dict, b: dict) -> list[str]:
     return bad
 
 
-def hand_plan(problem: Problem, method: str, budget_bytes: int | None = None,
-              min_bytes: int = 4096, trigger_lead: int = 3, limit: int | None = None) -> Plan:
+def hand_plan(
+    problem: Problem,
+    method: str,
+    budget_bytes: int | None = None,
+    min_bytes: int = 4096,
+    trigger_lead: int = 3,
+    limit: int | None = None,
+) -> Plan:
     """A plan evicting every evictable storage (>= ``min_bytes``) over its longest access gap
     that starts in forward and ends later. ``method``: "swap", "recompute" or "hybrid"
     (alternating by size rank). Decisions the simulator rejects are left out one by one."""
@@ -131,8 +137,9 @@ def hand_plan(problem: Problem, method: str, budget_bytes: int | None = None,
         if method == "hybrid":
             m = "swap" if rank % 2 == 0 else "recompute"
         if m == "swap":
-            decisions.append(Decision(sid, Method.SWAP, size, a, b,
-                                      trigger_op=max(a + 1, b - trigger_lead)))
+            decisions.append(
+                Decision(sid, Method.SWAP, size, a, b, trigger_op=max(a + 1, b - trigger_lead))
+            )
         else:
             decisions.append(Decision(sid, Method.RECOMPUTE, size, a, b))
     budget = budget_bytes if budget_bytes is not None else problem.peak_bytes

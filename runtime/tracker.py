@@ -108,8 +108,9 @@ class TrackerMode(TorchDispatchMode):
         if not ix.step_pending:
             k = ix.op_index + 1
             try:
-                if func is self.fast[k] and not (self.evicted and _reads(args, kwargs,
-                                                                          self.evicted)):
+                if func is self.fast[k] and not (
+                    self.evicted and _reads(args, kwargs, self.evicted)
+                ):
                     ix.op_index = k
                     if self.evicted:
                         self.ex.op_time[k] = time.perf_counter()  # late-prefetch feedback
@@ -188,8 +189,9 @@ class Executor:
         self.kind_tables: list = [table] if table is not None else []
         self._prefix: dict[tuple[int, int], int] = {}  # common (name, shapes) prefix of 2 kinds
         # Note [Wrap-around storages before the first planned iteration]
-        wraps = [d.back_op for d in (table.decisions.values() if table is not None else ())
-                 if d.wraps]
+        wraps = [
+            d.back_op for d in (table.decisions.values() if table is not None else ()) if d.wraps
+        ]
         self._tail = collections.deque(maxlen=table.n_ops - min(wraps)) if wraps else None
 
     # ---- iteration lifecycle (called by the Runtime) --------------------------------------------
@@ -240,8 +242,11 @@ class Executor:
             key = (id(cur), id(t))
             if key not in self._prefix:
                 n = 0
-                for a, b in zip(zip(cur.names, cur.signatures, strict=True),
-                                zip(t.names, t.signatures, strict=True), strict=False):
+                for a, b in zip(
+                    zip(cur.names, cur.signatures, strict=True),
+                    zip(t.names, t.signatures, strict=True),
+                    strict=False,
+                ):
                     if a != b:
                         break
                     n += 1
@@ -277,8 +282,9 @@ class Executor:
 
     def end_iteration(self) -> None:
         st = self.stats  # iteration 0 builds the model: its divergence predicts nothing
-        self.last_diverged = (st is not None and st.diverged
-                              and st.iteration >= self.rt.first_checked_iteration)
+        self.last_diverged = (
+            st is not None and st.diverged and st.iteration >= self.rt.first_checked_iteration
+        )
         if self._tail:
             if not self.guided and not self.last_diverged:  # iteration 0 (Note [Watched ...])
                 with _disable_current_modes(), torch.no_grad():
@@ -291,8 +297,11 @@ class Executor:
         tail = self._tail
         n = tbl.n_ops
         m = 0  # length of the common suffix of this iteration's ops and the plan's
-        while m < len(tail) and tail[-1 - m][0] is tbl.expected[n - 1 - m] \
-                and tail[-1 - m][1] == tbl.signatures[n - 1 - m]:
+        while (
+            m < len(tail)
+            and tail[-1 - m][0] is tbl.expected[n - 1 - m]
+            and tail[-1 - m][1] == tbl.signatures[n - 1 - m]
+        ):
             m += 1
         for sid, d in tbl.decisions.items():
             if not d.wraps or n - d.back_op > m:
@@ -356,8 +365,9 @@ class Executor:
                     self._diverge(k, info.name, "op", flat)
             else:
                 acts = tbl.ops.get(k)
-                if (acts is not None or self.watching) \
-                        and shape_signature(t.shape for t in flat) != tbl.signatures[k]:
+                if (acts is not None or self.watching) and shape_signature(
+                    t.shape for t in flat
+                ) != tbl.signatures[k]:
                     if self._switch_kind(k, func, flat):
                         acts = self.table.ops.get(k)
                     else:
@@ -469,9 +479,12 @@ class Executor:
         if d is None or st is None:
             return
         kind = id_kind(sid)
-        if not (kind is IdKind.OUTPUT or (kind is IdKind.INPUT and d.method.value == "swap")) \
-                or not st.resizable() or st.nbytes() == 0 \
-                or st.device.type != self.backend.device.type:
+        if (
+            not (kind is IdKind.OUTPUT or (kind is IdKind.INPUT and d.method.value == "swap"))
+            or not st.resizable()
+            or st.nbytes() == 0
+            or st.device.type != self.backend.device.type
+        ):
             # Storages are evicted only as the plan names them (Note [Storage-level eviction]):
             # an op's output, or a tensor that existed before the iteration (parameter,
             # gradient buffer, optimizer state, input) by swap, never by drop.
@@ -516,6 +529,7 @@ class Executor:
                     self.swap.discard(e)
                 elif e.decision is not None:  # never needed again: unpin its replay's sources
                     self._done_with(e.decision)
+
         return cb
 
     # ---- restore ------------------------------------------------------------------------------
@@ -540,19 +554,27 @@ class Executor:
             self.guard.replay(e)  # dynamic mode (runtime/dynamic.py)
             e.state = Residency.RESIDENT
         elif st is not None:
-            dropped = {x.sid: (x.storage, x.nbytes) for x in self.by_sid.values()
-                       if not x.swap and x.state is Residency.OUT and x is not e
-                       and x.storage is not None}
+            dropped = {
+                x.sid: (x.storage, x.nbytes)
+                for x in self.by_sid.values()
+                if not x.swap and x.state is Residency.OUT and x is not e and x.storage is not None
+            }
             refilled = self.recompute.replay(e.decision, st, e.nbytes, dropped)
             e.state = Residency.RESIDENT
             for sid in refilled:
                 x = self.by_sid.get(sid)
                 if x is not None:
                     self._forget(x)
-        if self.rt.verify and "copy" in e.extra and st is not None and not _snapshot(st).equal(
-                e.extra["copy"]):
-            raise RecomputeError(f"verify: storage {e.sid} came back with other bytes "
-                                 f"({'swap' if e.swap else 'recompute'})")
+        if (
+            self.rt.verify
+            and "copy" in e.extra
+            and st is not None
+            and not _snapshot(st).equal(e.extra["copy"])
+        ):
+            raise RecomputeError(
+                f"verify: storage {e.sid} came back with other bytes "
+                f"({'swap' if e.swap else 'recompute'})"
+            )
         self._forget(e)
 
     def _forget(self, e: Entry) -> None:
@@ -588,8 +610,9 @@ class Executor:
         feedback] in swap.py), never to where it would take the plan over its budget."""
         d = e.decision
         # by storage id in the main kind's plan, by (kind, storage id) in the others'
-        tkey = (d.storage_id if self.table is self.kind_tables[0]
-                else (self.table.kind, d.storage_id))
+        tkey = (
+            d.storage_id if self.table is self.kind_tables[0] else (self.table.kind, d.storage_id)
+        )
         trig = self.trigger_now.get(tkey, d.trigger_op)
         if trig is None:
             return
@@ -648,17 +671,22 @@ class Executor:
         exp_name = tbl.names[k] if k < tbl.n_ops else "the end of the iteration"
         # Note [End of run]: both the refusal and the warning wait for the step that ends the
         # iteration; code after the last step (evaluation, saving, printing) is no iteration.
-        if (what == "op" and self.ix.iteration == self.rt.first_checked_iteration
-                and k < max(4, tbl.n_ops // 50)):
+        if (
+            what == "op"
+            and self.ix.iteration == self.rt.first_checked_iteration
+            and k < max(4, tbl.n_ops // 50)
+        ):
             self.foreign = PlanFormatError(
                 f"{self.rt.plan_source}: plan was made for another script or trace: op {k} of "
-                f"iteration {self.ix.iteration} is {name}, the plan expects {exp_name}")
+                f"iteration {self.ix.iteration} is {name}, the plan expects {exp_name}"
+            )
         if not self.warned and self.ix.iteration >= self.rt.first_checked_iteration:
             self.warning = (
                 f"capuchin: warning: iteration {self.ix.iteration} diverges from the plan at op "
                 f"{k} ({what}: got {name}, expected {exp_name}); planned actions stop for the "
                 "rest of the iteration, evicted storages come back on demand"
-                + (", passive mode keeps the budget" if self.rt.passive_enabled else ""))
+                + (", passive mode keeps the budget" if self.rt.passive_enabled else "")
+            )
         for sid in list(self.pending):  # decisions not dropped yet will not be
             e = self.by_sid.get(sid)
             if e is None or e.state is not Residency.OUT:

@@ -6,11 +6,23 @@ import pytest
 from capuchin.planner.budget import BudgetError, format_bytes, parse_budget, parse_rate
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("8G", 8 * 2**30), ("8GiB", 8 * 2**30), ("8g", 8 * 2**30), ("8GB", 8 * 10**9),
-    ("512M", 512 * 2**20), ("512MiB", 512 * 2**20), ("1.5K", 1536), ("100", 100),
-    ("1e9", 10**9), (" 2 G ", 2 * 2**30), ("100B", 100), (4096, 4096),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("8G", 8 * 2**30),
+        ("8GiB", 8 * 2**30),
+        ("8g", 8 * 2**30),
+        ("8GB", 8 * 10**9),
+        ("512M", 512 * 2**20),
+        ("512MiB", 512 * 2**20),
+        ("1.5K", 1536),
+        ("100", 100),
+        ("1e9", 10**9),
+        (" 2 G ", 2 * 2**30),
+        ("100B", 100),
+        (4096, 4096),
+    ],
+)
 def test_sizes(text, expected):
     assert parse_budget(text) == expected
 

@@ -24,8 +24,17 @@ POLICIES = ("capuchin", "swap", "recompute")
 
 
 def _decision(d) -> list:
-    return [d.storage_id, d.method.value, d.size_bytes, d.evict_op, d.back_op, d.trigger_op,
-            list(d.replay_ops), list(d.sources), list(d.keep)]
+    return [
+        d.storage_id,
+        d.method.value,
+        d.size_bytes,
+        d.evict_op,
+        d.back_op,
+        d.trigger_op,
+        list(d.replay_ops),
+        list(d.sources),
+        list(d.keep),
+    ]
 
 
 def plans_of(path: Path) -> dict[str, list]:
@@ -60,6 +69,7 @@ def test_fixture_covers_every_bundled_trace():
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
-    FIXTURE.write_text(json.dumps({p.name: plans_of(p) for p in TRACES}, indent=0,
-                                  sort_keys=True) + "\n")
+    FIXTURE.write_text(
+        json.dumps({p.name: plans_of(p) for p in TRACES}, indent=0, sort_keys=True) + "\n"
+    )
     print(f"wrote {FIXTURE}")

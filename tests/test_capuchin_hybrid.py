@@ -32,24 +32,29 @@ def assert_not_worse(problem: Problem, budget: int) -> tuple[bool, int]:
         if other[0]:
             assert hy[0], f"{name} fits {budget} B but capuchin does not"
             assert hy[1] <= other[1], (
-                f"capuchin {hy[1]} ns slower than {name} {other[1]} ns at {budget} B")
+                f"capuchin {hy[1]} ns slower than {name} {other[1]} ns at {budget} B"
+            )
     return hy
 
 
 def _transformer(hidden_bytes: int = 1 << 16, bw: float = 12e9) -> Problem:
     ops, sizes, persistent = transformer_ops(2, 12, hidden_bytes=hidden_bytes)
-    return Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent,
-                                             bandwidth_bytes_per_s=bw))
+    return Problem.from_trace(
+        trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=bw)
+    )
 
 
 def _random(seed: int) -> Problem:
     ops, sizes, persistent = random_ops(seed, 10, max_bytes=1 << 20)
-    return Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent,
-                                             bandwidth_bytes_per_s=2e9))
+    return Problem.from_trace(
+        trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=2e9)
+    )
 
 
-GENERATED = [("transformer", _transformer), ("transformer-slow-pcie",
-                                             lambda: _transformer(1 << 18, 1e9))]
+GENERATED = [
+    ("transformer", _transformer),
+    ("transformer-slow-pcie", lambda: _transformer(1 << 18, 1e9)),
+]
 GENERATED += [(f"random{s}", lambda s=s: _random(s)) for s in range(6)]
 
 
@@ -86,8 +91,9 @@ def resnet32(tmp_path_factory) -> Problem:
     from capuchin.tracer.dtr_import import import_dtr_log
     from capuchin.tracer.reader import load_trace
 
-    path = import_dtr_log(f"{DTR_ZIP}/resnet32",
-                          tmp_path_factory.mktemp("dtr") / "r32.trace.parquet")
+    path = import_dtr_log(
+        f"{DTR_ZIP}/resnet32", tmp_path_factory.mktemp("dtr") / "r32.trace.parquet"
+    )
     return Problem.from_trace(load_trace(path))
 
 

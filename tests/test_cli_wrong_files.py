@@ -41,8 +41,9 @@ def test_show_states_a_small_trace_cap_in_its_own_unit():
     from capuchin.tracer.reader import load_trace
     from capuchin.tracer.summary import format_summary, summarize
 
-    s = replace(summarize(load_trace(MLP_TRACE)), trace_budget_bytes=1024,
-                measured_peak_bytes=1536 * 1024)
+    s = replace(
+        summarize(load_trace(MLP_TRACE)), trace_budget_bytes=1024, measured_peak_bytes=1536 * 1024
+    )
     cap = [ln for ln in format_summary(s).splitlines() if ln.startswith("cap")]
     assert cap and "traced under 1.00 KiB by passive eviction: measured peak 1.50 MiB" in cap[0]
 
@@ -58,4 +59,5 @@ def test_show_of_a_name_written_per_rank_names_the_rank_files(tmp_path, name):
     stem, suffix = name.split(".")
     assert r.output.strip() == (
         f"capuchin: error: {tmp_path / name}: no such file; it was written per rank: "
-        f"{tmp_path / f'{stem}.rank0.{suffix}'}, {tmp_path / f'{stem}.rank1.{suffix}'}; show one of them")
+        f"{tmp_path / f'{stem}.rank0.{suffix}'}, {tmp_path / f'{stem}.rank1.{suffix}'}; show one of them"
+    )

@@ -45,7 +45,9 @@ def test_records_are_what_the_builder_and_simulator_say(problem):
         assert r.predicted_peak_bytes == sim.peak_bytes
         assert r.predicted_overhead == pytest.approx(sim.overhead)
         assert r.decisions == len(plan.records)
-        assert r.bytes_swapped == sum(d.size_bytes for d in plan.records if d.method.value == "swap")
+        assert r.bytes_swapped == sum(
+            d.size_bytes for d in plan.records if d.method.value == "swap"
+        )
 
 
 def test_smallest_feasible_budget_is_feasible_and_bounded(problem):
@@ -68,11 +70,18 @@ def test_default_is_every_registered_policy(problem):
 
 
 def test_json_records_and_ilp_gap(problem):
-    result = compare_policies(problem, "80%", policies=["ilp", "dtr"], search_smallest=False,
-                              time_limit_s=3.0)
+    result = compare_policies(
+        problem, "80%", policies=["ilp", "dtr"], search_smallest=False, time_limit_s=3.0
+    )
     recs = json.loads(records_to_json(result))
-    keys = {"policy", "budget_bytes", "feasible", "predicted_peak_bytes", "predicted_overhead",
-            "solve_time_s"}
+    keys = {
+        "policy",
+        "budget_bytes",
+        "feasible",
+        "predicted_peak_bytes",
+        "predicted_overhead",
+        "solve_time_s",
+    }
     for rec in recs:
         assert keys <= set(rec)
     ilp = next(r for r in recs if r["policy"] == "ilp")
@@ -82,30 +91,50 @@ def test_json_records_and_ilp_gap(problem):
 
 
 def test_cli_compare_table_and_json(trace_file):
-    r = CliRunner().invoke(main, ["compare", str(trace_file), "--budget", "80%,60%",
-                                  "--policies", "dtr,checkpoint-sqrt"])
+    r = CliRunner().invoke(
+        main,
+        ["compare", str(trace_file), "--budget", "80%,60%", "--policies", "dtr,checkpoint-sqrt"],
+    )
     assert r.exit_code == 0, r.output
     assert "dtr" in r.output and "checkpoint-sqrt" in r.output and "smallest feasible" in r.output
-    r = CliRunner().invoke(main, ["compare", str(trace_file), "--budget", "80%",
-                                  "--policies", "dtr", "--json", "--no-search"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "compare",
+            str(trace_file),
+            "--budget",
+            "80%",
+            "--policies",
+            "dtr",
+            "--json",
+            "--no-search",
+        ],
+    )
     assert r.exit_code == 0, r.output
     recs = json.loads(r.output)
     assert len(recs) == 1 and recs[0]["policy"] == "dtr" and "smallest_feasible_bytes" in recs[0]
 
 
 def test_cli_compare_unknown_policy_lists_the_valid_ones(trace_file):
-    r = CliRunner().invoke(main, ["compare", str(trace_file), "--budget", "80%", "--policies", "lru"])
+    r = CliRunner().invoke(
+        main, ["compare", str(trace_file), "--budget", "80%", "--policies", "lru"]
+    )
     assert r.exit_code != 0
     assert "lru" in r.output and "checkpoint-sqrt" in r.output and "dtr" in r.output
 
 
 def test_frame_and_plans_are_the_records(problem):
-    result = compare_policies(problem, "90%,60%", policies=["capuchin", "dtr"],
-                              search_smallest=False)
+    result = compare_policies(
+        problem, "90%,60%", policies=["capuchin", "dtr"], search_smallest=False
+    )
     df = result.frame
     assert len(df) == len(result.records) == 4
     for r, row in zip(result.records, df.itertuples(), strict=True):
-        assert (row.policy, row.budget_bytes, row.feasible) == (r.policy, r.budget_bytes, r.feasible)
+        assert (row.policy, row.budget_bytes, row.feasible) == (
+            r.policy,
+            r.budget_bytes,
+            r.feasible,
+        )
         assert row.budget_fraction == r.budget_bytes / problem.peak_bytes
         plan = result.plans[r.policy, r.budget_bytes]
         assert plan.predictions.predicted_peak_bytes == r.predicted_peak_bytes
@@ -114,8 +143,20 @@ def test_frame_and_plans_are_the_records(problem):
 def test_cli_compare_plot_draws_every_policy_at_the_smallest_budget(trace_file, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "cmp.png"
-    r = CliRunner().invoke(main, ["compare", str(trace_file), "--budget", "90%,60%",
-                                  "--policies", "capuchin,dtr", "--no-search", "--plot", str(png)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "compare",
+            str(trace_file),
+            "--budget",
+            "90%,60%",
+            "--policies",
+            "capuchin,dtr",
+            "--no-search",
+            "--plot",
+            str(png),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote {png}" in r.output

@@ -27,7 +27,9 @@ from capuchin.tracer.schema import Col, Kind, Phase, Role
 from click.testing import CliRunner
 
 DTR_ZIP = dtr_logs_path()
-needs_zip = pytest.mark.skipif(not DTR_ZIP.exists(), reason="the DTR logs zip is not on this machine")
+needs_zip = pytest.mark.skipif(
+    not DTR_ZIP.exists(), reason="the DTR logs zip is not on this machine"
+)
 
 
 # ---- the independent replay ------------------------------------------------------------------
@@ -141,7 +143,9 @@ def converted(tmp_path_factory):
     with zipfile.ZipFile(DTR_ZIP) as zf:
         for member in list_dtr_logs(DTR_ZIP):
             lines = zf.read(member).decode().splitlines()
-            path = import_dtr_log(f"{DTR_ZIP}/{member}", out / (Path(member).stem + ".trace.parquet"))
+            path = import_dtr_log(
+                f"{DTR_ZIP}/{member}", out / (Path(member).stem + ".trace.parquet")
+            )
             result[Path(member).name] = (load_trace(path), lines)
     return result
 
@@ -174,7 +178,9 @@ def test_op_times_are_the_logs(converted):
         ops = trace.ops
         assert ops[Col.DURATION_NS].tolist() == times, name
         starts = ops[Col.START_NS].tolist()
-        assert starts[0] == 0 and all(starts[i + 1] == starts[i] + times[i] for i in range(len(times) - 1))
+        assert starts[0] == 0 and all(
+            starts[i + 1] == starts[i] + times[i] for i in range(len(times) - 1)
+        )
 
 
 @needs_zip
@@ -183,7 +189,9 @@ def test_backward_phase_follows_the_marker(converted):
     marker = next(i for i, ln in enumerate(lines) if '"BACKWARD"' in ln)
     fwd_ops = sum(1 for ln in lines[:marker] if '"CALL"' in ln or '"MUTATE"' in ln)
     phases = trace.ops[Col.PHASE].tolist()
-    assert phases == [Phase.FORWARD.value] * fwd_ops + [Phase.BACKWARD.value] * (len(phases) - fwd_ops)
+    assert phases == [Phase.FORWARD.value] * fwd_ops + [Phase.BACKWARD.value] * (
+        len(phases) - fwd_ops
+    )
     assert trace.meta.extra["backward_marker"] is True
 
 
@@ -195,16 +203,22 @@ def J(**kw) -> str:
 def call(op, args, results, time, sizes, aliases):
     out = [J(INSTRUCTION="CALL", NAME=op, ARGS=args, RESULT=results, TIME=str(time))]
     for r, s, a in zip(results, sizes, aliases, strict=True):
-        out += [J(INSTRUCTION="MEMORY", NAME=r, MEMORY=str(s)), J(INSTRUCTION="ALIAS", NAME=r, ALIAS=str(a))]
+        out += [
+            J(INSTRUCTION="MEMORY", NAME=r, MEMORY=str(s)),
+            J(INSTRUCTION="ALIAS", NAME=r, ALIAS=str(a)),
+        ]
     return out
 
 
 def small_log() -> list[str]:
     return [
         J(INSTRUCTION="ANNOTATE", ANNOTATION="START"),
-        J(INSTRUCTION="CONSTANT", NAME="w"), J(INSTRUCTION="MEMORY", NAME="w", MEMORY="100"),
-        J(INSTRUCTION="CONSTANT", NAME="x"), J(INSTRUCTION="MEMORY", NAME="x", MEMORY="40"),
-        J(INSTRUCTION="CONSTANT", NAME="junk"), J(INSTRUCTION="MEMORY", NAME="junk", MEMORY="7"),
+        J(INSTRUCTION="CONSTANT", NAME="w"),
+        J(INSTRUCTION="MEMORY", NAME="w", MEMORY="100"),
+        J(INSTRUCTION="CONSTANT", NAME="x"),
+        J(INSTRUCTION="MEMORY", NAME="x", MEMORY="40"),
+        J(INSTRUCTION="CONSTANT", NAME="junk"),
+        J(INSTRUCTION="MEMORY", NAME="junk", MEMORY="7"),
         J(INSTRUCTION="RELEASE", NAME="junk"),  # released before any op: left out
         J(INSTRUCTION="COPY", DST="w2", SRC="w"),
         J(INSTRUCTION="RELEASE", NAME="w"),
@@ -244,7 +258,8 @@ def test_small_log_rows():
 
 def test_copy_from_rebinds_and_frees_the_old_tensor():
     lines = [
-        J(INSTRUCTION="CONSTANT", NAME="p"), J(INSTRUCTION="MEMORY", NAME="p", MEMORY="8"),
+        J(INSTRUCTION="CONSTANT", NAME="p"),
+        J(INSTRUCTION="MEMORY", NAME="p", MEMORY="8"),
         *call("neg", ["p"], ["q"], 3, [8], [-1]),
         J(INSTRUCTION="COPY_FROM", DST="p", SRC="q"),  # p now names q's tensor; the old p is free
         J(INSTRUCTION="RELEASE", NAME="q"),
@@ -260,13 +275,19 @@ def test_copy_from_rebinds_and_frees_the_old_tensor():
 
 def test_malformed_logs_name_the_line():
     with pytest.raises(DtrLogError, match=r"bad\.log:2: name nope is used but not defined"):
-        dtr_log_events([J(INSTRUCTION="ANNOTATE", ANNOTATION="START"),
-                        *call("neg", ["nope"], ["q"], 3, [8], [-1])], "bad.log")
+        dtr_log_events(
+            [
+                J(INSTRUCTION="ANNOTATE", ANNOTATION="START"),
+                *call("neg", ["nope"], ["q"], 3, [8], [-1]),
+            ],
+            "bad.log",
+        )
     with pytest.raises(DtrLogError, match=r"bad\.log:1: not a JSON line"):
         dtr_log_events(["{oops"], "bad.log")
     with pytest.raises(DtrLogError, match=r"bad\.log:2: expected MEMORY for a"):
-        dtr_log_events([J(INSTRUCTION="CONSTANT", NAME="a"), J(INSTRUCTION="RELEASE", NAME="a")],
-                       "bad.log")
+        dtr_log_events(
+            [J(INSTRUCTION="CONSTANT", NAME="a"), J(INSTRUCTION="RELEASE", NAME="a")], "bad.log"
+        )
     with pytest.raises(DtrLogError, match="log ends where a MEMORY line"):
         dtr_log_events([J(INSTRUCTION="CONSTANT", NAME="a")], "bad.log")
 
@@ -307,7 +328,7 @@ def test_dtr_plans_on_the_unet_log_are_valid_plans(converted):
     from capuchin.planner.registry import get_policy
     from capuchin.planner.simulator import simulate
 
-    (trace, _), = [v for k, v in converted.items() if k.startswith("unet")]
+    ((trace, _),) = [v for k, v in converted.items() if k.startswith("unet")]
     problem = Problem.from_trace(trace)
     for frac in (0.4, 0.6):
         budget = int(problem.peak_bytes * frac)

@@ -18,8 +18,10 @@ from click.testing import CliRunner
 SCRIPT = Path(__file__).resolve().parent / "frameworks" / "compiled_lm.py"
 
 
-@pytest.mark.parametrize("command", [["trace", "-o", "{tmp}/t.parquet"],
-                                     ["run", "--budget", "100M", "--report", "{tmp}/r.json"]])
+@pytest.mark.parametrize(
+    "command",
+    [["trace", "-o", "{tmp}/t.parquet"], ["run", "--budget", "100M", "--report", "{tmp}/r.json"]],
+)
 def test_compiled_script_is_refused_up_front(tmp_path, command):
     original = torch.compile
     args = [a.format(tmp=tmp_path) for a in command]
@@ -38,8 +40,9 @@ def test_dynamo_disabled_trains_bitwise_under_a_plan(tmp_path, monkeypatch):
     import torch._dynamo
 
     monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    trace = trace_script(SCRIPT, ["--steps", "6"], output=tmp_path / "t.parquet",
-                         log=lambda m: None)
+    trace = trace_script(
+        SCRIPT, ["--steps", "6"], output=tmp_path / "t.parquet", log=lambda m: None
+    )
     plan = make_plan(trace, "70%")
     assert plan.records
     rt = Runtime(plan)
@@ -48,7 +51,9 @@ def test_dynamo_disabled_trains_bitwise_under_a_plan(tmp_path, monkeypatch):
     its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
     assert len(its) == 3 and not any(s.diverged for s in its)
     assert all(s.evictions > 0 and s.peak_bytes <= plan.budget_bytes for s in its), (
-        [s.peak_bytes for s in its], plan.budget_bytes)
+        [s.peak_bytes for s in its],
+        plan.budget_bytes,
+    )
 
 
 def test_a_model_compiled_before_capuchin_started_is_refused_at_its_first_call():
@@ -76,8 +81,9 @@ def test_an_empty_plan_lets_torch_compile_through(tmp_path, monkeypatch):
     import torch._dynamo
 
     monkeypatch.setattr(torch._dynamo.config, "disable", True)  # trace quickly, eagerly
-    trace = trace_script(SCRIPT, ["--steps", "4"], output=tmp_path / "t.parquet",
-                         log=lambda m: None)
+    trace = trace_script(
+        SCRIPT, ["--steps", "4"], output=tmp_path / "t.parquet", log=lambda m: None
+    )
     monkeypatch.setattr(torch._dynamo.config, "disable", False)
     plan = make_plan(trace, "100%")
     assert not plan.records

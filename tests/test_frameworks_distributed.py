@@ -54,16 +54,34 @@ def test_plan_plans_every_rank(tmp_path):
 
 
 def test_python_dash_m_capuchin():
-    r = subprocess.run([sys.executable, "-m", "capuchin", "--help"], capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "capuchin", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
     assert r.returncode == 0 and "trace" in r.stdout and "Usage: capuchin" in r.stdout, r
 
 
 def _torchrun(args, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node", "2", *args], cwd=cwd, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            *args,
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -74,12 +92,31 @@ def _job(tmp_path, extra, budget):
     _torchrun(["-m", "capuchin", "trace", "-o", "t.parquet", script, *extra], tmp_path)
     assert sorted(ranked_files(tmp_path / "t.parquet")) == [0, 1]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "capuchin", "plan", "t.parquet", "--budget", budget,
-                        "-o", "p.json"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "capuchin", "plan", "t.parquet", "--budget", budget, "-o", "p.json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
-    run = _torchrun(["-m", "capuchin", "run", "--plan", "p.json", "--report", "r.json", script,
-                     *extra, "--out", "cap.pt"], tmp_path)
+    run = _torchrun(
+        [
+            "-m",
+            "capuchin",
+            "run",
+            "--plan",
+            "p.json",
+            "--report",
+            "r.json",
+            script,
+            *extra,
+            "--out",
+            "cap.pt",
+        ],
+        tmp_path,
+    )
     assert "diverges" not in run.stderr, run.stderr
     for rank in (0, 1):
         trace = load_trace(tmp_path / f"t.rank{rank}.parquet")
@@ -90,8 +127,11 @@ def _job(tmp_path, extra, budget):
         assert comm, "the trace records the collectives"
         assert not any(problem.storages[s].evictable for s in comm)
         assert plan.records and not {d.storage_id for d in plan.records} & comm
-        assert not any(problem.ops[k].name.startswith(("c10d.", "fsdp."))
-                       for d in plan.records for k in d.replay_ops)
+        assert not any(
+            problem.ops[k].name.startswith(("c10d.", "fsdp."))
+            for d in plan.records
+            for k in d.replay_ops
+        )
         plain = torch.load(tmp_path / f"plain.rank{rank}.pt")
         got = torch.load(tmp_path / f"cap.rank{rank}.pt")
         assert len(plain) >= 40 and sorted(plain) == sorted(got)
@@ -101,7 +141,10 @@ def _job(tmp_path, extra, budget):
         assert len(steady) == 4
         assert not any(i["diverged"] for i in steady) and all(i["evictions"] > 0 for i in steady)
         assert all(i["peak_bytes"] <= plan.budget_bytes for i in steady), (
-            rank, [i["peak_bytes"] for i in steady], plan.budget_bytes)
+            rank,
+            [i["peak_bytes"] for i in steady],
+            plan.budget_bytes,
+        )
     return tmp_path
 
 

@@ -15,7 +15,9 @@ HERE = Path(__file__).resolve().parent / "frameworks"
 
 def test_code_after_the_last_step_is_not_a_divergence(tmp_path, capsys):
     script = HERE / "tail_eval.py"
-    trace = trace_script(script, ["--steps", "6"], output=tmp_path / "t.parquet", log=lambda m: None)
+    trace = trace_script(
+        script, ["--steps", "6"], output=tmp_path / "t.parquet", log=lambda m: None
+    )
     plan = make_plan(trace, "70%", policy="swap")
     assert plan.records, "the plan evicts something"
     capsys.readouterr()
@@ -30,14 +32,18 @@ def test_code_after_the_last_step_is_not_a_divergence(tmp_path, capsys):
     assert all(s.evictions > 0 for s in its[1:4]), "the plan was followed"
     assert "diverged from the plan: 0" in rt.report.summary()
     assert all(s.peak_bytes <= plan.budget_bytes for s in its[1:4]), (
-        [s.peak_bytes for s in its], plan.budget_bytes)
+        [s.peak_bytes for s in its],
+        plan.budget_bytes,
+    )
 
 
 def test_a_real_divergence_still_warns_when_its_step_ends_it(tmp_path, capsys):
     """Control: a plan altered to expect another op in the middle of the iteration diverges in
     every steady iteration; the warning comes (once) at the step that ends the first of them."""
     script = HERE / "tail_eval.py"
-    trace = trace_script(script, ["--steps", "6"], output=tmp_path / "t.parquet", log=lambda m: None)
+    trace = trace_script(
+        script, ["--steps", "6"], output=tmp_path / "t.parquet", log=lambda m: None
+    )
     plan = make_plan(trace, "70%", policy="swap")
     k = len(plan.ops) // 2
     plan.ops[k] = ("aten.sin.default", plan.ops[k][1])  # the plan now expects another op k
@@ -57,7 +63,9 @@ def test_a_foreign_plan_is_still_refused(tmp_path):
     from capuchin.errors import PlanFormatError
 
     script = HERE / "tail_eval.py"
-    trace = trace_script(script, ["--steps", "6"], output=tmp_path / "t.parquet", log=lambda m: None)
+    trace = trace_script(
+        script, ["--steps", "6"], output=tmp_path / "t.parquet", log=lambda m: None
+    )
     plan = make_plan(trace, "70%", policy="swap")
     plan.ops[1] = ("aten.sin.default", plan.ops[1][1])
     with pytest.raises(PlanFormatError, match="another script"):

@@ -21,8 +21,9 @@ HERE = Path(__file__).resolve().parent / "frameworks"
 
 def test_evaluation_every_other_step_is_planned_and_run_kind_by_kind(tmp_path):
     script = HERE / "eval_loop.py"
-    trace = load_trace(trace_script(script, ["--steps", "8"], output=tmp_path / "t.parquet",
-                                    log=lambda m: None))
+    trace = load_trace(
+        trace_script(script, ["--steps", "8"], output=tmp_path / "t.parquet", log=lambda m: None)
+    )
     assert not trace.meta.regular
     # iteration 2 also runs the evaluation pass of step 1; 1 and 3 only train
     assert iteration_kinds(trace) == [("train", [1, 3]), ("kind1", [2])]
@@ -46,7 +47,9 @@ def test_evaluation_every_other_step_is_planned_and_run_kind_by_kind(tmp_path):
     assert all(s.evictions == len(plan.records) for s in its if s.kind == "train")
     assert all(s.evictions == len(plan.kinds[0].records) for s in its if s.kind == "kind1")
     assert all(s.peak_bytes <= plan.budget_bytes for s in its), (
-        [s.peak_bytes for s in its], plan.budget_bytes)
+        [s.peak_bytes for s in its],
+        plan.budget_bytes,
+    )
 
 
 def test_iterations_that_all_differ_are_still_refused(tmp_path):
@@ -54,8 +57,14 @@ def test_iterations_that_all_differ_are_still_refused(tmp_path):
     from capuchin.planner.problem import IrregularTraceError
 
     script = HERE / "eval_loop.py"
-    trace = trace_script(script, ["--steps", "8", "--eval-every", "1"], output=tmp_path / "t.parquet",
-                         iterations=2, warmup=0, log=lambda m: None)
+    trace = trace_script(
+        script,
+        ["--steps", "8", "--eval-every", "1"],
+        output=tmp_path / "t.parquet",
+        iterations=2,
+        warmup=0,
+        log=lambda m: None,
+    )
     kinds = iteration_kinds(load_trace(trace))
     assert [len(its) for _, its in kinds] == [1, 1]
     with pytest.raises(IrregularTraceError, match="--iteration"):
@@ -70,8 +79,9 @@ def test_hugging_face_trainer_with_evaluation_steps(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     script = HERE / "hf_trainer_eval.py"
-    trace = load_trace(trace_script(script, ["--steps", "8"], output=tmp_path / "t.parquet",
-                                    log=lambda m: None))
+    trace = load_trace(
+        trace_script(script, ["--steps", "8"], output=tmp_path / "t.parquet", log=lambda m: None)
+    )
     assert iteration_kinds(trace) == [("train", [1, 3]), ("kind1", [2])]
     plan = make_plan(trace, "70%")
     assert plan.records and plan.kinds[0].records
@@ -83,4 +93,6 @@ def test_hugging_face_trainer_with_evaluation_steps(tmp_path):
     assert [s.kind for s in its] == ["train", "kind1"] * 3
     assert not any(s.diverged for s in its) and all(s.evictions > 0 for s in its)
     assert all(s.peak_bytes <= plan.budget_bytes for s in its), (
-        [s.peak_bytes for s in its], plan.budget_bytes)
+        [s.peak_bytes for s in its],
+        plan.budget_bytes,
+    )

@@ -38,8 +38,9 @@ def _train_under_plan(script, plan, steps):
 def test_lightning_trainer_phases_and_bitwise_training(tmp_path):
     pytest.importorskip("lightning")
     script = HERE / "lightning_mlp.py"
-    trace = load_trace(trace_script(script, ["--steps", "6"], output=tmp_path / "t.parquet",
-                                    log=lambda m: None))
+    trace = load_trace(
+        trace_script(script, ["--steps", "6"], output=tmp_path / "t.parquet", log=lambda m: None)
+    )
     runs, ops = _runs(trace)
     phases = [p for p, _ in runs]
     assert phases[0] == "forward" and phases[-1] == "optimizer", runs
@@ -55,15 +56,20 @@ def test_lightning_trainer_phases_and_bitwise_training(tmp_path):
     assert len(its) == 4 and not any(s.diverged for s in its)
     assert all(s.evictions > 0 for s in its)
     assert all(s.peak_bytes <= plan.budget_bytes for s in its), (
-        [s.peak_bytes for s in its], plan.budget_bytes)
+        [s.peak_bytes for s in its],
+        plan.budget_bytes,
+    )
 
 
 @pytest.mark.slow
 def test_lbfgs_phases_and_bitwise_training(tmp_path):
     script = HERE / "lbfgs_mlp.py"
     # LBFGS's first steps fill its history: the iterations become regular after three of them
-    trace = load_trace(trace_script(script, ["--steps", "10"], output=tmp_path / "t.parquet",
-                                    warmup=3, log=lambda m: None))
+    trace = load_trace(
+        trace_script(
+            script, ["--steps", "10"], output=tmp_path / "t.parquet", warmup=3, log=lambda m: None
+        )
+    )
     runs, _ = _runs(trace)
     # max_iter=3: three closure calls per step, each forward then backward, then the update
     assert [p for p, _ in runs] == ["forward", "backward", "optimizer"] * 3, runs
@@ -80,4 +86,6 @@ def test_lbfgs_phases_and_bitwise_training(tmp_path):
     assert len(steady) == 4 and not any(s.diverged for s in steady)
     assert all(s.evictions == len(plan.records) and s.refused == 0 for s in steady)
     assert all(s.peak_bytes <= 1.02 * budget for s in steady), (
-        [s.peak_bytes for s in steady], budget)
+        [s.peak_bytes for s in steady],
+        budget,
+    )

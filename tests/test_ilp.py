@@ -75,8 +75,7 @@ def _fixed_solve(problem, budget, choices):
     from ortools.sat.python import cp_model
 
     cands = ilp.candidates(problem, budget)
-    stages = coarsen(problem.durations_ns.tolist(), problem.live_bytes.tolist(),
-                     max_stages=10**6)
+    stages = coarsen(problem.durations_ns.tolist(), problem.live_bytes.tolist(), max_stages=10**6)
     model = ilp._Model(problem, stages, budget, cands, tick_ns=max(1, problem.time_ns // 100_000))
     for lit in model.literals(choices):
         model.m.add(lit == 1)
@@ -118,8 +117,9 @@ def test_ilp_is_a_relaxation_of_the_simulator(seed):
 
 def _transformer(hidden=1 << 14):
     ops, sizes, persistent = transformer_ops(layers=2, ops_per_layer=12, hidden_bytes=hidden)
-    return Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent,
-                                             bandwidth_bytes_per_s=2e9))
+    return Problem.from_trace(
+        trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=2e9)
+    )
 
 
 @pytest.mark.slow
@@ -170,8 +170,12 @@ def test_budget_cases():
 
 
 def test_zero_size_storages_are_never_candidates():
-    ops = [("f", 10, ["X"], ["A"]), ("g", 10, ["A"], ["Z"]), ("h", 10, ["A", "Z"], ["B"]),
-           ("i", 10, ["B", "A", "Z"], ["C"])]
+    ops = [
+        ("f", 10, ["X"], ["A"]),
+        ("g", 10, ["A"], ["Z"]),
+        ("h", 10, ["A", "Z"], ["B"]),
+        ("i", 10, ["B", "A", "Z"], ["C"]),
+    ]
     problem = Problem.from_lists(ops, {"X": 4, "A": 8, "Z": 0, "B": 8, "C": 4})
     budget = problem.peak_bytes - 4
     assert all(c.size_bytes > 0 for c in ilp.candidates(problem, budget))

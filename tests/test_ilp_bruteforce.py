@@ -47,11 +47,13 @@ def small_problem(seed: int, n_fwd: int = 6) -> Problem:
     for i in reversed(range(n_fwd)):
         gi = f"g{i}"
         sizes[gi] = rng.randint(1, 4) * 1000
-        ops.append(OpSpec(f"b{i}", rng.randint(1, 30) * 100, (g, acts[i]), (gi,), (),
-                          Phase.BACKWARD))
+        ops.append(
+            OpSpec(f"b{i}", rng.randint(1, 30) * 100, (g, acts[i]), (gi,), (), Phase.BACKWARD)
+        )
         g = gi
-    return Problem.from_lists(ops, sizes, persistent={"w"},
-                              bandwidth_bytes_per_s=rng.choice([1e8, 1e9, 1e10]))
+    return Problem.from_lists(
+        ops, sizes, persistent={"w"}, bandwidth_bytes_per_s=rng.choice([1e8, 1e9, 1e10])
+    )
 
 
 def brute_force(problem: Problem, budget: int) -> int | None:
@@ -76,11 +78,23 @@ def brute_force(problem: Problem, budget: int) -> int | None:
 # (seed, fraction of the baseline peak, what the optimum uses). The label only guards the
 # coverage of the set (generator drift must not turn every case into the same kind); the optimum
 # itself always comes from brute force. Several need many Benders rounds (7, 9, 4-infeasible).
-CASES = [(0, 0.7, "recompute"), (15, 0.8, "recompute"), (4, 0.6, "swap"), (1, 0.7, "mixed"),
-         (3, 0.6, "mixed"), (7, 0.7, "mixed"), (9, 0.8, "mixed"), (0, 0.6, "infeasible"),
-         (4, 0.5, "infeasible")]
-_KINDS = {"recompute": {"recompute"}, "swap": {"swap"}, "mixed": {"recompute", "swap"},
-          "infeasible": set()}
+CASES = [
+    (0, 0.7, "recompute"),
+    (15, 0.8, "recompute"),
+    (4, 0.6, "swap"),
+    (1, 0.7, "mixed"),
+    (3, 0.6, "mixed"),
+    (7, 0.7, "mixed"),
+    (9, 0.8, "mixed"),
+    (0, 0.6, "infeasible"),
+    (4, 0.5, "infeasible"),
+]
+_KINDS = {
+    "recompute": {"recompute"},
+    "swap": {"swap"},
+    "mixed": {"recompute", "swap"},
+    "infeasible": set(),
+}
 
 
 @pytest.mark.parametrize(("seed", "fraction", "kind"), CASES)

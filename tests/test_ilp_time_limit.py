@@ -21,8 +21,9 @@ from capuchin.planner.synthetic import trace_from_ops, transformer_ops  # noqa: 
 def big_problem() -> Problem:
     """A generated transformer-like iteration of ~3,100 ops (~1,700 ILP candidates at 50%)."""
     ops, sizes, persistent = transformer_ops(layers=32, ops_per_layer=48, hidden_bytes=1 << 16)
-    problem = Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent,
-                                                bandwidth_bytes_per_s=2e9))
+    problem = Problem.from_trace(
+        trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=2e9)
+    )
     assert problem.n_ops > 3000
     return problem
 
@@ -71,8 +72,9 @@ def test_large_trace_returns_within_its_time_limit_with_a_plan_that_fits(big_pro
 def test_model_building_stops_at_its_deadline(big_problem):
     budget = int(big_problem.peak_bytes * 0.5)
     cands = ilp.candidates(big_problem, budget)
-    stages = coarsen(big_problem.durations_ns.tolist(), big_problem.live_bytes.tolist(),
-                     max_stages=256)
+    stages = coarsen(
+        big_problem.durations_ns.tolist(), big_problem.live_bytes.tolist(), max_stages=256
+    )
     t0 = time.perf_counter()
     with pytest.raises(ilp._OutOfTime):
         ilp._Model(big_problem, stages, budget, cands, deadline=time.perf_counter() + 0.2)
@@ -84,12 +86,13 @@ def test_size_estimate_admits_a_prefix_and_bounds_the_model(big_problem):
     cands = ilp.candidates(big_problem, budget)
     ranked = ilp._ranked(big_problem, budget, cands, None)
     assert sorted(c.key for c in ranked) == sorted(c.key for c in cands)
-    stages = coarsen(big_problem.durations_ns.tolist(), big_problem.live_bytes.tolist(),
-                     max_stages=256)
+    stages = coarsen(
+        big_problem.durations_ns.tolist(), big_problem.live_bytes.tolist(), max_stages=256
+    )
     counts = [ilp._admitted(big_problem, stages, budget, ranked, cap) for cap in (0, 2e4, 1e5)]
     assert counts[0] == 0 and 0 < counts[1] <= counts[2] < len(ranked)  # more room, more
     assert ilp._admitted(big_problem, stages, budget, ranked[:20], 1e12) == 20
-    kept = ranked[:counts[1]]
+    kept = ranked[: counts[1]]
     assert kept
     model = ilp._Model(big_problem, stages, budget, kept)
     size = len(model.m.proto.variables) + len(model.m.proto.constraints)
@@ -108,8 +111,9 @@ def test_restricted_model_never_claims_optimality(monkeypatch):
     """A model cut to a prefix of the candidates (as if time allowed only 3) proves nothing
     about the others: FEASIBLE with bound 0 unless its plan costs nothing."""
     ops, sizes, persistent = transformer_ops(layers=2, ops_per_layer=12, hidden_bytes=1 << 16)
-    problem = Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent,
-                                                bandwidth_bytes_per_s=2e9))
+    problem = Problem.from_trace(
+        trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=2e9)
+    )
     budget = int(problem.peak_bytes * 0.5)
     admitted = ilp._admitted
     monkeypatch.setattr(ilp, "_admitted", lambda *a, **k: min(3, admitted(*a, **k)))

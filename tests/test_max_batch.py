@@ -19,7 +19,7 @@ from click.testing import CliRunner
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "traces"
 
-TINY = '''
+TINY = """
 import argparse
 import torch
 p = argparse.ArgumentParser()
@@ -40,7 +40,7 @@ for _ in range(a.steps):
     opt.zero_grad()
     loss.backward()
     opt.step()
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +51,21 @@ def tiny(tmp_path_factory):
 
 
 def _peak(script, args, tmp_path, name):
-    out = trace_script(script, args, output=tmp_path / f"{name}.parquet", iterations=1,
-                       device="cpu", log=lambda line: None)
+    out = trace_script(
+        script,
+        args,
+        output=tmp_path / f"{name}.parquet",
+        iterations=1,
+        device="cpu",
+        log=lambda line: None,
+    )
     return summarize(load_trace(out)).peak_bytes
 
 
 def _one_line_error(args):
     res = CliRunner().invoke(main, ["max-batch", *args])
     assert res.exit_code != 0, res.output
-    lines = [ln for ln in res.stderr.splitlines()
-             if ln.strip() and not ln.startswith("max-batch:")]
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and not ln.startswith("max-batch:")]
     assert len(lines) == 1 and lines[0].startswith("capuchin: error: "), res.stderr
     return lines[0]
 
@@ -77,28 +82,66 @@ def test_memory_below_the_smallest_batch(tiny):
 
 
 def test_script_failing_at_some_batch(tiny):
-    line = _one_line_error(["--memory", "64M", "--arg", "batch", "--compare", "", "--no-verify",
-                            "--max", "64", str(tiny), "--fail-above", "4"])
+    line = _one_line_error(
+        [
+            "--memory",
+            "64M",
+            "--arg",
+            "batch",
+            "--compare",
+            "",
+            "--no-verify",
+            "--max",
+            "64",
+            str(tiny),
+            "--fail-above",
+            "4",
+        ]
+    )
     assert "ValueError at --batch 8" in line and "larger than the dataset" in line
 
 
 def test_bad_options():
-    assert "percentage" in _one_line_error(["--memory", "50%", "--arg", "--batch",
-                                            str(TRACES / "cnn.py")])
-    assert "max-overhead" in _one_line_error(["--memory", "8M", "--arg", "--batch",
-                                              "--max-overhead", "lots", str(TRACES / "cnn.py")])
+    assert "percentage" in _one_line_error(
+        ["--memory", "50%", "--arg", "--batch", str(TRACES / "cnn.py")]
+    )
+    assert "max-overhead" in _one_line_error(
+        ["--memory", "8M", "--arg", "--batch", "--max-overhead", "lots", str(TRACES / "cnn.py")]
+    )
 
 
 @pytest.mark.slow
 def test_search_finds_the_exact_limits_and_verifies(tiny, tmp_path):
     memory = _peak(tiny, ["--batch", "1024"], tmp_path, "ref") // 2
-    res = CliRunner().invoke(main, ["max-batch", "--memory", str(memory), "--arg", "--batch",
-                                    "--compare", "swap", "--steps", "3", "--min", "128",
-                                    "--json", str(tiny)])
+    res = CliRunner().invoke(
+        main,
+        [
+            "max-batch",
+            "--memory",
+            str(memory),
+            "--arg",
+            "--batch",
+            "--compare",
+            "swap",
+            "--steps",
+            "3",
+            "--min",
+            "128",
+            "--json",
+            str(tiny),
+        ],
+    )
     assert res.exit_code == 0, res.output
     r = json.loads(res.stdout)
-    for key in ("memory_bytes", "unmanaged_max", "max_by_policy", "policy", "chosen",
-                "verified_peak_bytes", "time_per_sample_ratio"):
+    for key in (
+        "memory_bytes",
+        "unmanaged_max",
+        "max_by_policy",
+        "policy",
+        "chosen",
+        "verified_peak_bytes",
+        "time_per_sample_ratio",
+    ):
         assert key in r
     assert r["memory_bytes"] == memory and r["policy"] == "capuchin"
     u, c = r["unmanaged_max"], r["chosen"]
@@ -131,8 +174,9 @@ def test_max_batch_doubles_the_unmanaged_batch(script, ref_batch, tmp_path):
         pytest.importorskip("transformers")
     path = TRACES / script
     memory = _peak(path, ["--batch", str(ref_batch)], tmp_path, "ref") // 2
-    r = capuchin.max_batch(path, [], memory=memory, arg="--batch", compare=(), steps=4,
-                           keep_state=True, log=None)
+    r = capuchin.max_batch(
+        path, [], memory=memory, arg="--batch", compare=(), steps=4, keep_state=True, log=None
+    )
     assert r.unmanaged_max >= 1
     assert r.chosen >= 2 * r.unmanaged_max, r.summary()
     assert r.verified_peak_bytes <= 1.05 * memory, r.summary()

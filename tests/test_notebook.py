@@ -35,7 +35,8 @@ def test_notebook_runs_and_agrees_with_the_planner(tmp_path, monkeypatch):
     frame = ns["capuchin"].plans_frame(plans)
     assert list(frame.index) == list(plans)
     assert frame.loc["capuchin", "overhead_pct"] == pytest.approx(
-        100 * plans["capuchin"].predictions.predicted_overhead)
+        100 * plans["capuchin"].predictions.predicted_overhead
+    )
     png = tmp_path / "out" / "transformer-50pct-policies.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(cmp.frame) == 9 and set(cmp.frame["policy"]) == {"capuchin", "recompute", "dtr"}

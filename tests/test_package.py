@@ -22,17 +22,21 @@ def test_version_and_help_list_commands():
 def test_no_generic_top_level_modules_installed():
     # Note: [Layout] in pyproject.toml: only `capuchin` is a top-level name.
     code = "import importlib.util as u; print([n for n in ('planner','runtime','tracer','cli') if u.find_spec(n)])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
-                         check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True
+    ).stdout.strip()
     assert out == "[]"
 
 
 def test_planner_imports_no_torch():
-    code = ("import sys, capuchin.planner, capuchin.planner.plan, capuchin.tracer.reader; "
-            "import pkgutil, importlib, capuchin.planner as p\n"
-            "for m in pkgutil.walk_packages(p.__path__, 'capuchin.planner.'):\n"
-            "    importlib.import_module(m.name)\n"
-            "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
-                         check=True).stdout.strip()
+    code = (
+        "import sys, capuchin.planner, capuchin.planner.plan, capuchin.tracer.reader; "
+        "import pkgutil, importlib, capuchin.planner as p\n"
+        "for m in pkgutil.walk_packages(p.__path__, 'capuchin.planner.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True
+    ).stdout.strip()
     assert out == "False"

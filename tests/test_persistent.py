@@ -29,17 +29,34 @@ from capuchin.tracer.schema import Kind
 def _adam_like(bw: float = 1e12) -> Problem:
     """W: a parameter read in forward and backward, written by the optimizer; M: optimizer
     state, touched only by the optimizer op; the peak is in the middle of the iteration."""
-    ops = [("f0", 100, ["X"], ["X1"]),
-           ("f1", 100, ["X1", "W"], ["A"]),
-           ("f2", 100, ["A"], ["B"]),
-           ("f3", 100, ["B"], ["C"]),
-           ("b3", 100, ["C", "B"], ["GB"], [], "backward"),
-           ("b2", 100, ["GB", "A", "W"], ["G"], [], "backward"),
-           ("opt", 10, ["G"], [], ["W", "M"], "optimizer"),
-           ("zero", 10, [], [], ["G"], "optimizer")]
-    sizes = {"X": 10, "X1": 10, "W": 400, "M": 800, "A": 100, "B": 100, "C": 100, "GB": 100, "G": 400}
-    return Problem.from_lists(ops, sizes, persistent=["W", "M"],
-                              kinds={"M": Kind.OPTIMIZER_STATE}, bandwidth_bytes_per_s=bw)
+    ops = [
+        ("f0", 100, ["X"], ["X1"]),
+        ("f1", 100, ["X1", "W"], ["A"]),
+        ("f2", 100, ["A"], ["B"]),
+        ("f3", 100, ["B"], ["C"]),
+        ("b3", 100, ["C", "B"], ["GB"], [], "backward"),
+        ("b2", 100, ["GB", "A", "W"], ["G"], [], "backward"),
+        ("opt", 10, ["G"], [], ["W", "M"], "optimizer"),
+        ("zero", 10, [], [], ["G"], "optimizer"),
+    ]
+    sizes = {
+        "X": 10,
+        "X1": 10,
+        "W": 400,
+        "M": 800,
+        "A": 100,
+        "B": 100,
+        "C": 100,
+        "GB": 100,
+        "G": 400,
+    }
+    return Problem.from_lists(
+        ops,
+        sizes,
+        persistent=["W", "M"],
+        kinds={"M": Kind.OPTIMIZER_STATE},
+        bandwidth_bytes_per_s=bw,
+    )
 
 
 def _wrap(p: Problem, sid: str, trigger: int | None) -> Decision:
@@ -145,10 +162,12 @@ def persistent_plan(problem: Problem, inside: bool = True, min_bytes: int = 1) -
             continue
         if s.wrap is not None:
             last, first = s.wrap
-            trig = first - 3 if first >= 3 else (problem.n_ops - 1 if last < problem.n_ops - 1
-                                                 else 0)
-            ds.append(Decision(sid, Method.SWAP, s.size_bytes, last, first, trigger_op=trig,
-                               wraps=True))
+            trig = (
+                first - 3 if first >= 3 else (problem.n_ops - 1 if last < problem.n_ops - 1 else 0)
+            )
+            ds.append(
+                Decision(sid, Method.SWAP, s.size_bytes, last, first, trigger_op=trig, wraps=True)
+            )
         elif inside and s.gaps():
             a, b = max(s.gaps(), key=lambda g: g[1] - g[0])
             ds.append(Decision(sid, Method.SWAP, s.size_bytes, a, b, trigger_op=max(a + 1, b - 2)))
@@ -179,8 +198,9 @@ def test_bundled_examples_train_bitwise_with_state_out_across_iterations(name):
     its = _steady(rt)
     assert its and not any(s.diverged for s in its)
     # what left at the end of the iteration before came back in this one
-    assert all(s.swapped_in_bytes >= sum(d.size_bytes for d in plan.records if d.wraps)
-               for s in its)
+    assert all(
+        s.swapped_in_bytes >= sum(d.size_bytes for d in plan.records if d.wraps) for s in its
+    )
     assert all(s.refused == 0 for s in its)
 
 
@@ -251,8 +271,10 @@ def _trace_and_plan(tmp_path, script, args):
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(script))
     out = tmp_path / "t.trace.parquet"
-    with contextlib.redirect_stdout(io.StringIO()), capuchin.Tracer(
-            out, iterations=2, warmup=1, device="cpu", log=None):
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        capuchin.Tracer(out, iterations=2, warmup=1, device="cpu", log=None),
+    ):
         run_as_main(path, args)
     problem = Problem.from_trace(load_trace(out))
     return path, problem, persistent_plan(problem)
@@ -267,8 +289,10 @@ def test_zero_grad_both_ways_trains_bitwise(tmp_path, set_to_none):
     assert {Kind.PARAMETER, Kind.OPTIMIZER_STATE} <= kinds
     if set_to_none:  # gradients are made by backward and freed by zero_grad: in-iteration
         assert Kind.GRADIENT not in kinds
-        assert any(problem.storages[d.storage_id].kind == Kind.GRADIENT and not d.wraps
-                   for d in plan.records)
+        assert any(
+            problem.storages[d.storage_id].kind == Kind.GRADIENT and not d.wraps
+            for d in plan.records
+        )
     else:  # persistent gradient buffers: out across the boundary too
         assert Kind.GRADIENT in kinds
     ref = _state_dicts(path, args)
@@ -305,12 +329,13 @@ def _state_dicts(path, args, context=None) -> dict:
     mods: dict[int, torch.nn.Module] = {}
     opts: list = []
     h1 = register_module_forward_pre_hook(lambda m, a: mods.setdefault(id(m), m) and None)
-    h2 = register_optimizer_step_post_hook(lambda o, a, k: opts.append(o) if o not in opts
-                                           else None)
+    h2 = register_optimizer_step_post_hook(
+        lambda o, a, k: opts.append(o) if o not in opts else None
+    )
     argv = sys.argv
     sys.argv = [str(path), *args]
     try:
-        with contextlib.redirect_stdout(io.StringIO()), (context or contextlib.nullcontext()):
+        with contextlib.redirect_stdout(io.StringIO()), context or contextlib.nullcontext():
             runpy.run_path(str(path), run_name="__main__")
     finally:
         sys.argv = argv

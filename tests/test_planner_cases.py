@@ -158,14 +158,29 @@ def test_collective_recomputation_chosen_by_the_policy():
     """A chain of cheap ops whose outputs are all needed again, in reverse order, late: with
     swapping impossible (tiny bandwidth), the policy recomputes them and the first replay keeps
     the intermediates the next back-accesses need (paper §5.3)."""
-    ops = [("p", 10, ["W"], ["T1"]), ("f2", 10, ["T1"], ["T2"]), ("f3", 10, ["T2"], ["T3"]),
-           ("f4", 10, ["T3"], ["T4"]),
-           ("big", US, ["T4"], ["H"]), ("use", US, ["H"], ["Y"]),
-           ("b4", 10, ["Y", "T4"], ["G4"], [], "backward"),
-           ("b3", 10, ["G4", "T3"], ["G3"], [], "backward"),
-           ("b2", 10, ["G3", "T2"], ["G2"], [], "backward")]
-    sizes = {"W": 8, "T1": 100, "T2": 100, "T3": 100, "T4": 100, "H": 300, "Y": 10,
-             "G4": 10, "G3": 10, "G2": 10}
+    ops = [
+        ("p", 10, ["W"], ["T1"]),
+        ("f2", 10, ["T1"], ["T2"]),
+        ("f3", 10, ["T2"], ["T3"]),
+        ("f4", 10, ["T3"], ["T4"]),
+        ("big", US, ["T4"], ["H"]),
+        ("use", US, ["H"], ["Y"]),
+        ("b4", 10, ["Y", "T4"], ["G4"], [], "backward"),
+        ("b3", 10, ["G4", "T3"], ["G3"], [], "backward"),
+        ("b2", 10, ["G3", "T2"], ["G2"], [], "backward"),
+    ]
+    sizes = {
+        "W": 8,
+        "T1": 100,
+        "T2": 100,
+        "T3": 100,
+        "T4": 100,
+        "H": 300,
+        "Y": 10,
+        "G4": 10,
+        "G3": 10,
+        "G2": 10,
+    }
     p = Problem.from_lists(ops, sizes, persistent=["W"], bandwidth_bytes_per_s=1e3)
     plan = make_plan(p, p.peak_bytes - 200, "recompute")
     sim = simulate(p, plan.records)

@@ -18,8 +18,7 @@ from click.testing import CliRunner
 def trace_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ops, sizes, persistent = transformer_ops(2, 12, hidden_bytes=1 << 16)
-    tr = trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=12e9,
-                        iterations=2)
+    tr = trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=12e9, iterations=2)
     path = tmp_path / "traces" / "tf.trace.parquet"
     write_trace(tr.events, tr.meta, path)
     return path
@@ -42,15 +41,34 @@ def test_plan_json_keys_and_force(trace_file):
     r = run("plan", trace_file, "--budget", "60%", "-o", "p.json", "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
-    for key in ("policy", "budget_bytes", "baseline_peak_bytes", "predicted_peak_bytes",
-                "predicted_overhead", "swap_count", "recompute_count"):
+    for key in (
+        "policy",
+        "budget_bytes",
+        "baseline_peak_bytes",
+        "predicted_peak_bytes",
+        "predicted_overhead",
+        "swap_count",
+        "recompute_count",
+    ):
         assert key in doc
     assert doc["predicted_peak_bytes"] <= doc["budget_bytes"] < doc["baseline_peak_bytes"]
-    assert doc["predicted_overhead"] >= 0  # includes the runtime's per-op cost: large on a tiny trace
+    assert (
+        doc["predicted_overhead"] >= 0
+    )  # includes the runtime's per-op cost: large on a tiny trace
     r = run("plan", trace_file, "--budget", "60%", "-o", "p.json")
     assert r.exit_code == 1 and "--force" in r.output
-    r = run("plan", trace_file, "--budget", "70%", "-o", "p.json", "--force", "--policy",
-            "recompute", "--json")
+    r = run(
+        "plan",
+        trace_file,
+        "--budget",
+        "70%",
+        "-o",
+        "p.json",
+        "--force",
+        "--policy",
+        "recompute",
+        "--json",
+    )
     assert r.exit_code == 0 and json.loads(r.output)["swap_count"] == 0
 
 
@@ -85,8 +103,15 @@ def test_irregular_trace_needs_iteration(trace_file, tmp_path):
 
     tr = load_trace(trace_file)
     bad = tmp_path / "irr.trace.parquet"
-    write_trace(tr.events, replace(tr.meta, regular=False, first_divergence={
-        "iteration": 1, "op_index": 3, "expected": "a", "got": "b"}), bad)
+    write_trace(
+        tr.events,
+        replace(
+            tr.meta,
+            regular=False,
+            first_divergence={"iteration": 1, "op_index": 3, "expected": "a", "got": "b"},
+        ),
+        bad,
+    )
     r = run("plan", bad, "--budget", "50%")
     assert r.exit_code == 1 and "--iteration" in r.output and "differ" in r.output
     r = run("plan", bad, "--budget", "50%", "--iteration", "0")
@@ -116,10 +141,13 @@ def test_planning_imports_neither_torch_nor_matplotlib():
     import subprocess
     import sys
 
-    code = ("import sys, capuchin.planner.api, capuchin.planner.report, capuchin.planner.registry"
-            " as r; r.available(); print('torch' in sys.modules, 'matplotlib' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
-                         check=True).stdout.strip()
+    code = (
+        "import sys, capuchin.planner.api, capuchin.planner.report, capuchin.planner.registry"
+        " as r; r.available(); print('torch' in sys.modules, 'matplotlib' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True
+    ).stdout.strip()
     assert out == "False False"
 
 
@@ -127,8 +155,11 @@ BUNDLED = sorted((Path(__file__).resolve().parent.parent / "traces").glob("*.tra
 
 
 def test_bundled_traces_exist():
-    assert {p.name for p in BUNDLED} >= {"cnn.trace.parquet", "mlp.trace.parquet",
-                                          "transformer.trace.parquet"}
+    assert {p.name for p in BUNDLED} >= {
+        "cnn.trace.parquet",
+        "mlp.trace.parquet",
+        "transformer.trace.parquet",
+    }
 
 
 @pytest.mark.parametrize("trace", BUNDLED, ids=lambda p: p.name)

@@ -21,8 +21,13 @@ from click.testing import CliRunner
 
 def _same_back_problem() -> Problem:
     # A (expensive: 100 ns) and B = f1(A) are both read again by b0 only; x stays alive.
-    ops = [("f0", 100, ("x",), ("A",)), ("f1", 10, ("A",), ("B",)), ("f2", 10, ("B",), ("C",)),
-           ("f3", 10, ("C",), ("D",)), ("b0", 10, ("D", "A", "B"), ("G",))]
+    ops = [
+        ("f0", 100, ("x",), ("A",)),
+        ("f1", 10, ("A",), ("B",)),
+        ("f2", 10, ("B",), ("C",)),
+        ("f3", 10, ("C",), ("D",)),
+        ("b0", 10, ("D", "A", "B"), ("G",)),
+    ]
     sizes = {"x": 4, "A": 100, "B": 10, "C": 50, "D": 50, "G": 4}
     return Problem.from_lists(ops, sizes, live_at_end={"x"})
 
@@ -48,15 +53,36 @@ def test_second_replay_at_same_back_op_reads_the_first_target():
 def test_storage_kept_by_an_earlier_replay_is_a_source():
     # B's replay (at b6) regenerates A whole and keeps it (collective recomputation) until A's
     # own back-access b8; Z's replay at b7 must read that A, not replay f0 a second time.
-    ops = [("f0", 100, ("x",), ("A",)), ("f1", 10, ("A",), ("B",)), ("f2", 10, ("B",), ("C",)),
-           ("f3", 10, ("A", "C"), ("D", "Z")), ("f4", 10, ("D",), ("E",)),
-           ("f5", 10, ("E", "Z"), ("F",)), ("b6", 10, ("F", "B"), ("G1",)),
-           ("b7", 10, ("G1", "Z"), ("G2",)), ("b8", 10, ("G2", "A"), ("G3",))]
-    sizes = {"x": 4, "A": 100, "B": 10, "C": 10, "D": 10, "Z": 10, "E": 10, "F": 10, "G1": 4,
-             "G2": 4, "G3": 4}
+    ops = [
+        ("f0", 100, ("x",), ("A",)),
+        ("f1", 10, ("A",), ("B",)),
+        ("f2", 10, ("B",), ("C",)),
+        ("f3", 10, ("A", "C"), ("D", "Z")),
+        ("f4", 10, ("D",), ("E",)),
+        ("f5", 10, ("E", "Z"), ("F",)),
+        ("b6", 10, ("F", "B"), ("G1",)),
+        ("b7", 10, ("G1", "Z"), ("G2",)),
+        ("b8", 10, ("G2", "A"), ("G3",)),
+    ]
+    sizes = {
+        "x": 4,
+        "A": 100,
+        "B": 10,
+        "C": 10,
+        "D": 10,
+        "Z": 10,
+        "E": 10,
+        "F": 10,
+        "G1": 4,
+        "G2": 4,
+        "G3": 4,
+    }
     p = Problem.from_lists(ops, sizes, live_at_end={"x"})
-    ds = [Decision("B", Method.RECOMPUTE, 10, 2, 6), Decision("A", Method.RECOMPUTE, 100, 3, 8),
-          Decision("Z", Method.RECOMPUTE, 10, 5, 7)]
+    ds = [
+        Decision("B", Method.RECOMPUTE, 10, 2, 6),
+        Decision("A", Method.RECOMPUTE, 100, 3, 8),
+        Decision("Z", Method.RECOMPUTE, 10, 5, 7),
+    ]
     plan, sim = build_plan(p, ds, policy="test", budget_bytes=p.peak_bytes)
     rec = {d.storage_id: d for d in plan.records}
     out = {o.storage_id: o for o in sim.outcomes}
@@ -102,10 +128,12 @@ def test_persistent_storage_without_size_is_an_error():
 
 # ---- the policy's reported figures in the plan, `capuchin plan --time-limit` ------------------
 
+
 def _small_trace(iterations: int = 1):
     ops, sizes, persistent = transformer_ops(1, 12, hidden_bytes=1 << 14)
-    return trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=12e9,
-                          iterations=iterations)
+    return trace_from_ops(
+        ops, sizes, persistent=persistent, bandwidth_bytes_per_s=12e9, iterations=iterations
+    )
 
 
 def test_policy_parameters_merges_what_the_policy_reports():
@@ -113,7 +141,11 @@ def test_policy_parameters_merges_what_the_policy_reports():
         parameters = {"status": "OPTIMAL", "optimality_gap": 0.0, "max_stages": 8}
 
     assert policy_parameters({"max_stages": 4, "x": 1}, Reported()) == {
-        "max_stages": 8, "x": 1, "status": "OPTIMAL", "optimality_gap": 0.0}
+        "max_stages": 8,
+        "x": 1,
+        "status": "OPTIMAL",
+        "optimality_gap": 0.0,
+    }
     assert policy_parameters({"x": 1}, []) == {"x": 1}
     assert policy_parameters(None, [Decision("A", Method.SWAP, 1, 0, 1)]) == {}
 
@@ -147,20 +179,25 @@ def test_cli_plan_ilp_shows_status_and_gap(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     tr = _small_trace(iterations=2)
     path = write_trace(tr.events, tr.meta, tmp_path / "tf.trace.parquet")
-    r = CliRunner().invoke(main, ["plan", str(path), "--budget", "60%", "--policy", "ilp",
-                                  "--time-limit", "3", "--json"])
+    r = CliRunner().invoke(
+        main,
+        ["plan", str(path), "--budget", "60%", "--policy", "ilp", "--time-limit", "3", "--json"],
+    )
     assert r.exit_code == 0, r.output  # 60% is above this trace's floor (49%)
     d = json.loads(r.output)
     assert d["policy"] == "ilp" and "optimality_gap" in d and d["status"]
     saved = load_plan(d["output"]).provenance.parameters
     assert saved["time_limit_s"] == 3.0 and saved["status"] == d["status"]
     assert saved["optimality_gap"] == d["optimality_gap"]
-    r = CliRunner().invoke(main, ["plan", str(path), "--budget", "60%", "--policy", "ilp",
-                                  "--time-limit", "3", "--force"])
+    r = CliRunner().invoke(
+        main,
+        ["plan", str(path), "--budget", "60%", "--policy", "ilp", "--time-limit", "3", "--force"],
+    )
     assert r.exit_code == 0, r.output
     assert f"solver status {d['status']}" in r.output and "optimality gap" in r.output
-    r = CliRunner().invoke(main, ["plan", str(path), "--budget", "60%", "--time-limit", "0",
-                                  "--force"])
+    r = CliRunner().invoke(
+        main, ["plan", str(path), "--budget", "60%", "--time-limit", "0", "--force"]
+    )
     assert r.exit_code != 0  # a time limit must be positive
 
 
@@ -172,8 +209,13 @@ def test_in_flight_swap_out_counts_in_memory_and_compute_does_not_wait():
     # The paper's runtime would wait for the copy when f2's output does not fit; the simulator
     # (Note [Swap-out memory and delayed synchronization]) keeps A in memory until the copy
     # completes, charges no stall, and reports the peak with A still resident.
-    ops = [("f0", 10, ("x",), ("A",)), ("f1", 10, ("A",), ("B",)), ("f2", 10, ("B",), ("C",)),
-           ("f3", 10, ("C",), ("D",)), ("b", 10, ("D", "A"), ("G",))]
+    ops = [
+        ("f0", 10, ("x",), ("A",)),
+        ("f1", 10, ("A",), ("B",)),
+        ("f2", 10, ("B",), ("C",)),
+        ("f3", 10, ("C",), ("D",)),
+        ("b", 10, ("D", "A"), ("G",)),
+    ]
     sizes = {"x": 4, "A": 1000, "B": 10, "C": 500, "D": 10, "G": 4}
     p = Problem.from_lists(ops, sizes, live_at_end={"x"}, bandwidth_bytes_per_s=1e6)
     sim = simulate(p, [Decision("A", Method.SWAP, 1000, 1, 4, trigger_op=None)])

@@ -15,18 +15,23 @@ from hypothesis import strategies as st
 
 POLICIES = ["capuchin", "swap", "recompute"]
 # CAPUCHIN_EXAMPLES=500 for a longer search (500 passed here, ~6 min)
-SETTINGS = settings(max_examples=int(os.environ.get("CAPUCHIN_EXAMPLES", 40)), deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=int(os.environ.get("CAPUCHIN_EXAMPLES", 40)),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def problem(seed: int, n: int, bw: float) -> Problem:
     ops, sizes, persistent = random_ops(seed, n)
-    return Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent,
-                                             bandwidth_bytes_per_s=bw))
+    return Problem.from_trace(
+        trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=bw)
+    )
 
 
-problems = st.builds(problem, st.integers(0, 10**6), st.integers(2, 14),
-                     st.sampled_from([1e6, 1e8, 1e9, 1e10]))
+problems = st.builds(
+    problem, st.integers(0, 10**6), st.integers(2, 14), st.sampled_from([1e6, 1e8, 1e9, 1e10])
+)
 
 
 @SETTINGS
@@ -89,8 +94,11 @@ def test_simulator_accepts_or_rejects_cleanly(p, data):
             a, b = data.draw(st.integers(-1, p.n_ops)), data.draw(st.integers(-1, p.n_ops))
         method = data.draw(st.sampled_from([Method.SWAP, Method.RECOMPUTE]))
         trig = data.draw(st.one_of(st.none(), st.integers(min(a, b + 1), max(a, b + 1))))
-        ds.append(Decision(sid, method, s.size_bytes, a, b,
-                           trigger_op=trig if method == Method.SWAP else None))
+        ds.append(
+            Decision(
+                sid, method, s.size_bytes, a, b, trigger_op=trig if method == Method.SWAP else None
+            )
+        )
     try:
         sim = simulate(p, complete_decisions(p, ds))
     except PlanError:

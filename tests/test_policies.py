@@ -50,11 +50,15 @@ def cnn_problem(layers: int = 4, size: int = 1000, zero: tuple[int, ...] = ()) -
         sizes[gr], sizes[gc] = size, size
         ops.append(("aten.threshold_backward.default", 800, [g, f"r{i}"], [gr], [], "backward"))
         src = f"r{i - 1}" if i else "x"
-        ops.append(("aten.convolution_backward.default", 8000, [gr, src, f"w{i}"], [gc], [],
-                    "backward"))
+        ops.append(
+            ("aten.convolution_backward.default", 8000, [gr, src, f"w{i}"], [gc], [], "backward")
+        )
         g = gc
-    return Problem.from_trace(trace_from_ops(ops, sizes, persistent=[f"w{i}" for i in range(layers)],
-                                             bandwidth_bytes_per_s=1e9))
+    return Problem.from_trace(
+        trace_from_ops(
+            ops, sizes, persistent=[f"w{i}" for i in range(layers)], bandwidth_bytes_per_s=1e9
+        )
+    )
 
 
 def transformer_problem(layers: int = 2) -> Problem:
@@ -63,8 +67,13 @@ def transformer_problem(layers: int = 2) -> Problem:
 
 
 def empty_problem() -> Problem:
-    return Problem(ops=(), storages={}, resident_bytes=0, start_ns=np.zeros(0, dtype=np.int64),
-                   live_bytes=np.zeros(0, dtype=np.int64))
+    return Problem(
+        ops=(),
+        storages={},
+        resident_bytes=0,
+        start_ns=np.zeros(0, dtype=np.int64),
+        live_bytes=np.zeros(0, dtype=np.int64),
+    )
 
 
 # ---- the shared table ------------------------------------------------------------------------
@@ -238,8 +247,14 @@ def test_checkpoint_sqrt_skips_storages_that_a_skip_connection_bypasses():
     from capuchin.planner.policies.checkpoint_sqrt import articulation_checkpoints
 
     # x -> a -> b -> add(b, x) = y -> c: a and b are bypassed by the skip, y and c are not
-    ops = [("f", 10, ["x"], ["a"]), ("g", 10, ["a"], ["b"]), ("add", 10, ["b", "x0"], ["y"]),
-           ("h", 10, ["y"], ["c"]), ("k", 10, ["c"], ["d"]), ("l", 10, ["d"], ["e"])]
+    ops = [
+        ("f", 10, ["x"], ["a"]),
+        ("g", 10, ["a"], ["b"]),
+        ("add", 10, ["b", "x0"], ["y"]),
+        ("h", 10, ["y"], ["c"]),
+        ("k", 10, ["c"], ["d"]),
+        ("l", 10, ["d"], ["e"]),
+    ]
     ops.insert(0, ("id", 10, ["x"], ["x0"]))
     sizes = {s: 10 for s in "x x0 a b y c d e".split()}
     problem = Problem.from_trace(trace_from_ops(ops, sizes))
@@ -269,8 +284,12 @@ def test_vdnn_offloads_conv_inputs_and_prefetches_one_layer_ahead():
 
 
 def test_static_baselines_plan_nothing_without_a_backward_phase():
-    ops = [("aten.convolution.default", 10, ["x"], ["a"]), ("aten.relu.default", 10, ["a"], ["b"]),
-           ("aten.convolution.default", 10, ["b"], ["c"]), ("aten.add.Tensor", 10, ["c", "a"], ["d"])]
+    ops = [
+        ("aten.convolution.default", 10, ["x"], ["a"]),
+        ("aten.relu.default", 10, ["a"], ["b"]),
+        ("aten.convolution.default", 10, ["b"], ["c"]),
+        ("aten.add.Tensor", 10, ["c", "a"], ["d"]),
+    ]
     problem = Problem.from_trace(trace_from_ops(ops, {s: 10 for s in "xabcd"}))
     for policy in ("checkpoint-sqrt", "checkpoint-speed", "vdnn"):
         assert get_policy(policy)(problem, problem.peak_bytes // 2) == []

@@ -51,7 +51,9 @@ def test_plan_trains_bitwise(name, method):
     assert all(s.evictions > 0 for s in its)
     pred = plan.predictions.predicted_peak_bytes  # the simulator's, on the same trace
     assert all(abs(s.peak_bytes - pred) <= 0.10 * pred for s in its), (
-        [s.peak_bytes for s in its], pred)
+        [s.peak_bytes for s in its],
+        pred,
+    )
     if method in ("swap", "hybrid"):
         assert all(s.swapped_out_bytes > 0 and s.swapped_in_bytes > 0 for s in its)
     if method in ("recompute", "hybrid"):
@@ -65,8 +67,9 @@ def test_planner_plans_train_bitwise(name, policy):
     at 50% are all-swap on this host's bandwidth, so the hybrid case uses the hand plans above)."""
     import capuchin
 
-    plan = capuchin.make_plan(TRACES / f"{name}.trace.parquet", budget="50%", policy=policy,
-                              allow_infeasible=True)
+    plan = capuchin.make_plan(
+        TRACES / f"{name}.trace.parquet", budget="50%", policy=policy, allow_infeasible=True
+    )
     assert plan.records
     rt = Runtime(plan, measure_memory=False)
     assert train_mismatches(name, rt) == []
@@ -112,14 +115,24 @@ def test_cli_run_report_and_measured_peaks(tmp_path):
     for tag, plan in (("empty", empty), ("swap", swap)):
         p = plan.save(tmp_path / f"{tag}.json")
         rep = tmp_path / f"{tag}.report.json"
-        r = CliRunner().invoke(main, ["run", "--plan", str(p), "--report", str(rep),
-                                      str(TRACES / "cnn.py"), *STEPS])
+        r = CliRunner().invoke(
+            main, ["run", "--plan", str(p), "--report", str(rep), str(TRACES / "cnn.py"), *STEPS]
+        )
         assert r.exit_code == 0, r.output
         assert "capuchin run:" in r.output
         doc = json.loads(rep.read_text())
         assert doc["budget_bytes"] == plan.budget_bytes
-        keys = {"iteration", "peak_bytes", "time_s", "swapped_out_bytes", "swapped_in_bytes",
-                "recomputed_ops", "stall_s", "late_prefetches", "diverged"}
+        keys = {
+            "iteration",
+            "peak_bytes",
+            "time_s",
+            "swapped_out_bytes",
+            "swapped_in_bytes",
+            "recomputed_ops",
+            "stall_s",
+            "late_prefetches",
+            "diverged",
+        }
         its = [i for i in doc["iterations"] if i["complete"] and i["iteration"] >= 1]
         assert its and all(keys <= set(i) for i in its)
         results[tag] = max(i["peak_bytes"] for i in its)
@@ -147,7 +160,9 @@ def test_empty_plan_installs_no_dispatch_mode_and_reports_its_iterations():
     assert [s.iteration for s in its] == [0, 1, 2]
     assert all(s.time_s > 0 and s.peak_bytes for s in its)
     assert all(s.peak_bytes <= 1.05 * prob.peak_bytes for s in its[1:]), (
-        [s.peak_bytes for s in its], prob.peak_bytes)
+        [s.peak_bytes for s in its],
+        prob.peak_bytes,
+    )
     assert not rt.report.ops_checked and "ops were not checked" in rt.report.summary()
 
 
@@ -254,8 +269,9 @@ def test_r5_r6_batch_norm_replay_does_not_touch_running_stats():
     x = torch.randn(8, 4, 5, 5)
     w, b = torch.ones(4), torch.zeros(4)
     rm, rv = torch.zeros(4), torch.ones(4)
-    out = _record_and_run(eng, 0, torch.ops.aten.native_batch_norm.default, x, w, b, rm, rv,
-                          True, 0.1, 1e-5)
+    out = _record_and_run(
+        eng, 0, torch.ops.aten.native_batch_norm.default, x, w, b, rm, rv, True, 0.1, 1e-5
+    )
     stats = (rm.clone(), rv.clone())
     d = Decision("0:0", Method.RECOMPUTE, out[0].untyped_storage().nbytes(), 0, 3, replay_ops=(0,))
     before = _drop_and_replay(eng, d, out[0])
@@ -407,8 +423,15 @@ def test_r3_copy_on_write_regenerates_before_a_source_is_overwritten(tmp_path):
     add_ = names.index("aten.add_.Tensor")
     back = names.index("aten.mul.Tensor", add_)
     y = prob.ops[mul].allocs[0]
-    d = Decision(y, Method.RECOMPUTE, prob.storages[y].size_bytes, clone, back,
-                 replay_ops=(mul,), sources=prob.ops[mul].inputs)
+    d = Decision(
+        y,
+        Method.RECOMPUTE,
+        prob.storages[y].size_bytes,
+        clone,
+        back,
+        replay_ops=(mul,),
+        sources=prob.ops[mul].inputs,
+    )
     prov = Provenance("hand", {}, prob.peak_bytes, str(trace), "", 1, "cpu", 12e9, 12e9, "", 0.0)
     plan = Plan(prov, Predictions(0, 0, 0, 0), [d], prob.op_signatures(), action_table([d]))
     rep = run_script(script, [], plan=plan.save(tmp_path / "cow.plan.json"), measure_memory=False)
@@ -466,12 +489,20 @@ def test_guarded_hot_path_never_lets_an_op_read_an_evicted_storage(tmp_path):
     mul = names.index("aten.mul.Tensor")
     back = names.index("aten.mul.Tensor", mul + 1)
     y = prob.ops[mul].allocs[0]
-    d = Decision(y, Method.RECOMPUTE, prob.storages[y].size_bytes, mul, back,
-                 replay_ops=(mul,), sources=prob.ops[mul].inputs)
+    d = Decision(
+        y,
+        Method.RECOMPUTE,
+        prob.storages[y].size_bytes,
+        mul,
+        back,
+        replay_ops=(mul,),
+        sources=prob.ops[mul].inputs,
+    )
     prov = Provenance("hand", {}, prob.peak_bytes, str(trace), "", 1, "cpu", 12e9, 12e9, "", 0.0)
     plan = Plan(prov, Predictions(0, 0, 0, 0), [d], prob.op_signatures(), action_table([d]))
-    rep = run_script(script, ["--other"], plan=plan.save(tmp_path / "read.plan.json"),
-                     measure_memory=False)
+    rep = run_script(
+        script, ["--other"], plan=plan.save(tmp_path / "read.plan.json"), measure_memory=False
+    )
     its = [s for s in rep.iterations if s.complete and s.iteration >= 1]
     assert its and not any(s.diverged for s in its)
     assert all(s.evictions == 1 and s.recomputed_ops == 1 for s in its)
@@ -502,7 +533,7 @@ def test_make_plan_at_50_percent_measured_within_budget_and_simulation(name):
         assert abs(s.peak_bytes - pred) <= 0.10 * pred, (s.peak_bytes, pred)
 
 
-_CKPT_SCRIPT = '''
+_CKPT_SCRIPT = """
 import argparse
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -527,7 +558,7 @@ for step in range(a.steps):
     opt.zero_grad()
     loss.backward()
     opt.step()
-'''
+"""
 
 
 @cache
@@ -536,8 +567,9 @@ def _ckpt_trace(tmp_dir):
 
     script = tmp_dir / "ckpt.py"
     script.write_text(_CKPT_SCRIPT)
-    return script, trace_script(script, [], output=tmp_dir / "ckpt.trace.parquet",
-                                log=lambda _: None)
+    return script, trace_script(
+        script, [], output=tmp_dir / "ckpt.trace.parquet", log=lambda _: None
+    )
 
 
 @pytest.mark.slow
@@ -564,10 +596,12 @@ def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, sl
     problem = Problem.from_trace(load_trace(trace)).restricted()
     fn = get_policy("capuchin")
     b10 = problem.peak_bytes // 10
-    assert not build_plan(problem, fn(problem, b10), policy="capuchin",
-                          budget_bytes=b10)[0].predictions.feasible, "10% should be infeasible"
-    budget = int(smallest_feasible_budget(problem, fn, {}, start_bytes=problem.floor_bytes())
-                 * 1.002)
+    assert not build_plan(problem, fn(problem, b10), policy="capuchin", budget_bytes=b10)[
+        0
+    ].predictions.feasible, "10% should be infeasible"
+    budget = int(
+        smallest_feasible_budget(problem, fn, {}, start_bytes=problem.floor_bytes()) * 1.002
+    )
     plan, _sim = build_plan(problem, fn(problem, budget), policy="capuchin", budget_bytes=budget)
     assert plan.predictions.feasible
     assert plan.records and plan.op_peak_bytes

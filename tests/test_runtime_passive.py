@@ -61,8 +61,11 @@ def test_diverged_iterations_measure_within_budget_and_train_bitwise():
     assert any(s.passive_evictions > 0 for s in its[1:]), "passive mode had to act"
     for s in its:
         assert s.passive_short_bytes == 0
-        assert s.peak_bytes <= SLACK * plan.budget_bytes, (s.iteration, s.peak_bytes,
-                                                            plan.budget_bytes)
+        assert s.peak_bytes <= SLACK * plan.budget_bytes, (
+            s.iteration,
+            s.peak_bytes,
+            plan.budget_bytes,
+        )
 
 
 def test_passive_only_measures_within_a_reachable_budget():
@@ -88,8 +91,10 @@ def test_unreachable_budget_is_reported_not_silently_exceeded(capfd):
     assert all(s.passive_short_bytes > 0 for s in its)
     assert all(s.peak_bytes > SLACK * budget for s in its)
     for s in its:
-        assert s.peak_bytes <= SLACK * (budget + s.passive_short_bytes), (s.peak_bytes,
-                                                                           s.passive_short_bytes)
+        assert s.peak_bytes <= SLACK * (budget + s.passive_short_bytes), (
+            s.peak_bytes,
+            s.passive_short_bytes,
+        )
     doc = rt.report.to_dict()
     assert all(i["passive_short_bytes"] > 0 for i in doc["iterations"] if i["complete"])
     assert "passive mode could not keep" in capfd.readouterr().err
@@ -120,14 +125,20 @@ def test_convolution_scratch_is_budgeted(with_plan):
     With a plan, the plan's trace says how much (iteration 0 measured 1.06x the budget without
     it); without one, the CPU defaults do (passive mode alone measured 1.09x)."""
     plan = plan50("cnn")
-    rt = Runtime(plan if with_plan else None, budget_bytes=None if with_plan else plan.budget_bytes,
-                 measure_memory=True)
+    rt = Runtime(
+        plan if with_plan else None,
+        budget_bytes=None if with_plan else plan.budget_bytes,
+        measure_memory=True,
+    )
     assert train_mismatches("cnn", rt) == []
     its = complete(rt) if not with_plan else complete(rt)[:1]
     assert its and all(s.passive_evictions > 0 and s.passive_short_bytes == 0 for s in its)
     for s in its:
-        assert s.peak_bytes <= SLACK * plan.budget_bytes, (s.iteration, s.peak_bytes,
-                                                            plan.budget_bytes)
+        assert s.peak_bytes <= SLACK * plan.budget_bytes, (
+            s.iteration,
+            s.peak_bytes,
+            plan.budget_bytes,
+        )
 
 
 def test_first_divergence_deep_in_an_unwatched_iteration_counts_what_came_before(monkeypatch):
@@ -153,5 +164,8 @@ def test_first_divergence_deep_in_an_unwatched_iteration_counts_what_came_before
     assert its[1].evictions > 0, "the plan was followed up to op 100"
     for s in its[1:]:
         assert s.passive_short_bytes == 0
-        assert s.peak_bytes <= SLACK * plan.budget_bytes, (s.iteration, s.peak_bytes,
-                                                            plan.budget_bytes)
+        assert s.peak_bytes <= SLACK * plan.budget_bytes, (
+            s.iteration,
+            s.peak_bytes,
+            plan.budget_bytes,
+        )

@@ -26,14 +26,16 @@ from capuchin.planner.synthetic import random_ops, trace_from_ops, transformer_o
 
 def _transformer() -> Problem:
     ops, sizes, persistent = transformer_ops(2, 12, hidden_bytes=1 << 16)
-    return Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent,
-                                             bandwidth_bytes_per_s=12e9))
+    return Problem.from_trace(
+        trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=12e9)
+    )
 
 
 def _random(seed: int) -> Problem:
     ops, sizes, persistent = random_ops(seed, 10, max_bytes=1 << 20)
-    return Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent,
-                                             bandwidth_bytes_per_s=2e9))
+    return Problem.from_trace(
+        trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=2e9)
+    )
 
 
 def test_pick_fastest_fitting_else_lowest_peak():

@@ -11,10 +11,15 @@ from capuchin.planner.simulator import simulate
 
 def chain() -> Problem:
     # X -> A -> B -> C -> D; backward reads C, B, A again. Ops 100 ns, copies of 100 B 100 ns.
-    ops = [("f1", 100, ["X"], ["A"]), ("f2", 100, ["A"], ["B"]), ("f3", 100, ["B"], ["C"]),
-           ("f4", 100, ["C"], ["D"]), ("b4", 100, ["D", "C"], ["E"], [], "backward"),
-           ("b3", 100, ["E", "B"], ["F"], [], "backward"),
-           ("b2", 100, ["F", "A"], ["G"], [], "backward")]
+    ops = [
+        ("f1", 100, ["X"], ["A"]),
+        ("f2", 100, ["A"], ["B"]),
+        ("f3", 100, ["B"], ["C"]),
+        ("f4", 100, ["C"], ["D"]),
+        ("b4", 100, ["D", "C"], ["E"], [], "backward"),
+        ("b3", 100, ["E", "B"], ["F"], [], "backward"),
+        ("b2", 100, ["F", "A"], ["G"], [], "backward"),
+    ]
     sizes = dict(X=10, A=100, B=100, C=100, D=10, E=10, F=10, G=10)
     return Problem.from_lists(ops, sizes, bandwidth_bytes_per_s=1e9)
 
@@ -39,8 +44,13 @@ def test_swap_out_frees_at_copy_end_and_prefetch_hides():
 
 def test_late_prefetch_stalls_and_channel_serializes():
     p = chain()
-    r = simulate(p, [Decision("A", Method.SWAP, 100, 1, 6, trigger_op=6),
-                     Decision("B", Method.SWAP, 100, 2, 5, trigger_op=5)])
+    r = simulate(
+        p,
+        [
+            Decision("A", Method.SWAP, 100, 1, 6, trigger_op=6),
+            Decision("B", Method.SWAP, 100, 2, 5, trigger_op=5),
+        ],
+    )
     a, b = sorted(r.outcomes, key=lambda o: o.storage_id)
     assert (b.out_start_ns, b.out_end_ns) == (300, 400)  # waits for A's copy (200-300)
     assert (b.in_start_ns, b.in_end_ns) == (500, 600)
@@ -51,8 +61,7 @@ def test_late_prefetch_stalls_and_channel_serializes():
 
 def test_recompute_adds_replay_time_and_temporaries():
     p = chain()
-    r = simulate(p, [Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,),
-                              sources=("A",))])
+    r = simulate(p, [Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,), sources=("A",))])
     (o,) = r.outcomes
     assert o.recompute_ns == 100 and r.time_ns == 800
     assert list(r.op_peak_bytes)[:5] == [110, 200, 300, 210, 220]
@@ -61,29 +70,34 @@ def test_recompute_adds_replay_time_and_temporaries():
 
 def test_collective_recomputation_keeps_intermediate():
     p = chain()
-    ds = [Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,), sources=("A",)),
-          Decision("C", Method.RECOMPUTE, 100, 3, 4, replay_ops=(1, 2), sources=("A",),
-                   keep=("B",))]
+    ds = [
+        Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,), sources=("A",)),
+        Decision("C", Method.RECOMPUTE, 100, 3, 4, replay_ops=(1, 2), sources=("A",), keep=("B",)),
+    ]
     r = simulate(p, ds)
     out = {o.storage_id: o for o in r.outcomes}
     assert out["C"].recompute_ns == 200 and out["B"].recompute_ns == 0  # B kept: no replay
-    no_keep = simulate(p, [ds[0], Decision("C", Method.RECOMPUTE, 100, 3, 4, replay_ops=(1, 2),
-                                           sources=("A",))])
+    no_keep = simulate(
+        p, [ds[0], Decision("C", Method.RECOMPUTE, 100, 3, 4, replay_ops=(1, 2), sources=("A",))]
+    )
     assert no_keep.time_ns == r.time_ns + 100
 
 
-@pytest.mark.parametrize("decision, match", [
-    (Decision("Q", Method.SWAP, 100, 1, 6), "no such storage"),
-    (Decision("X", Method.SWAP, 10, 0, 1), "not evictable"),
-    (Decision("A", Method.SWAP, 99, 1, 6), "size"),
-    (Decision("A", Method.SWAP, 100, 0, 6), "consecutive"),
-    (Decision("A", Method.SWAP, 100, 6, 1), "evict_op < back_op"),
-    (Decision("A", Method.SWAP, 100, 1, 6, trigger_op=1), "in-trigger"),
-    (Decision("B", Method.RECOMPUTE, 100, 2, 5), "without replay_ops"),
-    (Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(0,), sources=("X",)), "producer"),
-    (Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,), sources=()), "sources"),
-    (Decision("A", Method.RECOMPUTE, 100, 1, 6, replay_ops=(0,), sources=("X",)), "not alive"),
-])
+@pytest.mark.parametrize(
+    "decision, match",
+    [
+        (Decision("Q", Method.SWAP, 100, 1, 6), "no such storage"),
+        (Decision("X", Method.SWAP, 10, 0, 1), "not evictable"),
+        (Decision("A", Method.SWAP, 99, 1, 6), "size"),
+        (Decision("A", Method.SWAP, 100, 0, 6), "consecutive"),
+        (Decision("A", Method.SWAP, 100, 6, 1), "evict_op < back_op"),
+        (Decision("A", Method.SWAP, 100, 1, 6, trigger_op=1), "in-trigger"),
+        (Decision("B", Method.RECOMPUTE, 100, 2, 5), "without replay_ops"),
+        (Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(0,), sources=("X",)), "producer"),
+        (Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,), sources=()), "sources"),
+        (Decision("A", Method.RECOMPUTE, 100, 1, 6, replay_ops=(0,), sources=("X",)), "not alive"),
+    ],
+)
 def test_broken_plans_raise(decision, match):
     with pytest.raises(PlanError, match=match):
         simulate(chain(), [decision])
@@ -97,15 +111,22 @@ def test_two_decisions_on_one_storage_raise():
 
 def test_dropped_source_raises():
     # C's replay reads B, but B is dropped (recompute) at that moment and not regenerated
-    ds = [Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,), sources=("A",)),
-          Decision("C", Method.RECOMPUTE, 100, 3, 4, replay_ops=(2,), sources=("B",))]
+    ds = [
+        Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,), sources=("A",)),
+        Decision("C", Method.RECOMPUTE, 100, 3, 4, replay_ops=(2,), sources=("B",)),
+    ]
     with pytest.raises(PlanError, match="dropped"):
         simulate(chain(), ds)
 
 
 def test_source_written_in_place_after_read_raises():
-    ops = [("f", 10, ["X"], ["A"]), ("g", 10, ["A"], ["B"]), ("inc", 10, [], [], ["A"]),
-           ("h", 10, ["B"], ["C"]), ("b", 10, ["C", "B", "A"], ["D"])]
+    ops = [
+        ("f", 10, ["X"], ["A"]),
+        ("g", 10, ["A"], ["B"]),
+        ("inc", 10, [], [], ["A"]),
+        ("h", 10, ["B"], ["C"]),
+        ("b", 10, ["C", "B", "A"], ["D"]),
+    ]
     p = Problem.from_lists(ops, dict(X=4, A=8, B=8, C=8, D=8))
     with pytest.raises(PlanError, match="written in place"):
         simulate(p, [Decision("B", Method.RECOMPUTE, 8, 3, 4, replay_ops=(1,), sources=("A",))])
@@ -113,8 +134,10 @@ def test_source_written_in_place_after_read_raises():
 
 def test_swapped_source_is_restored_on_demand():
     p = chain()
-    ds = [Decision("A", Method.SWAP, 100, 1, 6),  # no prefetch
-          Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,), sources=("A",))]
+    ds = [
+        Decision("A", Method.SWAP, 100, 1, 6),  # no prefetch
+        Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,), sources=("A",)),
+    ]
     r = simulate(p, ds)
     out = {o.storage_id: o for o in r.outcomes}
     assert out["B"].stall_ns == 100 and out["B"].recompute_ns == 100

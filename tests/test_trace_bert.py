@@ -14,10 +14,16 @@ def _train_bert(steps: int) -> None:
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=128,
-                        max_position_embeddings=64, hidden_dropout_prob=0.1,
-                        attention_probs_dropout_prob=0.1)
+    config = BertConfig(
+        vocab_size=500,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
     model = BertForMaskedLM(config)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -43,7 +49,8 @@ def test_trace_hugging_face_bert(tmp_path):
     # dropout is active and recorded as random-number-drawing ops
     assert ops[Col.SEEDED].fillna(False).sum() >= 5, sorted(set(ops[Col.OP_NAME]))
     assert s.transient_peak_bytes == s.allocator_peak_bytes or (
-        abs(s.transient_peak_bytes - s.allocator_peak_bytes) <= 0.02 * s.allocator_peak_bytes)
+        abs(s.transient_peak_bytes - s.allocator_peak_bytes) <= 0.02 * s.allocator_peak_bytes
+    )
     acc = trace.accesses
     a = acc[acc[Col.ITERATION] == 1][[Col.OP_NAME, Col.TENSOR, Col.STORAGE]].reset_index(drop=True)
     b = acc[acc[Col.ITERATION] == 2][[Col.OP_NAME, Col.TENSOR, Col.STORAGE]].reset_index(drop=True)

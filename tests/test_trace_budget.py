@@ -19,21 +19,50 @@ ROOT = Path(__file__).resolve().parent.parent
 CNN = ROOT / "traces" / "cnn.py"
 
 # every column but the device timeline: what the program did, not how long it took
-SAME = [c for c in (Col.ITERATION, Col.EVENT, Col.OP, Col.OP_NAME, Col.PHASE, Col.ROLE, Col.ARG,
-                    Col.TENSOR, Col.STORAGE, Col.ALLOC, Col.ALIASES, Col.VIEW_OF, Col.BYTES,
-                    Col.STORAGE_BYTES, Col.SHAPE, Col.DTYPE, Col.KIND, Col.SEEDED, Col.OP_ARGS)]
+SAME = [
+    c
+    for c in (
+        Col.ITERATION,
+        Col.EVENT,
+        Col.OP,
+        Col.OP_NAME,
+        Col.PHASE,
+        Col.ROLE,
+        Col.ARG,
+        Col.TENSOR,
+        Col.STORAGE,
+        Col.ALLOC,
+        Col.ALIASES,
+        Col.VIEW_OF,
+        Col.BYTES,
+        Col.STORAGE_BYTES,
+        Col.SHAPE,
+        Col.DTYPE,
+        Col.KIND,
+        Col.SEEDED,
+        Col.OP_ARGS,
+    )
+]
 
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     d = tmp_path_factory.mktemp("budget")
     quiet = {"log": lambda line: None}
-    free = trace_script(CNN, ["--steps", "5"], output=d / "free.parquet", iterations=2,
-                        device="cpu", **quiet)
+    free = trace_script(
+        CNN, ["--steps", "5"], output=d / "free.parquet", iterations=2, device="cpu", **quiet
+    )
     peak = summarize(load_trace(free)).peak_bytes
     cap = int(0.6 * peak)
-    capped = trace_script(CNN, ["--steps", "5"], output=d / "capped.parquet", iterations=2,
-                          device="cpu", budget_bytes=cap, **quiet)
+    capped = trace_script(
+        CNN,
+        ["--steps", "5"],
+        output=d / "capped.parquet",
+        iterations=2,
+        device="cpu",
+        budget_bytes=cap,
+        **quiet,
+    )
     return load_trace(free), load_trace(capped), cap
 
 
@@ -76,22 +105,45 @@ def test_capped_trace_stayed_within_the_cap(traced):
 def test_show_json_reports_the_cap(traced, tmp_path):
     _, capped, cap = traced
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
-    out = subprocess.run([sys.executable, "-m", "capuchin.cli", "show", "--json",
-                          str(capped.path)], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "capuchin.cli", "show", "--json", str(capped.path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     got = json.loads(out.stdout)
     assert got["trace_budget_bytes"] == cap
     assert got["measured_peak_bytes"] == capped.meta.measured_peak_bytes
-    text = subprocess.run([sys.executable, "-m", "capuchin.cli", "show", str(capped.path)],
-                          capture_output=True, text=True, env=env, check=True).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "capuchin.cli", "show", str(capped.path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
     assert "traced under" in text
 
 
 @pytest.mark.parametrize("budget", ["60%", "0", "lots"])
 def test_trace_budget_bad_sizes(tmp_path, budget):
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
-    out = subprocess.run([sys.executable, "-m", "capuchin.cli", "trace", "--budget", budget,
-                          "-o", str(tmp_path / "t.parquet"), str(CNN)],
-                         capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "capuchin.cli",
+            "trace",
+            "--budget",
+            budget,
+            "-o",
+            str(tmp_path / "t.parquet"),
+            str(CNN),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert out.returncode != 0
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "budget" in lines[0], out.stderr
@@ -152,12 +204,20 @@ def test_a_cap_that_was_not_kept_is_warned_about(tmp_path):
         "m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))\n"
         "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
         "for _ in range(4):\n"
-        "    opt.zero_grad(); m(torch.randn(128, 64)).sum().backward(); opt.step()\n")
+        "    opt.zero_grad(); m(torch.randn(128, 64)).sum().backward(); opt.step()\n"
+    )
     warnings = {}
     for cap in (1024, 64 * 2**20):
         lines = []
-        trace_script(script, [], output=tmp_path / f"{cap}.parquet", iterations=1, device="cpu",
-                     budget_bytes=cap, log=lines.append)
+        trace_script(
+            script,
+            [],
+            output=tmp_path / f"{cap}.parquet",
+            iterations=1,
+            device="cpu",
+            budget_bytes=cap,
+            log=lines.append,
+        )
         warnings[cap] = [ln for ln in lines if "warning: the trace cap" in ln]
     assert not warnings[64 * 2**20]
     assert len(warnings[1024]) == 1

@@ -64,8 +64,10 @@ def test_script_raising_shows_its_traceback_and_writes_nothing(tmp_path):
 
 def test_script_that_never_steps(tmp_path):
     script = tmp_path / "nostep.py"
-    script.write_text("import torch\nfor _ in range(3):\n"
-                      "    (torch.randn(4, 4, requires_grad=True) * 2).sum().backward()\n")
+    script.write_text(
+        "import torch\nfor _ in range(3):\n"
+        "    (torch.randn(4, 4, requires_grad=True) * 2).sum().backward()\n"
+    )
     out = tmp_path / "o.parquet"
     r = _invoke("trace", "-o", out, script)
     assert r.exit_code == 1
@@ -104,23 +106,29 @@ def test_script_exit_status(tmp_path):
 
 def test_script_sees_its_argv_main_and_folder(tmp_path):
     (tmp_path / "helper_mod_for_trace.py").write_text("VALUE = 7\n")
-    script = _script(tmp_path, at_end=(
-        "import helper_mod_for_trace\n"
-        "assert __name__ == '__main__' and sys.argv[0].endswith('train.py'), sys.argv\n"
-        "assert helper_mod_for_trace.VALUE == 7\n"))
+    script = _script(
+        tmp_path,
+        at_end=(
+            "import helper_mod_for_trace\n"
+            "assert __name__ == '__main__' and sys.argv[0].endswith('train.py'), sys.argv\n"
+            "assert helper_mod_for_trace.VALUE == 7\n"
+        ),
+    )
     r = _invoke("trace", "--iterations", "1", "-o", tmp_path / "o.parquet", script, "3")
     assert r.exit_code == 0, r.output
     # `SCRIPT -- ARGS`: the separator is not passed on
-    r = _invoke("trace", "--iterations", "1", "--force", "-o", tmp_path / "o.parquet", script,
-                "--", "3")
+    r = _invoke(
+        "trace", "--iterations", "1", "--force", "-o", tmp_path / "o.parquet", script, "--", "3"
+    )
     assert r.exit_code == 0, r.output
     assert capuchin.load_trace(tmp_path / "o.parquet").meta.argv == ["3"]
 
 
 def test_stopped_cleanly_after_the_recorded_iterations(tmp_path):
     script = _script(tmp_path)
-    r = _invoke("trace", "--iterations", "2", "--warmup", "1", "-o", tmp_path / "o.parquet",
-                script, "50")
+    r = _invoke(
+        "trace", "--iterations", "2", "--warmup", "1", "-o", tmp_path / "o.parquet", script, "50"
+    )
     assert r.exit_code == 0, r.output
     assert "did step 2" in r.stdout and "did step 4" not in r.stdout
 
@@ -186,7 +194,8 @@ def test_two_optimizers_and_accumulation_end_to_end(tmp_path):
     """Through `capuchin trace`: two optimizers stepping together and 2-step gradient accumulation
     make one regular iteration each, holding two forward passes and both optimizers' ops."""
     script = tmp_path / "two.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import torch
         torch.manual_seed(0)
         enc, head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
@@ -197,7 +206,8 @@ def test_two_optimizers_and_accumulation_end_to_end(tmp_path):
             for micro in range(2):
                 head(enc(torch.randn(8, 16)).relu()).square().mean().backward()
             o1.step(); o2.step()
-    """))
+    """)
+    )
     out = tmp_path / "two.parquet"
     r = _invoke("trace", "--iterations", "2", "-o", out, script)
     assert r.exit_code == 0, r.output

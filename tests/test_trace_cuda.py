@@ -15,8 +15,12 @@ def test_trace_on_cuda(tmp_path):
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(),
-                                torch.nn.Dropout(0.1), torch.nn.Linear(2048, 10)).to(dev)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 2048),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(2048, 10),
+    ).to(dev)
     opt = torch.optim.Adam(model.parameters())
     out = tmp_path / "cuda.trace.parquet"
     with capuchin.Tracer(out, iterations=2, warmup=1, device="cuda", log=None):

@@ -53,8 +53,15 @@ def _range_start_ns(prof, name: str) -> int:
 def traced(request, tmp_path_factory):
     name = request.param
     out = tmp_path_factory.mktemp(name) / f"{name}.trace.parquet"
-    tracer = Tracer(out, iterations=2, warmup=1, device="cpu", log=None,
-                    script=str(TRACES / f"{name}.py"), argv=["--steps", "3"])
+    tracer = Tracer(
+        out,
+        iterations=2,
+        warmup=1,
+        device="cpu",
+        log=None,
+        script=str(TRACES / f"{name}.py"),
+        argv=["--steps", "3"],
+    )
     with tracer:
         run_script(TRACES / f"{name}.py", ["--steps", "3"])
     return name, out, tracer
@@ -96,8 +103,12 @@ def test_ids_are_stable_across_iterations(traced):
     ids = set(trace.events[Col.STORAGE])
     assert all(i[0] in "0123456789xr~" for i in ids)
     kinds = set(acc[Col.KIND])
-    assert {Kind.PARAMETER.value, Kind.GRADIENT.value, Kind.OPTIMIZER_STATE.value,
-            Kind.ACTIVATION.value} <= kinds
+    assert {
+        Kind.PARAMETER.value,
+        Kind.GRADIENT.value,
+        Kind.OPTIMIZER_STATE.value,
+        Kind.ACTIVATION.value,
+    } <= kinds
 
 
 def test_memory_events_balance(traced):
@@ -110,7 +121,9 @@ def test_memory_events_balance(traced):
     assert allocs[Col.STORAGE].is_unique
     frees = ev[ev[Col.ROLE] == Role.FREE.value]
     assert frees[Col.STORAGE].is_unique
-    last_access = trace.accesses[trace.accesses[Col.ITERATION] == 2].groupby(Col.STORAGE)[Col.OP].max()
+    last_access = (
+        trace.accesses[trace.accesses[Col.ITERATION] == 2].groupby(Col.STORAGE)[Col.OP].max()
+    )
     for sid, k in zip(frees[Col.STORAGE], frees[Col.OP], strict=True):
         if sid in last_access.index:
             assert k >= last_access[sid], sid
@@ -128,8 +141,10 @@ def test_bundled_traces_are_current_and_regular():
 
 def test_trace_command_default_output_and_progress(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(main, ["trace", "--iterations", "1", "--warmup", "1",
-                                  str(TRACES / "mlp.py"), "--steps", "3"])
+    r = CliRunner().invoke(
+        main,
+        ["trace", "--iterations", "1", "--warmup", "1", str(TRACES / "mlp.py"), "--steps", "3"],
+    )
     assert r.exit_code == 0, r.output
     out = tmp_path / "mlp.trace.parquet"
     assert out.is_file()

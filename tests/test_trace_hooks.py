@@ -40,10 +40,20 @@ class _Log(TorchDispatchMode):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         self.ix.end_op(op, out)
-        self.ops.append((op.iteration, op.index, op.phase, op.info.name, tuple(op.input_ids),
-                         tuple(op.output_ids),
-                         tuple(r.name if r is not None else None for r in op.input_storages),
-                         op.written, tuple(op.output_alloc), tuple(op.output_aliases)))
+        self.ops.append(
+            (
+                op.iteration,
+                op.index,
+                op.phase,
+                op.info.name,
+                tuple(op.input_ids),
+                tuple(op.output_ids),
+                tuple(r.name if r is not None else None for r in op.input_storages),
+                op.written,
+                tuple(op.output_alloc),
+                tuple(op.output_aliases),
+            )
+        )
         return out
 
 
@@ -68,8 +78,9 @@ def _per_iteration(ops):
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True),
-                         nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True), nn.Linear(16, 4)
+    )
 
 
 def test_two_optimizers_and_gradient_accumulation_are_one_iteration():

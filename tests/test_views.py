@@ -22,19 +22,25 @@ def test_a_sequence_of_plans_is_named_by_policy_and_budget(problem):
     assert len(df) == 3 and df.index.is_unique
     assert df.index[2] == df.index[0] + " #2"
     assert list(df["budget_bytes"]) == [a.budget_bytes, b.budget_bytes, a.budget_bytes]
-    assert list(df["predicted_peak_bytes"]) == [a.predictions.predicted_peak_bytes,
-                                                b.predictions.predicted_peak_bytes,
-                                                a.predictions.predicted_peak_bytes]
+    assert list(df["predicted_peak_bytes"]) == [
+        a.predictions.predicted_peak_bytes,
+        b.predictions.predicted_peak_bytes,
+        a.predictions.predicted_peak_bytes,
+    ]
 
 
 def test_curves_are_the_simulations_and_the_baseline(problem, tmp_path):
-    plans = {"cap": make_plan(problem, "60%", "capuchin"),
-             "rec": make_plan(problem, "60%", "recompute", allow_infeasible=True)}
+    plans = {
+        "cap": make_plan(problem, "60%", "capuchin"),
+        "rec": make_plan(problem, "60%", "recompute", allow_infeasible=True),
+    }
     curves = memory_curves(plans, problem)
     assert list(dict.fromkeys(curves["plan"])) == ["baseline", "cap", "rec"]
     peaks = curves.groupby("plan")["live_bytes"].max()
     assert peaks["baseline"] == problem.peak_bytes
-    assert peaks["cap"] == plans["cap"].predictions.predicted_peak_bytes <= plans["cap"].budget_bytes
+    assert (
+        peaks["cap"] == plans["cap"].predictions.predicted_peak_bytes <= plans["cap"].budget_bytes
+    )
     assert peaks["rec"] == plans["rec"].predictions.predicted_peak_bytes
     pytest.importorskip("matplotlib")
     out = plot_plans(plans, tmp_path / "m.png", problem)

@@ -24,7 +24,9 @@ class Bandwidth:
     method: str  # how it was measured
 
 
-def measure_bandwidth(device_type: str, buffer_bytes: int = 32 << 20, repeats: int = 10) -> Bandwidth:
+def measure_bandwidth(
+    device_type: str, buffer_bytes: int = 32 << 20, repeats: int = 10
+) -> Bandwidth:
     """Best of ``repeats`` timed copies of ``buffer_bytes`` in each direction (after one warm-up).
 
     Run it outside any dispatch mode: it issues torch ops of its own.
@@ -52,8 +54,12 @@ def _measure_cpu(n: int, repeats: int) -> Bandwidth:
         if i:  # the first round faults the pages in
             best["d2h"] = min(best["d2h"], t1 - t0)
             best["h2d"] = min(best["h2d"], t2 - t1)
-    return Bandwidth(n / best["d2h"], n / best["h2d"], n,
-                     f"cpu: torch tensor <-> numpy-backed buffer, Tensor.copy_, best of {repeats}")
+    return Bandwidth(
+        n / best["d2h"],
+        n / best["h2d"],
+        n,
+        f"cpu: torch tensor <-> numpy-backed buffer, Tensor.copy_, best of {repeats}",
+    )
 
 
 def _measure_cuda(n: int, repeats: int) -> Bandwidth:  # pragma: no cover - needs a GPU
@@ -72,5 +78,9 @@ def _measure_cuda(n: int, repeats: int) -> Bandwidth:  # pragma: no cover - need
                 end.synchronize()
                 if i:
                     best[direction] = min(best[direction], start.elapsed_time(end) / 1e3)
-    return Bandwidth(n / best["d2h"], n / best["h2d"], n,
-                     f"cuda: pinned host buffer, side stream, CUDA events, best of {repeats}")
+    return Bandwidth(
+        n / best["d2h"],
+        n / best["h2d"],
+        n,
+        f"cuda: pinned host buffer, side stream, CUDA events, best of {repeats}",
+    )

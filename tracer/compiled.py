@@ -44,8 +44,11 @@ def _caller() -> str:
     torch_dir = os.path.dirname(torch.__file__)
 
     def skipped(fn: str) -> bool:
-        return (fn.startswith(("<", torch_dir)) or os.path.dirname(os.path.abspath(fn)) in own
-                or os.path.basename(fn) == "runpy.py")
+        return (
+            fn.startswith(("<", torch_dir))
+            or os.path.dirname(os.path.abspath(fn)) in own
+            or os.path.basename(fn) == "runpy.py"
+        )
 
     f = sys._getframe(1)
     while f is not None and skipped(f.f_code.co_filename):
@@ -86,14 +89,16 @@ class CompileGuard:
                 "compile while capuchin's dispatch mode watches every op, so the script would "
                 "silently train eagerly, with results that differ from the compiled run; "
                 "remove torch.compile, or set TORCHDYNAMO_DISABLE=1 to train eagerly both with "
-                "and without capuchin")
+                "and without capuchin"
+            )
 
         def capuchin_optimize(*args, **kwargs):
             if _disabled():
                 return optimize(*args, **kwargs)
             raise CompileRefused(
                 f"{_caller()}: torch._dynamo.optimize cannot run under capuchin (see "
-                "torch.compile): remove it, or set TORCHDYNAMO_DISABLE=1")
+                "torch.compile): remove it, or set TORCHDYNAMO_DISABLE=1"
+            )
 
         def capuchin_handle_skip(self, result, frame):
             # a model compiled before capuchin started: Dynamo is about to skip it for the mode
@@ -103,7 +108,8 @@ class CompileGuard:
                     f"{_caller()}: a function compiled by torch.compile ran under capuchin, which "
                     "TorchDynamo does not compile under (it would silently run eagerly, with "
                     "results that differ from the compiled run); remove torch.compile, or set "
-                    "TORCHDYNAMO_DISABLE=1 to train eagerly both with and without capuchin")
+                    "TORCHDYNAMO_DISABLE=1 to train eagerly both with and without capuchin"
+                )
             return handle_skip(self, result, frame)
 
         torch.compile = capuchin_compile

@@ -123,8 +123,9 @@ class _Converter:
         try:
             return self.names[name]
         except KeyError:
-            raise DtrLogError(f"{self.source}:{lineno}: name {name} is used but not defined "
-                              "(or already released)") from None
+            raise DtrLogError(
+                f"{self.source}:{lineno}: name {name} is used but not defined (or already released)"
+            ) from None
 
     def _new_tensor(self, storage: int, size_bytes: int, name: str | None, constant: bool) -> int:
         self.tensors.append(_Tensor(storage, size_bytes, name, constant, self.backward))
@@ -144,12 +145,15 @@ class _Converter:
 
         def take(lineno: int, kind: str, name: str) -> dict:
             if lineno >= n:
-                raise DtrLogError(f"{self.source}:{lineno}: log ends where a {kind} line for "
-                                  f"{name} is expected")
+                raise DtrLogError(
+                    f"{self.source}:{lineno}: log ends where a {kind} line for {name} is expected"
+                )
             d = _parse(lines[lineno], self.source, lineno + 1)
             if d.get("INSTRUCTION") != kind or d.get("NAME") != name:
-                raise DtrLogError(f"{self.source}:{lineno + 1}: expected {kind} for {name}, got "
-                                  f"{lines[lineno].strip()[:120]}")
+                raise DtrLogError(
+                    f"{self.source}:{lineno + 1}: expected {kind} for {name}, got "
+                    f"{lines[lineno].strip()[:120]}"
+                )
             return d
 
         while i < n:
@@ -185,13 +189,20 @@ class _Converter:
                 else:
                     raise DtrLogError(f"{self.source}:{lineno}: unknown instruction {ins!r}")
             except (KeyError, TypeError, ValueError) as exc:
-                raise DtrLogError(f"{self.source}:{lineno}: malformed {ins} line "
-                                  f"({type(exc).__name__}: {exc})") from None
+                raise DtrLogError(
+                    f"{self.source}:{lineno}: malformed {ins} line ({type(exc).__name__}: {exc})"
+                ) from None
 
     def _start_op(self, d: dict) -> int:
         name = str(d["NAME"])
-        self.ops.append((name, Phase.BACKWARD if self.backward else Phase.FORWARD,
-                         int(d["TIME"]), bool(_SEEDED_NAME.search(name))))
+        self.ops.append(
+            (
+                name,
+                Phase.BACKWARD if self.backward else Phase.FORWARD,
+                int(d["TIME"]),
+                bool(_SEEDED_NAME.search(name)),
+            )
+        )
         return len(self.ops) - 1
 
     def _access(self, op: int, role: Role, arg: int, tensor: int) -> None:
@@ -215,8 +226,10 @@ class _Converter:
             tid = f"{op}:{j}"
             if alias >= 0:
                 if alias >= len(args):
-                    raise DtrLogError(f"{self.source}:{i}: {res} aliases argument {alias} of an "
-                                      f"op with {len(args)} arguments")
+                    raise DtrLogError(
+                        f"{self.source}:{i}: {res} aliases argument {alias} of an "
+                        f"op with {len(args)} arguments"
+                    )
                 storage = self.tensors[args[alias]].storage
             else:
                 storage = self._new_storage(size, tid)
@@ -256,10 +269,27 @@ class _Converter:
             starts.append(clock)
             clock += dur
 
-        cols: dict[str, list] = {c: [] for c in (
-            Col.OP, Col.ROLE, Col.ARG, Col.TENSOR, Col.STORAGE, Col.ALLOC, Col.ALIASES,
-            Col.VIEW_OF, Col.BYTES, Col.STORAGE_BYTES, Col.KIND, Col.OP_NAME, Col.PHASE,
-            Col.START_NS, Col.DURATION_NS, Col.SEEDED)}
+        cols: dict[str, list] = {
+            c: []
+            for c in (
+                Col.OP,
+                Col.ROLE,
+                Col.ARG,
+                Col.TENSOR,
+                Col.STORAGE,
+                Col.ALLOC,
+                Col.ALIASES,
+                Col.VIEW_OF,
+                Col.BYTES,
+                Col.STORAGE_BYTES,
+                Col.KIND,
+                Col.OP_NAME,
+                Col.PHASE,
+                Col.START_NS,
+                Col.DURATION_NS,
+                Col.SEEDED,
+            )
+        }
 
         def add(op, role, arg, tensor_name, storage, alloc, aliases, view_of, nbytes, knd):
             st = self.storages[storage]
@@ -290,21 +320,42 @@ class _Converter:
             storage_kind.setdefault(t.storage, kind(t).value)
         for k, st in enumerate(self.storages):
             if st.resident and k not in dropped:
-                add(-1, Role.RESIDENT, -1, st.name, k, None, None, None, st.size_bytes,
-                    storage_kind[k])
+                add(
+                    -1,
+                    Role.RESIDENT,
+                    -1,
+                    st.name,
+                    k,
+                    None,
+                    None,
+                    None,
+                    st.size_bytes,
+                    storage_kind[k],
+                )
         for op, role, arg, tensor, storage, alloc, aliases in self.rows:
             if storage in dropped:
                 continue
             if role is Role.FREE:
-                add(op, role, -1, self.storages[storage].name, storage, None, None, None,
-                    self.storages[storage].size_bytes, storage_kind[storage])
+                add(
+                    op,
+                    role,
+                    -1,
+                    self.storages[storage].name,
+                    storage,
+                    None,
+                    None,
+                    None,
+                    self.storages[storage].size_bytes,
+                    storage_kind[storage],
+                )
                 continue
             t = self.tensors[tensor]
             view_of = None
             if role is Role.OUTPUT and not alloc:
                 view_of = self.storages[storage].name
-            add(op, role, arg, t.name, storage, alloc, aliases, view_of, t.size_bytes,
-                kind(t).value)
+            add(
+                op, role, arg, t.name, storage, alloc, aliases, view_of, t.size_bytes, kind(t).value
+            )
 
         n = len(cols[Col.OP])
         cols[Col.ITERATION] = [0] * n
@@ -366,15 +417,20 @@ def read_dtr_log_lines(log: str | os.PathLike) -> tuple[list[str], str]:
     with zipfile.ZipFile(zip_path) as zf:
         logs = sorted(n for n in zf.namelist() if n.endswith(".log"))
         if not member:
-            raise DtrLogError(f"{zip_path}: a zip of logs; name one of them, e.g. "
-                              f"{zip_path}/{logs[0] if logs else 'logs/NAME.log'} (members: "
-                              f"{', '.join(Path(m).name for m in logs)})")
+            raise DtrLogError(
+                f"{zip_path}: a zip of logs; name one of them, e.g. "
+                f"{zip_path}/{logs[0] if logs else 'logs/NAME.log'} (members: "
+                f"{', '.join(Path(m).name for m in logs)})"
+            )
         matches = [m for m in logs if m == member] or [
-            m for m in logs if Path(m).name.startswith(Path(member).name)]
+            m for m in logs if Path(m).name.startswith(Path(member).name)
+        ]
         if len(matches) != 1:
             what = "no member" if not matches else "several members"
-            raise DtrLogError(f"{zip_path}: {what} matching {member!r} (members: "
-                              f"{', '.join(Path(m).name for m in logs)})")
+            raise DtrLogError(
+                f"{zip_path}: {what} matching {member!r} (members: "
+                f"{', '.join(Path(m).name for m in logs)})"
+            )
         text = io.TextIOWrapper(zf.open(matches[0]), encoding="utf-8").read()
     return [ln for ln in text.splitlines() if ln.strip()], Path(matches[0]).name
 
@@ -389,8 +445,9 @@ def _split_zip_path(path: Path) -> tuple[Path, str]:
 
 
 # ---- the API -------------------------------------------------------------------------------
-def dtr_log_events(lines: list[str], source: str = "<log>", *,
-                   require_complete: bool = False) -> tuple[pd.DataFrame, bool]:
+def dtr_log_events(
+    lines: list[str], source: str = "<log>", *, require_complete: bool = False
+) -> tuple[pd.DataFrame, bool]:
     """Convert DTR log lines into a trace event table (one iteration, numbered 0).
 
     Returns ``(events, saw_backward_marker)``. See Note [DTR log semantics]. With
@@ -403,12 +460,12 @@ def dtr_log_events(lines: list[str], source: str = "<log>", *,
         raise DtrLogError(f"{source}: the log has no CALL or MUTATE instruction")
     left, peak = conv.live_result_bytes, conv.peak_result_bytes
     if require_complete and peak > 0 and left > CUT_LOG_FRACTION * peak:
-        where = ("" if conv.saw_backward_marker else
-                 " before its ANNOTATE BACKWARD marker")
+        where = "" if conv.saw_backward_marker else " before its ANNOTATE BACKWARD marker"
         raise DtrLogError(
             f"{source}: the log ends{where} with {left} bytes of op results still referenced, "
             f"{left / peak:.0%} of its peak; a complete iteration releases its activations, so "
-            "the log was cut short (see Note [Complete logs])")
+            "the log was cut short (see Note [Complete logs])"
+        )
     return conv.events(), conv.saw_backward_marker
 
 
@@ -418,9 +475,13 @@ def default_trace_name(log_name: str) -> str:
     return "dtr-" + "-".join(parts[:2]) + FILE_SUFFIX
 
 
-def import_dtr_log(log: str | os.PathLike, out: str | os.PathLike | None = None, *,
-                   bandwidth_bytes_per_s: float = PCIE3_X16_BYTES_PER_S,
-                   force: bool = False) -> Path:
+def import_dtr_log(
+    log: str | os.PathLike,
+    out: str | os.PathLike | None = None,
+    *,
+    bandwidth_bytes_per_s: float = PCIE3_X16_BYTES_PER_S,
+    force: bool = False,
+) -> Path:
     """Convert one DTR log into a trace file and return its path.
 
     ``log``: a log file or a path inside the zip (see ``read_dtr_log_lines``). ``out``: the trace
@@ -431,8 +492,9 @@ def import_dtr_log(log: str | os.PathLike, out: str | os.PathLike | None = None,
     if not bandwidth_bytes_per_s > 0:
         raise CapuchinError(f"bandwidth must be positive, got {bandwidth_bytes_per_s}")
     lines, name = read_dtr_log_lines(log)  # a missing log is the first thing to say
-    out_path = check_output(out if out is not None else default_trace_name(name), force=force,
-                            inputs=[log])
+    out_path = check_output(
+        out if out is not None else default_trace_name(name), force=force, inputs=[log]
+    )
     events, marker = dtr_log_events(lines, source=name, require_complete=True)
     fields = name.split("-")
     meta = TraceMeta(

@@ -170,6 +170,7 @@ def is_seeded(func) -> bool:
 # --------------------------------------------------------------------------------------------
 # Flattening
 
+
 def flatten_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """An op's tensor inputs in their canonical order: the order of ``torch.utils._pytree``'s
     ``tree_flatten((args, kwargs))`` restricted to tensors: positional args first, then kwargs in
@@ -208,7 +209,9 @@ def flatten_outputs(out) -> list[torch.Tensor]:
     return flat
 
 
-def written_inputs(info: OpInfo, args: tuple, kwargs: dict, flat: list[torch.Tensor]) -> tuple[int, ...]:
+def written_inputs(
+    info: OpInfo, args: tuple, kwargs: dict, flat: list[torch.Tensor]
+) -> tuple[int, ...]:
     """Flat input indices (positions in ``flat``, see ``flatten_tensors``) that the op writes in
     place: schema ``(a!)`` arguments plus ``UNANNOTATED_WRITES``. Empty for most ops (fast path)."""
     if not info.write_args and not info.unannotated_write_args:
@@ -259,6 +262,7 @@ def describe_args(args: tuple, kwargs: dict) -> str:
 # --------------------------------------------------------------------------------------------
 # Storages and ops
 
+
 class StorageRec:
     """What the indexer knows about one live storage (attached to the storage PyObject).
 
@@ -270,8 +274,19 @@ class StorageRec:
     user: free slot for the caller (the runtime keeps its per-storage state here).
     """
 
-    __slots__ = ("serial", "name", "epoch", "nbytes", "device_type", "resident_rank",
-                 "start_nbytes", "alive", "user", "ref", "__weakref__")
+    __slots__ = (
+        "serial",
+        "name",
+        "epoch",
+        "nbytes",
+        "device_type",
+        "resident_rank",
+        "start_nbytes",
+        "alive",
+        "user",
+        "ref",
+        "__weakref__",
+    )
 
     def __init__(self, serial: int, nbytes: int, device_type: str):
         self.serial = serial
@@ -306,9 +321,24 @@ class OpEvent:
     args / kwargs: the call's arguments (kept for the caller; not copied).
     """
 
-    __slots__ = ("iteration", "index", "phase", "info", "func", "args", "kwargs", "inputs",
-                 "input_ids", "input_storages", "written", "outputs", "output_ids",
-                 "output_storages", "output_alloc", "output_aliases")
+    __slots__ = (
+        "iteration",
+        "index",
+        "phase",
+        "info",
+        "func",
+        "args",
+        "kwargs",
+        "inputs",
+        "input_ids",
+        "input_storages",
+        "written",
+        "outputs",
+        "output_ids",
+        "output_storages",
+        "output_alloc",
+        "output_aliases",
+    )
 
     def __repr__(self) -> str:
         return f"OpEvent({self.iteration}:{self.index} {self.info.name} {self.phase.value})"
@@ -351,9 +381,13 @@ class OpIndexer:
 
     guards_compile = True  # refuse torch.compile while installed (Note [torch.compile])
 
-    def __init__(self, on_iteration_start: Callable | None = None,
-                 on_iteration_end: Callable | None = None, on_free: Callable | None = None,
-                 on_step: Callable | None = None):
+    def __init__(
+        self,
+        on_iteration_start: Callable | None = None,
+        on_iteration_end: Callable | None = None,
+        on_free: Callable | None = None,
+        on_step: Callable | None = None,
+    ):
         uid = next(_INDEXER_IDS)
         self._tattr = f"_capuchin_t{uid}"  # tensor attribute: (epoch, tensor id)
         self._sattr = f"_capuchin_s{uid}"  # storage attribute: StorageRec
@@ -382,8 +416,10 @@ class OpIndexer:
         )
 
         if not self._handles:
-            self._handles = [register_optimizer_step_pre_hook(self._pre_step),
-                             register_optimizer_step_post_hook(self._post_step)]
+            self._handles = [
+                register_optimizer_step_pre_hook(self._pre_step),
+                register_optimizer_step_post_hook(self._post_step),
+            ]
             _ACTIVE.append(self)
             if self.guards_compile:
                 CompileGuard.install()  # Note [torch.compile] in tracer/compiled.py

@@ -22,8 +22,9 @@ from ..outputs import atomic_write
 from .schema import ACCESS_ROLES, META_KEY, SCHEMA, SCHEMA_VERSION, Col, Role, TraceMeta
 
 
-def write_trace(events: pd.DataFrame | pa.Table, meta: TraceMeta, path: str | os.PathLike, *,
-                force: bool = True) -> Path:
+def write_trace(
+    events: pd.DataFrame | pa.Table, meta: TraceMeta, path: str | os.PathLike, *, force: bool = True
+) -> Path:
     """Write ``events`` (columns of ``SCHEMA``) and ``meta`` to ``path`` atomically; without
     ``force`` an existing file is kept (``OutputExistsError``). See Note [Output files]."""
     path = Path(path)
@@ -59,10 +60,22 @@ class Trace:
     def ops(self) -> pd.DataFrame:
         """One row per (iteration, op): name, phase, start_ns, duration_ns, seeded, op_args."""
         acc = self.accesses
-        cols = [Col.ITERATION, Col.OP, Col.OP_NAME, Col.PHASE, Col.START_NS, Col.DURATION_NS,
-                Col.SEEDED, Col.OP_ARGS]
-        return acc[cols].drop_duplicates([Col.ITERATION, Col.OP]).sort_values(
-            [Col.ITERATION, Col.OP]).reset_index(drop=True)
+        cols = [
+            Col.ITERATION,
+            Col.OP,
+            Col.OP_NAME,
+            Col.PHASE,
+            Col.START_NS,
+            Col.DURATION_NS,
+            Col.SEEDED,
+            Col.OP_ARGS,
+        ]
+        return (
+            acc[cols]
+            .drop_duplicates([Col.ITERATION, Col.OP])
+            .sort_values([Col.ITERATION, Col.OP])
+            .reset_index(drop=True)
+        )
 
     @cached_property
     def tensors(self) -> pd.DataFrame:
@@ -108,13 +121,20 @@ class Trace:
             # frees before the first op (op_index -1) lower what op 0 starts from
             early = int(free.loc[free[Col.OP] < 0, Col.STORAGE_BYTES].sum())
             live, before = live - early, before - early
-            rows.append(pd.DataFrame({Col.ITERATION: it, Col.OP: ops,
-                                      "live_bytes": live.astype("int64").to_numpy(),
-                                      "op_peak_bytes": (before + grow + extra).astype("int64")
-                                      .to_numpy()}))
+            rows.append(
+                pd.DataFrame(
+                    {
+                        Col.ITERATION: it,
+                        Col.OP: ops,
+                        "live_bytes": live.astype("int64").to_numpy(),
+                        "op_peak_bytes": (before + grow + extra).astype("int64").to_numpy(),
+                    }
+                )
+            )
         if not rows:
-            return pd.DataFrame({Col.ITERATION: [], Col.OP: [], "live_bytes": [],
-                                 "op_peak_bytes": []})
+            return pd.DataFrame(
+                {Col.ITERATION: [], Col.OP: [], "live_bytes": [], "op_peak_bytes": []}
+            )
         return pd.concat(rows, ignore_index=True)
 
     def iteration(self, it: int) -> pd.DataFrame:
@@ -133,18 +153,22 @@ def load_trace(path: str | os.PathLike) -> Trace:
         raise TraceFormatError(f"{path}: not a readable Parquet file ({_short(exc)})") from None
     raw = (table.schema.metadata or {}).get(META_KEY)
     if raw is None:
-        raise TraceFormatError(f"{path}: Parquet file is not a capuchin trace (no '{META_KEY.decode()}' metadata)")
+        raise TraceFormatError(
+            f"{path}: Parquet file is not a capuchin trace (no '{META_KEY.decode()}' metadata)"
+        )
     try:
         meta = TraceMeta.from_bytes(raw)
     except Exception as exc:
         raise TraceFormatError(f"{path}: trace metadata is corrupt ({_short(exc)})") from None
     if not _is_int(meta.schema_version):
-        raise TraceFormatError(f"{path}: trace metadata: schema_version {meta.schema_version!r} "
-                               "is not an integer")
+        raise TraceFormatError(
+            f"{path}: trace metadata: schema_version {meta.schema_version!r} is not an integer"
+        )
     if meta.schema_version != SCHEMA_VERSION:
         raise TraceFormatError(
             f"{path}: trace schema version {meta.schema_version}, this capuchin reads version "
-            f"{SCHEMA_VERSION}; re-record it with `capuchin trace`")
+            f"{SCHEMA_VERSION}; re-record it with `capuchin trace`"
+        )
     problem = meta_problem(meta)
     if problem:
         raise TraceFormatError(f"{path}: trace metadata: {problem}")
@@ -162,12 +186,16 @@ def load_trace(path: str | os.PathLike) -> Trace:
     in_table = sorted(int(i) for i in events[Col.ITERATION].unique())
     missing_its = [i for i in in_table if i not in meta.iterations]
     if missing_its:
-        raise TraceFormatError(f"{path}: iterations {missing_its} are in the event table but not "
-                               f"in the metadata's iterations {meta.iterations}")
+        raise TraceFormatError(
+            f"{path}: iterations {missing_its} are in the event table but not "
+            f"in the metadata's iterations {meta.iterations}"
+        )
     if meta.steady_iteration is not None and meta.steady_iteration not in in_table:
-        raise TraceFormatError(f"{path}: trace metadata: steady_iteration "
-                               f"{meta.steady_iteration} has no events (iterations in the table: "
-                               f"{in_table})")
+        raise TraceFormatError(
+            f"{path}: trace metadata: steady_iteration "
+            f"{meta.steady_iteration} has no events (iterations in the table: "
+            f"{in_table})"
+        )
     return Trace(path=path, events=events, meta=meta)
 
 
@@ -204,10 +232,13 @@ def meta_problem(meta: TraceMeta) -> str | None:
         return f"regular {meta.regular!r} is not true or false"
     if meta.first_divergence is not None and not isinstance(meta.first_divergence, dict):
         return f"first_divergence {meta.first_divergence!r} is not an object"
-    if meta.steady_iteration is not None and (not _is_int(meta.steady_iteration)
-                                              or meta.steady_iteration not in its):
-        return (f"steady_iteration {meta.steady_iteration!r} is not one of the recorded "
-                f"iterations {its}")
+    if meta.steady_iteration is not None and (
+        not _is_int(meta.steady_iteration) or meta.steady_iteration not in its
+    ):
+        return (
+            f"steady_iteration {meta.steady_iteration!r} is not one of the recorded "
+            f"iterations {its}"
+        )
     if not isinstance(meta.extra, dict):
         return f"extra {meta.extra!r} is not an object"
     return None

@@ -54,8 +54,9 @@ def resolve_device(device: str) -> str:
     if device not in ("cpu", "cuda"):
         raise CapuchinError(f"unknown device {device!r}; use auto, cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        raise CapuchinError("--device cuda: no CUDA device is available (this torch: "
-                            f"{torch.__version__})")
+        raise CapuchinError(
+            f"--device cuda: no CUDA device is available (this torch: {torch.__version__})"
+        )
     return device
 
 
@@ -135,8 +136,11 @@ class _KernelMarkMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         want = self.tracer._pending
-        if want is None or func is not want[1] or not _same_tensors(
-                flatten_tensors(args, kwargs), want[2]):
+        if (
+            want is None
+            or func is not want[1]
+            or not _same_tensors(flatten_tensors(args, kwargs), want[2])
+        ):
             return func(*args, **kwargs)
         self.tracer._pending = None
         try:
@@ -190,10 +194,19 @@ class Tracer:
     ``torch.profiler.profile`` of the recorded iterations, for cross-checks).
     """
 
-    def __init__(self, path: str | os.PathLike, iterations: int = 3, warmup: int | None = None,
-                 device: str = "auto", *, force: bool = False, script: str | None = None,
-                 argv: list[str] | None = None, log: Callable[[str], None] | None = _stderr,
-                 budget_bytes: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        iterations: int = 3,
+        warmup: int | None = None,
+        device: str = "auto",
+        *,
+        force: bool = False,
+        script: str | None = None,
+        argv: list[str] | None = None,
+        log: Callable[[str], None] | None = _stderr,
+        budget_bytes: int | None = None,
+    ):
         if iterations < 1:
             raise CapuchinError(f"iterations must be at least 1, got {iterations}")
         if warmup is None:
@@ -230,9 +243,12 @@ class Tracer:
         check_output(self.path, force=self.force, inputs=[self.script or None])
         self.device = resolve_device(self.device_request)
         self.bandwidth = measure_bandwidth(self.device)
-        self.indexer = OpIndexer(on_iteration_start=self._on_iteration_start,
-                                 on_iteration_end=self._on_iteration_end,
-                                 on_free=self._on_free, on_step=self._on_step).install()
+        self.indexer = OpIndexer(
+            on_iteration_start=self._on_iteration_start,
+            on_iteration_end=self._on_iteration_end,
+            on_free=self._on_free,
+            on_step=self._on_step,
+        ).install()
         if self.budget_bytes is not None:  # Note [Tracing under a budget]
             from ..runtime.engine import Runtime
 
@@ -242,8 +258,12 @@ class Tracer:
             self._mark_mode.__enter__()
             # LRU swapping, not dynamic mode: a dropped storage's replay pins its sources, which
             # would make them die later than in the unmanaged program the trace records
-            self.runtime = Runtime(budget_bytes=self.budget_bytes, device=self.device,
-                                   measure_memory=False, eviction="lru")
+            self.runtime = Runtime(
+                budget_bytes=self.budget_bytes,
+                device=self.device,
+                measure_memory=False,
+                eviction="lru",
+            )
             try:
                 self.runtime.__enter__()
             except BaseException:
@@ -316,8 +336,10 @@ class Tracer:
             self.recorded.append(it)
             self._cur = None
             n = len(self.recorded)
-            self.log(f"capuchin: iteration {it}: recorded {n}/{self.iterations}, "
-                     f"{last_op + 1} ops, {elapsed:.2f} s")
+            self.log(
+                f"capuchin: iteration {it}: recorded {n}/{self.iterations}, "
+                f"{last_op + 1} ops, {elapsed:.2f} s"
+            )
             if it >= self._last_recorded():
                 self._recording = False
                 self._stop_profiler()
@@ -384,18 +406,47 @@ class Tracer:
             is_param = isinstance(t, torch.nn.Parameter)
             if is_param:
                 self._params_seen.setdefault(id(t), t)
-            ins.append((op.input_ids[a], rec.name if rec is not None else "", _tensor_bytes(t),
-                        rec.nbytes if rec is not None else 0, tuple(t.shape),
-                        _dtype(t.dtype), t._is_view(), a in written, is_param))
+            ins.append(
+                (
+                    op.input_ids[a],
+                    rec.name if rec is not None else "",
+                    _tensor_bytes(t),
+                    rec.nbytes if rec is not None else 0,
+                    tuple(t.shape),
+                    _dtype(t.dtype),
+                    t._is_view(),
+                    a in written,
+                    is_param,
+                )
+            )
         outs = []
         for j, t in enumerate(op.outputs):
             rec = op.output_storages[j]
             on_device = rec is not None and rec.device_type == self.device
-            outs.append((op.output_ids[j], rec.name if rec is not None else "", _tensor_bytes(t),
-                         rec.nbytes if rec is not None else 0, tuple(t.shape), _dtype(t.dtype),
-                         t._is_view(), op.output_alloc[j] and on_device, op.output_aliases[j]))
-        self._cur.ops.append((op.index, op.info.name, op.phase.value, op.info.seeded,
-                              describe_args(op.args, op.kwargs), ins, outs))
+            outs.append(
+                (
+                    op.output_ids[j],
+                    rec.name if rec is not None else "",
+                    _tensor_bytes(t),
+                    rec.nbytes if rec is not None else 0,
+                    tuple(t.shape),
+                    _dtype(t.dtype),
+                    t._is_view(),
+                    op.output_alloc[j] and on_device,
+                    op.output_aliases[j],
+                )
+            )
+        self._cur.ops.append(
+            (
+                op.index,
+                op.info.name,
+                op.phase.value,
+                op.info.seeded,
+                describe_args(op.args, op.kwargs),
+                ins,
+                outs,
+            )
+        )
 
     # ---- building the file -------------------------------------------------------------------
     def _write(self) -> None:
@@ -404,14 +455,18 @@ class Tracer:
             if self.indexer.steps_seen == 0:
                 raise ScriptError(
                     f"{self.script}: no iteration: the script never called optimizer.step() "
-                    "(torch.optim) nor capuchin.step(), so there is nothing to delimit and record")
+                    "(torch.optim) nor capuchin.step(), so there is nothing to delimit and record"
+                )
             raise ScriptError(
                 f"{self.script}: the script ended after {self.indexer.steps_seen} optimizer "
                 f"step(s), all within the {self.warmup} warm-up iteration(s); nothing was "
-                "recorded (lower --warmup or let it train longer)")
+                "recorded (lower --warmup or let it train longer)"
+            )
         if len(self.recorded) < requested:
-            self.log(f"capuchin: warning: the script ended after {len(self.recorded)} of "
-                     f"{requested} recorded iterations; writing those")
+            self.log(
+                f"capuchin: warning: the script ended after {len(self.recorded)} of "
+                f"{requested} recorded iterations; writing those"
+            )
         times = parse_profile(self.profiler, self.device) if self.profiler is not None else None
         frames = [self._rows(self._done[it], times) for it in self.recorded]
         events = pd.concat(frames, ignore_index=True)
@@ -420,10 +475,12 @@ class Tracer:
             "requested_iterations": requested,
             "timeline": "cuda-kernels" if self.device == "cuda" else "cpu-ops-back-to-back",
             "bandwidth_method": self.bandwidth.method,
-            "allocator_peak_bytes": {str(k): v for k, v in
-                                     (times.allocator_peak_bytes if times else {}).items()},
-            "iteration_wall_s": {str(it): round(self._done[it].elapsed_s, 6)
-                                 for it in self.recorded},
+            "allocator_peak_bytes": {
+                str(k): v for k, v in (times.allocator_peak_bytes if times else {}).items()
+            },
+            "iteration_wall_s": {
+                str(it): round(self._done[it].elapsed_s, 6) for it in self.recorded
+            },
         }
         measured = None
         if self.runtime is not None:
@@ -434,17 +491,22 @@ class Tracer:
             if measured is not None and measured > 1.05 * self.budget_bytes:
                 # Not an error: the trace is the unmanaged program's either way; but a cap the
                 # run did not keep is said where it happened, not only by `capuchin show`.
-                self.log(f"capuchin: warning: the trace cap {format_bytes(self.budget_bytes)} was "
-                         f"not kept: the allocator measured {format_bytes(measured)} "
-                         f"({measured / self.budget_bytes:.2f}x); parameters, gradients, "
-                         "optimizer state and each op's own inputs and outputs stay resident")
+                self.log(
+                    f"capuchin: warning: the trace cap {format_bytes(self.budget_bytes)} was "
+                    f"not kept: the allocator measured {format_bytes(measured)} "
+                    f"({measured / self.budget_bytes:.2f}x); parameters, gradients, "
+                    "optimizer state and each op's own inputs and outputs stay resident"
+                )
         if self.device == "cuda":  # pragma: no cover - needs a GPU
             # PyTorch's own measurement of each iteration (blocks rounded to 512 bytes; includes
             # memory no op touched, e.g. the cuBLAS workspace, so compare the rise above start)
             extra["cuda_memory_allocated_bytes"] = {
-                str(it): {"start": self._done[it].cuda_start_allocated_bytes,
-                          "max": self._done[it].cuda_max_allocated_bytes}
-                for it in self.recorded}
+                str(it): {
+                    "start": self._done[it].cuda_start_allocated_bytes,
+                    "max": self._done[it].cuda_max_allocated_bytes,
+                }
+                for it in self.recorded
+            }
         meta = TraceMeta(
             capuchin_version=__version__,
             torch_version=torch.__version__,
@@ -482,7 +544,7 @@ class Tracer:
         kinds = dict(cur.kinds)
         allocated = set()
         first_role: dict[str, str] = {}
-        for (_, _, _, _, _, ins, outs) in cur.ops:
+        for _, _, _, _, _, ins, outs in cur.ops:
             for _, sid, _, _, _, _, _, written, is_param in ins:
                 first_role.setdefault(sid, Role.WRITE.value if written else Role.INPUT.value)
                 if is_param:
@@ -505,9 +567,26 @@ class Tracer:
 
         cols: dict[str, list] = {c: [] for c in COLUMNS}
 
-        def row(op_index, role, sid, storage_bytes, name=None, phase=None, arg=-1, tid=None,
-                alloc=None, alias=None, view_of=None, nbytes=None, shape=None, dtype=None,
-                start=None, dur=None, seeded=None, op_args=None):
+        def row(
+            op_index,
+            role,
+            sid,
+            storage_bytes,
+            name=None,
+            phase=None,
+            arg=-1,
+            tid=None,
+            alloc=None,
+            alias=None,
+            view_of=None,
+            nbytes=None,
+            shape=None,
+            dtype=None,
+            start=None,
+            dur=None,
+            seeded=None,
+            op_args=None,
+        ):
             cols[Col.ITERATION].append(it)
             cols[Col.EVENT].append(len(cols[Col.EVENT]))
             cols[Col.OP].append(op_index)
@@ -537,18 +616,43 @@ class Tracer:
         while fi < len(frees) and frees[fi][0] < 0:
             row(-1, Role.FREE.value, frees[fi][1], frees[fi][2])
             fi += 1
-        for (k, name, phase, seeded, op_args, ins, outs) in cur.ops:
+        for k, name, phase, seeded, op_args, ins, outs in cur.ops:
             start, dur = op_times.get((it, k), (None, None))
-            common = dict(name=name, phase=phase, start=start, dur=dur, seeded=seeded,
-                          op_args=op_args)
+            common = dict(
+                name=name, phase=phase, start=start, dur=dur, seeded=seeded, op_args=op_args
+            )
             for a, (tid, sid, nbytes, sbytes, shape, dtype, is_view, written, _) in enumerate(ins):
-                row(k, Role.WRITE.value if written else Role.INPUT.value, sid, sbytes, arg=a,
-                    tid=tid, view_of=sid if is_view else None, nbytes=nbytes, shape=shape,
-                    dtype=dtype, **common)
-            for j, (tid, sid, nbytes, sbytes, shape, dtype, is_view, alloc, alias) in enumerate(outs):
-                row(k, Role.OUTPUT.value, sid, sbytes, arg=j, tid=tid, alloc=bool(alloc),
-                    alias=alias, view_of=sid if is_view else None, nbytes=nbytes, shape=shape,
-                    dtype=dtype, **common)
+                row(
+                    k,
+                    Role.WRITE.value if written else Role.INPUT.value,
+                    sid,
+                    sbytes,
+                    arg=a,
+                    tid=tid,
+                    view_of=sid if is_view else None,
+                    nbytes=nbytes,
+                    shape=shape,
+                    dtype=dtype,
+                    **common,
+                )
+            for j, (tid, sid, nbytes, sbytes, shape, dtype, is_view, alloc, alias) in enumerate(
+                outs
+            ):
+                row(
+                    k,
+                    Role.OUTPUT.value,
+                    sid,
+                    sbytes,
+                    arg=j,
+                    tid=tid,
+                    alloc=bool(alloc),
+                    alias=alias,
+                    view_of=sid if is_view else None,
+                    nbytes=nbytes,
+                    shape=shape,
+                    dtype=dtype,
+                    **common,
+                )
             peak = op_peaks.get((it, k))
             if peak is not None:
                 scratch = peak - sum(o[3] for o in outs if o[7])
@@ -566,8 +670,10 @@ def _regularity(done: dict[int, _Iteration], recorded: list[int]) -> tuple[bool,
     """Do the recorded iterations have identical op sequences (name, phase, input shapes)?"""
 
     def signature(cur: _Iteration) -> list[str]:
-        return [f"{name} {phase} [{shape_signature(s[4] for s in ins)}]"
-                for (_, name, phase, _, _, ins, _) in cur.ops]
+        return [
+            f"{name} {phase} [{shape_signature(s[4] for s in ins)}]"
+            for (_, name, phase, _, _, ins, _) in cur.ops
+        ]
 
     if len(recorded) < 2:
         return True, None
@@ -578,8 +684,13 @@ def _regularity(done: dict[int, _Iteration], recorded: list[int]) -> tuple[bool,
             a = ref[k] if k < len(ref) else "<end of iteration>"
             b = sig[k] if k < len(sig) else "<end of iteration>"
             if a != b:
-                return False, {"iteration": it, "op_index": k, "expected": a, "got": b,
-                               "reference_iteration": recorded[0]}
+                return False, {
+                    "iteration": it,
+                    "op_index": k,
+                    "expected": a,
+                    "got": b,
+                    "reference_iteration": recorded[0],
+                }
     return True, None
 
 

@@ -25,12 +25,18 @@ def run_script(script: str | os.PathLike, args: Sequence[str] = ()) -> None:
     run_as_main(script, args)
 
 
-def trace_script(script: str | os.PathLike, args: Sequence[str] = (), *,
-                 output: str | os.PathLike | None = None, iterations: int = 3,
-                 warmup: int | None = None,
-                 device: str = "auto", force: bool = False,
-                 log: Callable[[str], None] | None = None,
-                 budget_bytes: int | None = None) -> Path:
+def trace_script(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    output: str | os.PathLike | None = None,
+    iterations: int = 3,
+    warmup: int | None = None,
+    device: str = "auto",
+    force: bool = False,
+    log: Callable[[str], None] | None = None,
+    budget_bytes: int | None = None,
+) -> Path:
     """Trace ``script`` (run with ``args``) into ``output`` (default ``<stem>.trace.parquet``).
 
     Returns the written path. Raises ScriptError when the script is missing, raises (its traceback
@@ -45,8 +51,17 @@ def trace_script(script: str | os.PathLike, args: Sequence[str] = (), *,
         raise ScriptError(f"{script}: no such script")
     out = Path(output) if output is not None else default_output(path)
     kwargs = {"log": log} if log is not None else {}
-    tracer = Tracer(out, iterations=iterations, warmup=warmup, device=device, force=force,
-                    script=str(script), argv=list(args), budget_bytes=budget_bytes, **kwargs)
+    tracer = Tracer(
+        out,
+        iterations=iterations,
+        warmup=warmup,
+        device=device,
+        force=force,
+        script=str(script),
+        argv=list(args),
+        budget_bytes=budget_bytes,
+        **kwargs,
+    )
     with tracer:
         run_as_main(path, args, consequence="; no trace written")
     return tracer.path

@@ -84,16 +84,20 @@ def transient_memory(trace: Trace, iteration: int) -> pd.Series:
 def summarize(trace: Trace, iteration: int | None = None) -> TraceSummary:
     """Summarize ``iteration`` (default: the trace's steady iteration)."""
     meta = trace.meta
-    it = iteration if iteration is not None else (
-        meta.steady_iteration if meta.steady_iteration is not None else max(meta.iterations))
+    it = (
+        iteration
+        if iteration is not None
+        else (meta.steady_iteration if meta.steady_iteration is not None else max(meta.iterations))
+    )
     ev = trace.iteration(it)
     ops = trace.ops[trace.ops[Col.ITERATION] == it]
     by_phase = {p.value: int((ops[Col.PHASE] == p.value).sum()) for p in Phase}
     acc = ev[ev[Col.ROLE].isin([Role.INPUT.value, Role.WRITE.value, Role.OUTPUT.value])]
     resident = ev[ev[Col.ROLE] == Role.RESIDENT.value]
     start = int(resident[Col.STORAGE_BYTES].sum())
-    by_kind = {str(k): int(v) for k, v in
-               resident.groupby(Col.KIND)[Col.STORAGE_BYTES].sum().items() if v}
+    by_kind = {
+        str(k): int(v) for k, v in resident.groupby(Col.KIND)[Col.STORAGE_BYTES].sum().items() if v
+    }
     mem = trace.memory[trace.memory[Col.ITERATION] == it]
     if len(mem):
         top = mem.loc[mem["op_peak_bytes"].idxmax()]
@@ -152,8 +156,12 @@ def iteration_kinds(trace: Trace) -> list[tuple[str, list[int]]]:
 
 def _activation_bytes_at(ev: pd.DataFrame, op_index: int) -> int:
     """Bytes of activation storages allocated in the iteration and still live after op_index."""
-    act = ev[(ev[Col.ROLE] == Role.OUTPUT.value) & ev[Col.ALLOC].fillna(False).astype(bool)
-             & (ev[Col.KIND] == Kind.ACTIVATION.value) & (ev[Col.OP] <= op_index)]
+    act = ev[
+        (ev[Col.ROLE] == Role.OUTPUT.value)
+        & ev[Col.ALLOC].fillna(False).astype(bool)
+        & (ev[Col.KIND] == Kind.ACTIVATION.value)
+        & (ev[Col.OP] <= op_index)
+    ]
     freed = set(ev.loc[(ev[Col.ROLE] == Role.FREE.value) & (ev[Col.OP] <= op_index), Col.STORAGE])
     live = act[~act[Col.STORAGE].isin(freed)]
     return int(live.drop_duplicates(Col.STORAGE)[Col.STORAGE_BYTES].sum())
@@ -175,30 +183,44 @@ def format_summary(s: TraceSummary) -> str:
     ]
     if s.first_divergence:
         d = s.first_divergence
-        lines.append(f"           first divergence: iteration {d.get('iteration')} op "
-                     f"{d.get('op_index')}: expected {d.get('expected')}, got {d.get('got')}")
+        lines.append(
+            f"           first divergence: iteration {d.get('iteration')} op "
+            f"{d.get('op_index')}: expected {d.get('expected')}, got {d.get('got')}"
+        )
     if s.kinds and len(s.kinds) > 1:
-        lines.append("kinds      " + "; ".join(f"{k}: iterations {its}"
-                                              for k, its in s.kinds.items())
-                     + " (capuchin plan plans each kind)")
+        lines.append(
+            "kinds      "
+            + "; ".join(f"{k}: iterations {its}" for k, its in s.kinds.items())
+            + " (capuchin plan plans each kind)"
+        )
     lines += [
         f"ops        {s.ops_per_iteration} per iteration ({phases})",
         f"tensors    {s.tensors} tensors in {s.storages} storages",
         f"memory     {_mb(s.start_bytes)} live at iteration start ("
-        + ", ".join(f"{k} {_mb(v)}" for k, v in sorted(s.start_bytes_by_kind.items(),
-                                                         key=lambda kv: -kv[1])) + ")",
+        + ", ".join(
+            f"{k} {_mb(v)}" for k, v in sorted(s.start_bytes_by_kind.items(), key=lambda kv: -kv[1])
+        )
+        + ")",
         f"           peak {_mb(s.peak_bytes)} during op {s.peak_op_index} {s.peak_op_name} "
         f"({s.peak_phase}); activations at the peak {_mb(s.activation_bytes_at_peak)}",
         f"           allocated inside the iteration: peak {_mb(s.transient_peak_bytes)}"
-        + (f" (allocator measured {_mb(s.allocator_peak_bytes)})"
-           if s.allocator_peak_bytes is not None else ""),
+        + (
+            f" (allocator measured {_mb(s.allocator_peak_bytes)})"
+            if s.allocator_peak_bytes is not None
+            else ""
+        ),
         f"bandwidth  device->host {s.bandwidth_d2h_bytes_per_s / 1e9:.2f} GB/s, "
         f"host->device {s.bandwidth_h2d_bytes_per_s / 1e9:.2f} GB/s",
     ]
     if s.trace_budget_bytes is not None:
-        measured = ("not measured" if s.measured_peak_bytes is None else
-                    f"measured peak {format_bytes(s.measured_peak_bytes)} "
-                    f"({s.measured_peak_bytes / s.trace_budget_bytes:.0%} of it)")
-        lines.append(f"cap        traced under {format_bytes(s.trace_budget_bytes)} by passive eviction: "
-                     f"{measured}; the figures above are the unmanaged program's")
+        measured = (
+            "not measured"
+            if s.measured_peak_bytes is None
+            else f"measured peak {format_bytes(s.measured_peak_bytes)} "
+            f"({s.measured_peak_bytes / s.trace_budget_bytes:.0%} of it)"
+        )
+        lines.append(
+            f"cap        traced under {format_bytes(s.trace_budget_bytes)} by passive eviction: "
+            f"{measured}; the figures above are the unmanaged program's"
+        )
     return "\n".join(lines)

@@ -31,7 +31,7 @@ def marker_name(iteration: int, op_index: int) -> str:
 def _parse_marker(name: str) -> tuple[int, int] | None:
     if not name.startswith(MARKER_PREFIX):
         return None
-    it, _, k = name[len(MARKER_PREFIX):].partition(":")
+    it, _, k = name[len(MARKER_PREFIX) :].partition(":")
     try:
         return int(it), int(k)
     except ValueError:
@@ -70,18 +70,28 @@ def parse_profile(prof, device_type: str) -> ProfileTimes:
     ranges: dict[tuple[int, int], tuple[int, int, int, int]] = {}  # key -> start, end, thread, corr
     for e in events:
         key = _parse_marker(e.name())
-        if key is not None and str(e.device_type()).endswith("CPU") and (
-                key not in ranges or e.start_ns() > ranges[key][0]):  # a retried op: the last run
-            ranges[key] = (e.start_ns(), e.start_ns() + e.duration_ns(), e.start_thread_id(),
-                           e.correlation_id())
+        if (
+            key is not None
+            and str(e.device_type()).endswith("CPU")
+            and (key not in ranges or e.start_ns() > ranges[key][0])
+        ):  # a retried op: the last run
+            ranges[key] = (
+                e.start_ns(),
+                e.start_ns() + e.duration_ns(),
+                e.start_thread_id(),
+                e.correlation_id(),
+            )
     if device_type == "cuda":
         op_times = _cuda_times(events, ranges)
     else:
         op_times = _cpu_times(ranges)
     allocs = _allocations(results, device_type)
-    return ProfileTimes(op_times=op_times, allocator_peak_bytes=_allocator_peaks(allocs, ranges),
-                        op_alloc_peak_bytes=_op_alloc_peaks(allocs, ranges),
-                        live_peak_bytes=_live_peaks(allocs, ranges))
+    return ProfileTimes(
+        op_times=op_times,
+        allocator_peak_bytes=_allocator_peaks(allocs, ranges),
+        op_alloc_peak_bytes=_op_alloc_peaks(allocs, ranges),
+        live_peak_bytes=_live_peaks(allocs, ranges),
+    )
 
 
 def _cpu_times(ranges) -> dict:

@@ -17,9 +17,17 @@ def block(c_in: int, c_out: int) -> list[nn.Module]:
 def make_model() -> nn.Module:
     # Deep enough that activations, not one layer's working set, make the peak (as in real CNNs).
     return nn.Sequential(
-        *block(3, 16), *block(16, 16), *block(16, 16), *block(16, 16), nn.MaxPool2d(2),
-        *block(16, 32), *block(32, 32), *block(32, 32), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+        *block(3, 16),
+        *block(16, 16),
+        *block(16, 16),
+        *block(16, 16),
+        nn.MaxPool2d(2),
+        *block(16, 32),
+        *block(32, 32),
+        *block(32, 32),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 8 * 8, 10),
     )
 
 

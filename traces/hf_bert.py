@@ -20,10 +20,17 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    config = BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=512,
-                        max_position_embeddings=args.seq, num_labels=2,
-                        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    config = BertConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=512,
+        max_position_embeddings=args.seq,
+        num_labels=2,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
     model = BertForSequenceClassification(config)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

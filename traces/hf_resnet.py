@@ -21,8 +21,14 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    config = ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 64, 128],
-                          depths=[3, 4, 6, 3], layer_type="basic", num_labels=10)
+    config = ResNetConfig(
+        num_channels=3,
+        embedding_size=16,
+        hidden_sizes=[16, 32, 64, 128],
+        depths=[3, 4, 6, 3],
+        layer_type="basic",
+        num_labels=10,
+    )
     model = ResNetForImageClassification(config)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

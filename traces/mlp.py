@@ -19,7 +19,8 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     model = nn.Sequential(
-        nn.Linear(128, 256), nn.Tanh(),
+        nn.Linear(128, 256),
+        nn.Tanh(),
         *[m for _ in range(7) for m in (nn.Linear(256, 256), nn.Tanh())],
         nn.Linear(256, 10),
     )

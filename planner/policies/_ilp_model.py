@@ -139,6 +139,7 @@ def copy_ns(size_bytes: int, bytes_per_s: float) -> int:
     """Copy time as the simulator computes it (ns)."""
     return int(round(size_bytes / bytes_per_s * 1e9))
 
+
 PREFIX_TERMS_MAX = 2_000_000  # above this, prefix-sum variables (see _Model)
 
 
@@ -149,8 +150,15 @@ class _OutOfTime(Exception):
 class _Model:
     """The CP-SAT model (built once, then cut by the Benders loop)."""
 
-    def __init__(self, problem: Problem, stages: Stages, budget_bytes: int,
-                 cands: list[Candidate], tick_ns: int = 1, deadline: float | None = None):
+    def __init__(
+        self,
+        problem: Problem,
+        stages: Stages,
+        budget_bytes: int,
+        cands: list[Candidate],
+        tick_ns: int = 1,
+        deadline: float | None = None,
+    ):
         t_build = time.perf_counter()
         self.deadline = deadline
         cp_model = _import_cp_model()
@@ -171,7 +179,9 @@ class _Model:
         # Copy schedules are in ticks of ``q`` ns (small domains solve much faster); durations
         # round up and copy times down, so the ticked model stays a relaxation.
         q = self.q = max(1, int(tick_ns))
-        horizon = 4 * (problem.time_ns + sum(max(c.out_ns, 0) + max(c.in_ns, 0) for c in cands)) // q + 1
+        horizon = (
+            4 * (problem.time_ns + sum(max(c.out_ns, 0) + max(c.in_ns, 0) for c in cands)) // q + 1
+        )
         for c in cands:
             lo, hi = st.stage_of(c.evict_op) + 1, st.stage_of(c.back_op) - 1
             k = c.key
@@ -201,8 +211,9 @@ class _Model:
             c = self.cands[k]
             self._check_clock()
             kept = []  # regenerated whole (and kept) by a replay before an op inside the gap
-            for b in r_backs[bisect.bisect_right(r_backs, c.evict_op):
-                             bisect.bisect_left(r_backs, c.back_op)]:
+            for b in r_backs[
+                bisect.bisect_right(r_backs, c.evict_op) : bisect.bisect_left(r_backs, c.back_op)
+            ]:
                 if all((b, j) in self.R for j in c.chain):
                     kv = m.new_bool_var(f"kept{k}@{b}")
                     for j in c.chain:
@@ -217,8 +228,10 @@ class _Model:
             rc[st.stage_of(b)].append(-(-problem.ops[j].duration_ns // q) * r)
 
         # -- swapping: per-stage copy time on each channel (POET) ---------------------------------
-        stall_stages = sorted({st.stage_of(c.back_op) for k, c in self.cands.items()
-                               if k in self.swap} | {st.stage_of(b) for (b, _j) in self.R})
+        stall_stages = sorted(
+            {st.stage_of(c.back_op) for k, c in self.cands.items() if k in self.swap}
+            | {st.stage_of(b) for (b, _j) in self.R}
+        )
         self.stall = {t: m.new_int_var(0, horizon, f"st{t}") for t in stall_stages}
         # compute only waits for a restore (a swap due back, or a swapped source of a replay):
         # no stall where nothing is restored (the simulator never waits for memory)
@@ -242,8 +255,10 @@ class _Model:
         # Prefix sums spelled out have w²/2 terms for a window of w stages: fine for small
         # models (and CP-SAT searches them better: the bundled transformer at 50%), too slow to
         # build for big ones, which get prefix-sum variables (O(1) terms per constraint).
-        prefix_vars = sum((st.stage_of(self.cands[k].back_op) - windows[k][0] + 1) ** 2
-                          for k in self.swap) > PREFIX_TERMS_MAX
+        prefix_vars = (
+            sum((st.stage_of(self.cands[k].back_op) - windows[k][0] + 1) ** 2 for k in self.swap)
+            > PREFIX_TERMS_MAX
+        )
         for k, w in self.swap.items():
             c = self.cands[k]
             self._check_clock()
@@ -255,8 +270,9 @@ class _Model:
             # for the channel and the out-copy); before it, the in-copy variables are fixed to 0
             ts = st.stage_of(trigger_op(problem, c, budget_bytes))
             out_v = {t: m.new_int_var(0, c_out, f"out{k}{t}") for t in range(lo, bs + 1)}
-            in_v = {t: m.new_int_var(0, c_in if t >= ts else 0, f"in{k}{t}")
-                    for t in range(lo, bs + 1)}
+            in_v = {
+                t: m.new_int_var(0, c_in if t >= ts else 0, f"in{k}{t}") for t in range(lo, bs + 1)
+            }
             # ``co[t]``: ns of the out-copy done by the end of stage t; ``ci`` the in-copy's
             co, ci = {lo: out_v[lo]}, {lo: in_v[lo]}
             if prefix_vars:
@@ -269,8 +285,8 @@ class _Model:
                 outs = [out_v[t] for t in range(lo, bs + 1)]
                 ins = [in_v[t] for t in range(lo, bs + 1)]
                 for t in range(lo + 1, bs + 1):
-                    co[t] = lsum(outs[:t - lo + 1])
-                    ci[t] = lsum(ins[:t - lo + 1])
+                    co[t] = lsum(outs[: t - lo + 1])
+                    ci[t] = lsum(ins[: t - lo + 1])
             m.add(co[bs] == c_out * w)
             m.add(ci[bs] == c_in * w)
             for t in range(lo, bs):
@@ -332,18 +348,25 @@ class _Model:
                 rows[key] = (need, terms)
         for need, terms in rows.values():
             if terms:
-                m.add(cp_model.LinearExpr.weighted_sum([v for _n, _s, v in terms],
-                                                       [size for _n, size, _v in terms]) >= need)
+                m.add(
+                    cp_model.LinearExpr.weighted_sum(
+                        [v for _n, _s, v in terms], [size for _n, size, _v in terms]
+                    )
+                    >= need
+                )
             else:
                 self.hopeless.append(need)
-        self.objective = (cp_model.LinearExpr.weighted_sum(
-            list(self.R.values()), [problem.ops[j].duration_ns for (_b, j) in self.R])
-            + q * lsum(list(self.stall.values())))
+        self.objective = cp_model.LinearExpr.weighted_sum(
+            list(self.R.values()), [problem.ops[j].duration_ns for (_b, j) in self.R]
+        ) + q * lsum(list(self.stall.values()))
         # ties broken towards fewer evictions (lexicographic: time first), so that the Benders
         # loop does not spend rounds on plans with superfluous free-looking swaps
         self.scale = len(self.drop) + len(self.swap) + 1
-        m.minimize(self.scale * self.objective + lsum(list(self.drop.values()))
-                   + lsum(list(self.swap.values())))
+        m.minimize(
+            self.scale * self.objective
+            + lsum(list(self.drop.values()))
+            + lsum(list(self.swap.values()))
+        )
         self.build_s = time.perf_counter() - t_build
 
     def _check_clock(self) -> None:
@@ -354,8 +377,11 @@ class _Model:
         """drop variables of the candidates that would keep ``x`` out when op ``b``'s
         before-actions run (lineage.Residency.out_at: ``e < b <= back``). A swapped-out source
         is restored on demand (lineage.replay_for), so swaps do not force a replay."""
-        return [self.drop[c.key] for c in self.by_storage.get(x, ())
-                if c.evict_op < b <= c.back_op and c.key in self.drop]
+        return [
+            self.drop[c.key]
+            for c in self.by_storage.get(x, ())
+            if c.evict_op < b <= c.back_op and c.key in self.drop
+        ]
 
     def _replay(self, b: int, j: int):
         """Checkmate's R[b, j] with its dependency constraints (lineage.replay_for's rule)."""
@@ -429,11 +455,22 @@ class _Model:
 Evaluator = Callable[[Mapping[Key, Choice]], "int | None"]
 
 
-def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candidate], *,
-          time_limit_s: float = 30.0, evaluate: Evaluator | None = None,
-          warm_start: Mapping[Key, Choice] | None = None, workers: int = 1, seed: int = 0,
-          max_rounds: int = 10_000, tick_ns: int = 1, build_deadline: float | None = None,
-          seen: dict | None = None) -> IlpResult:
+def solve(
+    problem: Problem,
+    budget_bytes: int,
+    stages: Stages,
+    cands: list[Candidate],
+    *,
+    time_limit_s: float = 30.0,
+    evaluate: Evaluator | None = None,
+    warm_start: Mapping[Key, Choice] | None = None,
+    workers: int = 1,
+    seed: int = 0,
+    max_rounds: int = 10_000,
+    tick_ns: int = 1,
+    build_deadline: float | None = None,
+    seen: dict | None = None,
+) -> IlpResult:
     """Solve the ILP within ``time_limit_s`` seconds (wall clock, the whole loop).
 
     ``evaluate(choices)`` simulates the plan made of ``choices`` and returns its extra time in ns
@@ -467,13 +504,24 @@ def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candi
 
     if model.hopeless:
         notes.append("an op over the budget has nothing evictable around it")
-        return IlpResult({}, "INFEASIBLE", None, 0, None, time.perf_counter() - t0, 0, n_vars,
-                         n_cons, tuple(notes))
+        return IlpResult(
+            {},
+            "INFEASIBLE",
+            None,
+            0,
+            None,
+            time.perf_counter() - t0,
+            0,
+            n_vars,
+            n_cons,
+            tuple(notes),
+        )
     if warm_start is not None:
         ws = {k: warm_start.get(k, Choice.KEEP) for k in model.cands}
         model.hint(ws)
-        whole = sum(c != Choice.KEEP for c in ws.values()) == \
-            sum(c != Choice.KEEP for c in warm_start.values())
+        whole = sum(c != Choice.KEEP for c in ws.values()) == sum(
+            c != Choice.KEEP for c in warm_start.values()
+        )
         if evaluate is not None and consider(ws) is None and whole:
             notes.append("the warm start is over budget in the simulator")
     bound, objective, status, rounds = 0, None, "UNKNOWN", 0
@@ -524,8 +572,18 @@ def solve(problem: Problem, budget_bytes: int, stages: Stages, cands: list[Candi
         bound = min(bound, best_ns)
         if status in ("UNKNOWN", "INFEASIBLE"):
             status = "OPTIMAL" if bound >= best_ns else "FEASIBLE"
-    return IlpResult(dict(best) if best is not None else {}, status, objective, int(bound),
-                     best_ns, time.perf_counter() - t0, rounds, n_vars, n_cons, tuple(notes))
+    return IlpResult(
+        dict(best) if best is not None else {},
+        status,
+        objective,
+        int(bound),
+        best_ns,
+        time.perf_counter() - t0,
+        rounds,
+        n_vars,
+        n_cons,
+        tuple(notes),
+    )
 
 
 def _signature(ch: Mapping[Key, Choice]) -> tuple:

@@ -24,8 +24,11 @@ from ..problem import Problem
 # Convolutions and matrix multiplies: OpenAI's "speed mode" keeps their outputs, vDNN offloads
 # the inputs of convolutions. Names are aten ("aten.mm.default") or DTR logs' ("cudnn_convolution").
 _CONV = re.compile(r"conv", re.IGNORECASE)
-_MATMUL = re.compile(r"(?:^|[._])(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|einsum|"
-                     r"_?scaled_dot_product\w*)(?:[._]|$)", re.IGNORECASE)
+_MATMUL = re.compile(
+    r"(?:^|[._])(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|einsum|"
+    r"_?scaled_dot_product\w*)(?:[._]|$)",
+    re.IGNORECASE,
+)
 _BACKWARD_NAME = re.compile(r"backward", re.IGNORECASE)
 
 
@@ -76,12 +79,15 @@ def first_backward_op(problem: Problem) -> int | None:
 def recomputable(problem: Problem, saved: Saved) -> bool:
     """The storage can be regenerated for its back-access at all (its sources stay alive and
     unmodified, or can themselves be regenerated); see planner/lineage.py."""
-    return replay_for(problem, saved.storage_id, saved.evict_op, saved.back_op,
-                      max_ops=MAX_REPLAY_OPS) is not None
+    return (
+        replay_for(problem, saved.storage_id, saved.evict_op, saved.back_op, max_ops=MAX_REPLAY_OPS)
+        is not None
+    )
 
 
-def segment_replays(problem: Problem, decisions: list[Decision],
-                    boundaries: list[int]) -> list[Decision]:
+def segment_replays(
+    problem: Problem, decisions: list[Decision], boundaries: list[int]
+) -> list[Decision]:
     """Recompute decisions with their replay filled in, keeping regenerated intermediates only
     within the backward *segment* of the decision.
 
@@ -112,7 +118,10 @@ def segment_replays(problem: Problem, decisions: list[Decision],
         ops, srcs = r
         i = bisect_right(bounds, d.back_op)
         limit = bounds[i] if i < len(bounds) else problem.n_ops
-        keep = [x for x in keepable(problem, d, ops, res)
-                if any(d.back_op <= b < limit for b in backs.get(x, ()))]
+        keep = [
+            x
+            for x in keepable(problem, d, ops, res)
+            if any(d.back_op <= b < limit for b in backs.get(x, ()))
+        ]
         out.append(replace(d, replay_ops=tuple(ops), sources=tuple(srcs), keep=tuple(keep)))
     return out

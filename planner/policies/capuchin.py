@@ -69,8 +69,14 @@ SEARCH_MAX_OPS = 5000  # problems up to this size get the target grid (search No
 
 
 @register("capuchin")
-def capuchin(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
-             collective: bool = True, max_replay_ops: int = 200) -> list[Decision]:
+def capuchin(
+    problem: Problem,
+    budget_bytes: int,
+    *,
+    max_rounds: int = 12,
+    collective: bool = True,
+    max_replay_ops: int = 200,
+) -> list[Decision]:
     """Capuchin's hybrid policy: ``Capuchin("hybrid")`` on the target grid with stalled-swap
     switching, and the best of that, the recompute-only and swap-only plans and the
     recompute-first conversions (search Notes [Targets], [Stalled swaps], [Best of variants],
@@ -84,8 +90,11 @@ def capuchin(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
     Output contract (registry Note [Policy contract]): at most one decision per storage; swap
     decisions carry their in-trigger, recompute decisions their replay ops, sources and keeps.
     """
-    return _with_persistent(problem, budget_bytes, lambda p: _hybrid(
-        p, budget_bytes, max_rounds, collective, max_replay_ops))
+    return _with_persistent(
+        problem,
+        budget_bytes,
+        lambda p: _hybrid(p, budget_bytes, max_rounds, collective, max_replay_ops),
+    )
 
 
 def _with_persistent(problem: Problem, budget: int, plan) -> list[Decision]:
@@ -99,8 +108,9 @@ def _with_persistent(problem: Problem, budget: int, plan) -> list[Decision]:
     return best_of(problem, budget, [lambda: plan(base), lambda: plan(problem)])
 
 
-def _hybrid(problem: Problem, budget_bytes: int, max_rounds: int, collective: bool,
-            max_replay_ops: int) -> list[Decision]:
+def _hybrid(
+    problem: Problem, budget_bytes: int, max_rounds: int, collective: bool, max_replay_ops: int
+) -> list[Decision]:
     if problem.n_ops == 0 or problem.peak_bytes <= budget_bytes:
         return []
     hybrid = Capuchin("hybrid", max_rounds, collective, max_replay_ops)
@@ -128,12 +138,21 @@ def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> l
 
 
 @register("recompute")
-def recompute_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12,
-                   collective: bool = True, max_replay_ops: int = 200) -> list[Decision]:
+def recompute_only(
+    problem: Problem,
+    budget_bytes: int,
+    *,
+    max_rounds: int = 12,
+    collective: bool = True,
+    max_replay_ops: int = 200,
+) -> list[Decision]:
     """Capuchin restricted to recomputation: Algorithm 2 (largest MSPS first, iterative update)
     until the simulated peak fits; on the target grid."""
-    return _searched(problem.restricted(), budget_bytes,
-                     Capuchin("recompute", max_rounds, collective, max_replay_ops))
+    return _searched(
+        problem.restricted(),
+        budget_bytes,
+        Capuchin("recompute", max_rounds, collective, max_replay_ops),
+    )
 
 
 def _searched(problem: Problem, budget: int, planner: Capuchin) -> list[Decision]:
@@ -165,8 +184,9 @@ class Capuchin:
     collective: bool = True
     max_replay_ops: int = 200
 
-    def __call__(self, problem: Problem, target: int,
-                 after_round: AfterRound | None = None) -> Attempt:
+    def __call__(
+        self, problem: Problem, target: int, after_round: AfterRound | None = None
+    ) -> Attempt:
         """The plan of the best round (the first that fits the target, else the lowest peak).
         ``after_round`` rewrites each round's plan before more is selected."""
         excess = problem.live_bytes.astype(np.int64) - target
@@ -176,16 +196,16 @@ class Capuchin:
         regen: frozenset = frozenset()
         for _ in range(self.max_rounds):
             added = _round(problem, excess, chosen, timer, self.mode, self.max_replay_ops)
-            decisions = finish_decisions(problem, list(chosen.values()), excess,
-                                         self.collective, regen)
+            decisions = finish_decisions(
+                problem, list(chosen.values()), excess, self.collective, regen
+            )
             try:
                 sim = simulate(problem, decisions)
             except PlanError:
                 if not self.collective:
                     raise
                 # a keep that does not check out: plan without collective keeps
-                decisions = finish_decisions(problem, list(chosen.values()), excess, False,
-                                             regen)
+                decisions = finish_decisions(problem, list(chosen.values()), excess, False, regen)
                 sim = simulate(problem, decisions)
             if after_round is not None:
                 decisions, sim, regen = after_round(Attempt(decisions, sim, regen))
@@ -199,8 +219,14 @@ class Capuchin:
         return best
 
 
-def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], timer: SwapTimer,
-           mode: str, max_replay_ops: int) -> int:
+def _round(
+    problem: Problem,
+    excess: np.ndarray,
+    chosen: dict[str, Decision],
+    timer: SwapTimer,
+    mode: str,
+    max_replay_ops: int,
+) -> int:
     """One selection pass; updates ``excess`` in place and adds to ``chosen``. Returns the
     number of decisions added."""
     over = excess > 0
@@ -215,18 +241,27 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
         for a, b, wraps in problem.swap_gaps(s):
             if wraps:  # over-budget ops after a, or before b in the next iteration
                 if cnt[n] - cnt[a + 1] + cnt[b] > 0:
-                    pairs.append(_Pair(s.storage_id, s.size_bytes, a, b,
-                                       wrap_free_time(timer, s.size_bytes, a, b), True))
+                    pairs.append(
+                        _Pair(
+                            s.storage_id,
+                            s.size_bytes,
+                            a,
+                            b,
+                            wrap_free_time(timer, s.size_bytes, a, b),
+                            True,
+                        )
+                    )
             elif cnt[b] - cnt[a + 1] > 0:  # an over-budget op strictly inside the gap
-                pairs.append(_Pair(s.storage_id, s.size_bytes, a, b,
-                                   timer.free_time(s.size_bytes, a, b)))
+                pairs.append(
+                    _Pair(s.storage_id, s.size_bytes, a, b, timer.free_time(s.size_bytes, a, b))
+                )
     if not pairs:
         return 0
     pairs.sort(key=lambda p: (-p.free_time_ns, p.storage_id, p.evict_op))
     added = 0
 
     def useful(lo: int, hi: int) -> bool:
-        return hi >= lo and bool((excess[lo:hi + 1] > 0).any())
+        return hi >= lo and bool((excess[lo : hi + 1] > 0).any())
 
     def estimate(p: _Pair) -> SwapEstimate | WrapEstimate:
         if p.wraps:
@@ -241,14 +276,21 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
 
     def take_swap(p: _Pair, e: SwapEstimate | WrapEstimate) -> None:
         nonlocal added
-        chosen[p.storage_id] = Decision(p.storage_id, Method.SWAP, p.size_bytes, p.evict_op,
-                                        p.back_op, trigger_op=e.trigger_op, wraps=p.wraps)
+        chosen[p.storage_id] = Decision(
+            p.storage_id,
+            Method.SWAP,
+            p.size_bytes,
+            p.evict_op,
+            p.back_op,
+            trigger_op=e.trigger_op,
+            wraps=p.wraps,
+        )
         if p.wraps:
             reserve_wrap(timer, e)
         else:
             timer.reserve(e)
         for lo, hi in covers(e):
-            excess[lo:hi + 1] -= p.size_bytes
+            excess[lo : hi + 1] -= p.size_bytes
         added += 1
 
     # -- swaps while they are free (paper §4.5: "swap first, while zero overhead") ---------------
@@ -303,8 +345,11 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
     def rec_useful(c) -> bool:
         # with swapping available, a replay whose temporaries would push its back-access op
         # over the budget is not worth it (recompute-only accounts for them and goes on)
-        return (c.storage_id not in chosen and useful(c.evict_op + 1, c.back_op - 1)
-                and (mode == "recompute" or excess[c.back_op] + c.temp_bytes <= 0))
+        return (
+            c.storage_id not in chosen
+            and useful(c.evict_op + 1, c.back_op - 1)
+            and (mode == "recompute" or excess[c.back_op] + c.temp_bytes <= 0)
+        )
 
     while excess.max() > 0:
         s = next_swap() if mode != "recompute" else None
@@ -313,9 +358,11 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
             break
         s_cost = None
         if s is not None:
-            s_cost = s[1].overhead_ns + (queue.swap_penalty(s[0].storage_id, s[0].evict_op,
-                                                            s[0].back_op)
-                                         if queue and not s[0].wraps else 0)
+            s_cost = s[1].overhead_ns + (
+                queue.swap_penalty(s[0].storage_id, s[0].evict_op, s[0].back_op)
+                if queue and not s[0].wraps
+                else 0
+            )
         if r is not None and mode == "hybrid" and (s is None or s_cost > r.overhead_ns):
             # Algorithm 1 compares swapping and recomputing the *same* tensor: the tensor with
             # the best MSPS is swapped instead when that costs less than its recomputation
@@ -331,9 +378,10 @@ def _round(problem: Problem, excess: np.ndarray, chosen: dict[str, Decision], ti
                 queue.swapped(p.storage_id, p.evict_op, p.back_op)
         else:
             queue.select(r.storage_id)
-            chosen[r.storage_id] = Decision(r.storage_id, Method.RECOMPUTE, r.size_bytes,
-                                            r.evict_op, r.back_op)
-            excess[r.evict_op + 1:r.back_op] -= r.size_bytes
+            chosen[r.storage_id] = Decision(
+                r.storage_id, Method.RECOMPUTE, r.size_bytes, r.evict_op, r.back_op
+            )
+            excess[r.evict_op + 1 : r.back_op] -= r.size_bytes
             excess[r.back_op] += r.temp_bytes
             added += 1
     return added

@@ -35,6 +35,7 @@ def checkpoint_speed(problem: Problem, budget_bytes: int) -> list[Decision]:
         if is_conv(name) or is_matmul(name):
             firsts.append(a.back_op)
         elif recomputable(problem, a):
-            out.append(Decision(a.storage_id, Method.RECOMPUTE, a.size_bytes, a.evict_op,
-                                a.back_op))
+            out.append(
+                Decision(a.storage_id, Method.RECOMPUTE, a.size_bytes, a.evict_op, a.back_op)
+            )
     return segment_replays(problem, out, firsts)

@@ -38,9 +38,11 @@ def articulation_checkpoints(problem: Problem) -> list[str]:
     import networkx as nx
 
     ops = problem.ops
-    acts = {sid for sid, s in problem.storages.items()
-            if s.alloc_op is not None and ops[s.alloc_op].phase == Phase.FORWARD
-            and not s.persistent}
+    acts = {
+        sid
+        for sid, s in problem.storages.items()
+        if s.alloc_op is not None and ops[s.alloc_op].phase == Phase.FORWARD and not s.persistent
+    }
     g = nx.Graph()
     for op in ops:
         if op.phase != Phase.FORWARD:
@@ -52,8 +54,10 @@ def articulation_checkpoints(problem: Problem) -> list[str]:
     n = len(acts)
     if n == 0:
         return []
-    points = sorted((node[1] for node in nx.articulation_points(g) if node[0] == "st"),
-                    key=lambda s: (problem.storages[s].alloc_op, s))
+    points = sorted(
+        (node[1] for node in nx.articulation_points(g) if node[0] == "st"),
+        key=lambda s: (problem.storages[s].alloc_op, s),
+    )
     if len(points) <= math.sqrt(n):
         return points
     step = math.ceil(len(points) / math.sqrt(n))
@@ -76,7 +80,10 @@ def checkpoint_sqrt(problem: Problem, budget_bytes: int) -> list[Decision]:
     checkpoints = articulation_checkpoints(problem)
     keep = set(checkpoints)
     saved = saved_activations(problem)
-    drop = [Decision(a.storage_id, Method.RECOMPUTE, a.size_bytes, a.evict_op, a.back_op)
-            for a in saved if a.storage_id not in keep and recomputable(problem, a)]
+    drop = [
+        Decision(a.storage_id, Method.RECOMPUTE, a.size_bytes, a.evict_op, a.back_op)
+        for a in saved
+        if a.storage_id not in keep and recomputable(problem, a)
+    ]
     firsts = [a.back_op for a in saved if a.storage_id in keep]
     return segment_replays(problem, drop, firsts)

@@ -114,8 +114,9 @@ class _UnionFind:
 
 
 class _Dtr:
-    def __init__(self, problem: Problem, budget_bytes: int, seed: int, sample: bool,
-                 small_fraction: float):
+    def __init__(
+        self, problem: Problem, budget_bytes: int, seed: int, sample: bool, small_fraction: float
+    ):
         self.p = problem
         self.budget = budget_bytes
         self.rng = random.Random(seed)
@@ -160,8 +161,13 @@ class _Dtr:
     def _add_cand(self, sid: str) -> None:
         self.exhausted = False
         s = self.p.storages[sid]
-        if (s.evictable and sid in self.parents and s.size_bytes >= self.min_bytes
-                and sid not in self.cand_pos and sid not in self.ever):
+        if (
+            s.evictable
+            and sid in self.parents
+            and s.size_bytes >= self.min_bytes
+            and sid not in self.cand_pos
+            and sid not in self.ever
+        ):
             self.cand_pos[sid] = len(self.cand)
             self.cand.append(sid)
 
@@ -193,8 +199,9 @@ class _Dtr:
         key = (sid, e, b)
         if key not in self.replayable:
             r = replay_for(self.p, sid, e, b, max_ops=MAX_REPLAY)
-            self.replayable[key] = (None if r is None
-                                    else sum(self.p.ops[j].duration_ns for j in r[0]))
+            self.replayable[key] = (
+                None if r is None else sum(self.p.ops[j].duration_ns for j in r[0])
+            )
         return self.replayable[key]
 
     def _score(self, sid: str, e: int, b: int) -> float:
@@ -230,8 +237,11 @@ class _Dtr:
             if sid in pinned:
                 continue
             gap = self._gap(sid)
-            if (gap is None or sid in self.ever  # one decision per storage (plan format)
-                    or self._replay_cost(sid, *gap) is None):
+            if (
+                gap is None
+                or sid in self.ever  # one decision per storage (plan format)
+                or self._replay_cost(sid, *gap) is None
+            ):
                 continue
             h = self._score(sid, *gap)
             if h < best_h:
@@ -284,8 +294,13 @@ class _Dtr:
         ops = r[0] if r is not None else (chain_ops(p, sid, e) or [])
         srcs = set(r[1]) if r is not None else set()
         made = [x for j in ops for x in p.ops[j].allocs]
-        kept = [x for x in made if x != sid and x in self.evicted
-                and set(chain_ops(p, x, self.evicted[x][0]) or [-1]) <= set(ops)]
+        kept = [
+            x
+            for x in made
+            if x != sid
+            and x in self.evicted
+            and set(chain_ops(p, x, self.evicted[x][0]) or [-1]) <= set(ops)
+        ]
         stay = p.storages[sid].size_bytes + sum(p.storages[x].size_bytes for x in kept)
         pins = set(pinned) | srcs | {sid}
         # the target and the kept intermediates stay; the dead ones regenerated on the way live
@@ -331,8 +346,10 @@ class _Dtr:
                     self.used -= p.storages[f].size_bytes
                 self.evicted.pop(f, None)
                 self._drop_cand(f)
-        evs = tuple(DtrEviction(sid, last, before, back, remat)
-                    for (sid, _), (last, before, back, remat) in self.evictions.items())
+        evs = tuple(
+            DtrEviction(sid, last, before, back, remat)
+            for (sid, _), (last, before, back, remat) in self.evictions.items()
+        )
         return DtrRun(evs, int(self.peak), int(self.recompute_ns), self.remats, tuple(self.oom))
 
 
@@ -355,8 +372,14 @@ def _transient_bytes(p: Problem, ops: list[int], staying: set[str]) -> int:
     return peak
 
 
-def simulate_dtr(problem: Problem, budget_bytes: int, *, seed: int = DEFAULT_SEED,
-                 sample: bool = True, small_fraction: float = SMALL_TENSOR_FRACTION) -> DtrRun:
+def simulate_dtr(
+    problem: Problem,
+    budget_bytes: int,
+    *,
+    seed: int = DEFAULT_SEED,
+    sample: bool = True,
+    small_fraction: float = SMALL_TENSOR_FRACTION,
+) -> DtrRun:
     """Run DTR's online eviction over ``problem`` under ``budget_bytes``.
 
     ``seed``: the sampling seed (DTR samples ``ceil(sqrt(n))`` candidates per eviction);
@@ -373,15 +396,22 @@ def decisions_from_run(problem: Problem, run: DtrRun) -> list[Decision]:
     out = []
     for ev in run.evictions:
         s = problem.storages[ev.storage_id]
-        out.append(Decision(ev.storage_id, Method.RECOMPUTE, s.size_bytes, ev.last_access_op,
-                            ev.back_op))
+        out.append(
+            Decision(ev.storage_id, Method.RECOMPUTE, s.size_bytes, ev.last_access_op, ev.back_op)
+        )
     return sorted(out, key=lambda d: (d.evict_op, d.storage_id))
 
 
 @register("dtr")
-def dtr(problem: Problem, budget_bytes: int, *, seed: int = DEFAULT_SEED, sample: bool = True,
-        small_fraction: float = SMALL_TENSOR_FRACTION,
-        calibration_rounds: int = DEFAULT_CALIBRATION_ROUNDS) -> list[Decision]:
+def dtr(
+    problem: Problem,
+    budget_bytes: int,
+    *,
+    seed: int = DEFAULT_SEED,
+    sample: bool = True,
+    small_fraction: float = SMALL_TENSOR_FRACTION,
+    calibration_rounds: int = DEFAULT_CALIBRATION_ROUNDS,
+) -> list[Decision]:
     """DTR's online eviction on the trace, as recompute decisions.
 
     Contract (Note [Policy contract] in planner/registry.py): recompute decisions only, at most
@@ -399,8 +429,7 @@ def dtr(problem: Problem, budget_bytes: int, *, seed: int = DEFAULT_SEED, sample
     target = int(budget_bytes)
     best: tuple[tuple, list[Decision]] | None = None
     for _ in range(1 + max(0, calibration_rounds)):
-        run = simulate_dtr(problem, target, seed=seed, sample=sample,
-                           small_fraction=small_fraction)
+        run = simulate_dtr(problem, target, seed=seed, sample=sample, small_fraction=small_fraction)
         ds = decisions_from_run(problem, run)
         if calibration_rounds <= 0:
             return ds

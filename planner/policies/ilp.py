@@ -39,8 +39,9 @@ from ._ilp_model import (  # noqa: F401 - re-exported: the model's names are thi
 )
 
 
-def candidates(problem: Problem, budget_bytes: int, *, swap: bool = True,
-               recompute: bool = True) -> list[Candidate]:
+def candidates(
+    problem: Problem, budget_bytes: int, *, swap: bool = True, recompute: bool = True
+) -> list[Candidate]:
     """Every access gap of an evictable storage that covers an op over the budget."""
     live = problem.live_bytes
     over = [int(k) for k in range(problem.n_ops) if live[k] > budget_bytes]
@@ -59,10 +60,17 @@ def candidates(problem: Problem, budget_bytes: int, *, swap: bool = True,
             chain = chain_ops(problem, s.storage_id, e) if recompute else None
             if chain is None and not swap:
                 continue
-            out.append(Candidate(
-                s.storage_id, s.size_bytes, e, b, tuple(chain) if chain is not None else None,
-                copy_ns(s.size_bytes, problem.bandwidth_d2h_bytes_per_s) if swap else -1,
-                copy_ns(s.size_bytes, problem.bandwidth_h2d_bytes_per_s) if swap else -1))
+            out.append(
+                Candidate(
+                    s.storage_id,
+                    s.size_bytes,
+                    e,
+                    b,
+                    tuple(chain) if chain is not None else None,
+                    copy_ns(s.size_bytes, problem.bandwidth_d2h_bytes_per_s) if swap else -1,
+                    copy_ns(s.size_bytes, problem.bandwidth_h2d_bytes_per_s) if swap else -1,
+                )
+            )
     return out
 
 
@@ -92,8 +100,9 @@ WARM_START_SHARE = 0.4  # of the time left, at most this much goes to (each) war
 WARM_STARTS = ("capuchin", "dtr")  # tried in turn until one returns in time
 
 
-def _ranked(problem: Problem, budget_bytes: int, cands: list[Candidate],
-            first: Mapping[Key, Any] | None) -> list[Candidate]:
+def _ranked(
+    problem: Problem, budget_bytes: int, cands: list[Candidate], first: Mapping[Key, Any] | None
+) -> list[Candidate]:
     """``cands`` most useful first: those in ``first`` (the warm start's choices), then by bytes
     times over-budget ops covered per ns of the cheaper method's estimated cost (the recompute
     chain's duration; the copy time not hidden by the gap, so a swap fitting its gap is free)."""
@@ -116,8 +125,9 @@ def _ranked(problem: Problem, budget_bytes: int, cands: list[Candidate],
     return sorted(cands, key=lambda c: (not first or c.key not in first, -score(c), c.key))
 
 
-def _admitted(problem: Problem, stages: Stages, budget_bytes: int, ranked: list[Candidate],
-              cap_units: float) -> int:
+def _admitted(
+    problem: Problem, stages: Stages, budget_bytes: int, ranked: list[Candidate], cap_units: float
+) -> int:
     """How many of ``ranked`` (a prefix) fit a model of about ``cap_units`` units: an upper
     estimate of the variables, constraints and terms ``_Model`` creates for them (its recompute
     closure is dry-run with every recomputable candidate as a possible dropper)."""
@@ -165,8 +175,12 @@ def _admitted(problem: Problem, stages: Stages, budget_bytes: int, ranked: list[
     return len(ranked)
 
 
-def to_decisions(problem: Problem, budget_bytes: int, cands: Mapping[Key, Candidate],
-                 choices: Mapping[Key, Choice]) -> list[Decision]:
+def to_decisions(
+    problem: Problem,
+    budget_bytes: int,
+    cands: Mapping[Key, Candidate],
+    choices: Mapping[Key, Choice],
+) -> list[Decision]:
     """The decisions of ``choices`` (recompute lineage left to the builder, planner/build.py)."""
     out = []
     for k, ch in sorted(choices.items()):
@@ -174,15 +188,26 @@ def to_decisions(problem: Problem, budget_bytes: int, cands: Mapping[Key, Candid
             continue
         c = cands[k]
         if ch == Choice.SWAP:
-            out.append(Decision(c.storage_id, Method.SWAP, c.size_bytes, c.evict_op, c.back_op,
-                                trigger_op=trigger_op(problem, c, budget_bytes)))
+            out.append(
+                Decision(
+                    c.storage_id,
+                    Method.SWAP,
+                    c.size_bytes,
+                    c.evict_op,
+                    c.back_op,
+                    trigger_op=trigger_op(problem, c, budget_bytes),
+                )
+            )
         else:
-            out.append(Decision(c.storage_id, Method.RECOMPUTE, c.size_bytes, c.evict_op,
-                                c.back_op))
+            out.append(
+                Decision(c.storage_id, Method.RECOMPUTE, c.size_bytes, c.evict_op, c.back_op)
+            )
     return out
 
 
-def simulated_extra_ns(problem: Problem, budget_bytes: int, decisions: list[Decision]) -> int | None:
+def simulated_extra_ns(
+    problem: Problem, budget_bytes: int, decisions: list[Decision]
+) -> int | None:
     """Extra ns of ``decisions`` in the simulator (None: over budget or not executable)."""
     from ...errors import PlanError
     from ..build import complete_decisions
@@ -210,11 +235,21 @@ DEFAULT_TICKS = 100_000  # copy schedules in 1/100000ths of the iteration (see _
 
 
 @register("ilp")
-def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.0,
-               max_stages: int = DEFAULT_MAX_STAGES, swap: bool = True, recompute: bool = True,
-               warm_start: bool | str = True, workers: int = 1, seed: int = 0,
-               tick_ns: int | None = None, time_limit: float | None = None,
-               **_ignored: Any) -> IlpDecisions:
+def ilp_policy(
+    problem: Problem,
+    budget_bytes: int,
+    *,
+    time_limit_s: float = 30.0,
+    max_stages: int = DEFAULT_MAX_STAGES,
+    swap: bool = True,
+    recompute: bool = True,
+    warm_start: bool | str = True,
+    workers: int = 1,
+    seed: int = 0,
+    tick_ns: int | None = None,
+    time_limit: float | None = None,
+    **_ignored: Any,
+) -> IlpDecisions:
     """The optimal plan of the stage model: see the module docstring for the formulation.
 
     ``time_limit_s`` (alias ``time_limit``): wall-clock limit of the whole solve (s, default 30).
@@ -253,10 +288,16 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
         # the capuchin hybrid can take minutes on a cold start (its plans are cached per
         # problem, so not after a ``compare`` has run it); DTR's greedy is a fast fallback
         hint, triggers = None, {}
-        for policy in ([warm_start] if isinstance(warm_start, str) else WARM_STARTS):
+        for policy in [warm_start] if isinstance(warm_start, str) else WARM_STARTS:
             left = deadline - time.perf_counter()
-            hint, triggers = _warm_start(problem, budget_bytes, {c.key for c in cands}, policy,
-                                         notes, timeout_s=WARM_START_SHARE * left)
+            hint, triggers = _warm_start(
+                problem,
+                budget_bytes,
+                {c.key for c in cands},
+                policy,
+                notes,
+                timeout_s=WARM_START_SHARE * left,
+            )
             if hint is not None:
                 break
         # the warm start's own in-triggers become those of its swaps, so that its plan is a
@@ -266,7 +307,9 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
     seen: dict[tuple, int | None] = {}
 
     def evaluate(ch):
-        return simulated_extra_ns(problem, budget_bytes, to_decisions(problem, budget_bytes, by_key, ch))
+        return simulated_extra_ns(
+            problem, budget_bytes, to_decisions(problem, budget_bytes, by_key, ch)
+        )
 
     def pins(cs: list[Candidate]) -> dict[int, int]:
         pinned: dict[int, int] = {}
@@ -276,8 +319,12 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
         return pinned
 
     def stages_for(cs: list[Candidate], target: int) -> Stages:
-        return coarsen(problem.durations_ns.tolist(), problem.live_bytes.tolist(),
-                       max_stages=min(target, max(n, 1)), pinned=pins(cs))
+        return coarsen(
+            problem.durations_ns.tolist(),
+            problem.live_bytes.tolist(),
+            max_stages=min(target, max(n, 1)),
+            pinned=pins(cs),
+        )
 
     stages = stages_for(cands, max_stages)
     incumbent: tuple[dict[Key, Choice], int] | None = None
@@ -288,8 +335,18 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
     restricted = False
     res = None
     if incumbent is not None and incumbent[1] == 0:  # nothing costs less than nothing
-        res = IlpResult(incumbent[0], "OPTIMAL", 0, 0, incumbent[1], time.perf_counter() - t0,
-                        0, 0, 0, ("the warm start's plan costs no extra time",))
+        res = IlpResult(
+            incumbent[0],
+            "OPTIMAL",
+            0,
+            0,
+            incumbent[1],
+            time.perf_counter() - t0,
+            0,
+            0,
+            0,
+            ("the warm start's plan costs no extra time",),
+        )
     elif cands:
         if tick_ns is None:
             tick_ns = max(1, problem.time_ns // DEFAULT_TICKS)
@@ -308,18 +365,32 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
             if restricted:
                 stages = stages_for(kept, max_stages)
             try:
-                res = solve(problem, budget_bytes, stages, kept, evaluate=evaluate,
-                            warm_start=hint, workers=workers, seed=seed, tick_ns=tick_ns,
-                            time_limit_s=max(0.1, deadline - time.perf_counter()),
-                            build_deadline=time.perf_counter() + BUILD_SHARE * left, seen=seen)
+                res = solve(
+                    problem,
+                    budget_bytes,
+                    stages,
+                    kept,
+                    evaluate=evaluate,
+                    warm_start=hint,
+                    workers=workers,
+                    seed=seed,
+                    tick_ns=tick_ns,
+                    time_limit_s=max(0.1, deadline - time.perf_counter()),
+                    build_deadline=time.perf_counter() + BUILD_SHARE * left,
+                    seen=seen,
+                )
             except _OutOfTime:
                 notes.append(f"model of {n_keep} candidates not built in time")
                 n_keep //= 4
                 continue
             # coarse stages are pessimistic about swaps (see Note [Where the ILP and the
             # simulator differ]): "infeasible" is only proven at op granularity
-            if res.status != "INFEASIBLE" or restricted or stages.is_op_level \
-                    or time.perf_counter() - t0 > time_limit_s / 2:
+            if (
+                res.status != "INFEASIBLE"
+                or restricted
+                or stages.is_op_level
+                or time.perf_counter() - t0 > time_limit_s / 2
+            ):
                 break
             notes.append(f"no plan with {len(stages)} stages; refined")
             max_stages = min(4 * len(stages), n)
@@ -327,9 +398,11 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
         if res is None:
             res = IlpResult({}, "UNKNOWN", None, 0, None, time.perf_counter() - t0, 0, 0, 0)
         if restricted:
-            notes.append(f"model restricted to {n_keep} of {len(ranked)} candidates (Note "
-                         f"[Sizing the model to the time limit]); its own bound "
-                         f"{res.bound_ns} ns holds for those only")
+            notes.append(
+                f"model restricted to {n_keep} of {len(ranked)} candidates (Note "
+                f"[Sizing the model to the time limit]); its own bound "
+                f"{res.bound_ns} ns holds for those only"
+            )
             # nothing is proven about the candidates left out; only a free plan is optimal
             status = res.status
             if res.best_ns is not None:
@@ -339,27 +412,54 @@ def ilp_policy(problem: Problem, budget_bytes: int, *, time_limit_s: float = 30.
             res = replace(res, status=status, bound_ns=0)
         if incumbent is not None and (res.best_ns is None or incumbent[1] < res.best_ns):
             status = "OPTIMAL" if incumbent[1] <= res.bound_ns else "FEASIBLE"
-            res = replace(res, choices=incumbent[0], best_ns=incumbent[1], status=status,
-                          bound_ns=min(res.bound_ns, incumbent[1]))
+            res = replace(
+                res,
+                choices=incumbent[0],
+                best_ns=incumbent[1],
+                status=status,
+                bound_ns=min(res.bound_ns, incumbent[1]),
+            )
             notes.append("returned the hint's own plan: the model found nothing better in time")
     else:
-        res = IlpResult({}, "OPTIMAL" if problem.peak_bytes <= budget_bytes else "INFEASIBLE",
-                        0, 0, 0 if problem.peak_bytes <= budget_bytes else None, 0.0, 0, 0, 0)
+        res = IlpResult(
+            {},
+            "OPTIMAL" if problem.peak_bytes <= budget_bytes else "INFEASIBLE",
+            0,
+            0,
+            0 if problem.peak_bytes <= budget_bytes else None,
+            0.0,
+            0,
+            0,
+            0,
+        )
     out = IlpDecisions(to_decisions(problem, budget_bytes, by_key, res.choices))
     out.result = res
     out.parameters = {
-        "status": res.status, "optimality_gap": res.optimality_gap,
-        "ilp_objective_ns": res.bound_ns, "simulated_extra_ns": res.best_ns,
-        "solve_time_s": round(time.perf_counter() - t0, 4), "stages": len(stages),
-        "op_level": stages.is_op_level, "candidates": len(cands), "variables": res.variables,
-        "constraints": res.constraints, "rounds": res.rounds, "time_limit_s": time_limit_s,
-        "notes": list(notes) + list(res.notes)}
+        "status": res.status,
+        "optimality_gap": res.optimality_gap,
+        "ilp_objective_ns": res.bound_ns,
+        "simulated_extra_ns": res.best_ns,
+        "solve_time_s": round(time.perf_counter() - t0, 4),
+        "stages": len(stages),
+        "op_level": stages.is_op_level,
+        "candidates": len(cands),
+        "variables": res.variables,
+        "constraints": res.constraints,
+        "rounds": res.rounds,
+        "time_limit_s": time_limit_s,
+        "notes": list(notes) + list(res.notes),
+    }
     return out
 
 
-def _warm_start(problem: Problem, budget_bytes: int, keys: set[Key], policy: str,
-                notes: list[str], timeout_s: float | None = None
-                ) -> tuple[dict[Key, Choice] | None, dict[Key, int]]:
+def _warm_start(
+    problem: Problem,
+    budget_bytes: int,
+    keys: set[Key],
+    policy: str,
+    notes: list[str],
+    timeout_s: float | None = None,
+) -> tuple[dict[Key, Choice] | None, dict[Key, int]]:
     """``policy``'s decisions as choices over ``keys`` and the in-triggers of its swaps; None
     when the policy is unknown, fails, or does not return within ``timeout_s`` seconds."""
     from ..registry import UnknownPolicyError, get_policy
@@ -391,8 +491,10 @@ def _warm_start(problem: Problem, budget_bytes: int, keys: set[Key], policy: str
         if d.method == Method.SWAP and d.trigger_op is not None:
             triggers[k] = d.trigger_op
     if outside:
-        notes.append(f"warm start: {outside} of {policy!r}'s decisions cover no op over the "
-                     f"budget and were left out")
+        notes.append(
+            f"warm start: {outside} of {policy!r}'s decisions cover no op over the "
+            f"budget and were left out"
+        )
     return hint, triggers
 
 

@@ -54,6 +54,9 @@ def vdnn(problem: Problem, budget_bytes: int) -> list[Decision]:
             trigger = first_bwd if first_bwd is not None else a.back_op
         if not a.evict_op < trigger <= a.back_op:
             trigger = None  # the next layer is not earlier in backward: fetch on demand
-        out.append(Decision(a.storage_id, Method.SWAP, a.size_bytes, a.evict_op, a.back_op,
-                            trigger_op=trigger))
+        out.append(
+            Decision(
+                a.storage_id, Method.SWAP, a.size_bytes, a.evict_op, a.back_op, trigger_op=trigger
+            )
+        )
     return out

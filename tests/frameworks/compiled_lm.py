@@ -12,8 +12,9 @@ args = parser.parse_args()
 torch.manual_seed(0)
 vocab, dim = 256, 64
 layer = nn.TransformerEncoderLayer(dim, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
-model = nn.Sequential(nn.Embedding(vocab, dim), nn.TransformerEncoder(layer, 2),
-                      nn.Linear(dim, vocab))
+model = nn.Sequential(
+    nn.Embedding(vocab, dim), nn.TransformerEncoder(layer, 2), nn.Linear(dim, vocab)
+)
 compiled = torch.compile(model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 for _ in range(args.steps):

@@ -49,8 +49,10 @@ if args.out:
     state.update({f"grad.{n}": p.grad for n, p in model.named_parameters()})
     for i, s in opt.state_dict()["state"].items():
         state.update({f"opt.{i}.{k}": v for k, v in s.items() if isinstance(v, torch.Tensor)})
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-             for k, v in state.items()}
+    state = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in state.items()
+    }
     root, ext = os.path.splitext(args.out)
     torch.save(state, f"{root}.rank{rank}{ext}")
 dist.destroy_process_group()

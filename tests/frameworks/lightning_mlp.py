@@ -34,7 +34,14 @@ class Net(L.LightningModule):
 torch.manual_seed(0)
 model = Net()
 data = TensorDataset(torch.randn(1024 * 8, 64), torch.randint(0, 10, (1024 * 8,)))
-trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, num_sanity_val_steps=0)
+trainer = L.Trainer(
+    max_steps=args.steps,
+    accelerator="cpu",
+    devices=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+)
 trainer.fit(model, DataLoader(data, batch_size=1024, shuffle=False))
