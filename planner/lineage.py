@@ -32,7 +32,7 @@ from .problem import Problem, is_collective
 MAX_REPLAY_OPS = 5000
 
 
-class Residency:
+class EvictionWindows:
     """Which storages a set of decisions keeps out of memory, and when."""
 
     def __init__(self, decisions: Sequence[Decision]):
@@ -87,7 +87,7 @@ def replay_for(
     sid: str,
     evict_op: int,
     back_op: int,
-    residency: Residency | None = None,
+    residency: EvictionWindows | None = None,
     resident=None,
     max_ops: int = MAX_REPLAY_OPS,
 ) -> tuple[list[int], list[str]] | None:
@@ -133,7 +133,7 @@ def _replay_walk(
     sid: str,
     evict_op: int,
     back_op: int,
-    residency: Residency | None,
+    residency: EvictionWindows | None,
     resident,
     max_ops: int,
     seen: list | None,
@@ -214,7 +214,7 @@ def resolve_recompute(problem: Problem, decisions: Sequence[Decision]) -> list[D
     again. Keep the list in the order it will be simulated (``build.complete_decisions`` sorts
     before resolving).
     """
-    res = Residency(decisions)
+    res = EvictionWindows(decisions)
     out = list(decisions)
     order = sorted(range(len(out)), key=lambda i: (out[i].back_op, i))
     for i in order:
@@ -244,7 +244,9 @@ def resolve_recompute(problem: Problem, decisions: Sequence[Decision]) -> list[D
     return out
 
 
-def keepable(problem: Problem, d: Decision, replay_ops: Sequence[int], res: Residency) -> list[str]:
+def keepable(
+    problem: Problem, d: Decision, replay_ops: Sequence[int], res: EvictionWindows
+) -> list[str]:
     """Storages dropped by other recompute decisions that ``replay_ops`` regenerate whole (every
     in-place write up to their own evicted-access included): collective recomputation."""
     rs = set(replay_ops)
@@ -265,7 +267,7 @@ class _RegenResident:
     """``regen_resident``'s source test: alive at the back-access, not written since the
     replayed op read it, and not out at all (a swapped-out source is regenerated)."""
 
-    def __init__(self, problem: Problem, res: Residency, back_op: int):
+    def __init__(self, problem: Problem, res: EvictionWindows, back_op: int):
         self.problem, self.res, self.back_op = problem, res, back_op
 
     def __call__(self, x: str, j: int) -> bool:
@@ -277,7 +279,7 @@ class _RegenResident:
         )
 
 
-def regen_resident(problem: Problem, res: Residency, back_op: int) -> _RegenResident:
+def regen_resident(problem: Problem, res: EvictionWindows, back_op: int) -> _RegenResident:
     """A ``resident`` test for ``replay_for`` under which a replay for ``back_op`` regenerates
     the sources that ``res`` has swapped out there, instead of restoring them on demand."""
     return _RegenResident(problem, res, back_op)
@@ -286,7 +288,7 @@ def regen_resident(problem: Problem, res: Residency, back_op: int) -> _RegenResi
 def replay_of(
     problem: Problem,
     d: Decision,
-    res: Residency,
+    res: EvictionWindows,
     regen: frozenset = frozenset(),
     max_ops: int = MAX_REPLAY_OPS,
 ):
@@ -322,7 +324,7 @@ def finish_decisions(
     ``regen`` regenerate their swapped-out sources (``replay_of``). A recomputation whose
     sources vanish under the other decisions becomes an on-demand swap. Sorted by
     (evict_op, storage_id)."""
-    res = Residency(decisions)
+    res = EvictionWindows(decisions)
     room = -excess.astype(np.int64)  # estimated headroom per op (negative: over budget)
     out = []
     for d in sorted(decisions, key=lambda d: (d.back_op, d.storage_id)):

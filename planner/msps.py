@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from .lineage import Residency, replay_for
+from .lineage import EvictionWindows, replay_for
 from .problem import Problem
 
 
@@ -52,7 +52,7 @@ class RecomputeCandidate:
 class MspsQueue:
     """Candidates for recomputation with Algorithm 2's selection and update."""
 
-    def __init__(self, problem: Problem, residency: Residency, max_replay_ops: int = 200):
+    def __init__(self, problem: Problem, residency: EvictionWindows, max_replay_ops: int = 200):
         self.p = problem
         self.res = residency
         self.max_replay_ops = max_replay_ops

@@ -69,7 +69,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from ..errors import PlanError
-from .lineage import Residency, finish_decisions, regen_resident, replay_for, replay_of
+from .lineage import EvictionWindows, finish_decisions, regen_resident, replay_for, replay_of
 from .plan import Decision, Method
 from .problem import Problem
 from .simulator import SimResult, simulate
@@ -308,7 +308,7 @@ def switch_stalled(
     collective, max_replay_ops = switching.collective, switching.max_replay_ops
     ops = problem.ops
     for _ in range(max_passes):
-        res = Residency(decisions)
+        res = EvictionWindows(decisions)
         timer = None
         gains = []  # (time saved estimate, storage, replacement, regenerates its sources)
         calm = []  # the same for replays that did not stall: swapping them may be cheaper
@@ -488,7 +488,7 @@ def _without(
     sid = gone.storage_id
     kept = [x for x in decisions if x is not gone]
     producer = problem.storages[sid].alloc_op
-    res = Residency(kept)
+    res = EvictionWindows(kept)
     out = []
     for x in kept:
         if x.method == Method.RECOMPUTE and (sid in x.keep or producer in x.replay_ops):

@@ -102,7 +102,7 @@ UNANNOTATED_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
 
 
 @dataclass(frozen=True)
-class OpInfo:
+class OpSchemaInfo:
     """What is known about an op from its schema alone (computed once per OpOverload).
 
     name: ``str(func)``, e.g. ``"aten.mm.default"`` (the trace's ``op_name``).
@@ -125,15 +125,15 @@ class OpInfo:
 _OP_INFO: dict = {}
 
 
-def op_info(func) -> OpInfo:
-    """The cached ``OpInfo`` of an ``OpOverload``."""
+def op_info(func) -> OpSchemaInfo:
+    """The cached ``OpSchemaInfo`` of an ``OpOverload``."""
     info = _OP_INFO.get(func)
     if info is None:
         info = _OP_INFO[func] = _make_op_info(func)
     return info
 
 
-def _make_op_info(func) -> OpInfo:
+def _make_op_info(func) -> OpSchemaInfo:
     name = str(func)
     namespace = getattr(func, "namespace", name.split(".", 1)[0])
     schema = getattr(func, "_schema", None)
@@ -150,7 +150,7 @@ def _make_op_info(func) -> OpInfo:
         key = schema.name + (f".{overload}" if overload else "")
         unannotated, training = UNANNOTATED_WRITES.get(key, ((), -1))
     tags = getattr(func, "tags", ())
-    return OpInfo(
+    return OpSchemaInfo(
         name=name,
         ignored=namespace in _ITERATION_BOUNDARY_IGNORED_NAMESPACES,
         seeded=torch.Tag.nondeterministic_seeded in tags,
@@ -210,7 +210,7 @@ def flatten_outputs(out) -> list[torch.Tensor]:
 
 
 def written_inputs(
-    info: OpInfo, args: tuple, kwargs: dict, flat: list[torch.Tensor]
+    info: OpSchemaInfo, args: tuple, kwargs: dict, flat: list[torch.Tensor]
 ) -> tuple[int, ...]:
     """Flat input indices (positions in ``flat``, see ``flatten_tensors``) that the op writes in
     place: schema ``(a!)`` arguments plus ``UNANNOTATED_WRITES``. Empty for most ops (fast path)."""
@@ -310,7 +310,7 @@ class OpEvent:
     iteration: iteration number (0 = the first op after ``install``).
     index: op index within the iteration (``k``).
     phase: ``Phase`` (optimizer / backward / forward).
-    info: the op's static ``OpInfo``.
+    info: the op's static ``OpSchemaInfo``.
     inputs / input_ids / input_storages: flat tensor inputs (``flatten_tensors`` order), their
         tensor ids and ``StorageRec`` (None for tensors without storage, e.g. sparse).
     written: flat input indices written in place (``written_inputs``).

@@ -375,7 +375,7 @@ class _Model:
 
     def _droppers(self, x: str, b: int) -> list:
         """drop variables of the candidates that would keep ``x`` out when op ``b``'s
-        before-actions run (lineage.Residency.out_at: ``e < b <= back``). A swapped-out source
+        before-actions run (lineage.EvictionWindows.out_at: ``e < b <= back``). A swapped-out source
         is restored on demand (lineage.replay_for), so swaps do not force a replay."""
         return [
             self.drop[c.key]

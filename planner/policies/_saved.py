@@ -17,7 +17,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, replace
 
 from ...tracer.schema import Phase
-from ..lineage import MAX_REPLAY_OPS, Residency, keepable, replay_for
+from ..lineage import MAX_REPLAY_OPS, EvictionWindows, keepable, replay_for
 from ..plan import Decision, Method
 from ..problem import Problem
 
@@ -101,7 +101,7 @@ def segment_replays(
     # storage is kept only when its own back-access falls before the next boundary after this
     # decision's back-access; otherwise it is freed after the replay and recomputed again later.
     """
-    res = Residency(decisions)
+    res = EvictionWindows(decisions)
     bounds = sorted(set(boundaries))
     backs: dict[str, list[int]] = {}
     for x in decisions:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import PlanError
-from ..lineage import Residency, finish_decisions
+from ..lineage import EvictionWindows, finish_decisions
 from ..msps import MspsQueue
 from ..plan import Decision, Method
 from ..problem import Problem
@@ -320,7 +320,7 @@ def _round(
             heapq.heappush(swaps, (e.overhead_ns, i, p.storage_id))
     queue = None
     if mode in ("hybrid", "recompute"):
-        queue = MspsQueue(problem, Residency(chosen.values()), max_replay_ops)
+        queue = MspsQueue(problem, EvictionWindows(chosen.values()), max_replay_ops)
         for p in best_pair.values():
             if problem.storages[p.storage_id].evictable:  # persistent: swap only
                 queue.add(p.storage_id, p.evict_op, p.back_op)
