@@ -25,6 +25,7 @@ _EXPORTS = {
     "load_plan": ".planner.plan",
     "Plan": ".planner.plan",
     "make_plan": ".planner.api",
+    "simulate_plan": ".planner.simulator",
     "compare_policies": ".planner.compare",
     "plans_frame": ".planner.views",
     "memory_curves": ".planner.views",

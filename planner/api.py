@@ -2,7 +2,7 @@
 
 >>> plan = capuchin.make_plan("traces/mlp.trace.parquet", budget="50%")
 >>> plan.decisions            # DataFrame, one row per evicted storage
->>> plan.simulate().memory    # DataFrame, the simulated memory curve
+>>> simulate_plan(plan).memory    # DataFrame, the simulated memory curve
 """
 
 from __future__ import annotations

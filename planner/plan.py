@@ -270,39 +270,6 @@ class Plan:
             table.setdefault(a.op_index, []).append(a)
         return table
 
-    def simulate(self, trace=None):
-        """Re-simulate this plan (a ``simulator.SimResult``; ``.memory`` is a DataFrame).
-
-        ``trace``: a ``Trace``, a path, or a ``Problem``; default: reload
-        ``provenance.trace_path``. Raises ``PlanFormatError`` when the trace's op sequence is
-        not the one the plan was made for.
-        """
-        from .problem import Problem
-        from .simulator import simulate
-
-        if isinstance(trace, Problem):
-            problem = trace
-        else:
-            from ..tracer.reader import Trace, load_trace
-
-            if trace is None:
-                if not self.provenance.trace_path:
-                    raise PlanFormatError("plan has no trace_path; pass the trace to simulate()")
-                trace = load_trace(self.provenance.trace_path)
-            elif not isinstance(trace, Trace):
-                trace = load_trace(trace)
-            problem = Problem.from_trace(trace, iteration=self.provenance.iteration)
-        problem = problem.with_bandwidth(
-            self.provenance.bandwidth_d2h_bytes_per_s, self.provenance.bandwidth_h2d_bytes_per_s
-        )
-        if problem.fingerprint() != self.provenance.trace_fingerprint:
-            raise PlanFormatError(
-                f"{self.provenance.trace_path or 'trace'}: op sequence differs from the one the "
-                f"plan was made for (fingerprint {problem.fingerprint()} vs "
-                f"{self.provenance.trace_fingerprint})"
-            )
-        return simulate(problem, self.records)
-
     @property
     def swap_count(self) -> int:
         return sum(1 for d in self.records if d.method == Method.SWAP)

@@ -14,7 +14,7 @@ from ..outputs import IMAGE_SUFFIXES, atomic_write, check_output, write_text
 from .budget import format_bytes
 from .plan import Method, Plan, load_plan
 from .problem import Problem
-from .simulator import SimResult
+from .simulator import SimResult, simulate_plan
 
 
 def format_summary(plan: Plan, output: str | os.PathLike | None = None) -> str:
@@ -111,7 +111,7 @@ def _resimulate(plan: Plan, path) -> tuple[Problem, SimResult]:
             f"is not there; --plot and --chrome re-simulate the plan on its trace"
         )
     problem = Problem.from_trace(load_trace(found), iteration=plan.provenance.iteration)
-    return problem, plan.simulate(problem)
+    return problem, simulate_plan(plan, problem)
 
 
 # -- memory plot ------------------------------------------------------------------------------

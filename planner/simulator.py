@@ -67,9 +67,9 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from ..errors import PlanError
+from ..errors import PlanError, PlanFormatError
 from ..tracer.schema import scratch_id
-from .plan import Decision, Method
+from .plan import Decision, Method, Plan
 from .problem import Problem
 
 
@@ -313,6 +313,37 @@ def simulate(
     while len(memo) > max(2, _MEMO_EVENTS // max(1, problem.n_ops)):
         memo.popitem(last=False)
     return res
+
+
+def simulate_plan(plan: Plan, trace=None) -> SimResult:
+    """Re-simulate a ``Plan`` (``.memory`` of the result is a DataFrame).
+
+    ``trace``: a ``Trace``, a path, or a ``Problem``; default: reload
+    ``provenance.trace_path``. Raises ``PlanFormatError`` when the trace's op sequence is not
+    the one the plan was made for.
+    """
+    if isinstance(trace, Problem):
+        problem = trace
+    else:
+        from ..tracer.reader import Trace, load_trace
+
+        if trace is None:
+            if not plan.provenance.trace_path:
+                raise PlanFormatError("plan has no trace_path; pass the trace to simulate_plan()")
+            trace = load_trace(plan.provenance.trace_path)
+        elif not isinstance(trace, Trace):
+            trace = load_trace(trace)
+        problem = Problem.from_trace(trace, iteration=plan.provenance.iteration)
+    problem = problem.with_bandwidth(
+        plan.provenance.bandwidth_d2h_bytes_per_s, plan.provenance.bandwidth_h2d_bytes_per_s
+    )
+    if problem.fingerprint() != plan.provenance.trace_fingerprint:
+        raise PlanFormatError(
+            f"{plan.provenance.trace_path or 'trace'}: op sequence differs from the one the "
+            f"plan was made for (fingerprint {problem.fingerprint()} vs "
+            f"{plan.provenance.trace_fingerprint})"
+        )
+    return simulate(problem, plan.records)
 
 
 _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

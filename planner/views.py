@@ -24,7 +24,7 @@ from ..errors import CapuchinError
 from .budget import format_bytes
 from .plan import Plan
 from .problem import Problem
-from .simulator import SimResult
+from .simulator import SimResult, simulate_plan
 
 Plans = Mapping[str, Plan] | Sequence[Plan]
 
@@ -72,7 +72,7 @@ def plans_frame(plans: Plans) -> pd.DataFrame:
 
 def simulate_all(plans: Plans, problem: Problem | None = None) -> dict[str, SimResult]:
     """Each plan's simulation: on ``problem`` when given, else on the plan's own trace."""
-    return {name: p.simulate(problem) for name, p in _named(plans).items()}
+    return {name: simulate_plan(p, problem) for name, p in _named(plans).items()}
 
 
 def memory_curves(plans: Plans, problem: Problem | None = None) -> pd.DataFrame:
@@ -95,7 +95,7 @@ def _baseline(plan: Plan, problem: Problem | None) -> SimResult:
     """The simulation of ``plan``'s trace with nothing evicted."""
     from dataclasses import replace
 
-    return replace(plan, records=[], actions=[]).simulate(problem)
+    return simulate_plan(replace(plan, records=[], actions=[]), problem)
 
 
 def _curve(name: str, sim: SimResult) -> pd.DataFrame:

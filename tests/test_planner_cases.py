@@ -7,7 +7,7 @@ from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.api import make_plan
 from capuchin.planner.plan import Method, Plan
 from capuchin.planner.problem import Problem
-from capuchin.planner.simulator import simulate
+from capuchin.planner.simulator import simulate, simulate_plan
 
 US = 1000  # ns
 
@@ -149,7 +149,7 @@ def test_action_table_and_json_round_trip(tmp_path):
     assert back.provenance == plan.provenance and back.ops == plan.ops
     assert back.summary() == plan.summary()
     assert len(plan.ops) == p.n_ops and plan.provenance.trace_fingerprint == p.fingerprint()
-    sim = back.simulate(p)
+    sim = simulate_plan(back, p)
     assert sim.peak_bytes == plan.predictions.predicted_peak_bytes
     assert list(back.decisions["storage_id"]) == ["T3"]
 
@@ -199,6 +199,6 @@ def test_top_level_api():
     plan = capuchin.make_plan(p, budget=p.peak_bytes - 300, policy="capuchin")
     assert isinstance(plan, capuchin.Plan)
     assert capuchin.parse_budget("50%", peak_bytes=10) == 5
-    mem = plan.simulate(p).memory
+    mem = simulate_plan(plan, p).memory
     assert {"time_ns", "live_bytes", "op_index"} <= set(mem.columns)
     assert int(mem["live_bytes"].max()) == plan.predictions.predicted_peak_bytes

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from capuchin.cli import main
 from capuchin.planner.plan import load_plan
+from capuchin.planner.simulator import simulate_plan
 from capuchin.planner.synthetic import trace_from_ops, transformer_ops
 from capuchin.tracer.reader import write_trace
 from click.testing import CliRunner
@@ -177,4 +178,4 @@ def test_plan_bundled_trace_at_half_peak(trace, tmp_path):
     doc = json.loads(r.output)
     assert doc["predicted_peak_bytes"] <= doc["budget_bytes"] == doc["baseline_peak_bytes"] // 2
     plan = load_plan(tmp_path / "p.json")
-    assert plan.simulate(trace).peak_bytes == doc["predicted_peak_bytes"]
+    assert simulate_plan(plan, trace).peak_bytes == doc["predicted_peak_bytes"]

@@ -14,6 +14,7 @@ from capuchin.planner.build import build_plan
 from capuchin.planner.plan import Method
 from capuchin.planner.problem import Problem
 from capuchin.planner.registry import UnknownPolicyError, available, get_policy
+from capuchin.planner.simulator import simulate_plan
 from capuchin.planner.synthetic import trace_from_ops, transformer_ops
 from capuchin.tracer.dtr_import import dtr_logs_path
 from capuchin.tracer.schema import Phase
@@ -140,7 +141,7 @@ def test_plans_pass_the_simulator_and_keep_their_word(policy, make):
             s = problem.storages[d.storage_id]
             assert s.evictable or (s.swappable and d.method.value == "swap")
         # what the plan file says is what the simulator says when it replays it
-        again = plan.simulate(problem)
+        again = simulate_plan(plan, problem)
         assert again.peak_bytes == sim.peak_bytes and again.time_ns == sim.time_ns
 
 
