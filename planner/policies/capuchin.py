@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import PlanError
-from ..costs import runtime_cost_ns
 from ..lineage import EvictionWindows, finish_decisions
 from ..msps import MspsQueue
 from ..plan import Decision, Method
@@ -106,29 +105,7 @@ def _with_persistent(problem: Problem, budget: int, plan) -> list[Decision]:
     base = problem.restricted()
     if base is problem:
         return plan(problem)
-    without = plan(base)
-    key = _judged(problem, without, budget)
-    if key is not None and key[0] == 0 and key[2]:
-        return without  # fits at no cost: nothing can beat it
-    with_them = plan(problem)
-    other = _judged(problem, with_them, budget)
-    if other is not None and (key is None or other[:2] < key[:2]):
-        return with_them
-    return without
-
-
-def _judged(problem: Problem, decisions: list[Decision], budget: int):
-    """(over budget, time or peak, free) of a plan: its simulated time plus what the runtime
-    adds per swap and per guarded op (planner/costs.py: many small persistent swaps are cheap
-    for the simulator's copy channels but not for the runtime); None for a broken plan."""
-    try:
-        sim = simulate(problem, decisions)
-    except PlanError:
-        return None
-    if sim.peak_bytes > budget:
-        return (1, sim.peak_bytes, False)
-    free = sim.time_ns <= sim.baseline_time_ns
-    return (0, sim.time_ns + runtime_cost_ns(problem, decisions), free)
+    return best_of(problem, budget, [lambda: plan(base), lambda: plan(problem)])
 
 
 def _hybrid(
