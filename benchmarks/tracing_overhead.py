@@ -27,7 +27,7 @@ from pathlib import Path
 
 import capuchin
 import torch
-from capuchin.tracer.script import run_script
+from capuchin.runmain import run_as_main
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +61,7 @@ def untraced(script: Path) -> list[tuple[float, float]]:
     clock = _StepClock()
     try:
         with _quiet():
-            run_script(script, ["--steps", "8"])
+            run_as_main(script, ["--steps", "8"])
     finally:
         clock.close()
     return clock.intervals()[1:7]  # iterations 2..7
@@ -74,7 +74,7 @@ def traced(script: Path, out: Path) -> tuple[list, list, int]:
             _quiet(),
             capuchin.Tracer(out, iterations=4, warmup=3, device="cpu", force=True, log=None),
         ):
-            run_script(script, ["--steps", "20"])
+            run_as_main(script, ["--steps", "20"])
     finally:
         clock.close()
     iv = clock.intervals()

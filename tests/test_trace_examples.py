@@ -9,10 +9,10 @@ from pathlib import Path
 import capuchin
 import pytest
 from capuchin.cli import main
+from capuchin.runmain import run_as_main
 from capuchin.runtime.report import live_bytes_series
 from capuchin.tracer.record import Tracer
 from capuchin.tracer.schema import Col, Kind, Role
-from capuchin.tracer.script import run_script
 from capuchin.tracer.summary import summarize
 from capuchin.tracer.timing import marker_name
 from click.testing import CliRunner
@@ -63,7 +63,7 @@ def traced(request, tmp_path_factory):
         argv=["--steps", "3"],
     )
     with tracer:
-        run_script(TRACES / f"{name}.py", ["--steps", "3"])
+        run_as_main(TRACES / f"{name}.py", ["--steps", "3"])
     return name, out, tracer
 
 

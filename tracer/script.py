@@ -20,11 +20,6 @@ def default_output(script: str | os.PathLike) -> Path:
     return Path(Path(script).stem + FILE_SUFFIX)
 
 
-def run_script(script: str | os.PathLike, args: Sequence[str] = ()) -> None:
-    """Run ``script`` as ``__main__`` with ``args`` (``runmain.run_as_main``)."""
-    run_as_main(script, args)
-
-
 def trace_script(
     script: str | os.PathLike,
     args: Sequence[str] = (),
