@@ -473,9 +473,9 @@ class _Search:
 
     def _trace(self, value: int) -> Candidate:
         from .planner.problem import Problem
+        from .runmain import run_as_main
         from .tracer.reader import load_trace
         from .tracer.record import Tracer
-        from .tracer.script import run_script
 
         out = self.tmp / f"v{value}.trace.parquet"
         args = [*self.args, self.flag, str(value)]
@@ -496,7 +496,7 @@ class _Search:
         err = io.StringIO()
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), tracer:
-                run_script(self.script, args)
+                run_as_main(self.script, args)
         except BaseException as exc:  # noqa: BLE001 - classified below, re-raised as one line
             if _is_oom(exc):
                 c.fits_device = False
@@ -620,8 +620,8 @@ def run_steps(
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from .runmain import run_as_main
     from .runtime.engine import Runtime
-    from .tracer.script import run_script
 
     stamps: list[float] = []
     optimizers: list = []
@@ -646,7 +646,7 @@ def run_steps(
             rt if rt is not None else contextlib.nullcontext(),
         ):
             handle = register_optimizer_step_post_hook(hook)  # after the runtime's own hook
-            run_script(script, args)
+            run_as_main(script, args)
     except _Enough:
         pass
     except CapuchinError:
