@@ -145,9 +145,9 @@ def main(argv=None) -> int:
 
     plan = make_plan(bert_trace, budget=str(bert_budget), policy="capuchin")
     plan.save(args.out / "bert_mlm.plan.json")
-    wraps = [d for d in plan.records if d.wraps]
+    wraps = [d for d in plan.decisions if d.wraps]
     print(
-        f"\nBERT-MLM plan at {format_bytes(bert_budget)}: {len(plan.records)} decisions, "
+        f"\nBERT-MLM plan at {format_bytes(bert_budget)}: {len(plan.decisions)} decisions, "
         f"{len(wraps)} wrap-around ({format_bytes(sum(d.size_bytes for d in wraps))}), "
         f"predicted peak {format_bytes(plan.predictions.predicted_peak_bytes)}, predicted "
         f"overhead {plan.predictions.predicted_overhead:+.1%}",

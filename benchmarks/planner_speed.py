@@ -64,7 +64,7 @@ def one(path: str, budget: str, policy: str) -> dict:
         cpu_s=time.process_time() - cpu,
         policy_s=policy_s,
         build_s=build_s,
-        decisions=len(plan.records),
+        decisions=len(plan.decisions),
         fits=plan.predictions.feasible,
         overhead_pct=100 * plan.predictions.predicted_overhead,
     )

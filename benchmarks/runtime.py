@@ -342,7 +342,7 @@ def main() -> None:
                 (
                     name,
                     v,
-                    p.budget_bytes if p is not None and p.records else None,
+                    p.budget_bytes if p is not None and p.decisions else None,
                     peak,
                     best[v],
                     best[v] / plain_s,

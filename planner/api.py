@@ -1,7 +1,7 @@
 """The planning API shared by the CLI and notebooks: ``make_plan`` and ``load_problem``.
 
 >>> plan = capuchin.make_plan("traces/mlp.trace.parquet", budget="50%")
->>> plan.decisions            # DataFrame, one row per evicted storage
+>>> plan.decisions_frame()    # DataFrame, one row per evicted storage
 >>> simulate_plan(plan).memory    # DataFrame, the simulated memory curve
 """
 

@@ -119,7 +119,7 @@ def build_plan(
     plan = Plan(
         provenance=prov,
         predictions=pred,
-        records=ds,
+        decisions=ds,
         ops=problem.op_signatures(),
         actions=action_table(ds),
         op_scratch_bytes=[int(o.scratch_bytes) for o in problem.ops],

@@ -125,10 +125,10 @@ def evaluate(
             error=str(exc),
         )
         return rec, None
-    swapped = sum(d.size_bytes for d in plan.records if d.method == Method.SWAP)
+    swapped = sum(d.size_bytes for d in plan.decisions if d.method == Method.SWAP)
     replayed = sum(
         len(d.replay_ops)
-        for d, o in zip(plan.records, sim.outcomes, strict=True)
+        for d, o in zip(plan.decisions, sim.outcomes, strict=True)
         if d.method == Method.RECOMPUTE and o.recompute_ns > 0
     )
     gap = reported.get("optimality_gap")
@@ -141,7 +141,7 @@ def evaluate(
         solve_time_s=round(solve_s, 4),
         bytes_swapped=int(swapped),
         ops_recomputed=int(replayed),
-        decisions=len(plan.records),
+        decisions=len(plan.decisions),
         optimality_gap=None if gap is None else float(gap),
         status=reported.get("status"),
         time_limit_s=reported.get("time_limit_s"),

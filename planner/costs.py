@@ -25,9 +25,10 @@ adds ``runtime_cost_ns`` to the simulated iteration for the plan's predicted tim
 # Sources: ``python benchmarks/runtime.py`` prints the per-op figures (its "per-op cost" lines:
 # a 16-float ``aten.add`` without a mode, through a passthrough mode, on the runtime's hot path and
 # on its slow path; a swap cycle through the CPU backend) and the table whose "measured /
-# predicted" column checks this model; the figures below are from the runs recorded in
-# docs/runtime.md (CPU, 1 intra-op thread, a host shared by other jobs: load average about 10 on
-# 2 cores).
+# predicted" column checks this model; the figures below are from its run recorded in
+# docs/runtime.md (CPU, 1 intra-op thread, a quiet 2-core host: load average below 1). Under
+# load the host-side costs grow with it (about 3x at load 10), and so do the op times a trace
+# records: trace and run on a quiet machine.
 """
 
 from __future__ import annotations
@@ -53,28 +54,29 @@ class RuntimeCosts:
     #                                measured bandwidth (fresh pages after a resize, thread handoff)
 
 
-# hot/guarded/slow: the per-op lines of benchmarks/runtime.py (16.5 - 5.7 µs passthrough minus no
-# mode, +0.7 µs hot path, +33 µs slow path, rounded up; guarded: the argument check, 1.1 µs);
+# hot/guarded/slow: the per-op lines of benchmarks/runtime.py (5.3 - 2.0 µs passthrough minus no
+# mode, +0.04 µs hot path, +39.6 µs slow path, rounded; guarded: the argument check, 1.1 µs at
+# load 10, scaled by the 3x the other figures fell from there);
 # swap_action_ns and copy_ns_per_byte: its "swap cycle" lines (a swap-out and swap-in through the
-# CPU backend: 64 KiB cost 200-285 µs per direction, 2-8 MiB 0.30-0.36 ns per byte, means under load
-# 10); replay_op_ns: the slow path's cost again (a replay re-enters the same bookkeeping).
+# CPU backend: 64 KiB cost 89 µs per direction, 2-8 MiB 0.05-0.07 ns per byte); replay_op_ns: the
+# slow path's cost again (a replay re-enters the same bookkeeping).
 CPU = RuntimeCosts(
-    hot_op_ns=11_000,
-    guarded_op_ns=1_100,
-    slow_op_ns=34_000,
-    swap_action_ns=200_000,
-    replay_op_ns=34_000,
+    hot_op_ns=3_400,
+    guarded_op_ns=400,
+    slow_op_ns=40_000,
+    swap_action_ns=90_000,
+    replay_op_ns=40_000,
     copies_share_compute=True,
-    copy_ns_per_byte=0.30,
+    copy_ns_per_byte=0.06,
 )
 # not measured (no GPU here): the host-side costs are those of CPU; the copies run on the copy
 # engines, which the simulator's channels model.
 CUDA = RuntimeCosts(
-    hot_op_ns=11_000,
-    guarded_op_ns=1_100,
-    slow_op_ns=34_000,
-    swap_action_ns=200_000,
-    replay_op_ns=34_000,
+    hot_op_ns=3_400,
+    guarded_op_ns=400,
+    slow_op_ns=40_000,
+    swap_action_ns=90_000,
+    replay_op_ns=40_000,
     copies_share_compute=False,
 )
 

@@ -157,7 +157,7 @@ class Plan:
 
     provenance: Provenance
     predictions: Predictions
-    records: list[Decision]  # one per evicted storage; ``decisions`` is the DataFrame view
+    decisions: list[Decision]  # one per evicted storage; ``decisions_frame()`` is the DataFrame view
     ops: list[list[str]]
     actions: list[Action] = field(default_factory=list)
     schema_version: int = PLAN_SCHEMA_VERSION
@@ -176,7 +176,7 @@ class Plan:
                 **asdict(self.predictions),
                 "predicted_overhead": self.predictions.predicted_overhead,
             },
-            "decisions": [d.to_dict() for d in self.records],
+            "decisions": [d.to_dict() for d in self.decisions],
             "ops": self.ops,
             "op_scratch_bytes": list(self.op_scratch_bytes),
             "op_peak_bytes": list(self.op_peak_bytes),
@@ -201,7 +201,7 @@ class Plan:
         return cls(
             provenance=provenance,
             predictions=Predictions(**pred),
-            records=[Decision.from_dict(d) for d in doc["decisions"]],
+            decisions=[Decision.from_dict(d) for d in doc["decisions"]],
             ops=[list(o) for o in doc["ops"]],
             actions=[Action(k, Step(s), sid) for k, s, sid in doc["actions"]],
             kind=doc.get("kind", "train"),
@@ -272,11 +272,11 @@ class Plan:
 
     @property
     def swap_count(self) -> int:
-        return sum(1 for d in self.records if d.method == Method.SWAP)
+        return sum(1 for d in self.decisions if d.method == Method.SWAP)
 
     @property
     def recompute_count(self) -> int:
-        return sum(1 for d in self.records if d.method == Method.RECOMPUTE)
+        return sum(1 for d in self.decisions if d.method == Method.RECOMPUTE)
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers (what ``capuchin plan --json`` prints)."""
@@ -290,11 +290,11 @@ class Plan:
             "feasible": p.feasible,
             "swap_count": self.swap_count,
             "recompute_count": self.recompute_count,
-            "swapped_bytes": sum(d.size_bytes for d in self.records if d.method == Method.SWAP),
+            "swapped_bytes": sum(d.size_bytes for d in self.decisions if d.method == Method.SWAP),
             "recomputed_bytes": sum(
-                d.size_bytes for d in self.records if d.method == Method.RECOMPUTE
+                d.size_bytes for d in self.decisions if d.method == Method.RECOMPUTE
             ),
-            "replayed_ops": sum(len(d.replay_ops) for d in self.records),
+            "replayed_ops": sum(len(d.replay_ops) for d in self.decisions),
             "baseline_time_ns": p.baseline_time_ns,
             "predicted_time_ns": p.predicted_time_ns,
             "solve_time_s": pr.solve_time_s,
@@ -303,13 +303,12 @@ class Plan:
             "notes": list(p.notes),
         }
 
-    @property
-    def decisions(self):
-        """Decisions as a pandas DataFrame (one row per evicted storage)."""
+    def decisions_frame(self):
+        """The decisions as a pandas DataFrame (one row per evicted storage)."""
         import pandas as pd
 
         return pd.DataFrame(
-            [d.to_dict() for d in self.records], columns=[f.name for f in fields(Decision)]
+            [d.to_dict() for d in self.decisions], columns=[f.name for f in fields(Decision)]
         )
 
 

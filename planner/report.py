@@ -34,7 +34,7 @@ def format_summary(plan: Plan, output: str | os.PathLike | None = None) -> str:
         f"{s['recompute_count']} recomputations ({format_bytes(s['recomputed_bytes'])}, "
         f"{s['replayed_ops']} replayed ops); solved in {s['solve_time_s']:.2f} s",
     ]
-    wraps = [d for d in plan.records if d.wraps]
+    wraps = [d for d in plan.decisions if d.wraps]
     if wraps:
         lines.append(
             f"{len(wraps)} of the swaps wrap around the iteration boundary "
@@ -166,7 +166,7 @@ def plot_memory(
         f"{plan.swap_count} swaps, {plan.recompute_count} recomputations, "
         f"overhead {100 * plan.predictions.predicted_overhead:.1f}%"
     )
-    rows = sorted(zip(plan.records, sim.outcomes, strict=True), key=lambda r: -r[0].size_bytes)
+    rows = sorted(zip(plan.decisions, sim.outcomes, strict=True), key=lambda r: -r[0].size_bytes)
     for y, (d, o) in enumerate(rows[:max_bars]):
         start = o.freed_ns if o.freed_ns >= 0 else sim.op_end_ns[d.evict_op]
         end = o.back_ns if o.back_ns >= 0 else sim.op_start_ns[d.back_op]

@@ -343,7 +343,7 @@ def simulate_plan(plan: Plan, trace=None) -> SimResult:
             f"plan was made for (fingerprint {problem.fingerprint()} vs "
             f"{plan.provenance.trace_fingerprint})"
         )
-    return simulate(problem, plan.records)
+    return simulate(problem, plan.decisions)
 
 
 _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

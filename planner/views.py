@@ -62,8 +62,8 @@ def plans_frame(plans: Plans) -> pd.DataFrame:
                 "recompute_count": s["recompute_count"],
                 "swapped_bytes": s["swapped_bytes"],
                 "replayed_ops": s["replayed_ops"],
-                "stall_ns": sum(d.predicted_stall_ns for d in p.records),
-                "recompute_ns": sum(d.predicted_recompute_ns for d in p.records),
+                "stall_ns": sum(d.predicted_stall_ns for d in p.decisions),
+                "recompute_ns": sum(d.predicted_recompute_ns for d in p.decisions),
                 "solve_time_s": s["solve_time_s"],
             }
         )
@@ -95,7 +95,7 @@ def _baseline(plan: Plan, problem: Problem | None) -> SimResult:
     """The simulation of ``plan``'s trace with nothing evicted."""
     from dataclasses import replace
 
-    return simulate_plan(replace(plan, records=[], actions=[]), problem)
+    return simulate_plan(replace(plan, decisions=[], actions=[]), problem)
 
 
 def _curve(name: str, sim: SimResult) -> pd.DataFrame:

@@ -106,9 +106,9 @@ def compile_plan(plan: Plan) -> ActionTable:
     def at(k: int) -> OpActions:
         return ops.setdefault(k, OpActions())
 
-    decisions = {d.storage_id: d for d in plan.records}
+    decisions = {d.storage_id: d for d in plan.decisions}
     named: set[str] = set()
-    for d in plan.records:
+    for d in plan.decisions:
         named.update((d.storage_id, *d.sources, *d.keep))
         if d.method is Method.RECOMPUTE:
             for k in d.replay_ops:

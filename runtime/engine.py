@@ -54,7 +54,7 @@ def rank_plan_path(plan: str | os.PathLike) -> str | os.PathLike:
 
 def _empty(plan: Plan | None) -> bool:
     """A plan that evicts nothing in any kind of iteration (the baseline fits its budget)."""
-    return plan is not None and not plan.records and all(not k.records for k in plan.kinds)
+    return plan is not None and not plan.decisions and all(not k.decisions for k in plan.kinds)
 
 
 class _StepClock(OpIndexer):

@@ -44,9 +44,9 @@ def test_records_are_what_the_builder_and_simulator_say(problem):
         assert r.feasible == (sim.peak_bytes <= r.budget_bytes)
         assert r.predicted_peak_bytes == sim.peak_bytes
         assert r.predicted_overhead == pytest.approx(sim.overhead)
-        assert r.decisions == len(plan.records)
+        assert r.decisions == len(plan.decisions)
         assert r.bytes_swapped == sum(
-            d.size_bytes for d in plan.records if d.method.value == "swap"
+            d.size_bytes for d in plan.decisions if d.method.value == "swap"
         )
 
 

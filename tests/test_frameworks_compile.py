@@ -47,7 +47,7 @@ def test_dynamo_disabled_trains_bitwise_under_a_plan(tmp_path, monkeypatch):
         SCRIPT, ["--steps", "6"], output=tmp_path / "t.parquet", log=lambda m: None
     )
     plan = make_plan(trace, "70%")
-    assert plan.records
+    assert plan.decisions
     rt = Runtime(plan)
     got = run_example(SCRIPT, ["--steps", "4"], rt)
     assert state_mismatches(run_example(SCRIPT, ["--steps", "4"]), got) == []
@@ -89,7 +89,7 @@ def test_an_empty_plan_lets_torch_compile_through(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(torch._dynamo.config, "disable", False)
     plan = make_plan(trace, "100%")
-    assert not plan.records
+    assert not plan.decisions
     original = torch.compile
     with Runtime(plan, measure_memory=False):
         assert torch.compile is original

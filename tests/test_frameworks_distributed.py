@@ -50,7 +50,7 @@ def test_plan_plans_every_rank(tmp_path):
     assert sorted(ranked_files(tmp_path / "t.parquet")) == [0, 1]
     out = plan_files(tmp_path / "t.parquet", "80%", tmp_path / "p.json")
     assert [p.name for _, p in out] == ["p.rank0.json", "p.rank1.json"]
-    assert all(load_plan(p).records for _, p in out)
+    assert all(load_plan(p).decisions for _, p in out)
 
 
 def test_python_dash_m_capuchin():
@@ -126,10 +126,10 @@ def _job(tmp_path, extra, budget):
         comm = {s for s, info in problem.storages.items() if info.communicated}
         assert comm, "the trace records the collectives"
         assert not any(problem.storages[s].evictable for s in comm)
-        assert plan.records and not {d.storage_id for d in plan.records} & comm
+        assert plan.decisions and not {d.storage_id for d in plan.decisions} & comm
         assert not any(
             problem.ops[k].name.startswith(("c10d.", "fsdp."))
-            for d in plan.records
+            for d in plan.decisions
             for k in d.replay_ops
         )
         plain = torch.load(tmp_path / f"plain.rank{rank}.pt")

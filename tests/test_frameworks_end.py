@@ -19,7 +19,7 @@ def test_code_after_the_last_step_is_not_a_divergence(tmp_path, capsys):
         script, ["--steps", "6"], output=tmp_path / "t.parquet", log=lambda m: None
     )
     plan = make_plan(trace, "70%", policy="swap")
-    assert plan.records, "the plan evicts something"
+    assert plan.decisions, "the plan evicts something"
     capsys.readouterr()
     rt = Runtime(plan)
     got = run_example(script, ["--steps", "4"], rt)

@@ -31,7 +31,7 @@ def test_evaluation_every_other_step_is_planned_and_run_kind_by_kind(tmp_path):
     assert "kinds      train: iterations [1, 3]; kind1: iterations [2]" in shown.output
     plan = make_plan(trace, "75%")
     assert plan.kind == "train" and [k.kind for k in plan.kinds] == ["kind1"]
-    assert plan.records and plan.kinds[0].records
+    assert plan.decisions and plan.kinds[0].decisions
     path = plan.save(tmp_path / "p.json")
     again = load_plan(path)
     assert [(k.kind, k.provenance.iteration) for k in again.kinds] == [("kind1", 2)]
@@ -44,8 +44,8 @@ def test_evaluation_every_other_step_is_planned_and_run_kind_by_kind(tmp_path):
     its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
     assert [s.kind for s in its] == ["train", "kind1"] * 3 + ["train"]
     assert not any(s.diverged for s in its)
-    assert all(s.evictions == len(plan.records) for s in its if s.kind == "train")
-    assert all(s.evictions == len(plan.kinds[0].records) for s in its if s.kind == "kind1")
+    assert all(s.evictions == len(plan.decisions) for s in its if s.kind == "train")
+    assert all(s.evictions == len(plan.kinds[0].decisions) for s in its if s.kind == "kind1")
     assert all(s.peak_bytes <= plan.budget_bytes for s in its), (
         [s.peak_bytes for s in its],
         plan.budget_bytes,
@@ -84,7 +84,7 @@ def test_hugging_face_trainer_with_evaluation_steps(tmp_path):
     )
     assert iteration_kinds(trace) == [("train", [1, 3]), ("kind1", [2])]
     plan = make_plan(trace, "70%")
-    assert plan.records and plan.kinds[0].records
+    assert plan.decisions and plan.kinds[0].decisions
     rt = Runtime(plan)
     got = run_example(script, ["--steps", "7"], rt)
     ref = run_example(script, ["--steps", "7"])

@@ -51,7 +51,7 @@ def test_lightning_trainer_phases_and_bitwise_training(tmp_path):
     assert (fwd.op_name == "aten.addmm.default").sum() == 8
     assert trace.meta.regular
     plan = make_plan(trace, "70%")
-    assert plan.records
+    assert plan.decisions
     rt, its = _train_under_plan(script, plan, 5)
     assert len(its) == 4 and not any(s.diverged for s in its)
     assert all(s.evictions > 0 for s in its)
@@ -80,11 +80,11 @@ def test_lbfgs_phases_and_bitwise_training(tmp_path):
     problem = Problem.from_trace(trace)
     plan = hand_plan(problem, "swap")
     budget = plan.predictions.predicted_peak_bytes
-    assert plan.records and budget < 0.9 * problem.peak_bytes
+    assert plan.decisions and budget < 0.9 * problem.peak_bytes
     rt, its = _train_under_plan(script, plan, 7)
     steady = [s for s in its if s.iteration >= 3]
     assert len(steady) == 4 and not any(s.diverged for s in steady)
-    assert all(s.evictions == len(plan.records) and s.refused == 0 for s in steady)
+    assert all(s.evictions == len(plan.decisions) and s.refused == 0 for s in steady)
     assert all(s.peak_bytes <= 1.02 * budget for s in steady), (
         [s.peak_bytes for s in steady],
         budget,

@@ -181,7 +181,7 @@ def test_zero_size_storages_are_never_candidates():
     assert all(c.size_bytes > 0 for c in ilp.candidates(problem, budget))
     ds = ilp.ilp_policy(problem, budget, max_stages=100)
     plan, sim = build_plan(problem, ds, policy="ilp", budget_bytes=budget)
-    assert all(d.storage_id != "Z" for d in plan.records)
+    assert all(d.storage_id != "Z" for d in plan.decisions)
     assert plan.predictions.feasible == (ds.parameters["status"] != "INFEASIBLE")
 
 

@@ -136,10 +136,10 @@ def test_capuchin_goes_below_the_activation_floor_with_wrap_swaps_and_plans_roun
     ds = capuchin_policy(p, budget)
     plan, sim = build_plan(p, ds, policy="capuchin", budget_bytes=budget)
     assert plan.predictions.feasible and sim.peak_bytes <= budget
-    wraps = [d for d in plan.records if d.wraps]
+    wraps = [d for d in plan.decisions if d.wraps]
     assert wraps and all(d.method == Method.SWAP for d in wraps)
     again = Plan.from_json(plan.to_json())
-    assert [d.wraps for d in again.records] == [d.wraps for d in plan.records]
+    assert [d.wraps for d in again.decisions] == [d.wraps for d in plan.decisions]
     for d in wraps:
         steps = {(a.op_index, a.step) for a in plan.actions if a.storage_id == d.storage_id}
         assert (d.evict_op, Step.EVICT_SWAP) in steps and (d.back_op, Step.RESTORE) in steps
@@ -176,7 +176,7 @@ def persistent_plan(problem: Problem, inside: bool = True, min_bytes: int = 1) -
 
 
 def _kinds(plan: Plan, problem: Problem) -> set:
-    return {problem.storages[d.storage_id].kind for d in plan.records if d.wraps}
+    return {problem.storages[d.storage_id].kind for d in plan.decisions if d.wraps}
 
 
 def _steady(rt: Runtime):
@@ -199,7 +199,7 @@ def test_bundled_examples_train_bitwise_with_state_out_across_iterations(name):
     assert its and not any(s.diverged for s in its)
     # what left at the end of the iteration before came back in this one
     assert all(
-        s.swapped_in_bytes >= sum(d.size_bytes for d in plan.records if d.wraps) for s in its
+        s.swapped_in_bytes >= sum(d.size_bytes for d in plan.decisions if d.wraps) for s in its
     )
     assert all(s.refused == 0 for s in its)
 
@@ -291,7 +291,7 @@ def test_zero_grad_both_ways_trains_bitwise(tmp_path, set_to_none):
         assert Kind.GRADIENT not in kinds
         assert any(
             problem.storages[d.storage_id].kind == Kind.GRADIENT and not d.wraps
-            for d in plan.records
+            for d in plan.decisions
         )
     else:  # persistent gradient buffers: out across the boundary too
         assert Kind.GRADIENT in kinds

@@ -70,10 +70,10 @@ def test_swap_hides_fully():
     # op 2 still holds A while its copy runs (freed when the copy completes, paper §5.3): 800 B
     budget = p.peak_bytes - 200
     plan = make_plan(p, budget)
-    assert [(d.storage_id, d.method) for d in plan.records] == [("A", Method.SWAP)]
-    d = plan.records[0]
+    assert [(d.storage_id, d.method) for d in plan.decisions] == [("A", Method.SWAP)]
+    d = plan.decisions[0]
     assert (d.evict_op, d.back_op) == (1, 6)
-    sim = simulate(p, plan.records)
+    sim = simulate(p, plan.decisions)
     assert sim.peak_bytes <= budget
     assert sim.time_ns == p.time_ns  # fully hidden: no stall
     assert d.predicted_stall_ns == 0
@@ -92,10 +92,10 @@ def test_only_recomputation_helps():
         make_plan(p, budget, policy="swap")
     assert err.value.smallest_feasible_bytes > budget
     plan = make_plan(p, budget)  # the hybrid policy picks recomputation
-    assert [(d.storage_id, d.method) for d in plan.records] == [("B", Method.RECOMPUTE)]
-    d = plan.records[0]
+    assert [(d.storage_id, d.method) for d in plan.decisions] == [("B", Method.RECOMPUTE)]
+    d = plan.decisions[0]
     assert d.replay_ops == (0,) and d.sources == ("W",)
-    sim = simulate(p, plan.records)
+    sim = simulate(p, plan.decisions)
     assert sim.peak_bytes <= budget
     assert sim.time_ns == p.time_ns + 100  # one replayed op
     assert d.predicted_recompute_ns == 100
@@ -106,11 +106,11 @@ def test_source_dies_before_back_access():
     assert not p.storages["T2"].alive_at(5)
     budget = p.peak_bytes - 300
     plan = make_plan(p, budget, policy="recompute")
-    (d,) = plan.records
+    (d,) = plan.decisions
     assert d.storage_id == "T3" and d.method == Method.RECOMPUTE
     assert d.replay_ops == (0, 1)  # f then g: T2 is regenerated as a temporary
     assert d.sources == ("T1",)
-    sim = simulate(p, plan.records)
+    sim = simulate(p, plan.decisions)
     assert sim.time_ns == p.time_ns + 500
     # during the replay T2 (100 B) and T3 (400 B) exist together on top of what is live
     live_before = int(p.live_bytes[5]) - 400 - 10  # op 5 allocates Z (10 B); T3 counted there
@@ -121,7 +121,7 @@ def test_source_dies_before_back_access():
 def test_budget_at_or_above_peak_gives_empty_plan():
     p = swap_hides_problem()
     plan = make_plan(p, p.peak_bytes)
-    assert plan.records == [] and plan.actions == []
+    assert plan.decisions == [] and plan.actions == []
     assert plan.predictions.predicted_peak_bytes == p.peak_bytes
     assert any("nothing to evict" in n for n in plan.predictions.notes)
 
@@ -140,18 +140,18 @@ def test_action_table_and_json_round_trip(tmp_path):
     p = dead_source_problem()
     plan = make_plan(p, p.peak_bytes - 300)
     steps = {(a.op_index, a.step.value, a.storage_id) for a in plan.actions}
-    d = plan.records[0]
+    d = plan.decisions[0]
     assert (d.evict_op, "evict_drop", d.storage_id) in steps
     assert (d.back_op, "recompute", d.storage_id) in steps
     path = plan.save(tmp_path / "x.plan.json")
     back = Plan.from_json(path.read_text())
-    assert back.records == plan.records and back.actions == plan.actions
+    assert back.decisions == plan.decisions and back.actions == plan.actions
     assert back.provenance == plan.provenance and back.ops == plan.ops
     assert back.summary() == plan.summary()
     assert len(plan.ops) == p.n_ops and plan.provenance.trace_fingerprint == p.fingerprint()
     sim = simulate_plan(back, p)
     assert sim.peak_bytes == plan.predictions.predicted_peak_bytes
-    assert list(back.decisions["storage_id"]) == ["T3"]
+    assert list(back.decisions_frame()["storage_id"]) == ["T3"]
 
 
 def test_collective_recomputation_chosen_by_the_policy():
@@ -183,10 +183,10 @@ def test_collective_recomputation_chosen_by_the_policy():
     }
     p = Problem.from_lists(ops, sizes, persistent=["W"], bandwidth_bytes_per_s=1e3)
     plan = make_plan(p, p.peak_bytes - 200, "recompute")
-    sim = simulate(p, plan.records)
+    sim = simulate(p, plan.decisions)
     assert sim.peak_bytes <= plan.budget_bytes
-    assert all(d.method == Method.RECOMPUTE for d in plan.records)
-    kept = {k for d in plan.records for k in d.keep}
+    assert all(d.method == Method.RECOMPUTE for d in plan.decisions)
+    kept = {k for d in plan.decisions for k in d.keep}
     assert kept  # some intermediate is regenerated once and kept
     replays = {o.storage_id: o.recompute_ns for o in sim.outcomes}
     assert any(replays[k] == 0 for k in kept)  # its own back-access replays nothing

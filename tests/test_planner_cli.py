@@ -34,7 +34,7 @@ def test_plan_writes_default_output_and_summary(trace_file):
     assert r.exit_code == 0, r.output
     assert "peak" in r.output and "fits" in r.output and "tf.plan.json" in r.output
     plan = load_plan("tf.plan.json")  # <trace stem>.plan.json in the current directory
-    assert plan.predictions.feasible and plan.records
+    assert plan.predictions.feasible and plan.decisions
     assert plan.provenance.iteration == 1  # the steady (last) iteration
 
 
@@ -83,7 +83,7 @@ def test_infeasible_budget_exits_2_naming_smallest(trace_file):
 def test_budget_above_peak_says_nothing_to_evict(trace_file):
     r = run("plan", trace_file, "--budget", "8GiB", "-o", "p.json")
     assert r.exit_code == 0 and "nothing to evict" in r.output
-    assert load_plan("p.json").records == []
+    assert load_plan("p.json").decisions == []
 
 
 def test_unknown_policy_and_bad_budget(trace_file):

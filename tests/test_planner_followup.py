@@ -36,7 +36,7 @@ def test_second_replay_at_same_back_op_reads_the_first_target():
     p = _same_back_problem()
     ds = [Decision("A", Method.RECOMPUTE, 100, 1, 4), Decision("B", Method.RECOMPUTE, 10, 2, 4)]
     plan, sim = build_plan(p, ds, policy="test", budget_bytes=p.peak_bytes)
-    rec = {d.storage_id: d for d in plan.records}
+    rec = {d.storage_id: d for d in plan.decisions}
     out = {o.storage_id: o for o in sim.outcomes}
     dur = {op.name: op.duration_ns for op in p.ops}
     # A is regenerated first (op f0); B's replay then reads it instead of replaying f0 again
@@ -84,7 +84,7 @@ def test_storage_kept_by_an_earlier_replay_is_a_source():
         Decision("Z", Method.RECOMPUTE, 10, 5, 7),
     ]
     plan, sim = build_plan(p, ds, policy="test", budget_bytes=p.peak_bytes)
-    rec = {d.storage_id: d for d in plan.records}
+    rec = {d.storage_id: d for d in plan.decisions}
     out = {o.storage_id: o for o in sim.outcomes}
     assert "A" in rec["B"].keep
     assert 0 not in rec["Z"].replay_ops and "A" in rec["Z"].sources
@@ -102,9 +102,9 @@ def test_resolution_order_matches_the_simulation_order():
     p = _same_back_problem()
     ds = [Decision("B", Method.RECOMPUTE, 10, 2, 4), Decision("A", Method.RECOMPUTE, 100, 1, 4)]
     plan, sim = build_plan(p, ds, policy="test", budget_bytes=p.peak_bytes)
-    assert [d.storage_id for d in plan.records] == ["A", "B"]
-    assert {d.storage_id: d for d in plan.records}["B"].sources == ("A",)
-    assert simulate(p, plan.records).time_ns == sim.time_ns
+    assert [d.storage_id for d in plan.decisions] == ["A", "B"]
+    assert {d.storage_id: d for d in plan.decisions}["B"].sources == ("A",)
+    assert simulate(p, plan.decisions).time_ns == sim.time_ns
 
 
 # ---- persistent storages no op accesses (synthetic.trace_from_ops) ---------------------------

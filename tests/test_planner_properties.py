@@ -46,12 +46,12 @@ def test_feasible_plans_fit_and_infeasible_ones_name_a_feasible_budget(p, frac, 
         assert make_plan(p, best, policy).predictions.feasible  # the named budget works
         return
     # re-simulated from the decisions alone, independently of the policy
-    sim = simulate(p, plan.records)
+    sim = simulate(p, plan.decisions)
     assert sim.peak_bytes <= budget
     assert sim.peak_bytes == plan.predictions.predicted_peak_bytes
     pred = plan.predictions
     assert sim.time_ns + pred.runtime_cost_ns == pred.predicted_time_ns >= p.time_ns
-    assert len({(d.storage_id, d.evict_op) for d in plan.records}) == len(plan.records)
+    assert len({(d.storage_id, d.evict_op) for d in plan.decisions}) == len(plan.decisions)
 
 
 @pytest.mark.slow

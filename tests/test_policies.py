@@ -95,7 +95,7 @@ def test_unknown_policy_lists_the_valid_ones():
 def test_empty_trace(policy):
     problem = empty_problem()
     plan, sim = run(policy, problem, 1)
-    assert plan.records == [] and sim.peak_bytes == 0 and plan.predictions.feasible
+    assert plan.decisions == [] and sim.peak_bytes == 0 and plan.predictions.feasible
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -124,7 +124,7 @@ def test_zero_size_tensors(policy):
     assert zero
     for frac in (0.8, 0.6):
         plan, _ = run(policy, problem, int(problem.peak_bytes * frac))
-        assert not {d.storage_id for d in plan.records} & zero
+        assert not {d.storage_id for d in plan.decisions} & zero
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -137,7 +137,7 @@ def test_plans_pass_the_simulator_and_keep_their_word(policy, make):
         assert plan.predictions.feasible == (sim.peak_bytes <= budget)
         assert plan.predictions.predicted_peak_bytes == sim.peak_bytes
         assert sim.time_ns >= problem.time_ns
-        for d in plan.records:  # persistent storages: swapped only (problem.py)
+        for d in plan.decisions:  # persistent storages: swapped only (problem.py)
             s = problem.storages[d.storage_id]
             assert s.evictable or (s.swappable and d.method.value == "swap")
         # what the plan file says is what the simulator says when it replays it
@@ -151,7 +151,7 @@ def test_dtr_fits_where_recomputation_can():
     for frac in (0.8, 0.6):
         plan, sim = run("dtr", problem, int(problem.peak_bytes * frac))
         assert plan.predictions.feasible, frac
-        assert plan.records and all(d.method == Method.RECOMPUTE for d in plan.records)
+        assert plan.decisions and all(d.method == Method.RECOMPUTE for d in plan.decisions)
 
 
 @pytest.mark.skipif(not DTR_ZIP.exists(), reason="the DTR logs zip is not on this machine")
@@ -164,7 +164,7 @@ def test_dtr_on_a_real_gpu_trace(tmp_path):
     problem = Problem.from_trace(load_trace(path))
     plan, sim = run("dtr", problem, int(problem.peak_bytes * 0.6))
     assert plan.predictions.feasible and 0 < sim.overhead < 0.5
-    assert all(d.method == Method.RECOMPUTE for d in plan.records)
+    assert all(d.method == Method.RECOMPUTE for d in plan.decisions)
 
 
 def test_dtr_is_reproducible_and_seeded():
@@ -266,17 +266,17 @@ def test_checkpoint_sqrt_skips_storages_that_a_skip_connection_bypasses():
 def test_checkpoint_speed_keeps_conv_and_matmul_outputs():
     problem = cnn_problem(layers=4)
     plan, _ = run("checkpoint-speed", problem, int(problem.peak_bytes * 0.6))
-    dropped = {d.storage_id for d in plan.records}
+    dropped = {d.storage_id for d in plan.decisions}
     assert dropped and all(s.startswith("r") for s in dropped)  # relu outputs only
-    assert all(d.method == Method.RECOMPUTE for d in plan.records)
+    assert all(d.method == Method.RECOMPUTE for d in plan.decisions)
 
 
 def test_vdnn_offloads_conv_inputs_and_prefetches_one_layer_ahead():
     problem = cnn_problem(layers=4)
     plan, sim = run("vdnn", problem, int(problem.peak_bytes * 0.6))
-    by_sid = {d.storage_id: d for d in plan.records}
+    by_sid = {d.storage_id: d for d in plan.decisions}
     assert set(by_sid) == {"r0", "r1", "r2"}  # inputs of convs 1..3 (x is an input, resident)
-    assert all(d.method == Method.SWAP for d in plan.records)
+    assert all(d.method == Method.SWAP for d in plan.decisions)
     # r_i is prefetched when backward reaches the next layer, i.e. at r_{i+1}'s back-access
     assert by_sid["r0"].trigger_op == by_sid["r1"].back_op
     assert by_sid["r1"].trigger_op == by_sid["r2"].back_op

@@ -43,7 +43,7 @@ def steady(rt: Runtime):
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_plan_trains_bitwise(name, method):
     plan = hand_plan(problem(name), method, limit=8)
-    assert plan.records, "the hand plan evicts something"
+    assert plan.decisions, "the hand plan evicts something"
     rt = Runtime(plan, measure_memory=True)
     assert train_mismatches(name, rt) == []
     its = steady(rt)
@@ -70,7 +70,7 @@ def test_planner_plans_train_bitwise(name, policy):
     plan = capuchin.make_plan(
         TRACES / f"{name}.trace.parquet", budget="50%", policy=policy, allow_infeasible=True
     )
-    assert plan.records
+    assert plan.decisions
     rt = Runtime(plan, measure_memory=False)
     assert train_mismatches(name, rt) == []
     its = steady(rt)
@@ -368,7 +368,7 @@ def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
 
     monkeypatch.setattr(engine, "backend_for", slow_backend)
     plan = hand_plan(problem("cnn"), "swap", limit=4, trigger_lead=1)
-    triggers = {d.storage_id: d.trigger_op for d in plan.records}
+    triggers = {d.storage_id: d.trigger_op for d in plan.decisions}
     rt = Runtime(plan, measure_memory=False)
     assert train_mismatches("cnn", rt) == []
     its = steady(rt)
@@ -522,7 +522,7 @@ def test_make_plan_at_50_percent_measured_within_budget_and_simulation(name):
         plan = capuchin.make_plan(trace, budget="50%", policy="capuchin")
     except InfeasibleBudgetError as exc:
         plan = capuchin.make_plan(trace, budget=exc.smallest_feasible_bytes, policy="capuchin")
-    assert plan.records
+    assert plan.decisions
     rt = Runtime(plan, measure_memory=True)
     assert train_mismatches(name, rt) == []
     its = steady(rt)
@@ -604,7 +604,7 @@ def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, sl
     )
     plan, _sim = build_plan(problem, fn(problem, budget), policy="capuchin", budget_bytes=budget)
     assert plan.predictions.feasible
-    assert plan.records and plan.op_peak_bytes
+    assert plan.decisions and plan.op_peak_bytes
 
     class _SlowDst:
         def __init__(self, inner):
