@@ -157,7 +157,7 @@ class Plan:
 
     provenance: Provenance
     predictions: Predictions
-    decisions: list[Decision]  # one per evicted storage; ``decisions_frame()`` is the DataFrame view
+    decisions: list[Decision]  # one per evicted storage; ``decisions_frame()``: as a DataFrame
     ops: list[list[str]]
     actions: list[Action] = field(default_factory=list)
     schema_version: int = PLAN_SCHEMA_VERSION
