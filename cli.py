@@ -594,6 +594,8 @@ def max_batch_cmd(
 
     from .maxbatch import max_batch
 
+    if max_value < min_value:
+        raise click.UsageError(f"--min {min_value} is above --max {max_value}")
     overhead = None
     if max_overhead is not None:
         text = str(max_overhead).strip().rstrip("%")

@@ -288,7 +288,9 @@ def plan_file(
 ) -> tuple[Plan, Path]:
     """What ``capuchin plan`` does: ``make_plan`` on a trace file, saved (atomically) to
     ``output`` (default ``default_plan_path``). Refuses to overwrite without ``force`` (checked
-    before planning, with the other checks of ``outputs.check_output``)."""
+    before planning, with the other checks of ``outputs.check_output``; the budget's syntax is
+    checked before the output, so a typo is named first)."""
+    parse_budget(budget, peak_bytes=1 << 62)  # syntax only: a percentage's bytes need the trace
     out = check_output(
         output if output is not None else default_plan_path(trace_path),
         force=force,
@@ -316,6 +318,7 @@ def plan_files(
     planning, so a refused one leaves nothing half-written."""
     from ..distributed import rank_path, ranked_files
 
+    parse_budget(budget, peak_bytes=1 << 62)  # syntax first (plan_file)
     ranks = ranked_files(trace_path) if not Path(trace_path).exists() else {}
     if not ranks:
         return [plan_file(trace_path, budget, output, force=force, **kw)]

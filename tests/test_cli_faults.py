@@ -493,6 +493,22 @@ def test_12_usage_errors_are_not_the_infeasible_budget_code(work):
     assert cli("plan", "--no-such-option", "t.trace.parquet").exit_code == EXIT_USAGE
     assert cli("run", "train.py").exit_code == EXIT_USAGE  # neither --plan nor --budget
     assert cli("plan", "t.trace.parquet", "--budget", "1K").exit_code == 2  # infeasible
+    r = cli(
+        "max-batch", "--memory", "1M", "--arg", "--batch", "--min", "8", "--max", "4", "train.py"
+    )
+    assert r.exit_code == EXIT_USAGE and "--min 8 is above --max 4" in r.output + r.stderr
+
+
+def test_12_plan_names_a_bad_budget_before_an_existing_output(work):
+    line = one_line_error(cli("plan", "t.trace.parquet", "--budget", "5O%", "-o", "p.json"))
+    assert "'5O%'" in line and "not a percentage" in line
+
+
+def test_12_import_dtr_names_a_line_without_an_instruction(work):
+    (work / "bad.log").write_text('{"NAME": "x0"}\n')
+    line = one_line_error(cli("import-dtr", "bad.log", "-o", "d.trace.parquet"))
+    assert "bad.log:1" in line and "no INSTRUCTION field" in line
+    assert not (work / "d.trace.parquet").exists()
 
 
 @pytest.mark.slow

@@ -186,6 +186,11 @@ class _Converter:
                     i = self._call(d, lines, i, lineno, take)
                 elif ins == "MUTATE":
                     self._mutate(d, lineno)
+                elif ins is None:
+                    raise DtrLogError(
+                        f"{self.source}:{lineno}: no INSTRUCTION field (a DTR log line is a JSON "
+                        f"object with one): {lines[lineno - 1].strip()[:80]}"
+                    )
                 else:
                     raise DtrLogError(f"{self.source}:{lineno}: unknown instruction {ins!r}")
             except (KeyError, TypeError, ValueError) as exc:
