@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .distributed import tagged
 from .errors import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, CapuchinError, Terminated
 
 
@@ -40,10 +41,10 @@ class _Group(click.Group):
             err.show()
             sys.exit(err.exit_code)
         except (click.exceptions.Abort, KeyboardInterrupt):
-            click.echo("capuchin: interrupted", err=True)
+            click.echo(tagged("capuchin: interrupted"), err=True)
             sys.exit(EXIT_INTERRUPTED)
         except Terminated:
-            click.echo("capuchin: terminated", err=True)
+            click.echo(tagged("capuchin: terminated"), err=True)
             sys.exit(EXIT_TERMINATED)
         finally:
             restore_sigterm(previous)
@@ -58,7 +59,7 @@ def _errors_to_exit(fn):
         try:
             return fn(*args, **kwargs)
         except CapuchinError as err:
-            click.echo(f"capuchin: error: {err}", err=True)
+            click.echo(tagged(f"capuchin: error: {err}"), err=True)
             sys.exit(err.exit_code)
 
     return wrapper
@@ -142,7 +143,7 @@ def trace(output, force, iterations, warmup, device, budget, script, script_args
         force=force,
         budget_bytes=budget_bytes,
     )
-    click.echo(f"capuchin: wrote {path}", err=True)
+    click.echo(tagged(f"capuchin: wrote {path}"), err=True)
 
 
 # ---- show: a trace (.parquet) or a plan (.json) ---------------------------------------------

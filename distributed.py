@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 _RANKED = re.compile(r"\.rank(\d+)$")
@@ -37,6 +38,21 @@ def world() -> tuple[int, int]:
     except ValueError:
         return 0, 1
     return (rank, size) if size > 1 else (0, 1)
+
+
+def tagged(line: str) -> str:
+    """One of capuchin's stderr lines as this process prints it: under a world of several ranks,
+    a leading ``capuchin:`` becomes ``capuchin[rank R]:``, so the ranks' interleaved progress
+    lines, warnings and errors can be told apart."""
+    rank, size = world()
+    if size > 1 and line.startswith("capuchin:"):
+        return f"capuchin[rank {rank}]:{line[len('capuchin:') :]}"
+    return line
+
+
+def say(line: str) -> None:
+    """Print ``tagged(line)`` to stderr."""
+    print(tagged(line), file=sys.stderr, flush=True)
 
 
 def rank_path(path: str | os.PathLike, rank: int) -> Path:

@@ -20,14 +20,13 @@ trace is loaded at run time.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..distributed import default_warmup, per_rank, world
+from ..distributed import default_warmup, per_rank, say, world
 from ..errors import PlanFormatError
 from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
@@ -284,14 +283,13 @@ class Runtime:
         short = [s for s in self._iters if s.passive_short_bytes > 0]
         if short and exc_type is None:
             worst = max(s.passive_short_bytes for s in short)
-            print(
+            say(
                 f"capuchin: warning: passive mode could not keep {len(short)} iteration(s) "
                 f"{[s.iteration for s in short][:8]} within the budget of "
                 f"{self.budget_bytes / 2**20:.1f} MiB: up to {worst / 2**20:.1f} MiB over it "
                 "with nothing left to evict (parameters, gradients and optimizer state of "
                 "earlier iterations, and an op's own inputs and outputs stay resident); see "
-                "passive_short_bytes in the report",
-                file=sys.stderr,
+                "passive_short_bytes in the report"
             )
         self.report = RunReport(
             self.budget_bytes,

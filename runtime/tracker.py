@@ -69,13 +69,13 @@
 from __future__ import annotations
 
 import collections
-import sys
 import time
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from ..distributed import say
 from ..errors import PlanFormatError, RecomputeError
 from ..planner.plan import Step
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
@@ -276,7 +276,7 @@ class Executor:
             err, self.foreign = self.foreign, None
             raise err
         if self.warning is not None:
-            print(self.warning, file=sys.stderr)
+            say(self.warning)
             self.warned = True
             self.warning = None
 

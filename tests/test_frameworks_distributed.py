@@ -15,7 +15,7 @@ from pathlib import Path
 import capuchin
 import pytest
 import torch
-from capuchin.distributed import per_rank, rank_path, ranked_files, world
+from capuchin.distributed import per_rank, rank_path, ranked_files, tagged, world
 from capuchin.planner.api import plan_files
 from capuchin.planner.plan import load_plan
 from capuchin.planner.problem import Problem
@@ -34,6 +34,7 @@ def test_per_rank_names(monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "1")
     assert world() == (1, 2)
     assert per_rank("out/t.parquet") == Path("out/t.rank1.parquet")
+    assert tagged("capuchin: iteration 2: recorded") == "capuchin[rank 1]: iteration 2: recorded"
     assert rank_path("r.json", 3) == Path("r.rank3.json")
     # a plan: this rank's when it exists, else the one plan for every rank
     (tmp_path / "p.json").write_text("{}")
@@ -89,7 +90,10 @@ def _torchrun(args, cwd):
 def _job(tmp_path, extra, budget):
     script = str(HERE / "ddp_mlp.py")
     _torchrun([script, *extra, "--out", "plain.pt"], tmp_path)
-    _torchrun(["-m", "capuchin", "trace", "-o", "t.parquet", script, *extra], tmp_path)
+    tr = _torchrun(["-m", "capuchin", "trace", "-o", "t.parquet", script, *extra], tmp_path)
+    for rank in (0, 1):  # the ranks' progress lines can be told apart
+        assert f"capuchin[rank {rank}]: iteration" in tr.stderr, tr.stderr[-2000:]
+    assert "\ncapuchin: iteration" not in "\n" + tr.stderr
     assert sorted(ranked_files(tmp_path / "t.parquet")) == [0, 1]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run(

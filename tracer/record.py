@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import __version__
-from ..distributed import default_warmup, per_rank
+from ..distributed import default_warmup, per_rank, say
 from ..errors import CapuchinError, ScriptError
 from ..outputs import check_output
 from ..planner.budget import format_bytes
@@ -61,7 +61,7 @@ def resolve_device(device: str) -> str:
 
 
 def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    say(line)
 
 
 class _TraceMode(TorchDispatchMode):
