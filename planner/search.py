@@ -13,6 +13,9 @@ combinators here only read decisions and simulations, never a policy's internals
 - ``recompute_first``: switch replays of fitting plans to swaps where the simulation says a swap
   is cheaper (Note [Recompute first]).
 - ``best_of``: the fastest fitting plan among several (Note [Best of variants]).
+- ``searched``: ``grid`` and ``pick``, or ``descend`` on problems too large for the grid.
+- ``restricted_first``: a policy on ``Problem.restricted()`` and on the full problem, the
+  better plan (Note [Restricted first]).
 
 All plans are judged by the one simulator; a combinator keeps a change only when the simulated
 plan gets faster without its peak rising above the bound it was given.
@@ -57,6 +60,14 @@ plan gets faster without its peak rising above the bound it was given.
 # early at a plan that fits at no cost. With the capuchin policy's candidates (its own plan,
 # then the recompute-only and swap-only plans, then ``recompute_first``), ``capuchin`` is never
 # worse than ``swap`` or ``recompute`` under the simulator.
+#
+# Note: [Restricted first]
+# More candidates can end in a costlier greedy plan (selection is not monotone in its
+# candidates). ``restricted_first`` plans on ``Problem.restricted()`` (without the persistent
+# candidates, problem.py Note [Wrap-around gaps]) and on the full problem and returns the better
+# under the simulator, ties to the restricted plan, so the persistent candidates never make a
+# plan worse. When the restricted plan fits at no cost the other is not made: fewer swaps, and
+# the runtime's first planned iteration starts as the plan assumes (docs/persistent-state.md).
 """
 
 from __future__ import annotations
@@ -251,6 +262,34 @@ def descend(problem: Problem, budget: int, planner: TargetPlanner) -> list[Decis
         if a.sim is not None and (best is None or a.sim.peak_bytes < best[0]):
             best = (a.sim.peak_bytes, a.decisions)
     return best[1] if best else []
+
+
+SEARCH_MAX_OPS = 5000  # problems up to this size get the target grid (Note [Targets])
+
+
+def searched(
+    problem: Problem, budget: int, planner: TargetPlanner, switching: Switching | None = None
+) -> list[Decision]:
+    """``pick(grid(...))`` up to ``SEARCH_MAX_OPS`` ops, ``descend`` above; ``[]`` when the
+    problem fits the budget as it is."""
+    if problem.n_ops == 0 or problem.peak_bytes <= budget:
+        return []
+    if problem.n_ops > SEARCH_MAX_OPS:
+        return descend(problem, budget, planner)
+    return pick(grid(problem, planner, switching), budget)
+
+
+def restricted_first(
+    problem: Problem, budget: int, plan: Callable[[Problem], list[Decision]]
+) -> list[Decision]:
+    """Note [Restricted first]: ``plan(problem.restricted())`` and, unless that fits at no cost,
+    ``plan(problem)``; the better under the simulator (ties: the former)."""
+    if problem.n_ops == 0 or problem.peak_bytes <= budget:
+        return []
+    base = problem.restricted()
+    if base is problem:
+        return plan(problem)
+    return best_of(problem, budget, [lambda: plan(base), lambda: plan(problem)])
 
 
 RECOMPUTE_FIRST_PASSES = 60  # switches tried one after another (Note [Recompute first])

@@ -1,34 +1,23 @@
-"""Capuchin's policy (paper §4.3-4.5): Algorithm 1 (hybrid swap/recompute selection) and
-Algorithm 2 (recomputation by MSPS, msps.py), and its swap-only and recompute-only variants.
-Registered as ``capuchin``, ``swap`` and ``recompute``.
-
-``Capuchin`` plans for one memory target (a ``search.TargetPlanner``); the registered policies
-wrap it with the search combinators of planner/search.py (target grid, stalled-swap switching,
-recompute first, best of variants), which are not part of the paper.
+"""Capuchin's policy (paper §4.3-4.5; reference/capuchin.md §1.7-1.8): Algorithm 1, the hybrid
+choice between swapping and recomputing, with Algorithm 2 (msps.py) ranking the recomputations.
+Registered as ``capuchin``, and restricted to one method as ``swap`` and ``recompute``.
+``Capuchin`` is Algorithm 1 for one memory target (a ``search.TargetPlanner``); the policies wrap
+it in the generic search of planner/search.py, which is not in the paper.
 
 # Note: [Required reduction, per op]
 # The paper stops once the evicted bytes reach the "required memory reduction" measured in
-# passive mode, a single number. Here the required reduction is kept *per op*: ``excess[k]`` is
-# how far op k's memory is above the target, a decision lowers it by its size on the ops it
-# covers (those that run entirely while the storage is out), and selection stops when no op
-# exceeds the target. The peak window is the set of ops still above the target. Since that is
-# still an estimate, every round ends with the simulator: if the *simulated* peak is above the
-# target, the excess is re-read from the simulated curve and another round adds decisions,
-# until it fits or nothing helps any more (then the best plan found is returned).
+# passive mode, one number. Here it is kept per op: ``excess[k]`` is how far op k's memory is
+# above the target; a decision lowers it on the ops it covers (those that run entirely while the
+# storage is out) and selection stops when no op exceeds the target. That is an estimate, so each
+# round ends with the simulator: while the simulated peak is above the target, the excess is
+# re-read from the simulated curve and another round adds decisions, until the plan fits or
+# nothing helps (then the round with the lowest simulated peak is returned).
 #
 # Note: [Persistent candidates]
-# Parameters, gradient buffers and optimizer state are swap candidates too, over their gaps
-# within the iteration and across its boundary (problem.py Note [Wrap-around gaps]; their swap
-# timing: swapping.py Note [Wrap-around swaps]); they are never recomputed. They enter the
-# selection like any access pair, ranked by free time: optimizer state, whose free time is the
-# whole forward and backward pass, is usually swapped first, at no cost. Because greedy
-# selection is not monotone in its candidates (more candidates can end in a costlier plan), the
-# policy also plans without them (``Problem.restricted()``: planning as it was
-# before) and returns the better plan under the simulator (ties: the one without), so the
-# persistent candidates never make a plan worse; the plan without them comes first and, when it
-# fits at no cost, the other is not made (fewer swaps, and the runtime's first planned iteration
-# starts as the plan assumes: docs/persistent-state.md). The ``swap`` and
-# ``recompute`` variants, comparison baselines, keep to the candidates of the paper.
+# Parameters, gradients and optimizer state are swap candidates too, within the iteration and
+# across its boundary (problem.py Note [Wrap-around gaps]), never recomputed. Greedy selection is
+# not monotone in its candidates, so ``capuchin`` also plans without them (search Note
+# [Restricted first]). ``swap`` and ``recompute``, baselines, keep to the paper's candidates.
 """
 
 from __future__ import annotations
@@ -45,27 +34,18 @@ from ..plan import Decision, Method
 from ..problem import Problem
 from ..registry import register
 from ..search import (
+    SEARCH_MAX_OPS,
     AfterRound,
     Attempt,
     Switching,
     best_of,
-    descend,
-    grid,
-    pick,
     recompute_first,
+    restricted_first,
+    searched,
     timer_from,
 )
 from ..simulator import simulate
-from ..swapping import (
-    SwapEstimate,
-    SwapTimer,
-    WrapEstimate,
-    estimate_wrap,
-    reserve_wrap,
-    wrap_free_time,
-)
-
-SEARCH_MAX_OPS = 5000  # problems up to this size get the target grid (search Note [Targets])
+from ..swapping import SwapTimer, WrapEstimate, estimate_wrap, reserve_wrap, wrap_free_time
 
 
 @register("capuchin")
@@ -77,64 +57,40 @@ def capuchin(
     collective: bool = True,
     max_replay_ops: int = 200,
 ) -> list[Decision]:
-    """Capuchin's hybrid policy: ``Capuchin("hybrid")`` on the target grid with stalled-swap
-    switching, and the best of that, the recompute-only and swap-only plans and the
-    recompute-first conversions (search Notes [Targets], [Stalled swaps], [Best of variants],
-    [Recompute first]). Problems above ``SEARCH_MAX_OPS`` ops get the hybrid alone, searched
-    downwards from the budget (``search.descend``).
-
-    ``max_rounds``: simulate-and-extend rounds. ``collective``: keep intermediates regenerated by
-    a replay when they are needed later and memory allows (paper §5.3). ``max_replay_ops``:
-    longest replay considered for one recomputation.
-
-    Output contract (registry Note [Policy contract]): at most one decision per storage; swap
-    decisions carry their in-trigger, recompute decisions their replay ops, sources and keeps.
-    """
-    return _with_persistent(
-        problem,
-        budget_bytes,
-        lambda p: _hybrid(p, budget_bytes, max_rounds, collective, max_replay_ops),
-    )
-
-
-def _with_persistent(problem: Problem, budget: int, plan) -> list[Decision]:
-    """Note [Persistent candidates]: ``plan(problem.restricted())`` and, unless that fits at no
-    cost, ``plan(problem)``; the better under the simulator (ties: the former)."""
-    if problem.n_ops == 0 or problem.peak_bytes <= budget:
-        return []
-    base = problem.restricted()
-    if base is problem:
-        return plan(problem)
-    return best_of(problem, budget, [lambda: plan(base), lambda: plan(problem)])
-
-
-def _hybrid(
-    problem: Problem, budget_bytes: int, max_rounds: int, collective: bool, max_replay_ops: int
-) -> list[Decision]:
-    if problem.n_ops == 0 or problem.peak_bytes <= budget_bytes:
-        return []
+    """Capuchin's hybrid policy: the best (search Note [Best of variants]) of the hybrid on the
+    target grid with stalled-swap switching, the recompute-only and swap-only plans, and their
+    recompute-first conversions; with and without the persistent candidates. Problems above
+    ``SEARCH_MAX_OPS`` ops get the hybrid alone, searched downwards from the budget.
+    ``max_rounds``: simulate-and-extend rounds. ``collective``: keep what a replay regenerates
+    when it is needed later and memory allows (§5.3). ``max_replay_ops``: longest replay.
+    Output (registry Note [Policy contract]): at most one decision per storage; swaps carry
+    their in-trigger, recomputations their replay ops, sources and keeps."""
     hybrid = Capuchin("hybrid", max_rounds, collective, max_replay_ops)
-    if problem.n_ops > SEARCH_MAX_OPS:
-        return descend(problem, budget_bytes, hybrid)
-    sw = Switching(collective, max_replay_ops)
     rec = Capuchin("recompute", max_rounds, collective, max_replay_ops)
     swap = Capuchin("swap", max_rounds, False, 0)
+    sw = Switching(collective, max_replay_ops)
 
-    def candidates():  # a generator: best_of stops early at a plan that costs nothing
-        yield lambda: pick(grid(problem, hybrid, sw), budget_bytes)
-        yield lambda: pick(grid(problem, rec), budget_bytes)
-        yield lambda: pick(grid(problem, swap), budget_bytes)
-        for p in recompute_first(problem, rec, budget_bytes, sw):
-            yield lambda p=p: p.decisions
+    def plan(p: Problem) -> list[Decision]:
+        if p.n_ops > SEARCH_MAX_OPS:
+            return searched(p, budget_bytes, hybrid)
 
-    return best_of(problem, budget_bytes, candidates())
+        def variants():  # a generator: best_of stops early at a plan that costs nothing
+            yield lambda: searched(p, budget_bytes, hybrid, sw)
+            yield lambda: searched(p, budget_bytes, rec)
+            yield lambda: searched(p, budget_bytes, swap)
+            for g in recompute_first(p, rec, budget_bytes, sw):
+                yield lambda g=g: g.decisions
+
+        return best_of(p, budget_bytes, variants())
+
+    return restricted_first(problem, budget_bytes, plan)
 
 
 @register("swap")
 def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> list[Decision]:
     """Capuchin restricted to swapping: zero-overhead swaps by free time, then the swaps with the
     smallest exposed wait, until the simulated peak fits; on the target grid."""
-    return _searched(problem.restricted(), budget_bytes, Capuchin("swap", max_rounds, False, 0))
+    return searched(problem.restricted(), budget_bytes, Capuchin("swap", max_rounds, False, 0))
 
 
 @register("recompute")
@@ -148,19 +104,8 @@ def recompute_only(
 ) -> list[Decision]:
     """Capuchin restricted to recomputation: Algorithm 2 (largest MSPS first, iterative update)
     until the simulated peak fits; on the target grid."""
-    return _searched(
-        problem.restricted(),
-        budget_bytes,
-        Capuchin("recompute", max_rounds, collective, max_replay_ops),
-    )
-
-
-def _searched(problem: Problem, budget: int, planner: Capuchin) -> list[Decision]:
-    if problem.n_ops == 0 or problem.peak_bytes <= budget:
-        return []
-    if problem.n_ops > SEARCH_MAX_OPS:
-        return descend(problem, budget, planner)
-    return pick(grid(problem, planner), budget)
+    planner = Capuchin("recompute", max_rounds, collective, max_replay_ops)
+    return searched(problem.restricted(), budget_bytes, planner)
 
 
 @dataclass(frozen=True)
@@ -175,9 +120,8 @@ class _Pair:
 
 @dataclass(frozen=True)
 class Capuchin:
-    """Algorithm 1 for one memory target, in rounds of selection and simulation (Note [Required
-    reduction, per op]). ``mode``: "hybrid", "swap" (swaps only) or "recompute" (Algorithm 2
-    only)."""
+    """Algorithm 1 for one target, in rounds of selection and simulation (Note [Required reduction,
+    per op]); ``mode``: "hybrid", "swap" (swaps only) or "recompute" (Algorithm 2 only)."""
 
     mode: str = "hybrid"
     max_rounds: int = 12
@@ -195,17 +139,16 @@ class Capuchin:
         best = Attempt([], None)
         regen: frozenset = frozenset()
         for _ in range(self.max_rounds):
-            added = _round(problem, excess, chosen, timer, self.mode, self.max_replay_ops)
-            decisions = finish_decisions(
-                problem, list(chosen.values()), excess, self.collective, regen
-            )
+            added = self._select(problem, excess, chosen, timer)
+            ds = list(chosen.values())
+            decisions = finish_decisions(problem, ds, excess, self.collective, regen)
             try:
                 sim = simulate(problem, decisions)
             except PlanError:
                 if not self.collective:
                     raise
                 # a keep that does not check out: plan without collective keeps
-                decisions = finish_decisions(problem, list(chosen.values()), excess, False, regen)
+                decisions = finish_decisions(problem, ds, excess, False, regen)
                 sim = simulate(problem, decisions)
             if after_round is not None:
                 decisions, sim, regen = after_round(Attempt(decisions, sim, regen))
@@ -218,170 +161,138 @@ class Capuchin:
             timer = timer_from(problem, sim, excess > 0)
         return best
 
+    def _select(self, problem: Problem, excess: np.ndarray, chosen: dict, timer: SwapTimer) -> int:
+        """One pass of Algorithm 1; lowers ``excess`` in place and adds to ``chosen``. Returns
+        the number of decisions added."""
+        swapping, recomputing = self.mode != "recompute", self.mode != "swap"
+        pairs = _candidates(problem, excess > 0, chosen, timer)
+        if not pairs:
+            return 0
+        added = 0
 
-def _round(
-    problem: Problem,
-    excess: np.ndarray,
-    chosen: dict[str, Decision],
-    timer: SwapTimer,
-    mode: str,
-    max_replay_ops: int,
-) -> int:
-    """One selection pass; updates ``excess`` in place and adds to ``chosen``. Returns the
-    number of decisions added."""
-    over = excess > 0
-    if not over.any():
-        return 0
+        def useful(lo: int, hi: int) -> bool:
+            return hi >= lo and bool((excess[lo : hi + 1] > 0).any())
+
+        def estimate(p: _Pair):  # ChooseSwapIntrigger and SwapOverhead (lines 3-4)
+            fn = estimate_wrap if p.wraps else SwapTimer.estimate
+            return fn(timer, p.size_bytes, p.evict_op, p.back_op, useful)
+
+        def covers(e) -> list[tuple[int, int]]:
+            return list(e.cover) if isinstance(e, WrapEstimate) else [(e.cover_lo, e.cover_hi)]
+
+        def helps(e) -> bool:
+            return any(useful(lo, hi) for lo, hi in covers(e))
+
+        def cost(p: _Pair, e) -> int:  # SwapOverhead, with the chosen replays that read p
+            penalty = (
+                queue.swap_penalty(p.storage_id, p.evict_op, p.back_op) if queue is not None else 0
+            )
+            return e.overhead_ns + penalty
+
+        def take_swap(p: _Pair, e) -> None:  # Swap(t) and mem_saving -= t.mem (lines 7, 12)
+            nonlocal added
+            chosen[p.storage_id] = Decision(
+                p.storage_id,
+                Method.SWAP,
+                p.size_bytes,
+                p.evict_op,
+                p.back_op,
+                trigger_op=e.trigger_op,
+                wraps=p.wraps,
+            )
+            (reserve_wrap if p.wraps else SwapTimer.reserve)(timer, e)
+            for lo, hi in covers(e):
+                excess[lo : hi + 1] -= p.size_bytes
+            if queue is not None:
+                queue.swapped(p.storage_id, p.evict_op, p.back_op)
+            added += 1
+
+        # -- swap first, while a swap costs nothing (§4.5; §1.8 step 3) --------------------------
+        queue = None
+        if swapping:
+            for p in pairs:
+                if p.storage_id in chosen:
+                    continue
+                if p.free_time_ns < 0:
+                    break  # ranked by free time: no later pair can hide either
+                e = estimate(p)
+                if e.overhead_ns == 0 and helps(e):
+                    take_swap(p, e)
+                    if excess.max() <= 0:
+                        return added
+
+        # -- the hybrid phase: the cheaper of the best swap and the best recomputation -----------
+        best_pair: dict[str, _Pair] = {}  # one access pair per remaining candidate: longest FT
+        for p in pairs:
+            if p.storage_id not in chosen:
+                best_pair.setdefault(p.storage_id, p)
+        ranked = enumerate(best_pair.items()) if swapping else ()
+        swaps = [(estimate(p).overhead_ns, i, sid) for i, (sid, p) in ranked]
+        heapq.heapify(swaps)
+        if recomputing:  # Algorithm 2's candidates; persistent storages are swapped only
+            queue = MspsQueue(problem, EvictionWindows(chosen.values()), self.max_replay_ops)
+            for p in best_pair.values():
+                if problem.storages[p.storage_id].evictable:
+                    queue.add(p.storage_id, p.evict_op, p.back_op)
+
+        def next_swap():  # UpdateCandidates: overheads re-estimated on the channels as filled
+            while swaps:
+                ov, i, sid = swaps[0]
+                e = None if sid in chosen else estimate(best_pair[sid])
+                if e is None or not helps(e):
+                    heapq.heappop(swaps)
+                elif e.overhead_ns > ov:
+                    heapq.heapreplace(swaps, (e.overhead_ns, i, sid))
+                else:
+                    return best_pair[sid], e
+            return None
+
+        def rec_useful(c) -> bool:  # with swaps at hand, no replay whose temporaries overflow
+            ok = c.storage_id not in chosen and useful(c.evict_op + 1, c.back_op - 1)
+            return ok and (not swapping or excess[c.back_op] + c.temp_bytes <= 0)
+
+        while excess.max() > 0:  # lines 13-14: until the required reduction is met
+            s = next_swap() if swapping else None
+            r = queue.peek(rec_useful) if recomputing else None
+            if s is None and r is None:
+                break
+            if s is not None:
+                s_cost = cost(*s)
+            if r is not None and swapping and (s is None or s_cost > r.overhead_ns):
+                # lines 4-6 compare swapping and recomputing the *same* tensor: the tensor with
+                # the best MSPS is swapped instead when that costs less than its recomputation
+                rp = best_pair[r.storage_id]
+                e = estimate(rp)
+                if helps(e) and (c := cost(rp, e)) <= r.overhead_ns:
+                    s, s_cost = (rp, e), c
+            if r is None or (s is not None and s_cost <= r.overhead_ns):
+                take_swap(*s)  # line 7
+            else:  # Recompute(t) and Algorithm 2's update (line 10)
+                queue.select(r.storage_id)
+                chosen[r.storage_id] = Decision(
+                    r.storage_id, Method.RECOMPUTE, r.size_bytes, r.evict_op, r.back_op
+                )
+                excess[r.evict_op + 1 : r.back_op] -= r.size_bytes
+                excess[r.back_op] += r.temp_bytes
+                added += 1
+        return added
+
+
+def _candidates(
+    problem: Problem, over: np.ndarray, chosen: dict[str, Decision], timer: SwapTimer
+) -> list[_Pair]:
+    """IdentifyAndSortCandidates (line 1): every access pair of a swappable storage not chosen
+    yet whose gap holds an op over the target, ranked by free time (Eq. 1), longest first."""
     cnt = np.concatenate([[0], np.cumsum(over)])
-    pairs: list[_Pair] = []
     n = problem.n_ops
+    pairs = []
     for s in problem.storages.values():
         if s.storage_id in chosen or not s.swappable:
             continue
         for a, b, wraps in problem.swap_gaps(s):
-            if wraps:  # over-budget ops after a, or before b in the next iteration
-                if cnt[n] - cnt[a + 1] + cnt[b] > 0:
-                    pairs.append(
-                        _Pair(
-                            s.storage_id,
-                            s.size_bytes,
-                            a,
-                            b,
-                            wrap_free_time(timer, s.size_bytes, a, b),
-                            True,
-                        )
-                    )
-            elif cnt[b] - cnt[a + 1] > 0:  # an over-budget op strictly inside the gap
-                pairs.append(
-                    _Pair(s.storage_id, s.size_bytes, a, b, timer.free_time(s.size_bytes, a, b))
-                )
-    if not pairs:
-        return 0
+            # an over-target op strictly inside the gap (a wrap's: after a, or before b)
+            if (cnt[n] - cnt[a + 1] + cnt[b] if wraps else cnt[b] - cnt[a + 1]) > 0:
+                ft = (wrap_free_time if wraps else SwapTimer.free_time)(timer, s.size_bytes, a, b)
+                pairs.append(_Pair(s.storage_id, s.size_bytes, a, b, ft, wraps))
     pairs.sort(key=lambda p: (-p.free_time_ns, p.storage_id, p.evict_op))
-    added = 0
-
-    def useful(lo: int, hi: int) -> bool:
-        return hi >= lo and bool((excess[lo : hi + 1] > 0).any())
-
-    def estimate(p: _Pair) -> SwapEstimate | WrapEstimate:
-        if p.wraps:
-            return estimate_wrap(timer, p.size_bytes, p.evict_op, p.back_op, useful)
-        return timer.estimate(p.size_bytes, p.evict_op, p.back_op, useful)
-
-    def covers(e) -> list[tuple[int, int]]:
-        return list(e.cover) if isinstance(e, WrapEstimate) else [(e.cover_lo, e.cover_hi)]
-
-    def helps(e) -> bool:
-        return any(useful(lo, hi) for lo, hi in covers(e))
-
-    def take_swap(p: _Pair, e: SwapEstimate | WrapEstimate) -> None:
-        nonlocal added
-        chosen[p.storage_id] = Decision(
-            p.storage_id,
-            Method.SWAP,
-            p.size_bytes,
-            p.evict_op,
-            p.back_op,
-            trigger_op=e.trigger_op,
-            wraps=p.wraps,
-        )
-        if p.wraps:
-            reserve_wrap(timer, e)
-        else:
-            timer.reserve(e)
-        for lo, hi in covers(e):
-            excess[lo : hi + 1] -= p.size_bytes
-        added += 1
-
-    # -- swaps while they are free (paper §4.5: "swap first, while zero overhead") ---------------
-    if mode in ("hybrid", "swap"):
-        for p in pairs:
-            if p.storage_id in chosen:
-                continue
-            if p.free_time_ns < 0:
-                break  # ranked by free time: no later pair can hide either
-            e = estimate(p)
-            if e.overhead_ns == 0 and helps(e):
-                take_swap(p, e)
-                if excess.max() <= 0:
-                    return added
-
-    # -- Algorithm 1: the cheaper of the best swap and the best recomputation --------------------
-    best_pair: dict[str, _Pair] = {}  # one access pair per remaining candidate: its longest FT
-    for p in pairs:
-        if p.storage_id not in chosen and p.storage_id not in best_pair:
-            best_pair[p.storage_id] = p
-    swaps: list[tuple[int, int, str]] = []
-    est: dict[str, SwapEstimate] = {}
-    if mode in ("hybrid", "swap"):
-        for i, p in enumerate(best_pair.values()):
-            e = estimate(p)
-            est[p.storage_id] = e
-            heapq.heappush(swaps, (e.overhead_ns, i, p.storage_id))
-    queue = None
-    if mode in ("hybrid", "recompute"):
-        queue = MspsQueue(problem, EvictionWindows(chosen.values()), max_replay_ops)
-        for p in best_pair.values():
-            if problem.storages[p.storage_id].evictable:  # persistent: swap only
-                queue.add(p.storage_id, p.evict_op, p.back_op)
-
-    def next_swap() -> tuple[_Pair, SwapEstimate] | None:
-        while swaps:
-            ov, i, sid = swaps[0]
-            if sid in chosen:
-                heapq.heappop(swaps)
-                continue
-            p = best_pair[sid]
-            e = estimate(p)  # channels filled?
-            if not helps(e):
-                heapq.heappop(swaps)
-                continue
-            if e.overhead_ns > ov:
-                heapq.heapreplace(swaps, (e.overhead_ns, i, sid))
-                continue
-            return p, e
-        return None
-
-    def rec_useful(c) -> bool:
-        # with swapping available, a replay whose temporaries would push its back-access op
-        # over the budget is not worth it (recompute-only accounts for them and goes on)
-        return (
-            c.storage_id not in chosen
-            and useful(c.evict_op + 1, c.back_op - 1)
-            and (mode == "recompute" or excess[c.back_op] + c.temp_bytes <= 0)
-        )
-
-    while excess.max() > 0:
-        s = next_swap() if mode != "recompute" else None
-        r = queue.peek(rec_useful) if queue is not None else None
-        if s is None and r is None:
-            break
-        s_cost = None
-        if s is not None:
-            s_cost = s[1].overhead_ns + (
-                queue.swap_penalty(s[0].storage_id, s[0].evict_op, s[0].back_op)
-                if queue and not s[0].wraps
-                else 0
-            )
-        if r is not None and mode == "hybrid" and (s is None or s_cost > r.overhead_ns):
-            # Algorithm 1 compares swapping and recomputing the *same* tensor: the tensor with
-            # the best MSPS is swapped instead when that costs less than its recomputation
-            rp = best_pair[r.storage_id]
-            e = timer.estimate(rp.size_bytes, rp.evict_op, rp.back_op, useful)
-            cost = e.overhead_ns + queue.swap_penalty(rp.storage_id, rp.evict_op, rp.back_op)
-            if useful(e.cover_lo, e.cover_hi) and cost <= r.overhead_ns:
-                s, s_cost = (rp, e), cost
-        if r is None or (s is not None and s_cost <= r.overhead_ns):
-            p, e = s
-            take_swap(p, e)
-            if queue is not None and not p.wraps:
-                queue.swapped(p.storage_id, p.evict_op, p.back_op)
-        else:
-            queue.select(r.storage_id)
-            chosen[r.storage_id] = Decision(
-                r.storage_id, Method.RECOMPUTE, r.size_bytes, r.evict_op, r.back_op
-            )
-            excess[r.evict_op + 1 : r.back_op] -= r.size_bytes
-            excess[r.back_op] += r.temp_bytes
-            added += 1
-    return added
+    return pairs
