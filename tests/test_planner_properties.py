@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-
-import pytest
 from dataclasses import replace
 
+import pytest
 from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.api import make_plan
 from capuchin.planner.costs import NO_HOST_COST, HostCost
