@@ -20,8 +20,28 @@ adds ``runtime_cost_ns`` to the simulated iteration for the plan's predicted tim
 #   cost per byte, whichever is slower) are added to the compute time
 #   (``copies_share_compute``); on CUDA the copy engines are separate and the simulator's copy
 #   channels already model them.
-# The policies do not see this cost: they compare the simulator's streams (``SimResult``), and a
-# larger budget never costs them more there; ``build_plan`` adds it to the plan's prediction.
+# Where the host is the device (CPU), the part of this cost that grows with the plan's decisions
+# (per swap direction, per replayed op, per op with an action) is host work on the compute
+# stream itself; the simulator charges it there (Note [Host work on the compute stream]), so the
+# policies, which compare the simulator's streams (``SimResult``), see it at every budget. The
+# rest (the per-op dispatch cost, the same for every non-empty plan; the guarded path; in-place
+# ops inside a window; on CPU the copies) the policies do not see; ``build_plan`` adds it to the
+# plan's prediction as ``runtime_cost_ns``.
+#
+# Note: [Host work on the compute stream]
+# On CPU every swap costs the runtime a fixed ~90 µs per direction on the host (thread handoff,
+# views, bookkeeping: ``swap_action_ns``), and every op with an action takes the slow path; a
+# 64 KiB copy itself takes ~4 µs. The simulator's copy channels hid that cost, so a plan of many
+# tiny swaps (e.g. 88 wrap-around swaps of 4 MiB in all: biases and their optimizer state) looked
+# as fast as one of few large swaps and measured up to 1.6x slower. ``HostCost`` is this cost as
+# the simulator charges it on the compute stream: ``swap_ns`` when a swap-out is handed over
+# (after its evicted-access) and when a swap-in starts (prefetch or on-demand restore),
+# ``replay_op_ns`` per replayed op, ``action_op_ns`` before each op with an action (evict,
+# prefetch, back-access, recorded for a replay; ``action_ops``). It is a property of the problem
+# (``Problem.host``), the same at every budget, so a policy that is monotone in the simulated
+# time stays so. On CUDA the host runs ahead of the device (kernel launches are asynchronous), so
+# its work overlaps the device's and nothing is charged (``NO_HOST_COST``); synthetic traces
+# (planner/synthetic.py) model no runtime and charge nothing either.
 # Sources: ``python benchmarks/runtime.py`` prints the per-op figures (its "per-op cost" lines:
 # a 16-float ``aten.add`` without a mode, through a passthrough mode, on the runtime's hot path and
 # on its slow path; a swap cycle through the CPU backend) and the table whose "measured /
@@ -33,11 +53,14 @@ adds ``runtime_cost_ns`` to the simulated iteration for the plan's predicted tim
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .plan import Decision, Method
-from .problem import Problem
+
+if TYPE_CHECKING:
+    from .problem import Problem
 
 
 @dataclass(frozen=True)
@@ -85,32 +108,81 @@ def costs_for(device: str) -> RuntimeCosts:
     return CUDA if str(device).startswith("cuda") else CPU
 
 
+@dataclass(frozen=True)
+class HostCost:
+    """The runtime's host work that the simulator charges on the compute stream (ns; Note
+    [Host work on the compute stream])."""
+
+    swap_ns: int = 0  # per swap-out (after its evicted-access) and per swap-in (at its start)
+    replay_op_ns: int = 0  # per replayed op
+    action_op_ns: int = 0  # before each op with an action (``action_ops``)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_ns or self.replay_op_ns or self.action_op_ns)
+
+
+NO_HOST_COST = HostCost()
+
+
+def host_cost(device: str, source: str = "capuchin") -> HostCost:
+    """What the simulator charges on the compute stream for a trace recorded on ``device`` by
+    ``source`` (Note [Host work on the compute stream]): the CPU runtime's per-swap, per-replay
+    and slow-path costs on CPU, nothing on CUDA or for synthetic traces."""
+    c = costs_for(device)
+    if not c.copies_share_compute or source == "synthetic":
+        return NO_HOST_COST
+    return HostCost(c.swap_action_ns, c.replay_op_ns, c.slow_op_ns)
+
+
+def action_ops(decisions: Iterable[Decision], *, out_done: bool = False) -> set[int]:
+    """The ops with an action of ``decisions`` (they take the runtime's slow path): evicted- and
+    back-accesses, in-triggers, ops recorded for a replay, and with ``out_done`` the planned
+    swap-out waits (written from the simulation, so the simulator itself does not see them)."""
+    action: set[int] = set()
+    for d in decisions:
+        action.update((d.evict_op, d.back_op))
+        if d.method == Method.SWAP:
+            if d.trigger_op is not None:
+                action.add(d.trigger_op)
+            if out_done and d.out_done_op is not None:
+                action.add(d.out_done_op)
+        else:
+            action.update(d.replay_ops)
+    return action
+
+
+def simulated_host_ns(problem: Problem, decisions: Sequence[Decision]) -> int:
+    """What the simulator charged on the compute stream for ``decisions`` (``Problem.host``)."""
+    h = problem.host
+    if not h or not decisions:
+        return 0
+    swaps = sum(d.method == Method.SWAP for d in decisions)
+    replays = sum(len(d.replay_ops) for d in decisions if d.method != Method.SWAP)
+    acts = sum(0 <= k < problem.n_ops for k in action_ops(decisions))
+    return 2 * swaps * h.swap_ns + replays * h.replay_op_ns + acts * h.action_op_ns
+
+
 def runtime_cost_ns(
     problem: Problem, decisions: Sequence[Decision], costs: RuntimeCosts | None = None
 ) -> int:
     """What the runtime adds to the simulated iteration time for ``decisions`` on ``problem``'s
-    device (Note [Runtime cost model])."""
+    device (Note [Runtime cost model]): its whole cost less what the simulator already charged
+    on the compute stream (``simulated_host_ns``)."""
     if not decisions:
         return 0
     c = costs if costs is not None else costs_for(problem.device)
     n = problem.n_ops
-    action = set()
+    action = action_ops(decisions, out_done=True)
     in_window = [False] * n
     swaps = 0
     replays = 0
     copy_ns = 0.0
     for d in decisions:
-        action.update((d.evict_op, d.back_op))
         if d.method == Method.SWAP:
             swaps += 1
-            if d.trigger_op is not None:
-                action.add(d.trigger_op)
-            if d.out_done_op is not None:
-                action.add(d.out_done_op)
             for bw in (problem.bandwidth_d2h_bytes_per_s, problem.bandwidth_h2d_bytes_per_s):
                 copy_ns += d.size_bytes * max(1e9 / bw, c.copy_ns_per_byte)
         else:
-            action.update(d.replay_ops)
             replays += len(d.replay_ops)
         lo, hi = (d.evict_op, d.back_op) if d.evict_op <= d.back_op else (0, n - 1)
         for k in range(max(0, lo), min(n, hi + 1)):
@@ -130,4 +202,4 @@ def runtime_cost_ns(
     )
     if c.copies_share_compute:
         total += copy_ns
-    return int(total)
+    return max(0, int(total) - simulated_host_ns(problem, decisions))

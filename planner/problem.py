@@ -45,6 +45,7 @@ import pandas as pd
 from ..errors import CapuchinError
 from ..tracer.reader import Trace
 from ..tracer.schema import PERSISTENT_KINDS, Col, Kind, Phase, Role, shape_signature
+from .costs import NO_HOST_COST, HostCost, host_cost
 
 
 class IrregularTraceError(CapuchinError):
@@ -185,6 +186,9 @@ class Problem:
     trace_path: str = ""
     device: str = "cpu"
     persistent_candidates: bool = True  # Note [Wrap-around gaps]; False: activations etc. only
+    # the runtime's host work the simulator charges on the compute stream (costs.py Note [Host
+    # work on the compute stream]): from the trace's device and source
+    host: HostCost = NO_HOST_COST
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -602,6 +606,7 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
         iteration=int(iteration),
         trace_path=str(trace.path) if trace.path else "",
         device=meta.device,
+        host=host_cost(meta.device, meta.source),
     )
 
 

@@ -29,6 +29,10 @@ independent of the policy that made the decisions; every policy's output goes th
 #   simulated iteration it is out from the start until its prefetch (or on-demand restore) and
 #   from its swap-out to the end. Its prefetch runs at ``trigger_op`` of the next iteration when
 #   ``trigger_op <= back_op``, else late in this one (then it is resident at the start).
+# - The runtime's host work that runs on the compute stream (``Problem.host``; on CPU, zero on
+#   CUDA: costs.py Note [Host work on the compute stream]) is charged there: ``action_op_ns``
+#   before each op with an action, ``swap_ns`` after each swap-out's evicted-access (before its
+#   copy starts) and at each swap-in's start, ``replay_op_ns`` per replayed op.
 #
 # Note: [Steady state across iterations]
 # The simulated iteration is one of a steady run, so what a wrap-around swap leaves running at
@@ -69,6 +73,7 @@ import pandas as pd
 
 from ..errors import PlanError, PlanFormatError
 from ..tracer.schema import scratch_id
+from .costs import action_ops
 from .plan import Decision, Method, Plan
 from .problem import Problem
 
@@ -421,8 +426,15 @@ def _simulate(
             else:
                 resident -= d.size_bytes
 
+    host = problem.host  # Note [Simulation model]: the runtime's host work on compute
+    acts = action_ops(decisions) if host.action_op_ns else ()
+
     def start_swap_in(sid: str, size: int, now: int) -> int:
-        nonlocal h2d_free
+        nonlocal h2d_free, t
+        if host.swap_ns:
+            spans.append(("compute", f"swap-in call {sid}", t, t + host.swap_ns, -1, sid))
+            t += host.swap_ns
+            now = max(now, t)
         begin = max(now, h2d_free, out_end.get(sid, 0))
         end = begin + int(round(size / bw_in * 1e9))
         h2d_free = end
@@ -451,6 +463,9 @@ def _simulate(
     accessed, pre, post = _op_events(problem)
     for k in range(n):
         op = ops[k]
+        if k in acts:
+            spans.append(("compute", "slow path", t, t + host.action_op_ns, k, ""))
+            t += host.action_op_ns
         op_start[k] = t
         ct.append(t), cd.append(0), ck.append(_MARK), cop.append(k), csid.append("")
         for i in trig_at.get(k, ()):
@@ -474,6 +489,7 @@ def _simulate(
                 t = _replay(
                     problem, d, t, k, state, decisions, active, ct, cd, ck, cop, csid, spans
                 )
+                t += len(d.replay_ops) * host.replay_op_ns
                 recomp[i] = t - t1
                 info[i]["back_ns"] = t
             state[sid] = "in"
@@ -506,6 +522,9 @@ def _simulate(
             active[sid] = i
             state[sid] = "out"
             if d.method == Method.SWAP:
+                if host.swap_ns:
+                    spans.append(("compute", f"swap-out call {sid}", t, t + host.swap_ns, k, sid))
+                    t += host.swap_ns
                 begin = max(t, d2h_free)
                 end = begin + int(round(d.size_bytes / bw_out * 1e9))
                 d2h_free = end

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.api import make_plan
+from capuchin.planner.costs import NO_HOST_COST, HostCost
 from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
 from capuchin.planner.synthetic import random_ops, trace_from_ops
@@ -22,15 +24,23 @@ SETTINGS = settings(
 )
 
 
-def problem(seed: int, n: int, bw: float) -> Problem:
+def problem(seed: int, n: int, bw: float, host: HostCost) -> Problem:
     ops, sizes, persistent = random_ops(seed, n)
-    return Problem.from_trace(
+    p = Problem.from_trace(
         trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=bw)
     )
+    return replace(p, host=host)
 
 
+# host work on the compute stream (costs.py Note [Host work on the compute stream]), scaled to
+# the generated ops' durations (10-2000 ns): none, small, and as large as an op
+HOSTS = [NO_HOST_COST, HostCost(20, 10, 5), HostCost(900, 400, 400)]
 problems = st.builds(
-    problem, st.integers(0, 10**6), st.integers(2, 14), st.sampled_from([1e6, 1e8, 1e9, 1e10])
+    problem,
+    st.integers(0, 10**6),
+    st.integers(2, 14),
+    st.sampled_from([1e6, 1e8, 1e9, 1e10]),
+    st.sampled_from(HOSTS),
 )
 
 

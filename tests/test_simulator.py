@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from capuchin.errors import PlanError
+from capuchin.planner.build import complete_decisions
+from capuchin.planner.costs import (
+    NO_HOST_COST,
+    HostCost,
+    host_cost,
+    runtime_cost_ns,
+    simulated_host_ns,
+)
 from capuchin.planner.plan import Decision, Method
 from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
@@ -57,6 +67,32 @@ def test_late_prefetch_stalls_and_channel_serializes():
     assert b.stall_ns == 100  # b3 starts at 500, B arrives at 600
     assert a.in_start_ns == 700 and a.stall_ns == 100  # on demand at b2 (starts at 700 now)
     assert r.time_ns == 900 and r.overhead == pytest.approx(2 / 7)
+
+
+def test_host_work_is_charged_on_the_compute_stream():
+    # costs.py Note [Host work on the compute stream]: 3 ns before each op with an action,
+    # 7 ns per swap-out (after its evicted-access) and per swap-in (at its start), 11 ns per
+    # replayed op
+    p = replace(chain(), host=HostCost(swap_ns=7, replay_op_ns=11, action_op_ns=3))
+    r = simulate(p, [Decision("A", Method.SWAP, 100, 1, 6, trigger_op=5)])
+    (o,) = r.outcomes
+    assert (o.out_start_ns, o.out_end_ns) == (210, 310)  # op 1 runs 103-203, then the call
+    assert (o.in_start_ns, o.in_end_ns) == (520, 620)  # op 5's slow path, then the call
+    assert o.stall_ns == 0 and r.time_ns == 700 + 3 * 3 + 2 * 7
+    r = simulate(p, [Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,), sources=("A",))])
+    (o,) = r.outcomes
+    assert o.recompute_ns == 100 + 11 and r.time_ns == 700 + 100 + 11 + 3 * 3  # ops 1, 2, 5
+
+
+def test_host_work_moves_from_the_runtime_cost_into_the_simulation():
+    plain = chain()
+    charged = replace(plain, host=host_cost("cpu"))
+    ds = complete_decisions(plain, [Decision("A", Method.SWAP, 100, 1, 6, trigger_op=5)])
+    a, b = simulate(plain, ds), simulate(charged, ds)
+    assert b.time_ns - a.time_ns == simulated_host_ns(charged, ds) > 0  # the swap stays hidden
+    assert runtime_cost_ns(plain, ds) - runtime_cost_ns(charged, ds) == b.time_ns - a.time_ns
+    assert host_cost("cuda") == NO_HOST_COST and host_cost("cpu", "synthetic") == NO_HOST_COST
+    assert plain.host == NO_HOST_COST  # a synthetic trace
 
 
 def test_recompute_adds_replay_time_and_temporaries():

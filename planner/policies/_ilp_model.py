@@ -7,7 +7,9 @@ The formulation (Jain et al., *Checkmate*, MLSys'20), written for the decisions 
 next access by swap or recomputation; planner/plan.py) and extended with POET/OffMate-style swap
 variables. Stages ``t`` are op ranges (planner/coarsen.py), ``D_t`` a stage's baseline duration.
 
-- Candidates ``v`` = (storage, gap ``(e_v, b_v)``) whose gap covers an op over the budget.
+- Candidates ``v`` = (storage, gap ``(e_v, b_v)``) whose gap covers an op over the budget; a
+  persistent storage's gaps are swap candidates, its wrap-around gap included (Note [Wrap-around
+  gaps in the model]).
   ``drop_v`` (evict, recompute) and ``swap_v`` (evict, swap) are binaries, ``drop_v + swap_v <= 1``.
   Checkmate's checkpoint variable is ``S[t, v] = 1 - drop_v - a[v, t]`` in the gap, 1 elsewhere.
 - ``R[b, j]`` (Checkmate's recompute variable): op ``j`` is replayed before op ``b``.
@@ -33,6 +35,18 @@ variables. Stages ``t`` are op ranges (planner/coarsen.py), ``D_t`` a stage's ba
 - Objective: ``sum R[b, j] dur_j + sum st_t`` = the extra ns on the compute stream (ties broken
   towards fewer evictions).
 
+# Note: [Wrap-around gaps in the model]
+# A persistent storage's wrap-around gap (problem.py Note [Wrap-around gaps]: from its last
+# access ``l`` to its first access ``f`` of the next iteration) is a swap candidate with
+# ``wraps``: its window is the stages after ``l``'s to the end, then from the start up to
+# ``f``'s (``window``), in that order, and its copy schedule runs along it as along any window
+# (the out-copy first, the in-copy from the in-trigger's stage on, both done by ``f``). The
+# channels' per-stage loads are those of the one iteration that repeats, so a copy in the
+# window's first part and one in its second part share the channels of the same stages, as in
+# the steady state the simulator models (Note [Steady state across iterations]). Its in-trigger
+# is ``trigger_op``'s rule on the unrolled timeline (iteration i+1 from ``T`` on). Persistent
+# storages are never recomputed: no drop variable.
+#
 # Note: [Where the ILP and the simulator differ]
 # The simulator (planner/simulator.py) is the judge. At op granularity the ILP is a *relaxation*
 # of it: for any set of candidate choices, its memory is never above the simulator's and its cost
@@ -45,6 +59,10 @@ variables. Stages ``t`` are op ranges (planner/coarsen.py), ``D_t`` a stage's ba
 #   - op durations round up and copy times down to ticks of ``tick_ns`` (the copy schedule's
 #     unit, 1/100000 of the iteration by default);
 #   - memory is checked only where the baseline is over the budget.
+# One difference goes the other way: where the simulator charges the runtime's host work on the
+# compute stream (``Problem.host``, CPU traces: costs.py Note [Host work on the compute stream]),
+# the stages are longer there than the model's, so the model may miss swaps the longer stages
+# would hide (and its bound does not count that work: it stays a lower bound on the cost).
 # Coarse stages break the relaxation the other way (a storage off the device for part of a stage
 # counts as present), so coarse optima are optima of the stage model only.
 # ``solve`` closes the gap by combinatorial Benders cuts: each assignment the ILP proposes is
@@ -90,10 +108,21 @@ class Candidate:
     out_ns: int
     in_ns: int
     trigger: int | None = None  # a fixed in-trigger (the warm start's); None: ``trigger_op``'s rule
+    wraps: bool = False  # the wrap-around gap (Note [Wrap-around gaps in the model])
 
     @property
     def key(self) -> Key:
         return (self.storage_id, self.evict_op)
+
+
+def window(stages: Stages, c: Candidate) -> list[int]:
+    """The stages entirely inside ``c``'s gap, in time order: after the evicted-access's stage
+    up to the back-access's, or for a wrap-around gap to the end and then from the start
+    (Note [Wrap-around gaps in the model])."""
+    lo, bs = stages.stage_of(c.evict_op) + 1, stages.stage_of(c.back_op)
+    if not c.wraps:
+        return list(range(lo, bs))
+    return [*range(lo, len(stages)), *range(0, bs)]
 
 
 @dataclass(frozen=True)
@@ -175,7 +204,7 @@ class _Model:
         # replays nothing else, so R[b, j] <= sum of them: no replay just to win time)
         self.cands: dict[Key, Candidate] = {}
         self.by_storage: dict[str, list[Candidate]] = {}
-        windows: dict[Key, tuple[int, int]] = {}  # stages entirely inside the gap
+        windows: dict[Key, list[int]] = {}  # stages entirely inside the gap, in time order
         # Copy schedules are in ticks of ``q`` ns (small domains solve much faster); durations
         # round up and copy times down, so the ticked model stays a relaxation.
         q = self.q = max(1, int(tick_ns))
@@ -183,16 +212,16 @@ class _Model:
             4 * (problem.time_ns + sum(max(c.out_ns, 0) + max(c.in_ns, 0) for c in cands)) // q + 1
         )
         for c in cands:
-            lo, hi = st.stage_of(c.evict_op) + 1, st.stage_of(c.back_op) - 1
+            win = window(st, c)
             k = c.key
-            if c.chain is not None:  # a drop frees ops e+1..b-1 exactly, whatever the stages
+            if c.chain is not None and not c.wraps:  # a drop frees ops e+1..b-1 exactly
                 self.drop[k] = m.new_bool_var(f"drop{k}")
-            if c.out_ns >= 0 and lo <= hi:  # a swap needs whole stages to hide its copies in
+            if c.out_ns >= 0 and win:  # a swap needs whole stages to hide its copies in
                 self.swap[k] = m.new_bool_var(f"swap{k}")
             if k in self.drop and k in self.swap:
                 m.add(self.drop[k] + self.swap[k] <= 1)
             if k in self.drop or k in self.swap:
-                windows[k] = (lo, hi)
+                windows[k] = win
                 self.cands[k] = c
                 self.by_storage.setdefault(c.storage_id, []).append(c)
 
@@ -255,54 +284,58 @@ class _Model:
         # Prefix sums spelled out have w²/2 terms for a window of w stages: fine for small
         # models (and CP-SAT searches them better: the bundled transformer at 50%), too slow to
         # build for big ones, which get prefix-sum variables (O(1) terms per constraint).
-        prefix_vars = (
-            sum((st.stage_of(self.cands[k].back_op) - windows[k][0] + 1) ** 2 for k in self.swap)
-            > PREFIX_TERMS_MAX
-        )
+        prefix_vars = sum((len(windows[k]) + 1) ** 2 for k in self.swap) > PREFIX_TERMS_MAX
         for k, w in self.swap.items():
             c = self.cands[k]
             self._check_clock()
-            lo, hi = windows[k]
+            win = windows[k]
             bs = st.stage_of(c.back_op)
+            seq = [*win, bs]  # the window's stages in time order, then the back-access's
             c_out, c_in = c.out_ns // q, c.in_ns // q
             # the out-copy may run into the back-access's stall (the restore waits for it)
             # the in-copy starts at the in-trigger at the earliest (the simulator waits further
             # for the channel and the out-copy); before it, the in-copy variables are fixed to 0
-            ts = st.stage_of(trigger_op(problem, c, budget_bytes))
-            out_v = {t: m.new_int_var(0, c_out, f"out{k}{t}") for t in range(lo, bs + 1)}
+            trig = trigger_op(problem, c, budget_bytes)
+            ts = st.stage_of(trig)
+            # (a wrap-around swap's trigger after ``evict_op`` lies in its window's first part)
+            late = c.wraps and trig > c.evict_op
+            first_in = seq.index(ts) if ts in seq and not late else 0
+            out_v = {t: m.new_int_var(0, c_out, f"out{k}{t}") for t in seq}
             in_v = {
-                t: m.new_int_var(0, c_in if t >= ts else 0, f"in{k}{t}") for t in range(lo, bs + 1)
+                t: m.new_int_var(0, c_in if i >= first_in else 0, f"in{k}{t}")
+                for i, t in enumerate(seq)
             }
             # ``co[t]``: ns of the out-copy done by the end of stage t; ``ci`` the in-copy's
-            co, ci = {lo: out_v[lo]}, {lo: in_v[lo]}
+            co, ci = {seq[0]: out_v[seq[0]]}, {seq[0]: in_v[seq[0]]}
             if prefix_vars:
-                for t in range(lo + 1, bs + 1):
+                for i in range(1, len(seq)):
+                    t, u = seq[i], seq[i - 1]
                     co[t] = m.new_int_var(0, c_out, f"co{k}{t}")
-                    ci[t] = m.new_int_var(0, c_in if t >= ts else 0, f"ci{k}{t}")
-                    m.add(co[t] == co[t - 1] + out_v[t])
-                    m.add(ci[t] == ci[t - 1] + in_v[t])
+                    ci[t] = m.new_int_var(0, c_in if i >= first_in else 0, f"ci{k}{t}")
+                    m.add(co[t] == co[u] + out_v[t])
+                    m.add(ci[t] == ci[u] + in_v[t])
             else:
-                outs = [out_v[t] for t in range(lo, bs + 1)]
-                ins = [in_v[t] for t in range(lo, bs + 1)]
-                for t in range(lo + 1, bs + 1):
-                    co[t] = lsum(outs[: t - lo + 1])
-                    ci[t] = lsum(ins[: t - lo + 1])
+                outs = [out_v[t] for t in seq]
+                ins = [in_v[t] for t in seq]
+                for i in range(1, len(seq)):
+                    co[seq[i]] = lsum(outs[: i + 1])
+                    ci[seq[i]] = lsum(ins[: i + 1])
             m.add(co[bs] == c_out * w)
             m.add(ci[bs] == c_in * w)
-            for t in range(lo, bs):
+            for t in win:
                 out_load[t].append(out_v[t])
                 in_load[t].append(in_v[t])
             out_pre[bs].append(out_v[bs])
             in_pre[bs].append(in_v[bs])
-            for t in range(lo, bs + 1):  # the in-copy follows the out-copy (fractionally)
+            for t in seq:  # the in-copy follows the out-copy (fractionally)
                 m.add(c_out * ci[t] <= c_in * co[t])
-            for t in range(lo, hi + 1):
+            for i, t in enumerate(win):
                 if t not in over:
                     continue
                 a = m.new_bool_var(f"a{k}{t}")
                 self.absent[(k, t)] = a
                 m.add(a <= w)
-                done = co[t - 1] if t > lo else 0
+                done = co[win[i - 1]] if i > 0 else 0
                 if has_pre[t]:  # the copy may end during t's replays and stall, before its ops
                     p = m.new_int_var(0, c_out, f"outpre{k}{t}")
                     m.add(p <= out_v[t])
@@ -595,6 +628,8 @@ def trigger_op(problem: Problem, c: Candidate, budget_bytes: int) -> int:
     baseline timeline, early enough for the copy to end by the back-access (``evict + 1`` when
     none is), moved after the last op of the gap whose baseline memory is over the budget (rule
     3: never prefetch inside the peak; the copy's lateness becomes a stall instead)."""
+    if c.wraps:
+        return _wrap_trigger_op(problem, c, budget_bytes)
     if c.trigger is not None and c.evict_op < c.trigger <= c.back_op:
         return c.trigger
     start = problem.start_ns
@@ -607,3 +642,27 @@ def trigger_op(problem: Problem, c: Candidate, budget_bytes: int) -> int:
         if live[j] > budget_bytes:
             return j + 1
     return k
+
+
+def _wrap_trigger_op(problem: Problem, c: Candidate, budget_bytes: int) -> int:
+    """``trigger_op``'s rule for a wrap-around gap, on the unrolled timeline (the ops after the
+    evicted-access, then those of the next iteration up to the back-access, which start ``T``
+    later): an op of iteration i (after ``evict_op``) or of iteration i+1 (up to ``back_op``)."""
+    n = problem.n_ops
+    if c.trigger is not None and 0 <= c.trigger < n and not c.back_op < c.trigger <= c.evict_op:
+        return c.trigger
+    seq = [*range(c.evict_op + 1, n), *range(0, c.back_op + 1)]
+    period = problem.time_ns
+    start = [
+        int(problem.start_ns[j]) + (period if i >= n - 1 - c.evict_op else 0)
+        for i, j in enumerate(seq)
+    ]
+    latest = start[-1] - c.in_ns
+    i = len(seq) - 1
+    while i > 0 and start[i] > latest:
+        i -= 1
+    live = problem.live_bytes
+    for p in range(len(seq) - 2, i - 1, -1):
+        if live[seq[p]] > budget_bytes:
+            return seq[p + 1]
+    return seq[i]

@@ -36,13 +36,16 @@ from ._ilp_model import (  # noqa: F401 - re-exported: the model's names are thi
     copy_ns,
     solve,
     trigger_op,
+    window,
 )
 
 
 def candidates(
     problem: Problem, budget_bytes: int, *, swap: bool = True, recompute: bool = True
 ) -> list[Candidate]:
-    """Every access gap of an evictable storage that covers an op over the budget."""
+    """Every access gap of an evictable storage that covers an op over the budget, and with
+    ``swap`` those of persistent storages (``Problem.swap_gaps``: their wrap-around gaps
+    included, Note [Wrap-around gaps in the model]; swap only)."""
     live = problem.live_bytes
     over = [int(k) for k in range(problem.n_ops) if live[k] > budget_bytes]
     if not over:
@@ -51,13 +54,16 @@ def candidates(
 
     out = []
     for s in problem.storages.values():
-        if not s.evictable or s.size_bytes <= 0:
+        if s.size_bytes <= 0 or not (s.evictable or swap):
             continue
-        for e, b in s.gaps():
+        for e, b, wraps in problem.swap_gaps(s):
             i = bisect.bisect_right(over, e)
-            if i >= len(over) or over[i] >= b:
+            if wraps:
+                if i >= len(over) and over[0] >= b:
+                    continue  # no op over the budget after e nor before b
+            elif i >= len(over) or over[i] >= b:
                 continue  # no op over the budget inside the gap
-            chain = chain_ops(problem, s.storage_id, e) if recompute else None
+            chain = chain_ops(problem, s.storage_id, e) if recompute and s.evictable else None
             if chain is None and not swap:
                 continue
             out.append(
@@ -69,6 +75,7 @@ def candidates(
                     tuple(chain) if chain is not None else None,
                     copy_ns(s.size_bytes, problem.bandwidth_d2h_bytes_per_s) if swap else -1,
                     copy_ns(s.size_bytes, problem.bandwidth_h2d_bytes_per_s) if swap else -1,
+                    wraps=wraps,
                 )
             )
     return out
@@ -112,13 +119,20 @@ def _ranked(
     start = problem.start_ns
     dur = problem.durations_ns
 
+    n, period = problem.n_ops, problem.time_ns
+
     def score(c: Candidate) -> float:
-        covered = int(over_before[c.back_op] - over_before[c.evict_op + 1])
+        e, b = c.evict_op, c.back_op
+        begin = int(start[e + 1]) if e + 1 < n else period
+        covered = int(over_before[b] - over_before[e + 1])
+        gap_ns = int(start[b]) - begin
+        if c.wraps:  # after e to the end, then from the start to b
+            covered += int(over_before[n])
+            gap_ns += period
         cost = float("inf")
         if c.chain is not None:
             cost = float(sum(int(dur[j]) for j in c.chain))
         if c.out_ns >= 0:
-            gap_ns = int(start[c.back_op]) - int(start[c.evict_op + 1])
             cost = min(cost, float(max(0, c.out_ns + c.in_ns - gap_ns)))
         return c.size_bytes * covered / (1.0 + cost)
 
@@ -166,10 +180,9 @@ def _admitted(
                     units += 4 if ev else 0
                     stack.extend((b, jj) for jj in chain)
         if c.out_ns >= 0:
-            lo, bs = stages.stage_of(c.evict_op) + 1, stages.stage_of(c.back_op)
-            if lo < bs:
-                w = bs - lo + 1
-                units += 8 + 9 * w + 6 * sum(over_stage[lo:bs])
+            win = window(stages, c)
+            if win:
+                units += 8 + 9 * (len(win) + 1) + 6 * sum(over_stage[t] for t in win)
         if units > cap_units:
             return i
     return len(ranked)
@@ -196,6 +209,7 @@ def to_decisions(
                     c.evict_op,
                     c.back_op,
                     trigger_op=trigger_op(problem, c, budget_bytes),
+                    wraps=c.wraps,
                 )
             )
         else:
@@ -470,9 +484,9 @@ def _warm_start(
         notes.append(f"no warm start: policy {policy!r} is not registered")
         return None, {}
     try:
-        # the model's candidates are activations only (no persistent ones, problem.py Note
-        # [Wrap-around gaps]): so is the warm start, else its wrap-around swaps would be dropped
-        ds = _bounded(lambda: fn(problem.restricted(), budget_bytes), timeout_s)
+        # the model's candidates are the problem's (persistent ones with their wrap-around gaps
+        # included unless ``restricted()``): the warm start plans the same problem
+        ds = _bounded(lambda: fn(problem, budget_bytes), timeout_s)
     except _OutOfTime:
         notes.append(f"no warm start: policy {policy!r} took more than {timeout_s:.1f} s")
         return None, {}
