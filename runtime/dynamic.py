@@ -42,6 +42,18 @@ room made under the budget, so nothing recurses deeply).
 # dropped (``DynamicGuard.stays_out``); copy-on-write brings back the dropped storages the script
 # still holds that need the written one, through pinned sources (``DynamicGuard._live_roots``),
 # one at a time, since bringing one back releases what only it pinned.
+
+# Note: [Cycles of dropped storages]
+# A dropped storage comes back after the dropped sources of its replay (``bring_back``), so the
+# sources of dropped storages must never form a cycle. Allocation order alone would make them a
+# DAG (an op reads older storages), but a chain's in-place ops read storages that are themselves
+# written later: batch norm writes running_mean and running_var in one op, so each one's chain
+# (zeros, zero_, native_batch_norm), built in the iteration that creates the model, reads the
+# other. With both dropped, each replay needs the other first: the replays recursed until
+# Python's stack ran out (the CNN at 25-30% with ``remat="recompute"``). A storage whose replay
+# reads, directly or through the pinned sources of dropped storages, a dropped storage whose
+# replay reads it is swapped instead (``DynamicGuard.drop_plan``); a replay that finds its own
+# entry already being replayed raises ``RecomputeError`` rather than recurse.
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..errors import RecomputeError
 from ..planner.plan import Decision, Method
 from ..tracer.hooks import op_info, written_inputs
 from .backend import byte_view
@@ -366,6 +379,7 @@ class DynamicGuard(BudgetGuard):
         self.bw_out = self.bw_in = float(bandwidth_bytes_per_s)
         self.writing: set[int] = set()  # storages the op being prepared writes
         self.replay_op_s = 0.0  # measured cost of a replay beyond its ops' own times, per op
+        self._replaying: list[Entry] = []  # the entries being replayed, outermost first
         self.n_entries = 0
 
     # ---- per op -----------------------------------------------------------------------------------
@@ -476,9 +490,7 @@ class DynamicGuard(BudgetGuard):
                 break
             if st.nbytes() == 0 or key in ex.entries:
                 continue
-            plan = tr.replay_plan(key) if drop else None
-            if plan is not None and self.writing and not self.writing.isdisjoint(plan[1]):
-                plan = None  # a source is about to be written (R3 would bring it back at once)
+            plan = self.drop_plan(key) if drop else None
             if (
                 plan is not None
                 and self.remat == "auto"
@@ -491,6 +503,39 @@ class DynamicGuard(BudgetGuard):
                 self._swap(key, st, n)
             got += n
         return got
+
+    def drop_plan(self, key: int):
+        """``tr.replay_plan(key)`` where dropping ``key`` now is safe, else None (it is swapped):
+        none of its replay's sources is about to be written (R3 would bring it back at once),
+        and none of them is a dropped storage whose own replay needs ``key`` (Note [Cycles of
+        dropped storages])."""
+        plan = self.tracker.replay_plan(key)
+        if plan is None:
+            return None
+        srcs = plan[1]
+        if self.writing and not self.writing.isdisjoint(srcs):
+            return None
+        if self._needed_by(srcs, key):
+            return None
+        return plan
+
+    def _needed_by(self, keys, target: int) -> bool:
+        """Whether bringing back ``keys`` replays something that reads ``target``: ``target`` is
+        one of them, or a pinned source of a dropped one among them, transitively."""
+        entries = self.ex.entries
+        stack = list(keys)
+        seen = set()
+        while stack:
+            k = stack.pop()
+            if k == target:
+                return True
+            if k in seen:
+                continue
+            seen.add(k)
+            e = entries.get(k)
+            if e is not None and not e.swap and e.state is Residency.OUT:
+                stack.extend(storage_key(st) for st in e.extra.get("pins", ()))
+        return False
 
     def _entry(self, key: int, st, n: int, swap: bool, d: Decision | None) -> Entry:
         self.n_entries += 1
@@ -592,10 +637,22 @@ class DynamicGuard(BudgetGuard):
         st = e.storage
         if st is None:
             return
+        if e in self._replaying:  # Note [Cycles of dropped storages]
+            raise RecomputeError(
+                f"dynamic mode: the replay of {e.decision.storage_id} needs its own storage back "
+                "first (a cycle of dropped storages); its bytes cannot be regenerated"
+            )
+        self._replaying.append(e)
+        try:
+            self._replay(e, st)
+        finally:
+            self._replaying.pop()
+
+    def _replay(self, e: Entry, st) -> None:
         ex = self.ex
         pinned = [storage_key(src) for src in e.extra.get("pins", ())]
         if any(k in ex.entries for k in pinned):  # paths other than bring_back (step end):
-            self.bring_back(pinned)  # ancestors first, never a recursion through them
+            self.bring_back(pinned)  # ancestors first
         tr = self.tracker
         tr.engine.stats = ex.stats
         tr.engine.ensure_resident = ex.ensure_resident
