@@ -18,7 +18,7 @@ import torch
 
 from ..planner.plan import Decision, Method, Plan, Step
 from ..tracer.hooks import op_info
-from ..tracer.schema import IdKind, TensorId
+from ..tracer.schema import IdKind, TensorId, shape_signature
 
 
 @dataclass
@@ -62,10 +62,22 @@ class ActionTable:
     op_peak_bytes: list[int] = field(default_factory=list)  # the plan's simulated curve
     guarded: list = field(default_factory=list)  # ``fast`` less the ops that write in place
     kind: str = "train"  # the plan's kind of iteration (Note [Iteration kinds] in tracker.py)
+    # ``signatures`` parsed once at plan load: per op the tuple of its inputs' shapes, compared
+    # with the live ``tuple(t.shape ...)`` (``torch.Size`` is a tuple) instead of formatting a
+    # signature string per checked op; None where the string is ambiguous ("" is no tensor or
+    # one 0-d tensor): those ops compare strings
+    shapes: list = field(default_factory=list)
 
     @property
     def n_ops(self) -> int:
         return len(self.expected)
+
+    def shapes_match(self, k: int, flat: list) -> bool:
+        """Op ``k``'s live tensor inputs ``flat`` have the traced shapes (``signatures[k]``)."""
+        exp = self.shapes[k] if k < len(self.shapes) else None
+        if exp is None:
+            return shape_signature(t.shape for t in flat) == self.signatures[k]
+        return len(flat) == len(exp) and tuple([t.shape for t in flat]) == exp
 
     def actions(self, k: int) -> OpActions:
         a = self.ops.get(k)
@@ -138,7 +150,21 @@ def compile_plan(plan: Plan) -> ActionTable:
         list(plan.op_peak_bytes),
         guarded,
         plan.kind,
+        [parse_signature(s) for s in signatures],
     )
+
+
+def parse_signature(sig: str) -> tuple | None:
+    """``"4x8;8"`` -> ``((4, 8), (8,))`` (the inverse of ``shape_signature``); None for ``""``
+    (no tensor input, or one 0-d tensor) and for anything that does not parse."""
+    if not sig:
+        return None
+    try:
+        return tuple(
+            tuple(int(d) for d in part.split("x")) if part else () for part in sig.split(";")
+        )
+    except ValueError:
+        return None
 
 
 def _writes(func) -> bool:

@@ -21,6 +21,7 @@ The CUDA one cannot run on the machines this project is developed on; ``gpu``-ma
 
 from __future__ import annotations
 
+import _thread
 import collections
 import queue
 import threading
@@ -33,12 +34,20 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 
 def byte_view(storage: torch.UntypedStorage, nbytes: int | None = None) -> torch.Tensor:
-    """A 1-d uint8 tensor over ``storage`` (no copy). Built with dispatch modes disabled so that a
+    """A 1-d uint8 tensor over ``storage`` (no copy). Built with Python dispatch disabled so that a
     runtime-internal op is never seen by the tracker (see Note [Runtime-internal ops])."""
     n = storage.nbytes() if nbytes is None else nbytes
-    with _disable_current_modes(), torch.no_grad():
+    with _no_python_dispatch():
         t = torch.empty(0, dtype=torch.uint8, device=storage.device)
         return t.set_(storage, 0, (n,), (1,))
+
+
+# Note [Runtime-internal ops] (state.py) on plain storages: ``_DisableTorchDispatch`` excludes the
+# Python dispatch keys (every dispatch mode, and tensor subclasses, which a byte view of a
+# storage never is) for 0.7 µs where ``_disable_current_modes`` pops and re-pushes the mode
+# stack for 7.6 µs (measured under load 2-4). Replays of the script's own ops, whose arguments
+# may be subclasses, keep ``_disable_current_modes``.
+_no_python_dispatch = torch._C._DisableTorchDispatch
 
 
 class Copy(Protocol):
@@ -60,12 +69,19 @@ class DeviceBackend(Protocol):
 
     def release(self, buf: torch.Tensor) -> None: ...
 
-    def copy_out(self, storage: torch.UntypedStorage, buf: torch.Tensor) -> Copy: ...
+    def copy_out(self, storage: torch.UntypedStorage, buf: torch.Tensor, now: bool = False) -> Copy:
+        """Start device->host; ``now``: the caller waits for it at once (it may run inline)."""
+        ...
 
     def copy_in(
-        self, buf: torch.Tensor, storage: torch.UntypedStorage, after: Copy | None = None
+        self,
+        buf: torch.Tensor,
+        storage: torch.UntypedStorage,
+        after: Copy | None = None,
+        now: bool = False,
     ) -> Copy:
-        """Start host->device; ``after``: a swap-out of the same data that must finish first."""
+        """Start host->device; ``after``: a swap-out of the same data that must finish first;
+        ``now``: the caller waits for it at once (it may run inline)."""
         ...
 
     def wait_compute(self, copy: Copy) -> float: ...
@@ -106,24 +122,45 @@ class _HostPool:
 
 
 class _ThreadCopy:
-    __slots__ = ("nbytes", "_event", "error")
+    """A copy queued on a copy thread: a plain lock, held until the copy is done (a
+    ``threading.Event`` is a Python-level condition variable: several µs more on both threads,
+    and the copy thread must hold the interpreter lock longer to set it)."""
+
+    __slots__ = ("nbytes", "_lock", "error")
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
-        self._event = threading.Event()
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
         self.error: BaseException | None = None
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return not self._lock.locked()
 
     def wait(self) -> float:
-        if self._event.is_set():
-            return 0.0
-        t0 = time.perf_counter()
-        self._event.wait()
+        t0 = 0.0
+        if self._lock.locked():
+            t0 = time.perf_counter()
+            self._lock.acquire()
+            self._lock.release()
         if self.error is not None:
             raise self.error
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0 if t0 else 0.0
+
+
+class _DoneCopy:
+    """A copy that ran on the calling thread (``INLINE_COPY_MAX_BYTES``): complete already."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> float:
+        return 0.0
 
 
 class _CopyChannel:
@@ -151,18 +188,39 @@ class _CopyChannel:
             dst, src, c, after = job
             try:
                 if after is not None:
-                    after._event.wait()  # the other channel must have written the host buffer
-                    if after.error is not None:
-                        raise after.error
+                    after.wait()  # the other channel must have written the host buffer
                 with torch.no_grad():
                     dst.copy_(src)
             except BaseException as exc:  # surfaced by Copy.wait
                 c.error = exc
             del dst, src, job, after
-            c._event.set()
+            c._lock.release()
 
     def close(self) -> None:
         self._q.put(None)
+
+
+# Note: [Inline copies on CPU]
+# A CPU "device" has no copy engine: a copy thread only moves the copy to another core, and
+# handing it over costs more than a small copy. Measured (benchmarks/runtime.py "swap cycle", a
+# 64 KiB storage out and back): 101 µs per direction through the copy threads on a quiet host;
+# the interpreter lock and the thread wake-ups (queue put, event set, event wait), not the
+# copy, which takes a few µs. So a swap-out of at most ``INLINE_COPY_MAX_BYTES`` copies on the
+# calling thread at once (its memory is freed at once: never later than the plan's curve has
+# it), and a restore that waits anyway (on demand, synchronous eviction) copies in place.
+# Prefetches stay asynchronous whatever their size: the in-trigger starts the copy, the
+# back-access waits for it (a late prefetch is measured and fed back, Note [Late prefetch
+# feedback] in swap.py). Larger swap-outs stay on the copy thread, where another core can take
+# them.
+INLINE_COPY_MAX_BYTES = 1 << 20
+
+
+def _host(buf: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` bytes of a host buffer (pool buffers are exact-size: usually itself)."""
+    if buf.numel() == n:
+        return buf
+    with _no_python_dispatch():
+        return buf[:n]
 
 
 class CPUBackend:
@@ -190,15 +248,29 @@ class CPUBackend:
     def release(self, buf: torch.Tensor) -> None:
         self._pool.put(buf)
 
-    def copy_out(self, storage: torch.UntypedStorage, buf: torch.Tensor) -> Copy:
+    def copy_out(self, storage: torch.UntypedStorage, buf: torch.Tensor, now: bool = False) -> Copy:
         n = storage.nbytes()
-        return self._d2h.submit(buf[:n], byte_view(storage, n), n)
+        if now or n <= INLINE_COPY_MAX_BYTES:  # Note [Inline copies on CPU]
+            with _no_python_dispatch():
+                _host(buf, n).copy_(byte_view(storage, n))
+            return _DoneCopy(n)
+        return self._d2h.submit(_host(buf, n), byte_view(storage, n), n)
 
     def copy_in(
-        self, buf: torch.Tensor, storage: torch.UntypedStorage, after: Copy | None = None
+        self,
+        buf: torch.Tensor,
+        storage: torch.UntypedStorage,
+        after: Copy | None = None,
+        now: bool = False,
     ) -> Copy:
         n = storage.nbytes()
-        return self._h2d.submit(byte_view(storage, n), buf[:n], n, after)
+        if now:  # the caller waits for it at once (an on-demand restore): no thread handoff
+            if after is not None:
+                after.wait()
+            with _no_python_dispatch():
+                byte_view(storage, n).copy_(_host(buf, n))
+            return _DoneCopy(n)
+        return self._h2d.submit(byte_view(storage, n), _host(buf, n), n, after)
 
     def wait_compute(self, copy: Copy) -> float:
         return copy.wait()  # the "compute stream" is the main thread
@@ -207,7 +279,7 @@ class CPUBackend:
         if not copy.done():
             return False
         copy.wait()  # re-raise a failed copy
-        with _disable_current_modes():
+        with _no_python_dispatch():
             storage.resize_(0)
         return True
 
@@ -283,7 +355,7 @@ class CUDABackend:
         while self._releasing and self._releasing[0][0].query():
             self._pool.put(self._releasing.popleft()[1])
 
-    def copy_out(self, storage: torch.UntypedStorage, buf: torch.Tensor) -> Copy:
+    def copy_out(self, storage: torch.UntypedStorage, buf: torch.Tensor, now: bool = False) -> Copy:
         n = storage.nbytes()
         with _disable_current_modes(), torch.no_grad():
             src = byte_view(storage, n)
@@ -296,7 +368,11 @@ class CUDABackend:
         return _EventCopy(n, done, (src, buf))
 
     def copy_in(
-        self, buf: torch.Tensor, storage: torch.UntypedStorage, after: Copy | None = None
+        self,
+        buf: torch.Tensor,
+        storage: torch.UntypedStorage,
+        after: Copy | None = None,
+        now: bool = False,
     ) -> Copy:
         n = storage.nbytes()  # already resized by the caller on the compute stream
         with _disable_current_modes(), torch.no_grad():

@@ -71,7 +71,7 @@ class SwapEngine:
         st = e.storage
         if e.buf is None:
             e.buf = self.backend.host_buffer(e.nbytes)
-        e.out_copy = self.backend.copy_out(st, e.buf)
+        e.out_copy = self.backend.copy_out(st, e.buf, now=True)
         self.stats.swapped_out_bytes += e.nbytes
         waited = e.out_copy.wait()
         self.backend.free_after_copy_out(st, e.out_copy)
@@ -161,7 +161,7 @@ class SwapEngine:
         elif e.state is Residency.OUT:
             if st is not None:  # on demand: nothing was prefetched
                 resize(st, e.nbytes)
-                e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy)
+                e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy, now=True)
                 self.stats.swapped_in_bytes += e.nbytes
                 self.stats.stall_s += e.in_copy.wait()
                 self.backend.wait_compute(e.in_copy)

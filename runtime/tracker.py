@@ -165,6 +165,7 @@ class Executor:
         self.swap = swap
         self.recompute = recompute
         self.backend = backend
+        self._cuda = backend.device.type == "cuda"  # Executor._run: retry a real OOM
         self.guard = make_guard(self)
         self.mode = TrackerMode(self)
         self.entries: dict[int, Entry] = {}  # storage key -> evicted storage
@@ -365,9 +366,7 @@ class Executor:
                     self._diverge(k, info.name, "op", flat)
             else:
                 acts = tbl.ops.get(k)
-                if (acts is not None or self.watching) and shape_signature(
-                    t.shape for t in flat
-                ) != tbl.signatures[k]:
+                if (acts is not None or self.watching) and not tbl.shapes_match(k, flat):
                     if self._switch_kind(k, func, flat):
                         acts = self.table.ops.get(k)
                     else:
@@ -425,30 +424,29 @@ class Executor:
                     self.live[sid] = weakref.ref(flat[a].untyped_storage())
             if acts.record:
                 rec = self.recompute.record(k, func, args, kwargs, flat, written, info.seeded)
-        out = self._run(func, args, kwargs)
+        out = func(*args, **kwargs) if not self._cuda else self._run(func, args, kwargs)
         if acts is not None or watch:
-            outs = flatten_outputs(out)
-            if keys is None:
-                keys = _keys(flat)
-            in_keys = set(keys)
+            in_keys = None
+            if rec is not None or watch:
+                in_keys = set(keys if keys is not None else _keys(flat))
             if acts is not None:
-                for j, sid in acts.name_outputs:
-                    if j < len(outs):
-                        self.live[sid] = weakref.ref(outs[j].untyped_storage())
+                if acts.name_outputs:
+                    outs = flatten_outputs(out)
+                    for j, sid in acts.name_outputs:
+                        if j < len(outs):
+                            self.live[sid] = weakref.ref(outs[j].untyped_storage())
                 if rec is not None:
                     self.recompute.recorded_outputs(rec, out, in_keys)
                 for step, sid in acts.after:
                     self._evict(step, sid)
             if passive:
-                guard.after_op(outs, in_keys, token)
+                guard.after_op(flatten_outputs(out), in_keys, token)
             elif watch:
-                guard.watch(outs, in_keys, token)
+                guard.watch(flatten_outputs(out), in_keys, token)
         self._update_fast()
         return out
 
     def _run(self, func, args, kwargs):
-        if self.backend.device.type != "cuda":
-            return func(*args, **kwargs)
         for _ in range(64):
             try:
                 return func(*args, **kwargs)
@@ -539,7 +537,11 @@ class Executor:
             self.restore(e)
 
     def restore(self, e: Entry, planned: bool = False) -> None:
-        with _disable_current_modes(), torch.no_grad():  # Note [Runtime-internal ops]
+        if e.swap:  # copies of plain storages (Note [Runtime-internal ops] in state.py)
+            with torch._C._DisableTorchDispatch():
+                self._restore(e, planned)
+            return
+        with _disable_current_modes(), torch.no_grad():  # replays of the script's ops
             self._restore(e, planned)
 
     def _restore(self, e: Entry, planned: bool) -> None:
