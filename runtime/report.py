@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -102,7 +103,7 @@ class RunReport:
         st = self.steady
         peak = max((s.peak_bytes or 0) for s in its)
         steady_peak = max((s.peak_bytes or 0) for s in st)
-        t = sum(s.time_s for s in st) / len(st)
+        t = statistics.median(s.time_s for s in st)  # robust to a host's other jobs
         lines = [
             f"capuchin run: {len(its)} iterations on {self.device}"
             + (f", budget {_mb(self.budget_bytes)}" if self.budget_bytes else "")
@@ -112,7 +113,17 @@ class RunReport:
             if self.budget_bytes:
                 fit = f" ({steady_peak / self.budget_bytes:.0%} of budget)"
             lines.append(f"  peak {_mb(steady_peak)} steady{fit}, {_mb(peak)} over all iterations")
-        lines.append(f"  time {t * 1e3:.1f} ms/iteration (steady mean)")
+        profiled = str(self.device).startswith("cpu") and any(
+            s.peak_bytes is not None for s in its
+        )  # Note [Measured peak]: on CPU the peaks come from the profiler, which slows every op
+        lines.append(
+            f"  time {t * 1e3:.1f} ms/iteration (steady median"
+            + (
+                "; the CPU memory profiler was on and slows ops: --no-measure times without it)"
+                if profiled
+                else ")"
+            )
+        )
         lines.append(
             f"  swapped out {_mb(sum(s.swapped_out_bytes for s in its))}, in "
             f"{_mb(sum(s.swapped_in_bytes for s in its))}; recomputed ops "
