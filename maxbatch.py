@@ -559,7 +559,7 @@ class _Search:
         if key in self.plans:
             return self.plans[key]
         from .planner.build import build_plan, policy_parameters
-        from .planner.registry import get_policy
+        from .planner.registry import checked, get_policy
 
         problem = self.problems.get(value)
         if problem is None:
@@ -569,13 +569,13 @@ class _Search:
                 plan, _ = build_plan(problem, [], policy=policy, budget_bytes=self.memory_bytes)
             else:
                 t0 = time.perf_counter()
-                decisions = get_policy(policy)(problem, self.memory_bytes)
+                result = checked(policy, get_policy(policy)(problem, self.memory_bytes))
                 plan, _ = build_plan(
                     problem,
-                    decisions,
+                    result.decisions,
                     policy=policy,
                     budget_bytes=self.memory_bytes,
-                    parameters=policy_parameters({}, decisions),
+                    parameters=policy_parameters({}, result),
                     solve_time_s=time.perf_counter() - t0,
                 )
         except CapuchinError as exc:

@@ -52,7 +52,7 @@ def one(path: str, budget: str, policy: str) -> dict:
     problem = Problem.from_trace(load_trace(path))
     budget_bytes = parse_budget(budget, problem.peak_bytes)
     t = time.process_time()
-    decisions = get_policy(policy)(problem, budget_bytes)
+    decisions = get_policy(policy)(problem, budget_bytes).decisions
     policy_s = time.process_time() - t
     t = time.process_time()
     plan, _sim = build_plan(problem, decisions, policy=policy, budget_bytes=budget_bytes)

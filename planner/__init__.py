@@ -5,7 +5,7 @@ simulator.py  simulate(problem, decisions) -> SimResult: the one judge of every 
 lineage.py    replay chains and sources for recomputation (resolve_recompute)
 swapping.py   copy channels, free time, in-trigger search (for policies)
 msps.py       Algorithm 2: recompute candidates by MSPS with the iterative update
-registry.py   @register("name"), get_policy(name), the Policy protocol
+registry.py   @register("name"), get_policy(name), the Policy protocol and PolicyResult
 policies/     one module per policy (capuchin, swap, recompute, and the comparison ones)
 build.py      build_plan(problem, decisions, ...) -> (Plan, SimResult)
 plan.py       the plan format (Plan, Decision, Action; to_json/from_json)

@@ -22,7 +22,7 @@ from .budget import format_bytes, parse_budget, parse_rate
 from .build import build_plan, policy_parameters
 from .plan import Plan
 from .problem import Problem
-from .registry import get_policy
+from .registry import checked, get_policy
 
 
 def load_problem(
@@ -69,7 +69,7 @@ def make_plan(
 
     Returns a complete ``Plan`` whose predictions come from the simulator. Its
     ``provenance.parameters`` holds ``params`` and, over them, the figures the policy reports
-    about its own run (``build.policy_parameters``: the ILP's ``status``, ``optimality_gap``,
+    about its own run (``PolicyResult.figures``: the ILP's ``status``, ``optimality_gap``,
     ``ilp_objective_ns``, ``solve_time_s``, ``stages`` ...). A budget at or above the baseline
     peak gives an empty plan (its notes say so). Raises ``InfeasibleBudgetError`` (exit status 2
     in the CLI) when the policy's simulated peak stays above the budget, naming the smallest
@@ -109,16 +109,16 @@ def make_plan(
         )
         return plan
     t0 = time.perf_counter()
-    decisions = fn(problem, budget_bytes, **params)
+    result = checked(policy, fn(problem, budget_bytes, **params))
     solve_s = time.perf_counter() - t0
     plan, sim = build_plan(
         problem,
-        decisions,
+        result.decisions,
         policy=policy,
         budget_bytes=budget_bytes,
-        parameters=policy_parameters(params, decisions),
+        parameters=policy_parameters(params, result),
         solve_time_s=solve_s,
-        notes=notes,
+        notes=[*notes, *result.notes],
     )
     if plan.predictions.feasible:
         return plan
@@ -247,7 +247,8 @@ def smallest_feasible_budget(
 
     def peak_at(b: int) -> int | None:
         try:
-            _, sim = build_plan(problem, policy_fn(problem, b, **params), policy="", budget_bytes=b)
+            ds = policy_fn(problem, b, **params).decisions
+            _, sim = build_plan(problem, ds, policy="", budget_bytes=b)
         except Exception:  # noqa: BLE001 - a broken plan counts as not feasible
             return None
         return sim.peak_bytes if sim.peak_bytes <= b else None

@@ -20,6 +20,7 @@ from .costs import runtime_cost_ns
 from .lineage import resolve_recompute
 from .plan import Action, Decision, Method, Plan, Predictions, Provenance, Step
 from .problem import Problem
+from .registry import PolicyResult
 from .simulator import SimResult, simulate
 
 _STEP_ORDER = {
@@ -139,14 +140,12 @@ def _out_done_op(sim: SimResult, d: Decision, o) -> int | None:
     return k
 
 
-def policy_parameters(requested: dict[str, Any] | None, decisions: Any) -> dict[str, Any]:
+def policy_parameters(requested: dict[str, Any] | None, result: PolicyResult) -> dict[str, Any]:
     """What a plan's ``provenance.parameters`` records: the options the policy was called with
-    (``requested``) and, over them, the figures the policy reported about its own run (a list
-    subclass with a ``parameters`` dict, e.g. the ``ilp`` policy's ``status``,
-    ``optimality_gap``, ``solve_time_s``, ``stages``). One helper for ``api.make_plan`` and
-    ``compare.evaluate``."""
-    reported = getattr(decisions, "parameters", None)
-    return {**(requested or {}), **(dict(reported) if isinstance(reported, dict) else {})}
+    (``requested``) and, over them, the figures the policy reported about its own run
+    (``PolicyResult.figures``, e.g. the ``ilp`` policy's ``status``, ``optimality_gap``,
+    ``solve_time_s``, ``stages``). One helper for ``api.make_plan`` and ``compare.evaluate``."""
+    return {**(requested or {}), **result.figures}
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:

@@ -25,10 +25,10 @@ from typing import Any
 
 from ..errors import CapuchinError
 from .budget import format_bytes, parse_budget
-from .build import build_plan
+from .build import build_plan, policy_parameters
 from .plan import Method, Plan
 from .problem import Problem
-from .registry import available, get_policy
+from .registry import PolicyResult, available, checked, get_policy
 
 DEFAULT_SEARCH_TOLERANCE = 0.005  # of the baseline peak
 
@@ -103,16 +103,20 @@ def evaluate(
     kwargs = _accepted(fn, params or {})
     t0 = time.perf_counter()
     try:
-        ds = fn(problem, budget_bytes, **kwargs) if budget_bytes < problem.peak_bytes else []
+        result = (
+            checked(policy, fn(problem, budget_bytes, **kwargs))
+            if budget_bytes < problem.peak_bytes
+            else PolicyResult()
+        )
         solve_s = time.perf_counter() - t0
-        reported = dict(getattr(ds, "parameters", None) or {})
         plan, sim = build_plan(
             problem,
-            ds,
+            result.decisions,
             policy=policy,
             budget_bytes=budget_bytes,
-            parameters={**kwargs, **reported},
+            parameters=policy_parameters(kwargs, result),
             solve_time_s=solve_s,
+            notes=result.notes,
         )
     except CapuchinError as exc:
         rec = CompareRecord(
@@ -131,7 +135,7 @@ def evaluate(
         for d, o in zip(plan.decisions, sim.outcomes, strict=True)
         if d.method == Method.RECOMPUTE and o.recompute_ns > 0
     )
-    gap = reported.get("optimality_gap")
+    gap = result.figures.get("optimality_gap")
     rec = CompareRecord(
         policy=policy,
         budget_bytes=int(budget_bytes),
@@ -143,8 +147,8 @@ def evaluate(
         ops_recomputed=int(replayed),
         decisions=len(plan.decisions),
         optimality_gap=None if gap is None else float(gap),
-        status=reported.get("status"),
-        time_limit_s=reported.get("time_limit_s"),
+        status=result.status,
+        time_limit_s=result.figures.get("time_limit_s"),
     )
     return rec, plan
 

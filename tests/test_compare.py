@@ -39,7 +39,7 @@ def test_records_are_what_the_builder_and_simulator_say(problem):
     budgets = sorted({r.budget_bytes for r in result.records}, reverse=True)
     assert budgets == [int(problem.peak_bytes * 0.9), int(problem.peak_bytes * 0.6)]
     for r in result.records:
-        ds = get_policy(r.policy)(problem, r.budget_bytes)
+        ds = get_policy(r.policy)(problem, r.budget_bytes).decisions
         plan, sim = build_plan(problem, ds, policy=r.policy, budget_bytes=r.budget_bytes)
         assert r.feasible == (sim.peak_bytes <= r.budget_bytes)
         assert r.predicted_peak_bytes == sim.peak_bytes

@@ -596,13 +596,15 @@ def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, sl
     problem = Problem.from_trace(load_trace(trace)).restricted()
     fn = get_policy("capuchin")
     b10 = problem.peak_bytes // 10
-    assert not build_plan(problem, fn(problem, b10), policy="capuchin", budget_bytes=b10)[
+    assert not build_plan(problem, fn(problem, b10).decisions, policy="capuchin", budget_bytes=b10)[
         0
     ].predictions.feasible, "10% should be infeasible"
     budget = int(
         smallest_feasible_budget(problem, fn, {}, start_bytes=problem.floor_bytes()) * 1.002
     )
-    plan, _sim = build_plan(problem, fn(problem, budget), policy="capuchin", budget_bytes=budget)
+    plan, _sim = build_plan(
+        problem, fn(problem, budget).decisions, policy="capuchin", budget_bytes=budget
+    )
     assert plan.predictions.feasible
     assert plan.decisions and plan.op_peak_bytes
 

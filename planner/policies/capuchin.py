@@ -32,7 +32,7 @@ from ..lineage import EvictionWindows, finish_decisions
 from ..msps import MspsQueue
 from ..plan import Decision, Method
 from ..problem import Problem
-from ..registry import register
+from ..registry import PolicyResult, register
 from ..search import (
     SEARCH_MAX_OPS,
     AfterRound,
@@ -56,7 +56,7 @@ def capuchin(
     max_rounds: int = 12,
     collective: bool = True,
     max_replay_ops: int = 200,
-) -> list[Decision]:
+) -> PolicyResult:
     """Capuchin's hybrid policy: the best (search Note [Best of variants]) of the hybrid on the
     target grid with stalled-swap switching, the recompute-only and swap-only plans, and their
     recompute-first conversions; with and without the persistent candidates. Problems above
@@ -83,14 +83,15 @@ def capuchin(
 
         return best_of(p, budget_bytes, variants())
 
-    return restricted_first(problem, budget_bytes, plan)
+    return PolicyResult.of(restricted_first(problem, budget_bytes, plan))
 
 
 @register("swap")
-def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> list[Decision]:
+def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> PolicyResult:
     """Capuchin restricted to swapping: zero-overhead swaps by free time, then the swaps with the
     smallest exposed wait, until the simulated peak fits; on the target grid."""
-    return searched(problem.restricted(), budget_bytes, Capuchin("swap", max_rounds, False, 0))
+    swap = Capuchin("swap", max_rounds, False, 0)
+    return PolicyResult.of(searched(problem.restricted(), budget_bytes, swap))
 
 
 @register("recompute")
@@ -101,11 +102,11 @@ def recompute_only(
     max_rounds: int = 12,
     collective: bool = True,
     max_replay_ops: int = 200,
-) -> list[Decision]:
+) -> PolicyResult:
     """Capuchin restricted to recomputation: Algorithm 2 (largest MSPS first, iterative update)
     until the simulated peak fits; on the target grid."""
     planner = Capuchin("recompute", max_rounds, collective, max_replay_ops)
-    return searched(problem.restricted(), budget_bytes, planner)
+    return PolicyResult.of(searched(problem.restricted(), budget_bytes, planner))
 
 
 @dataclass(frozen=True)
