@@ -15,7 +15,7 @@ from capuchin.errors import PlanFormatError
 from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.state import storage_key
-from capuchin.runtime.testing import TRACES, state_mismatches, train_mismatches
+from capuchin.testing.training import TRACES, state_mismatches, train_mismatches
 from capuchin.tracer.reader import load_trace
 
 SLACK = 1.05

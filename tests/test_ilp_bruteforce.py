@@ -18,7 +18,7 @@ pytest.importorskip("ortools")
 from capuchin.planner.build import build_plan  # noqa: E402
 from capuchin.planner.policies import ilp  # noqa: E402
 from capuchin.planner.problem import Problem  # noqa: E402
-from capuchin.planner.synthetic import OpSpec  # noqa: E402
+from capuchin.testing.synthetic import OpSpec  # noqa: E402
 from capuchin.tracer.schema import Phase  # noqa: E402
 
 

@@ -20,7 +20,7 @@ from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
 from capuchin.runmain import run_as_main
 from capuchin.runtime.engine import Runtime
-from capuchin.runtime.testing import TRACES, state_mismatches
+from capuchin.testing.training import TRACES, state_mismatches
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.schema import Kind
 

@@ -13,7 +13,7 @@ from capuchin.planner.plan import Decision, Method, load_plan
 from capuchin.planner.problem import Problem
 from capuchin.planner.registry import PolicyResult
 from capuchin.planner.simulator import simulate
-from capuchin.planner.synthetic import trace_from_ops, transformer_ops
+from capuchin.testing.synthetic import trace_from_ops, transformer_ops
 from capuchin.tracer.reader import write_trace
 from click.testing import CliRunner
 

@@ -16,7 +16,7 @@ from capuchin.planner.plan import Decision, Method
 from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.launch import run_script
-from capuchin.runtime.testing import (
+from capuchin.testing.training import (
     STEPS,
     TRACES,
     hand_plan,
