@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,10 @@ from ..tracer.reader import Trace, load_trace
 from ..tracer.schema import FILE_SUFFIX
 from ..tracer.summary import iteration_kinds
 from .budget import format_bytes, parse_budget, parse_rate
-from .build import build_plan, policy_parameters
+from .build import build_plan, run_policy
 from .plan import Plan
 from .problem import Problem
-from .registry import checked, get_policy
+from .registry import get_policy
 
 
 def load_problem(
@@ -103,23 +102,7 @@ def make_plan(
                 f"time limit {time_limit_s:g} s ignored: policy {policy!r} takes none "
                 f"(it is not a time-limited search)"
             )
-    if budget_bytes >= problem.peak_bytes:
-        plan, _ = build_plan(
-            problem, [], policy=policy, budget_bytes=budget_bytes, parameters=params, notes=notes
-        )
-        return plan
-    t0 = time.perf_counter()
-    result = checked(policy, fn(problem, budget_bytes, **params))
-    solve_s = time.perf_counter() - t0
-    plan, sim = build_plan(
-        problem,
-        result.decisions,
-        policy=policy,
-        budget_bytes=budget_bytes,
-        parameters=policy_parameters(params, result),
-        solve_time_s=solve_s,
-        notes=[*notes, *result.notes],
-    )
+    plan, sim, _ = run_policy(problem, policy, budget_bytes, params, notes)
     if plan.predictions.feasible:
         return plan
     floor = problem.floor_bytes()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -20,7 +21,7 @@ from .costs import runtime_cost_ns
 from .lineage import resolve_recompute
 from .plan import Action, Decision, Method, Plan, Predictions, Provenance, Step
 from .problem import Problem
-from .registry import PolicyResult
+from .registry import PolicyResult, checked, get_policy
 from .simulator import SimResult, simulate
 
 _STEP_ORDER = {
@@ -127,6 +128,35 @@ def build_plan(
         op_peak_bytes=[int(b) for b in sim.op_peak_bytes],
     )
     return plan, sim
+
+
+def run_policy(
+    problem: Problem,
+    policy: str,
+    budget_bytes: int,
+    params: dict[str, Any] | None = None,
+    notes: Sequence[str] = (),
+) -> tuple[Plan, SimResult, PolicyResult]:
+    """The registered ``policy`` called with ``params`` (timed) and the plan built from its
+    result: ``params`` and the policy's figures in the provenance (``policy_parameters``), its
+    notes after ``notes``. A budget at or above the baseline peak calls no policy: the empty
+    plan. Raises what ``build_plan`` raises. One helper for ``api.make_plan`` and
+    ``compare.evaluate``."""
+    params = dict(params or {})
+    result = PolicyResult()
+    t0 = time.perf_counter()
+    if budget_bytes < problem.peak_bytes:
+        result = checked(policy, get_policy(policy)(problem, budget_bytes, **params))
+    plan, sim = build_plan(
+        problem,
+        result.decisions,
+        policy=policy,
+        budget_bytes=budget_bytes,
+        parameters=policy_parameters(params, result),
+        solve_time_s=time.perf_counter() - t0,
+        notes=[*notes, *result.notes],
+    )
+    return plan, sim, result
 
 
 def _out_done_op(sim: SimResult, d: Decision, o) -> int | None:

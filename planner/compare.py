@@ -25,10 +25,10 @@ from typing import Any
 
 from ..errors import CapuchinError
 from .budget import format_bytes, parse_budget
-from .build import build_plan, policy_parameters
+from .build import run_policy
 from .plan import Method, Plan
 from .problem import Problem
-from .registry import PolicyResult, available, checked, get_policy
+from .registry import available, get_policy
 
 DEFAULT_SEARCH_TOLERANCE = 0.005  # of the baseline peak
 
@@ -99,25 +99,10 @@ def evaluate(
     the baseline peak gets the empty plan, as ``make_plan`` does. Never raises for a policy
     failure: the record says ``error``.
     """
-    fn = get_policy(policy)
-    kwargs = _accepted(fn, params or {})
+    kwargs = _accepted(get_policy(policy), params or {})
     t0 = time.perf_counter()
     try:
-        result = (
-            checked(policy, fn(problem, budget_bytes, **kwargs))
-            if budget_bytes < problem.peak_bytes
-            else PolicyResult()
-        )
-        solve_s = time.perf_counter() - t0
-        plan, sim = build_plan(
-            problem,
-            result.decisions,
-            policy=policy,
-            budget_bytes=budget_bytes,
-            parameters=policy_parameters(kwargs, result),
-            solve_time_s=solve_s,
-            notes=result.notes,
-        )
+        plan, sim, result = run_policy(problem, policy, budget_bytes, kwargs)
     except CapuchinError as exc:
         rec = CompareRecord(
             policy,
@@ -142,7 +127,7 @@ def evaluate(
         feasible=bool(plan.predictions.feasible),
         predicted_peak_bytes=int(sim.peak_bytes),
         predicted_overhead=float(sim.overhead),
-        solve_time_s=round(solve_s, 4),
+        solve_time_s=plan.provenance.solve_time_s,
         bytes_swapped=int(swapped),
         ops_recomputed=int(replayed),
         decisions=len(plan.decisions),

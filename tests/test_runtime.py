@@ -341,23 +341,20 @@ def test_cuda_plan_trains_bitwise(tmp_path):
     assert all(s.peak_bytes for s in steady(rt))
 
 
-def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
-    """Copies slowed to 20 ms each: prefetches issued one op before their back-access are late;
-    each late one is counted, costs a stall (never a wrong value), and its in-trigger moves earlier
-    for the next iteration (paper §4.4)."""
+def _slow_h2d_copies(monkeypatch, seconds: float) -> None:
+    """Every host-to-device copy of the runtimes made from now on takes ``seconds`` longer (the
+    wait runs on the h2d copy thread)."""
     import time
 
     import capuchin.runtime.engine as engine
     from capuchin.runtime.backend import backend_for
 
     class _SlowDst:
-        """A copy destination whose copy takes 20 ms longer (runs on the h2d copy thread)."""
-
         def __init__(self, inner):
             self.inner = inner
 
         def copy_(self, src):
-            time.sleep(0.02)
+            time.sleep(seconds)
             return self.inner.copy_(src)
 
     def slow_backend(device, plan=None):
@@ -367,6 +364,13 @@ def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
         return be
 
     monkeypatch.setattr(engine, "backend_for", slow_backend)
+
+
+def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
+    """Copies slowed to 20 ms each: prefetches issued one op before their back-access are late;
+    each late one is counted, costs a stall (never a wrong value), and its in-trigger moves earlier
+    for the next iteration (paper §4.4)."""
+    _slow_h2d_copies(monkeypatch, 0.02)
     plan = hand_plan(problem("cnn"), "swap", limit=4, trigger_lead=1)
     triggers = {d.storage_id: d.trigger_op for d in plan.decisions}
     rt = Runtime(plan, measure_memory=False)
@@ -583,8 +587,6 @@ def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, sl
     peaks measured +208 KB over the budget. Without the wait for swap-outs at their simulated
     completion (``Decision.out_done_op``) they measured +216 KB (slowed) and +222 KB (full
     speed) over it."""
-    import capuchin.runtime.engine as engine
-    from capuchin.runtime.backend import backend_for
 
     script, trace = _ckpt_trace(tmp_path_factory.mktemp("ckpt"))
     # planned without persistent candidates (Problem.restricted): a budget reachable only by
@@ -608,24 +610,8 @@ def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, sl
     assert plan.predictions.feasible
     assert plan.decisions and plan.op_peak_bytes
 
-    class _SlowDst:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def copy_(self, src):
-            import time
-
-            time.sleep(0.003)
-            return self.inner.copy_(src)
-
-    def slow_backend(device, plan=None):
-        be = backend_for(device, plan)
-        submit = be._h2d.submit
-        be._h2d.submit = lambda dst, src, n, after=None: submit(_SlowDst(dst), src, n, after)
-        return be
-
     if slow_copies:
-        monkeypatch.setattr(engine, "backend_for", slow_backend)
+        _slow_h2d_copies(monkeypatch, 0.003)
     rt = Runtime(plan, measure_memory=True)
     got = run_example(script, ["--steps", "20"], rt)
     assert state_mismatches(run_example(script, ["--steps", "20"]), got) == []
