@@ -320,25 +320,35 @@ def test_cuda_backend_roundtrip_streams_events_and_pinned_pool():
 
 @pytest.mark.gpu
 def test_cuda_plan_trains_bitwise(tmp_path):
-    from capuchin.tracer.record import Tracer
-
     script = TRACES / "cnn.py"
-    trace = tmp_path / "cnn.cuda.trace.parquet"
-    import runpy
-    import sys
-
-    argv = sys.argv
-    sys.argv = [str(script), "--steps", "4"]
-    try:
-        with Tracer(trace, iterations=1, warmup=1, device="cuda"):
-            runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv = argv
-    plan = hand_plan(Problem.from_trace(load_trace(trace)), "hybrid", limit=8)
+    prob = _traced(script, tmp_path / "cnn.cuda.trace.parquet", ["--steps", "4"], device="cuda")
+    plan = hand_plan(prob, "hybrid", limit=8)
     rt = Runtime(plan, measure_memory=True)
     got = run_example(script, STEPS, rt)
     assert state_mismatches(run_example(script, STEPS), got) == []
     assert all(s.peak_bytes for s in steady(rt))
+
+
+def _traced(script, trace, args=(), device: str = "cpu") -> Problem:
+    """The problem of one iteration of ``script`` traced in-process (after one warm-up)."""
+    from capuchin.runmain import run_as_main
+    from capuchin.tracer.record import Tracer
+
+    with Tracer(trace, iterations=1, warmup=1, device=device, log=None):
+        run_as_main(script, list(args))
+    return Problem.from_trace(load_trace(trace))
+
+
+def _hand_plan_file(prob: Problem, d: Decision, path):
+    """A plan holding only ``d`` (made by hand: the simulator never sees it), saved to ``path``."""
+    from capuchin.planner.build import action_table
+    from capuchin.planner.plan import Plan, Predictions, Provenance
+
+    prov = Provenance(
+        "hand", {}, prob.peak_bytes, prob.trace_path, "", 1, "cpu", 12e9, 12e9, "", 0.0
+    )
+    plan = Plan(prov, Predictions(0, 0, 0, 0), [d], prob.op_signatures(), action_table([d]))
+    return plan.save(path)
 
 
 def _slow_h2d_copies(monkeypatch, seconds: float) -> None:
@@ -403,24 +413,9 @@ def test_r3_copy_on_write_regenerates_before_a_source_is_overwritten(tmp_path):
     """A (hand-written, simulator-bypassing) plan drops ``y = a * 2`` although ``a`` is written
     before ``y`` comes back: the runtime regenerates ``y`` before the write (R3), and the script's
     own check passes."""
-    import runpy
-    import sys
-
-    from capuchin.planner.build import action_table
-    from capuchin.planner.plan import Plan, Predictions, Provenance
-    from capuchin.tracer.record import Tracer
-
     script = tmp_path / "cow.py"
     script.write_text(_COW_SCRIPT)
-    trace = tmp_path / "cow.trace.parquet"
-    argv = sys.argv
-    sys.argv = [str(script)]
-    try:
-        with Tracer(trace, iterations=1, warmup=1, device="cpu", log=None):
-            runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv = argv
-    prob = Problem.from_trace(load_trace(trace))
+    prob = _traced(script, tmp_path / "cow.trace.parquet")
     names = [o.name for o in prob.ops]
     mul = names.index("aten.mul.Tensor")
     clone = names.index("aten.clone.default")
@@ -436,9 +431,8 @@ def test_r3_copy_on_write_regenerates_before_a_source_is_overwritten(tmp_path):
         replay_ops=(mul,),
         sources=prob.ops[mul].inputs,
     )
-    prov = Provenance("hand", {}, prob.peak_bytes, str(trace), "", 1, "cpu", 12e9, 12e9, "", 0.0)
-    plan = Plan(prov, Predictions(0, 0, 0, 0), [d], prob.op_signatures(), action_table([d]))
-    rep = run_script(script, [], plan=plan.save(tmp_path / "cow.plan.json"), measure_memory=False)
+    plan = _hand_plan_file(prob, d, tmp_path / "cow.plan.json")
+    rep = run_script(script, [], plan=plan, measure_memory=False)
     its = [s for s in rep.iterations if s.complete and s.iteration >= 1]
     assert its and not any(s.diverged for s in its)
     assert all(s.cow_restores == 1 and s.recomputed_ops == 1 for s in its)
@@ -471,24 +465,9 @@ def test_guarded_hot_path_never_lets_an_op_read_an_evicted_storage(tmp_path):
     regenerates ``y`` first: the script's own checks pass. (With the argument check removed
     from ``TrackerMode.__torch_dispatch__`` the test process died of a segmentation fault: the
     kernel read the dropped storage.)"""
-    import runpy
-    import sys
-
-    from capuchin.planner.build import action_table
-    from capuchin.planner.plan import Plan, Predictions, Provenance
-    from capuchin.tracer.record import Tracer
-
     script = tmp_path / "read.py"
     script.write_text(_READ_SCRIPT)
-    trace = tmp_path / "read.trace.parquet"
-    argv = sys.argv
-    sys.argv = [str(script)]
-    try:
-        with Tracer(trace, iterations=1, warmup=1, device="cpu", log=None):
-            runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv = argv
-    prob = Problem.from_trace(load_trace(trace))
+    prob = _traced(script, tmp_path / "read.trace.parquet")
     names = [o.name for o in prob.ops]
     mul = names.index("aten.mul.Tensor")
     back = names.index("aten.mul.Tensor", mul + 1)
@@ -502,11 +481,8 @@ def test_guarded_hot_path_never_lets_an_op_read_an_evicted_storage(tmp_path):
         replay_ops=(mul,),
         sources=prob.ops[mul].inputs,
     )
-    prov = Provenance("hand", {}, prob.peak_bytes, str(trace), "", 1, "cpu", 12e9, 12e9, "", 0.0)
-    plan = Plan(prov, Predictions(0, 0, 0, 0), [d], prob.op_signatures(), action_table([d]))
-    rep = run_script(
-        script, ["--other"], plan=plan.save(tmp_path / "read.plan.json"), measure_memory=False
-    )
+    plan = _hand_plan_file(prob, d, tmp_path / "read.plan.json")
+    rep = run_script(script, ["--other"], plan=plan, measure_memory=False)
     its = [s for s in rep.iterations if s.complete and s.iteration >= 1]
     assert its and not any(s.diverged for s in its)
     assert all(s.evictions == 1 and s.recomputed_ops == 1 for s in its)
