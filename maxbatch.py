@@ -558,26 +558,13 @@ class _Search:
         key = (value, policy)
         if key in self.plans:
             return self.plans[key]
-        from .planner.build import build_plan, policy_parameters
-        from .planner.registry import get_policy
+        from .planner.build import run_policy
 
         problem = self.problems.get(value)
         if problem is None:
             return None
         try:
-            if self.memory_bytes >= problem.peak_bytes:
-                plan, _ = build_plan(problem, [], policy=policy, budget_bytes=self.memory_bytes)
-            else:
-                t0 = time.perf_counter()
-                decisions = get_policy(policy)(problem, self.memory_bytes)
-                plan, _ = build_plan(
-                    problem,
-                    decisions,
-                    policy=policy,
-                    budget_bytes=self.memory_bytes,
-                    parameters=policy_parameters({}, decisions),
-                    solve_time_s=time.perf_counter() - t0,
-                )
+            plan, _, _ = run_policy(problem, policy, self.memory_bytes)
         except CapuchinError as exc:
             self.not_applicable[policy] = str(exc).splitlines()[0][:160]
             self.log(

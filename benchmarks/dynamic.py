@@ -35,7 +35,7 @@ import torch
 from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
-from capuchin.runtime.testing import TRACES, run_example
+from capuchin.testing.training import TRACES, run_example
 from capuchin.tracer.reader import load_trace
 from torch.optim.optimizer import register_optimizer_step_post_hook
 

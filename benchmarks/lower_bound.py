@@ -57,7 +57,7 @@ def main(argv=None) -> int:
             for f in fracs:
                 budget = int(problem.peak_bytes * f)
                 c = time.process_time()
-                ds = get_policy("capuchin")(problem, budget)
+                ds = get_policy("capuchin")(problem, budget).decisions
                 cap_cpu = time.process_time() - c
                 sim = simulate(problem, ds)
                 extra = sim.time_ns - problem.time_ns if sim.peak_bytes <= budget else None

@@ -9,7 +9,7 @@ load the trace, build the problem, the policy's decisions, the plan (lineage, si
 action table) and its JSON. ``cpu_s`` is that process's CPU time for those stages (the machine
 may be shared; CPU time is what the planner costs). The eight DTR traces are imported from
 ``--dtr-zip`` (tracer/dtr_import.py, as ``capuchin import-dtr``). ``--synthetic`` adds
-planner/synthetic.py's 24-layer transformer (~100k ops) at 50%.
+testing/synthetic.py's 24-layer transformer (~100k ops) at 50%.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def one(path: str, budget: str, policy: str) -> dict:
     problem = Problem.from_trace(load_trace(path))
     budget_bytes = parse_budget(budget, problem.peak_bytes)
     t = time.process_time()
-    decisions = get_policy(policy)(problem, budget_bytes)
+    decisions = get_policy(policy)(problem, budget_bytes).decisions
     policy_s = time.process_time() - t
     t = time.process_time()
     plan, _sim = build_plan(problem, decisions, policy=policy, budget_bytes=budget_bytes)
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
                 )
         cells = [(n, p, b) for n, p in paths for b in args.fractions.split(",")]
         if args.synthetic:
-            from capuchin.planner.synthetic import trace_from_ops, transformer_ops
+            from capuchin.testing.synthetic import trace_from_ops, transformer_ops
             from capuchin.tracer.reader import write_trace
 
             ops, sizes, persistent = transformer_ops(24, 2000, hidden_bytes=1 << 16)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from ..tracer.reader import Trace, load_trace
 from ..tracer.schema import FILE_SUFFIX
 from ..tracer.summary import iteration_kinds
 from .budget import format_bytes, parse_budget, parse_rate
-from .build import build_plan, policy_parameters
+from .build import build_plan, run_policy
 from .plan import Plan
 from .problem import Problem
 from .registry import get_policy
@@ -69,7 +68,7 @@ def make_plan(
 
     Returns a complete ``Plan`` whose predictions come from the simulator. Its
     ``provenance.parameters`` holds ``params`` and, over them, the figures the policy reports
-    about its own run (``build.policy_parameters``: the ILP's ``status``, ``optimality_gap``,
+    about its own run (``PolicyResult.figures``: the ILP's ``status``, ``optimality_gap``,
     ``ilp_objective_ns``, ``solve_time_s``, ``stages`` ...). A budget at or above the baseline
     peak gives an empty plan (its notes say so). Raises ``InfeasibleBudgetError`` (exit status 2
     in the CLI) when the policy's simulated peak stays above the budget, naming the smallest
@@ -103,23 +102,7 @@ def make_plan(
                 f"time limit {time_limit_s:g} s ignored: policy {policy!r} takes none "
                 f"(it is not a time-limited search)"
             )
-    if budget_bytes >= problem.peak_bytes:
-        plan, _ = build_plan(
-            problem, [], policy=policy, budget_bytes=budget_bytes, parameters=params, notes=notes
-        )
-        return plan
-    t0 = time.perf_counter()
-    decisions = fn(problem, budget_bytes, **params)
-    solve_s = time.perf_counter() - t0
-    plan, sim = build_plan(
-        problem,
-        decisions,
-        policy=policy,
-        budget_bytes=budget_bytes,
-        parameters=policy_parameters(params, decisions),
-        solve_time_s=solve_s,
-        notes=notes,
-    )
+    plan, sim, _ = run_policy(problem, policy, budget_bytes, params, notes)
     if plan.predictions.feasible:
         return plan
     floor = problem.floor_bytes()
@@ -247,7 +230,8 @@ def smallest_feasible_budget(
 
     def peak_at(b: int) -> int | None:
         try:
-            _, sim = build_plan(problem, policy_fn(problem, b, **params), policy="", budget_bytes=b)
+            ds = policy_fn(problem, b, **params).decisions
+            _, sim = build_plan(problem, ds, policy="", budget_bytes=b)
         except Exception:  # noqa: BLE001 - a broken plan counts as not feasible
             return None
         return sim.peak_bytes if sim.peak_bytes <= b else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -20,6 +21,7 @@ from .costs import runtime_cost_ns
 from .lineage import resolve_recompute
 from .plan import Action, Decision, Method, Plan, Predictions, Provenance, Step
 from .problem import Problem
+from .registry import PolicyResult, checked, get_policy
 from .simulator import SimResult, simulate
 
 _STEP_ORDER = {
@@ -128,6 +130,35 @@ def build_plan(
     return plan, sim
 
 
+def run_policy(
+    problem: Problem,
+    policy: str,
+    budget_bytes: int,
+    params: dict[str, Any] | None = None,
+    notes: Sequence[str] = (),
+) -> tuple[Plan, SimResult, PolicyResult]:
+    """The registered ``policy`` called with ``params`` (timed) and the plan built from its
+    result: ``params`` and the policy's figures in the provenance (``policy_parameters``), its
+    notes after ``notes``. A budget at or above the baseline peak calls no policy: the empty
+    plan. Raises what ``build_plan`` raises. One helper for ``api.make_plan`` and
+    ``compare.evaluate``."""
+    params = dict(params or {})
+    result = PolicyResult()
+    t0 = time.perf_counter()
+    if budget_bytes < problem.peak_bytes:
+        result = checked(policy, get_policy(policy)(problem, budget_bytes, **params))
+    plan, sim = build_plan(
+        problem,
+        result.decisions,
+        policy=policy,
+        budget_bytes=budget_bytes,
+        parameters=policy_parameters(params, result),
+        solve_time_s=time.perf_counter() - t0,
+        notes=[*notes, *result.notes],
+    )
+    return plan, sim, result
+
+
 def _out_done_op(sim: SimResult, d: Decision, o) -> int | None:
     """The first op starting once the simulated swap-out of ``d`` is complete (None: it completes
     after the back-access's start or the iteration's end, or ``d`` is no swap)."""
@@ -139,14 +170,12 @@ def _out_done_op(sim: SimResult, d: Decision, o) -> int | None:
     return k
 
 
-def policy_parameters(requested: dict[str, Any] | None, decisions: Any) -> dict[str, Any]:
+def policy_parameters(requested: dict[str, Any] | None, result: PolicyResult) -> dict[str, Any]:
     """What a plan's ``provenance.parameters`` records: the options the policy was called with
-    (``requested``) and, over them, the figures the policy reported about its own run (a list
-    subclass with a ``parameters`` dict, e.g. the ``ilp`` policy's ``status``,
-    ``optimality_gap``, ``solve_time_s``, ``stages``). One helper for ``api.make_plan`` and
-    ``compare.evaluate``."""
-    reported = getattr(decisions, "parameters", None)
-    return {**(requested or {}), **(dict(reported) if isinstance(reported, dict) else {})}
+    (``requested``) and, over them, the figures the policy reported about its own run
+    (``PolicyResult.figures``, e.g. the ``ilp`` policy's ``status``, ``optimality_gap``,
+    ``solve_time_s``, ``stages``). One helper for ``api.make_plan`` and ``compare.evaluate``."""
+    return {**(requested or {}), **result.figures}
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import CapuchinError
 from .budget import format_bytes, parse_budget
-from .build import build_plan
+from .build import run_policy
 from .plan import Method, Plan
 from .problem import Problem
 from .registry import available, get_policy
@@ -99,21 +99,10 @@ def evaluate(
     the baseline peak gets the empty plan, as ``make_plan`` does. Never raises for a policy
     failure: the record says ``error``.
     """
-    fn = get_policy(policy)
-    kwargs = _accepted(fn, params or {})
+    kwargs = _accepted(get_policy(policy), params or {})
     t0 = time.perf_counter()
     try:
-        ds = fn(problem, budget_bytes, **kwargs) if budget_bytes < problem.peak_bytes else []
-        solve_s = time.perf_counter() - t0
-        reported = dict(getattr(ds, "parameters", None) or {})
-        plan, sim = build_plan(
-            problem,
-            ds,
-            policy=policy,
-            budget_bytes=budget_bytes,
-            parameters={**kwargs, **reported},
-            solve_time_s=solve_s,
-        )
+        plan, sim, result = run_policy(problem, policy, budget_bytes, kwargs)
     except CapuchinError as exc:
         rec = CompareRecord(
             policy,
@@ -131,20 +120,20 @@ def evaluate(
         for d, o in zip(plan.decisions, sim.outcomes, strict=True)
         if d.method == Method.RECOMPUTE and o.recompute_ns > 0
     )
-    gap = reported.get("optimality_gap")
+    gap = result.figures.get("optimality_gap")
     rec = CompareRecord(
         policy=policy,
         budget_bytes=int(budget_bytes),
         feasible=bool(plan.predictions.feasible),
         predicted_peak_bytes=int(sim.peak_bytes),
         predicted_overhead=float(sim.overhead),
-        solve_time_s=round(solve_s, 4),
+        solve_time_s=plan.provenance.solve_time_s,
         bytes_swapped=int(swapped),
         ops_recomputed=int(replayed),
         decisions=len(plan.decisions),
         optimality_gap=None if gap is None else float(gap),
-        status=reported.get("status"),
-        time_limit_s=reported.get("time_limit_s"),
+        status=result.status,
+        time_limit_s=result.figures.get("time_limit_s"),
     )
     return rec, plan
 

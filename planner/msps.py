@@ -22,16 +22,16 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from .gaps import AccessGap
 from .lineage import EvictionWindows, replay_for
 from .problem import Problem
 
 
 @dataclass
 class RecomputeCandidate:
-    storage_id: str
-    size_bytes: int
-    evict_op: int
-    back_op: int
+    """An access gap as Algorithm 2 sees it: its sources, replay time and ``ext_time``."""
+
+    gap: AccessGap
     srcs: set[str]
     rp_time_ns: int
     ext_time_ns: int = 0
@@ -40,13 +40,17 @@ class RecomputeCandidate:
     temp_bytes: int = 0  # replay temporaries on top of the target at the back-access
 
     @property
+    def storage_id(self) -> str:
+        return self.gap.storage_id
+
+    @property
     def overhead_ns(self) -> int:
         """RecomputeOverhead = rp_time + ext_time [inferred in the reference]."""
         return self.rp_time_ns + self.ext_time_ns
 
     @property
     def msps(self) -> float:
-        return self.size_bytes / max(1, self.overhead_ns)
+        return self.gap.size_bytes / max(1, self.overhead_ns)
 
 
 class MspsQueue:
@@ -63,21 +67,18 @@ class MspsQueue:
         self._tick = 0
 
     # -- InitMSPS -------------------------------------------------------------------------------
-    def add(self, sid: str, evict_op: int, back_op: int) -> RecomputeCandidate | None:
+    def add(self, gap: AccessGap) -> RecomputeCandidate | None:
         """Add a candidate (its sources from the lineage rule); None if it cannot be replayed."""
-        durs = self.p.ops
-        r = replay_for(self.p, sid, evict_op, back_op, self.res, max_ops=self.max_replay_ops)
+        sid = gap.storage_id
+        r = replay_for(
+            self.p, sid, gap.evict_op, gap.back_op, self.res, max_ops=self.max_replay_ops
+        )
         if r is None:
             return None
         ops, srcs = r
+        durs = self.p.ops
         c = RecomputeCandidate(
-            sid,
-            self.p.storages[sid].size_bytes,
-            evict_op,
-            back_op,
-            set(srcs),
-            sum(durs[j].duration_ns for j in ops),
-            replay_ops=set(ops),
+            gap, set(srcs), sum(durs[j].duration_ns for j in ops), replay_ops=set(ops)
         )
         c.temp_bytes = self._temp_bytes(c)
         self.cands[sid] = c
@@ -108,31 +109,31 @@ class MspsQueue:
         cand.replay_ops |= t.replay_ops
         # t is now regenerated on the way: its bytes and its own temporaries join cand's (an
         # upper bound, kept incremental so long chains do not make the update quadratic)
-        cand.temp_bytes += t.size_bytes + t.temp_bytes
+        cand.temp_bytes += t.gap.size_bytes + t.temp_bytes
 
-    def swapped(self, sid: str, evict_op: int, back_op: int) -> None:
-        """``sid`` was chosen for swapping over (evict_op, back_op): candidates whose replay read
-        it while it is out now regenerate it instead, as with a recomputed source."""
-        t = self.cands.pop(sid, None)
+    def swapped(self, gap: AccessGap) -> None:
+        """``gap`` was chosen for swapping: candidates whose replay read its storage while it is
+        out now regenerate it instead, as with a recomputed source."""
+        t = self.cands.pop(gap.storage_id, None)
         if t is None:
             return
-        t.evict_op, t.back_op = evict_op, back_op
-        for cid in list(self.users.get(sid, ())):
+        t.gap = gap
+        for cid in list(self.users.get(gap.storage_id, ())):
             cand = self.cands.get(cid)
-            if cand is not None and self._out_at(t, cand.back_op):
+            if cand is not None and self._out_at(t, cand.gap.back_op):
                 self._substitute(t, cand)
                 self._push(cand)
 
-    def swap_penalty(self, sid: str, evict_op: int, back_op: int) -> int:
-        """Extra replay time that swapping ``sid`` over (evict_op, back_op) would cause to
-        recomputations already chosen that read it (ns); 0 when ``sid`` cannot be replayed."""
-        c = self.cands.get(sid)
+    def swap_penalty(self, gap: AccessGap) -> int:
+        """Extra replay time that swapping over ``gap`` would cause to recomputations already
+        chosen that read its storage (ns); 0 when the storage cannot be replayed."""
+        c = self.cands.get(gap.storage_id)
         if c is None:
             return 0
         n = sum(
             1
-            for r in self.users.get(sid, ())
-            if r in self.recomps and evict_op < self.recomps[r].back_op <= back_op
+            for r in self.users.get(gap.storage_id, ())
+            if r in self.recomps and gap.evict_op < self.recomps[r].gap.back_op <= gap.back_op
         )
         return n * c.rp_time_ns
 
@@ -169,7 +170,7 @@ class MspsQueue:
         ext_ct = 1
         for rp_id in list(self.users.get(sid, ())):  # lines 6-12
             rp = self.recomps.get(rp_id)
-            if rp is not None and self._out_at(t, rp.back_op):
+            if rp is not None and self._out_at(t, rp.gap.back_op):
                 rp.srcs.discard(sid)
                 rp.srcs |= t.srcs
                 ext_ct += 1
@@ -178,7 +179,7 @@ class MspsQueue:
             self.users.setdefault(x, set()).add(sid)
         for cid in list(self.users.get(sid, ())):  # lines 17-29
             cand = self.cands.get(cid)
-            if cand is None or not self._out_at(t, cand.back_op):
+            if cand is None or not self._out_at(t, cand.gap.back_op):
                 continue
             self._substitute(t, cand)
             n_users = sum(1 for r in self.users.get(cid, ()) if r in self.recomps)
@@ -192,4 +193,4 @@ class MspsQueue:
         return t
 
     def _out_at(self, t: RecomputeCandidate, op: int) -> bool:
-        return t.evict_op < op <= t.back_op
+        return t.gap.evict_op < op <= t.gap.back_op

@@ -126,12 +126,11 @@ class PolicyPlanner:
         self, problem: Problem, target: int, after_round: AfterRound | None = None
     ) -> Attempt:
         from .build import complete_decisions
-        from .registry import get_policy
+        from .registry import checked, get_policy
 
         # policies may leave recompute lineage to the builder (registry Note [Policy contract])
-        ds = complete_decisions(
-            problem, get_policy(self.name)(problem, target, **dict(self.params))
-        )
+        result = checked(self.name, get_policy(self.name)(problem, target, **dict(self.params)))
+        ds = complete_decisions(problem, result.decisions)
         a = Attempt(ds, simulate(problem, ds))
         return after_round(a) if after_round is not None else a
 

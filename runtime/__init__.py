@@ -6,5 +6,5 @@ TorchDispatchMode, its hot and slow paths, planned actions, restores) -> swap.py
 backend.py (CPU and CUDA copy engines) with memory.py (the device's memory accounting for the
 guard) and state.py (per-storage state, storage-level primitives);
 actions.py compiles a Plan into per-op tables; report.py measures and reports; launch.py runs a
-script; testing.py holds helpers for tests and benchmarks.
+script. The helpers for tests and benchmarks are in capuchin/testing/.
 """

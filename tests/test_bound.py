@@ -26,7 +26,7 @@ from test_ilp_bruteforce import CASES, brute_force, small_problem  # noqa: E402
 def _extra(problem, budget, policy):
     from capuchin.planner.build import complete_decisions
 
-    ds = complete_decisions(problem, get_policy(policy)(problem, budget))
+    ds = complete_decisions(problem, get_policy(policy)(problem, budget).decisions)
     sim = simulate(problem, ds)
     return sim.time_ns - problem.time_ns if sim.peak_bytes <= budget else None
 

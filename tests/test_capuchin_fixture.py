@@ -48,7 +48,7 @@ def plans_of(path: Path) -> dict[str, list]:
     out = {}
     for policy in POLICIES:
         for f in FRACTIONS:
-            ds = get_policy(policy)(problem, int(problem.peak_bytes * f))
+            ds = get_policy(policy)(problem, int(problem.peak_bytes * f)).decisions
             out[f"{policy}@{f}"] = [_decision(d) for d in ds]
     return out
 

@@ -13,7 +13,7 @@ from capuchin.planner.policies import capuchin as cap
 from capuchin.planner.problem import Problem
 from capuchin.planner.search import Switching, grid, pick
 from capuchin.planner.simulator import simulate
-from capuchin.planner.synthetic import random_ops, trace_from_ops, transformer_ops
+from capuchin.testing.synthetic import random_ops, trace_from_ops, transformer_ops
 from capuchin.tracer.dtr_import import dtr_logs_path
 
 DTR_ZIP = dtr_logs_path()
@@ -26,9 +26,9 @@ def _judge(problem: Problem, decisions, budget: int):
 
 
 def assert_not_worse(problem: Problem, budget: int) -> tuple[bool, int]:
-    hy = _judge(problem, cap.capuchin(problem, budget), budget)
+    hy = _judge(problem, cap.capuchin(problem, budget).decisions, budget)
     for name, policy in (("swap", cap.swap_only), ("recompute", cap.recompute_only)):
-        other = _judge(problem, policy(problem, budget), budget)
+        other = _judge(problem, policy(problem, budget).decisions, budget)
         if other[0]:
             assert hy[0], f"{name} fits {budget} B but capuchin does not"
             assert hy[1] <= other[1], (
@@ -109,11 +109,11 @@ def test_recompute_first_beats_both_variants_on_resnet32(resnet32):
     # switched; at 60% that mixed plan is faster than recomputing alone (+8.6% before) and than
     # swapping alone (which does not fit), and it really mixes both methods.
     budget = int(resnet32.peak_bytes * 0.6)
-    hy = cap.capuchin(resnet32, budget)
+    hy = cap.capuchin(resnet32, budget).decisions
     fits, t_hy = _judge(resnet32, hy, budget)
     assert fits
-    fits_rec, t_rec = _judge(resnet32, cap.recompute_only(resnet32, budget), budget)
+    fits_rec, t_rec = _judge(resnet32, cap.recompute_only(resnet32, budget).decisions, budget)
     assert fits_rec and t_hy < t_rec
-    assert not _judge(resnet32, cap.swap_only(resnet32, budget), budget)[0]
+    assert not _judge(resnet32, cap.swap_only(resnet32, budget).decisions, budget)[0]
     methods = {d.method for d in hy}
     assert methods == {Method.SWAP, Method.RECOMPUTE}

@@ -10,7 +10,7 @@ from capuchin.planner.build import build_plan
 from capuchin.planner.compare import compare_policies, evaluate, format_comparison, records_to_json
 from capuchin.planner.problem import Problem
 from capuchin.planner.registry import available, get_policy
-from capuchin.planner.synthetic import trace_from_ops, transformer_ops
+from capuchin.testing.synthetic import trace_from_ops, transformer_ops
 from capuchin.tracer.reader import write_trace
 from click.testing import CliRunner
 
@@ -39,7 +39,7 @@ def test_records_are_what_the_builder_and_simulator_say(problem):
     budgets = sorted({r.budget_bytes for r in result.records}, reverse=True)
     assert budgets == [int(problem.peak_bytes * 0.9), int(problem.peak_bytes * 0.6)]
     for r in result.records:
-        ds = get_policy(r.policy)(problem, r.budget_bytes)
+        ds = get_policy(r.policy)(problem, r.budget_bytes).decisions
         plan, sim = build_plan(problem, ds, policy=r.policy, budget_bytes=r.budget_bytes)
         assert r.feasible == (sim.peak_bytes <= r.budget_bytes)
         assert r.predicted_peak_bytes == sim.peak_bytes

@@ -15,7 +15,13 @@ from capuchin.errors import PlanFormatError, RecomputeError
 from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.state import storage_key
-from capuchin.runtime.testing import TRACES, state_mismatches, train_mismatches
+from capuchin.testing.training import (
+    TRACES,
+    state_mismatches,
+    state_of,
+    train_mismatches,
+    train_tiny_bert,
+)
 from capuchin.tracer.reader import load_trace
 
 SLACK = 1.05
@@ -207,44 +213,13 @@ def test_forced_replay_on_the_cnn_at_a_quarter_of_its_peak_is_exact():
 
 
 def _train_bert(steps: int, context=None) -> dict[str, torch.Tensor]:
-    """A Hugging Face BERT (masked LM) from a tiny config, random weights, dropout active, AdamW;
-    returns every parameter, gradient, optimizer state and state_dict entry after ``steps``."""
+    """testing.training.train_tiny_bert inside ``context``; every parameter, gradient, optimizer
+    state and state_dict entry after ``steps``."""
     import contextlib
 
-    from transformers import BertConfig, BertForMaskedLM
-
-    got: dict[str, torch.Tensor] = {}
     with context or contextlib.nullcontext():
-        torch.manual_seed(0)
-        config = BertConfig(
-            vocab_size=500,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=128,
-            max_position_embeddings=64,
-            hidden_dropout_prob=0.1,
-            attention_probs_dropout_prob=0.1,
-        )
-        model = BertForMaskedLM(config)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(steps):
-            ids = torch.randint(0, config.vocab_size, (8, 64))
-            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
-            opt.zero_grad()
-            out.loss.backward()
-            opt.step()
-    for name, p in model.named_parameters():
-        got[name] = p.detach().clone()
-        if p.grad is not None:
-            got[name + ".grad"] = p.grad.detach().clone()
-        for k, v in opt.state.get(p, {}).items():
-            if isinstance(v, torch.Tensor):
-                got[f"{name}.state.{k}"] = v.detach().clone()
-    for name, v in model.state_dict().items():
-        got["state_dict." + name] = v.detach().clone()
-    return got
+        model, opt = train_tiny_bert(steps)
+    return state_of([opt], [("model", model)])
 
 
 @pytest.mark.slow

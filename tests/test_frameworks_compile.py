@@ -11,7 +11,7 @@ import torch
 from capuchin.cli import main
 from capuchin.planner.api import make_plan
 from capuchin.runtime.engine import Runtime
-from capuchin.runtime.testing import run_example, state_mismatches
+from capuchin.testing.training import run_example, state_mismatches
 from capuchin.tracer.script import trace_script
 from click.testing import CliRunner
 

@@ -11,7 +11,7 @@ from capuchin.cli import main
 from capuchin.planner.api import iteration_kinds, make_plan
 from capuchin.planner.plan import load_plan
 from capuchin.runtime.engine import Runtime
-from capuchin.runtime.testing import run_example, state_mismatches
+from capuchin.testing.training import run_example, state_mismatches
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.script import trace_script
 from click.testing import CliRunner

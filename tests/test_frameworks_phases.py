@@ -12,7 +12,7 @@ import pytest
 from capuchin.planner.api import make_plan
 from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
-from capuchin.runtime.testing import hand_plan, run_example, state_mismatches
+from capuchin.testing.training import hand_plan, run_example, state_mismatches
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.script import trace_script
 

@@ -64,7 +64,7 @@ ortools = pytest.importorskip("ortools")
 from capuchin.planner.build import build_plan  # noqa: E402
 from capuchin.planner.policies import ilp  # noqa: E402
 from capuchin.planner.problem import Problem  # noqa: E402
-from capuchin.planner.synthetic import trace_from_ops, transformer_ops  # noqa: E402
+from capuchin.testing.synthetic import trace_from_ops, transformer_ops  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_ilp_bruteforce import small_problem  # noqa: E402
@@ -126,10 +126,11 @@ def _transformer(hidden=1 << 14):
 def test_coarse_plan_passes_the_simulator_and_reports_its_solve():
     problem = _transformer()  # 54 ops
     budget = int(problem.peak_bytes * 0.5)
-    ds = ilp.ilp_policy(problem, budget, max_stages=24, time_limit_s=5)
-    p = ds.parameters
+    result = ilp.ilp_policy(problem, budget, max_stages=24, time_limit_s=5)
+    ds, p = result.decisions, result.figures
     assert p["stages"] == 24 and not p["op_level"]
-    assert p["status"] in ("OPTIMAL", "FEASIBLE")
+    assert result.status == p["status"] and result.status in ("OPTIMAL", "FEASIBLE")
+    assert result.bound_ns == p["ilp_objective_ns"] and result.notes == tuple(p["notes"])
     assert p["solve_time_s"] < 5 + 3  # the time limit holds (model building included)
     plan, sim = build_plan(problem, ds, policy="ilp", budget_bytes=budget, parameters=p)
     assert plan.predictions.feasible and sim.peak_bytes <= budget
@@ -148,12 +149,12 @@ def test_warm_start_is_never_beaten_by_its_own_hint():
 
     problem = _transformer()
     budget = int(problem.peak_bytes * 0.5)
-    cap = get_policy("capuchin")(problem, budget)
+    cap = get_policy("capuchin")(problem, budget).decisions
     _, cap_sim = build_plan(problem, cap, policy="capuchin", budget_bytes=budget)
-    ds = ilp.ilp_policy(problem, budget, max_stages=24, time_limit_s=5)
-    _, sim = build_plan(problem, ds, policy="ilp", budget_bytes=budget)
+    result = ilp.ilp_policy(problem, budget, max_stages=24, time_limit_s=5)
+    _, sim = build_plan(problem, result.decisions, policy="ilp", budget_bytes=budget)
     # the guarantee holds when the hybrid's plan maps whole onto the ILP's candidates
-    whole = not any(n.startswith(("no warm start", "warm start:")) for n in ds.parameters["notes"])
+    whole = not any(n.startswith(("no warm start", "warm start:")) for n in result.notes)
     assert cap_sim.peak_bytes <= budget and whole  # else this case no longer tests anything
     assert sim.peak_bytes <= budget
     assert sim.time_ns <= cap_sim.time_ns
@@ -162,11 +163,11 @@ def test_warm_start_is_never_beaten_by_its_own_hint():
 def test_budget_cases():
     problem = small_problem(3)
     # at or above the peak: nothing to do, proven
-    ds = ilp.ilp_policy(problem, problem.peak_bytes)
-    assert list(ds) == [] and ds.parameters["status"] == "OPTIMAL"
+    r = ilp.ilp_policy(problem, problem.peak_bytes)
+    assert r.decisions == () and r.status == "OPTIMAL"
     # below what must stay resident: no plan, no exception
-    ds = ilp.ilp_policy(problem, max(1, problem.floor_bytes() - 1))
-    assert list(ds) == [] and ds.parameters["status"] == "INFEASIBLE"
+    r = ilp.ilp_policy(problem, max(1, problem.floor_bytes() - 1))
+    assert r.decisions == () and r.status == "INFEASIBLE"
 
 
 def test_zero_size_storages_are_never_candidates():
@@ -179,10 +180,10 @@ def test_zero_size_storages_are_never_candidates():
     problem = Problem.from_lists(ops, {"X": 4, "A": 8, "Z": 0, "B": 8, "C": 4})
     budget = problem.peak_bytes - 4
     assert all(c.size_bytes > 0 for c in ilp.candidates(problem, budget))
-    ds = ilp.ilp_policy(problem, budget, max_stages=100)
-    plan, sim = build_plan(problem, ds, policy="ilp", budget_bytes=budget)
+    r = ilp.ilp_policy(problem, budget, max_stages=100)
+    plan, sim = build_plan(problem, r.decisions, policy="ilp", budget_bytes=budget)
     assert all(d.storage_id != "Z" for d in plan.decisions)
-    assert plan.predictions.feasible == (ds.parameters["status"] != "INFEASIBLE")
+    assert plan.predictions.feasible == (r.status != "INFEASIBLE")
 
 
 def test_missing_ortools_says_how_to_install(monkeypatch):

@@ -19,7 +19,7 @@ from capuchin.planner.api import make_plan  # noqa: E402
 from capuchin.planner.build import build_plan  # noqa: E402
 from capuchin.planner.policies import ilp  # noqa: E402
 from capuchin.planner.problem import Problem  # noqa: E402
-from capuchin.planner.synthetic import OpSpec  # noqa: E402
+from capuchin.testing.synthetic import OpSpec  # noqa: E402
 from capuchin.tracer.schema import Kind, Phase  # noqa: E402
 
 
@@ -149,9 +149,9 @@ def test_ilp_optimum_equals_brute_force(seed, fraction, kind):
     n_cands = len(ilp.candidates(problem, budget))
     assert 1 <= n_cands <= 7, "case too big for brute force"
     expected = brute_force(problem, budget)
-    ds = ilp.ilp_policy(problem, budget, max_stages=10**6, warm_start=False, time_limit_s=30)
-    res = ds.result
-    assert ds.parameters["op_level"]
+    result = ilp.ilp_policy(problem, budget, max_stages=10**6, warm_start=False, time_limit_s=30)
+    res = result.solve
+    assert result.figures["op_level"] and result.status == res.status
     if expected is None:
         assert kind == "infeasible"
         assert res.best_ns is None and res.status == "INFEASIBLE"
@@ -160,9 +160,9 @@ def test_ilp_optimum_equals_brute_force(seed, fraction, kind):
     assert res.best_ns == expected
     used = {c.value for c in res.choices.values() if c != ilp.Choice.KEEP}
     assert used == _KINDS[kind]
-    assert ds.parameters["optimality_gap"] == 0.0
+    assert result.figures["optimality_gap"] == 0.0 and result.bound_ns == expected
     # the plan the policy returns is the one that was judged, and it passes the simulator
-    plan, sim = build_plan(problem, ds, policy="ilp", budget_bytes=budget)
+    plan, sim = build_plan(problem, result.decisions, policy="ilp", budget_bytes=budget)
     assert plan.predictions.feasible
     assert sim.peak_bytes <= budget
     assert sim.time_ns - problem.time_ns == expected

@@ -14,7 +14,7 @@ from capuchin.planner.build import build_plan  # noqa: E402
 from capuchin.planner.coarsen import coarsen  # noqa: E402
 from capuchin.planner.policies import ilp  # noqa: E402
 from capuchin.planner.problem import Problem  # noqa: E402
-from capuchin.planner.synthetic import trace_from_ops, transformer_ops  # noqa: E402
+from capuchin.testing.synthetic import trace_from_ops, transformer_ops  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +58,14 @@ def test_large_trace_returns_within_its_time_limit_with_a_plan_that_fits(big_pro
     limit_s = 6.0 / min(1.0, max(0.1, _cpu_share()))
     assert len(ilp.candidates(big_problem, budget)) > 1000  # the case the limit used to break
     t0 = time.perf_counter()
-    ds = ilp.ilp_policy(big_problem, budget, time_limit_s=limit_s)
+    result = ilp.ilp_policy(big_problem, budget, time_limit_s=limit_s)
     elapsed = time.perf_counter() - t0
     # generous (a shared machine); before the sizing this model took minutes whatever the limit
     assert elapsed < 10 * limit_s
-    p = ds.parameters
-    plan, sim = build_plan(big_problem, ds, policy="ilp", budget_bytes=budget, parameters=p)
+    p = result.figures
+    plan, sim = build_plan(
+        big_problem, result.decisions, policy="ilp", budget_bytes=budget, parameters=p
+    )
     assert plan.predictions.feasible and sim.peak_bytes <= budget
     assert p["simulated_extra_ns"] == sim.time_ns - big_problem.time_ns
     _check_honest(p)
@@ -118,12 +120,12 @@ def test_restricted_model_never_claims_optimality(monkeypatch):
     admitted = ilp._admitted
     monkeypatch.setattr(ilp, "_admitted", lambda *a, **k: min(3, admitted(*a, **k)))
     cut = ilp.ilp_policy(problem, budget, max_stages=24, time_limit_s=2)
-    p = cut.parameters
+    p = cut.figures
     assert any("model restricted to 3 of" in n for n in p["notes"])
     assert p["simulated_extra_ns"] is not None and p["simulated_extra_ns"] > 0
     assert p["status"] == "FEASIBLE" and p["ilp_objective_ns"] == 0
     assert p["optimality_gap"] == 1.0
-    _, sim = build_plan(problem, cut, policy="ilp", budget_bytes=budget)
+    _, sim = build_plan(problem, cut.decisions, policy="ilp", budget_bytes=budget)
     assert sim.peak_bytes <= budget  # at worst the warm start's plan
 
 

@@ -20,7 +20,7 @@ from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
 from capuchin.runmain import run_as_main
 from capuchin.runtime.engine import Runtime
-from capuchin.runtime.testing import TRACES, state_mismatches
+from capuchin.testing.training import TRACES, state_mismatches
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.schema import Kind
 
@@ -133,7 +133,7 @@ def test_invalid_wrap_decisions_are_refused():
 def test_capuchin_goes_below_the_activation_floor_with_wrap_swaps_and_plans_roundtrip():
     p = _adam_like()
     budget = (p.restricted().floor_bytes() + p.floor_bytes()) // 2  # 1700 B
-    ds = capuchin_policy(p, budget)
+    ds = capuchin_policy(p, budget).decisions
     plan, sim = build_plan(p, ds, policy="capuchin", budget_bytes=budget)
     assert plan.predictions.feasible and sim.peak_bytes <= budget
     wraps = [d for d in plan.decisions if d.wraps]
@@ -147,7 +147,9 @@ def test_capuchin_goes_below_the_activation_floor_with_wrap_swaps_and_plans_roun
             assert (d.trigger_op, Step.PREFETCH) in steps
     # the restricted problem cannot fit that budget at all
     r = p.restricted()
-    _, rsim = build_plan(r, capuchin_policy(r, budget), policy="capuchin", budget_bytes=budget)
+    _, rsim = build_plan(
+        r, capuchin_policy(r, budget).decisions, policy="capuchin", budget_bytes=budget
+    )
     assert rsim.peak_bytes > budget
 
 

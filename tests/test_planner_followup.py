@@ -11,8 +11,9 @@ from capuchin.planner.api import make_plan, plan_summary
 from capuchin.planner.build import build_plan, policy_parameters
 from capuchin.planner.plan import Decision, Method, load_plan
 from capuchin.planner.problem import Problem
+from capuchin.planner.registry import PolicyResult
 from capuchin.planner.simulator import simulate
-from capuchin.planner.synthetic import trace_from_ops, transformer_ops
+from capuchin.testing.synthetic import trace_from_ops, transformer_ops
 from capuchin.tracer.reader import write_trace
 from click.testing import CliRunner
 
@@ -137,17 +138,32 @@ def _small_trace(iterations: int = 1):
 
 
 def test_policy_parameters_merges_what_the_policy_reports():
-    class Reported(list):
-        parameters = {"status": "OPTIMAL", "optimality_gap": 0.0, "max_stages": 8}
-
-    assert policy_parameters({"max_stages": 4, "x": 1}, Reported()) == {
+    reported = PolicyResult(figures={"status": "OPTIMAL", "optimality_gap": 0.0, "max_stages": 8})
+    assert policy_parameters({"max_stages": 4, "x": 1}, reported) == {
         "max_stages": 8,
         "x": 1,
         "status": "OPTIMAL",
         "optimality_gap": 0.0,
     }
-    assert policy_parameters({"x": 1}, []) == {"x": 1}
-    assert policy_parameters(None, [Decision("A", Method.SWAP, 1, 0, 1)]) == {}
+    assert policy_parameters({"x": 1}, PolicyResult()) == {"x": 1}
+    assert policy_parameters(None, PolicyResult.of([Decision("A", Method.SWAP, 1, 0, 1)])) == {}
+
+
+def test_a_policy_returning_a_bare_list_is_named(monkeypatch):
+    from capuchin.planner import registry
+
+    registry.available()  # load the registered policies before adding one
+    monkeypatch.setitem(registry._POLICIES, "bare-list", lambda problem, budget_bytes: [])
+    p = Problem.from_trace(_small_trace())
+    with pytest.raises(TypeError, match="policy 'bare-list' returned a list, not a PolicyResult"):
+        make_plan(p, "60%", "bare-list")
+    # the policy's notes reach the plan's
+    note = "one line from the policy"
+    monkeypatch.setitem(
+        registry._POLICIES, "noted", lambda problem, budget_bytes: PolicyResult(notes=[note])
+    )
+    plan = make_plan(p, "60%", "noted", allow_infeasible=True)
+    assert note in plan.predictions.notes
 
 
 def test_make_plan_records_the_ilp_figures_in_the_provenance(tmp_path):

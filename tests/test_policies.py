@@ -15,7 +15,7 @@ from capuchin.planner.plan import Method
 from capuchin.planner.problem import Problem
 from capuchin.planner.registry import UnknownPolicyError, available, get_policy
 from capuchin.planner.simulator import simulate_plan
-from capuchin.planner.synthetic import trace_from_ops, transformer_ops
+from capuchin.testing.synthetic import trace_from_ops, transformer_ops
 from capuchin.tracer.dtr_import import dtr_logs_path
 from capuchin.tracer.schema import Phase
 
@@ -28,7 +28,7 @@ FAST = {"ilp": {"time_limit_s": 5.0}}
 
 def run(policy: str, problem: Problem, budget_bytes: int):
     """The policy's decisions through the shared builder (which simulates and checks them)."""
-    ds = get_policy(policy)(problem, budget_bytes, **FAST.get(policy, {}))
+    ds = get_policy(policy)(problem, budget_bytes, **FAST.get(policy, {})).decisions
     plan, sim = build_plan(problem, ds, policy=policy, budget_bytes=budget_bytes)
     return plan, sim
 
@@ -293,4 +293,4 @@ def test_static_baselines_plan_nothing_without_a_backward_phase():
     ]
     problem = Problem.from_trace(trace_from_ops(ops, {s: 10 for s in "xabcd"}))
     for policy in ("checkpoint-sqrt", "checkpoint-speed", "vdnn"):
-        assert get_policy(policy)(problem, problem.peak_bytes // 2) == []
+        assert get_policy(policy)(problem, problem.peak_bytes // 2).decisions == ()

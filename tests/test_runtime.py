@@ -16,7 +16,7 @@ from capuchin.planner.plan import Decision, Method
 from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.launch import run_script
-from capuchin.runtime.testing import (
+from capuchin.testing.training import (
     STEPS,
     TRACES,
     hand_plan,
@@ -320,44 +320,51 @@ def test_cuda_backend_roundtrip_streams_events_and_pinned_pool():
 
 @pytest.mark.gpu
 def test_cuda_plan_trains_bitwise(tmp_path):
-    from capuchin.tracer.record import Tracer
-
     script = TRACES / "cnn.py"
-    trace = tmp_path / "cnn.cuda.trace.parquet"
-    import runpy
-    import sys
-
-    argv = sys.argv
-    sys.argv = [str(script), "--steps", "4"]
-    try:
-        with Tracer(trace, iterations=1, warmup=1, device="cuda"):
-            runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv = argv
-    plan = hand_plan(Problem.from_trace(load_trace(trace)), "hybrid", limit=8)
+    prob = _traced(script, tmp_path / "cnn.cuda.trace.parquet", ["--steps", "4"], device="cuda")
+    plan = hand_plan(prob, "hybrid", limit=8)
     rt = Runtime(plan, measure_memory=True)
     got = run_example(script, STEPS, rt)
     assert state_mismatches(run_example(script, STEPS), got) == []
     assert all(s.peak_bytes for s in steady(rt))
 
 
-def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
-    """Copies slowed to 20 ms each: prefetches issued one op before their back-access are late;
-    each late one is counted, costs a stall (never a wrong value), and its in-trigger moves earlier
-    for the next iteration (paper §4.4)."""
+def _traced(script, trace, args=(), device: str = "cpu") -> Problem:
+    """The problem of one iteration of ``script`` traced in-process (after one warm-up)."""
+    from capuchin.runmain import run_as_main
+    from capuchin.tracer.record import Tracer
+
+    with Tracer(trace, iterations=1, warmup=1, device=device, log=None):
+        run_as_main(script, list(args))
+    return Problem.from_trace(load_trace(trace))
+
+
+def _hand_plan_file(prob: Problem, d: Decision, path):
+    """A plan holding only ``d`` (made by hand: the simulator never sees it), saved to ``path``."""
+    from capuchin.planner.build import action_table
+    from capuchin.planner.plan import Plan, Predictions, Provenance
+
+    prov = Provenance(
+        "hand", {}, prob.peak_bytes, prob.trace_path, "", 1, "cpu", 12e9, 12e9, "", 0.0
+    )
+    plan = Plan(prov, Predictions(0, 0, 0, 0), [d], prob.op_signatures(), action_table([d]))
+    return plan.save(path)
+
+
+def _slow_h2d_copies(monkeypatch, seconds: float) -> None:
+    """Every host-to-device copy of the runtimes made from now on takes ``seconds`` longer (the
+    wait runs on the h2d copy thread)."""
     import time
 
     import capuchin.runtime.engine as engine
     from capuchin.runtime.backend import backend_for
 
     class _SlowDst:
-        """A copy destination whose copy takes 20 ms longer (runs on the h2d copy thread)."""
-
         def __init__(self, inner):
             self.inner = inner
 
         def copy_(self, src):
-            time.sleep(0.02)
+            time.sleep(seconds)
             return self.inner.copy_(src)
 
     def slow_backend(device, plan=None):
@@ -367,6 +374,13 @@ def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
         return be
 
     monkeypatch.setattr(engine, "backend_for", slow_backend)
+
+
+def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
+    """Copies slowed to 20 ms each: prefetches issued one op before their back-access are late;
+    each late one is counted, costs a stall (never a wrong value), and its in-trigger moves earlier
+    for the next iteration (paper §4.4)."""
+    _slow_h2d_copies(monkeypatch, 0.02)
     plan = hand_plan(problem("cnn"), "swap", limit=4, trigger_lead=1)
     triggers = {d.storage_id: d.trigger_op for d in plan.decisions}
     rt = Runtime(plan, measure_memory=False)
@@ -399,24 +413,9 @@ def test_r3_copy_on_write_regenerates_before_a_source_is_overwritten(tmp_path):
     """A (hand-written, simulator-bypassing) plan drops ``y = a * 2`` although ``a`` is written
     before ``y`` comes back: the runtime regenerates ``y`` before the write (R3), and the script's
     own check passes."""
-    import runpy
-    import sys
-
-    from capuchin.planner.build import action_table
-    from capuchin.planner.plan import Plan, Predictions, Provenance
-    from capuchin.tracer.record import Tracer
-
     script = tmp_path / "cow.py"
     script.write_text(_COW_SCRIPT)
-    trace = tmp_path / "cow.trace.parquet"
-    argv = sys.argv
-    sys.argv = [str(script)]
-    try:
-        with Tracer(trace, iterations=1, warmup=1, device="cpu", log=None):
-            runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv = argv
-    prob = Problem.from_trace(load_trace(trace))
+    prob = _traced(script, tmp_path / "cow.trace.parquet")
     names = [o.name for o in prob.ops]
     mul = names.index("aten.mul.Tensor")
     clone = names.index("aten.clone.default")
@@ -432,9 +431,8 @@ def test_r3_copy_on_write_regenerates_before_a_source_is_overwritten(tmp_path):
         replay_ops=(mul,),
         sources=prob.ops[mul].inputs,
     )
-    prov = Provenance("hand", {}, prob.peak_bytes, str(trace), "", 1, "cpu", 12e9, 12e9, "", 0.0)
-    plan = Plan(prov, Predictions(0, 0, 0, 0), [d], prob.op_signatures(), action_table([d]))
-    rep = run_script(script, [], plan=plan.save(tmp_path / "cow.plan.json"), measure_memory=False)
+    plan = _hand_plan_file(prob, d, tmp_path / "cow.plan.json")
+    rep = run_script(script, [], plan=plan, measure_memory=False)
     its = [s for s in rep.iterations if s.complete and s.iteration >= 1]
     assert its and not any(s.diverged for s in its)
     assert all(s.cow_restores == 1 and s.recomputed_ops == 1 for s in its)
@@ -467,24 +465,9 @@ def test_guarded_hot_path_never_lets_an_op_read_an_evicted_storage(tmp_path):
     regenerates ``y`` first: the script's own checks pass. (With the argument check removed
     from ``TrackerMode.__torch_dispatch__`` the test process died of a segmentation fault: the
     kernel read the dropped storage.)"""
-    import runpy
-    import sys
-
-    from capuchin.planner.build import action_table
-    from capuchin.planner.plan import Plan, Predictions, Provenance
-    from capuchin.tracer.record import Tracer
-
     script = tmp_path / "read.py"
     script.write_text(_READ_SCRIPT)
-    trace = tmp_path / "read.trace.parquet"
-    argv = sys.argv
-    sys.argv = [str(script)]
-    try:
-        with Tracer(trace, iterations=1, warmup=1, device="cpu", log=None):
-            runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv = argv
-    prob = Problem.from_trace(load_trace(trace))
+    prob = _traced(script, tmp_path / "read.trace.parquet")
     names = [o.name for o in prob.ops]
     mul = names.index("aten.mul.Tensor")
     back = names.index("aten.mul.Tensor", mul + 1)
@@ -498,11 +481,8 @@ def test_guarded_hot_path_never_lets_an_op_read_an_evicted_storage(tmp_path):
         replay_ops=(mul,),
         sources=prob.ops[mul].inputs,
     )
-    prov = Provenance("hand", {}, prob.peak_bytes, str(trace), "", 1, "cpu", 12e9, 12e9, "", 0.0)
-    plan = Plan(prov, Predictions(0, 0, 0, 0), [d], prob.op_signatures(), action_table([d]))
-    rep = run_script(
-        script, ["--other"], plan=plan.save(tmp_path / "read.plan.json"), measure_memory=False
-    )
+    plan = _hand_plan_file(prob, d, tmp_path / "read.plan.json")
+    rep = run_script(script, ["--other"], plan=plan, measure_memory=False)
     its = [s for s in rep.iterations if s.complete and s.iteration >= 1]
     assert its and not any(s.diverged for s in its)
     assert all(s.evictions == 1 and s.recomputed_ops == 1 for s in its)
@@ -583,8 +563,6 @@ def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, sl
     peaks measured +208 KB over the budget. Without the wait for swap-outs at their simulated
     completion (``Decision.out_done_op``) they measured +216 KB (slowed) and +222 KB (full
     speed) over it."""
-    import capuchin.runtime.engine as engine
-    from capuchin.runtime.backend import backend_for
 
     script, trace = _ckpt_trace(tmp_path_factory.mktemp("ckpt"))
     # planned without persistent candidates (Problem.restricted): a budget reachable only by
@@ -596,34 +574,20 @@ def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, sl
     problem = Problem.from_trace(load_trace(trace)).restricted()
     fn = get_policy("capuchin")
     b10 = problem.peak_bytes // 10
-    assert not build_plan(problem, fn(problem, b10), policy="capuchin", budget_bytes=b10)[
+    assert not build_plan(problem, fn(problem, b10).decisions, policy="capuchin", budget_bytes=b10)[
         0
     ].predictions.feasible, "10% should be infeasible"
     budget = int(
         smallest_feasible_budget(problem, fn, {}, start_bytes=problem.floor_bytes()) * 1.002
     )
-    plan, _sim = build_plan(problem, fn(problem, budget), policy="capuchin", budget_bytes=budget)
+    plan, _sim = build_plan(
+        problem, fn(problem, budget).decisions, policy="capuchin", budget_bytes=budget
+    )
     assert plan.predictions.feasible
     assert plan.decisions and plan.op_peak_bytes
 
-    class _SlowDst:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def copy_(self, src):
-            import time
-
-            time.sleep(0.003)
-            return self.inner.copy_(src)
-
-    def slow_backend(device, plan=None):
-        be = backend_for(device, plan)
-        submit = be._h2d.submit
-        be._h2d.submit = lambda dst, src, n, after=None: submit(_SlowDst(dst), src, n, after)
-        return be
-
     if slow_copies:
-        monkeypatch.setattr(engine, "backend_for", slow_backend)
+        _slow_h2d_copies(monkeypatch, 0.003)
     rt = Runtime(plan, measure_memory=True)
     got = run_example(script, ["--steps", "20"], rt)
     assert state_mismatches(run_example(script, ["--steps", "20"]), got) == []

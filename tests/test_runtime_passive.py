@@ -13,7 +13,7 @@ import pytest
 import torch
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.passive import PassiveTracker
-from capuchin.runtime.testing import TRACES, train_mismatches
+from capuchin.testing.training import TRACES, train_mismatches
 
 SLACK = 1.05
 

@@ -21,7 +21,7 @@ from capuchin.planner.search import (
     switch_stalled,
 )
 from capuchin.planner.simulator import simulate
-from capuchin.planner.synthetic import random_ops, trace_from_ops, transformer_ops
+from capuchin.testing.synthetic import random_ops, trace_from_ops, transformer_ops
 
 
 def _transformer() -> Problem:
@@ -109,7 +109,7 @@ def test_switch_stalled_around_a_registered_policy():
     # a plain policy's plan goes through the same switching: never slower, bound kept
     p = _transformer()
     budget = int(p.peak_bytes * 0.6)
-    ds = get_policy("swap")(p, budget)
+    ds = get_policy("swap")(p, budget).decisions
     a = Attempt(ds, simulate(p, ds))
     out = switch_stalled(p, a, budget, Switching())
     assert out.sim.time_ns <= a.sim.time_ns
@@ -151,7 +151,7 @@ def test_capuchin_skips_the_variants_when_its_plan_costs_nothing():
 
     p = _transformer()
     budget = int(p.peak_bytes * 0.9)
-    ds = capuchin(p, budget)
+    ds = capuchin(p, budget).decisions
     assert simulate(p, ds).time_ns == p.time_ns
     # planned without persistent candidates first (policies/capuchin.py Note [Persistent
     # candidates]): that plan costs nothing, so the one with them is not made either

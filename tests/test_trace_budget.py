@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from capuchin.tracer.reader import load_trace
-from capuchin.tracer.schema import Col, Role
+from capuchin.tracer.schema import COLUMNS, Col, Role
 from capuchin.tracer.script import trace_script
 from capuchin.tracer.summary import summarize
 
@@ -19,30 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CNN = ROOT / "traces" / "cnn.py"
 
 # every column but the device timeline: what the program did, not how long it took
-SAME = [
-    c
-    for c in (
-        Col.ITERATION,
-        Col.EVENT,
-        Col.OP,
-        Col.OP_NAME,
-        Col.PHASE,
-        Col.ROLE,
-        Col.ARG,
-        Col.TENSOR,
-        Col.STORAGE,
-        Col.ALLOC,
-        Col.ALIASES,
-        Col.VIEW_OF,
-        Col.BYTES,
-        Col.STORAGE_BYTES,
-        Col.SHAPE,
-        Col.DTYPE,
-        Col.KIND,
-        Col.SEEDED,
-        Col.OP_ARGS,
-    )
-]
+SAME = [c for c in COLUMNS if c not in (Col.START_NS, Col.DURATION_NS)]
 
 
 @pytest.fixture(scope="module")

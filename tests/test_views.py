@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from capuchin.planner.api import make_plan
 from capuchin.planner.problem import Problem
-from capuchin.planner.synthetic import trace_from_ops, transformer_ops
 from capuchin.planner.views import memory_curves, plans_frame, plot_plans
+from capuchin.testing.synthetic import trace_from_ops, transformer_ops
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,7 @@ from typing import Any
 
 from ...errors import CapuchinError
 from ..coarsen import Stages
+from ..gaps import AccessGap
 from ..lineage import chain_ops
 from ..problem import Problem
 
@@ -96,23 +97,15 @@ Key = tuple[str, int]  # (storage_id, evict_op): one access gap of one storage
 
 
 @dataclass(frozen=True)
-class Candidate:
+class Candidate(AccessGap):
     """One access gap of an evictable storage. ``chain``: the ops regenerating it (None: not
     recomputable); ``out_ns``/``in_ns``: its copy times as the simulator computes them."""
 
-    storage_id: str
-    size_bytes: int
-    evict_op: int
-    back_op: int
     chain: tuple[int, ...] | None
     out_ns: int
     in_ns: int
     trigger: int | None = None  # a fixed in-trigger (the warm start's); None: ``trigger_op``'s rule
     wraps: bool = False  # the wrap-around gap (Note [Wrap-around gaps in the model])
-
-    @property
-    def key(self) -> Key:
-        return (self.storage_id, self.evict_op)
 
 
 def window(stages: Stages, c: Candidate) -> list[int]:

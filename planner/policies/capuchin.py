@@ -28,11 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import PlanError
+from ..gaps import AccessGap
 from ..lineage import EvictionWindows, finish_decisions
 from ..msps import MspsQueue
 from ..plan import Decision, Method
 from ..problem import Problem
-from ..registry import register
+from ..registry import PolicyResult, register
 from ..search import (
     SEARCH_MAX_OPS,
     AfterRound,
@@ -56,7 +57,7 @@ def capuchin(
     max_rounds: int = 12,
     collective: bool = True,
     max_replay_ops: int = 200,
-) -> list[Decision]:
+) -> PolicyResult:
     """Capuchin's hybrid policy: the best (search Note [Best of variants]) of the hybrid on the
     target grid with stalled-swap switching, the recompute-only and swap-only plans, and their
     recompute-first conversions; with and without the persistent candidates. Problems above
@@ -83,14 +84,15 @@ def capuchin(
 
         return best_of(p, budget_bytes, variants())
 
-    return restricted_first(problem, budget_bytes, plan)
+    return PolicyResult.of(restricted_first(problem, budget_bytes, plan))
 
 
 @register("swap")
-def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> list[Decision]:
+def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> PolicyResult:
     """Capuchin restricted to swapping: zero-overhead swaps by free time, then the swaps with the
     smallest exposed wait, until the simulated peak fits; on the target grid."""
-    return searched(problem.restricted(), budget_bytes, Capuchin("swap", max_rounds, False, 0))
+    swap = Capuchin("swap", max_rounds, False, 0)
+    return PolicyResult.of(searched(problem.restricted(), budget_bytes, swap))
 
 
 @register("recompute")
@@ -101,21 +103,11 @@ def recompute_only(
     max_rounds: int = 12,
     collective: bool = True,
     max_replay_ops: int = 200,
-) -> list[Decision]:
+) -> PolicyResult:
     """Capuchin restricted to recomputation: Algorithm 2 (largest MSPS first, iterative update)
     until the simulated peak fits; on the target grid."""
     planner = Capuchin("recompute", max_rounds, collective, max_replay_ops)
-    return searched(problem.restricted(), budget_bytes, planner)
-
-
-@dataclass(frozen=True)
-class _Pair:
-    storage_id: str
-    size_bytes: int
-    evict_op: int
-    back_op: int
-    free_time_ns: int
-    wraps: bool = False  # a wrap-around gap (problem.py Note [Wrap-around gaps])
+    return PolicyResult.of(searched(problem.restricted(), budget_bytes, planner))
 
 
 @dataclass(frozen=True)
@@ -173,7 +165,7 @@ class Capuchin:
         def useful(lo: int, hi: int) -> bool:
             return hi >= lo and bool((excess[lo : hi + 1] > 0).any())
 
-        def estimate(p: _Pair):  # ChooseSwapIntrigger and SwapOverhead (lines 3-4)
+        def estimate(p: AccessGap):  # ChooseSwapIntrigger and SwapOverhead (lines 3-4)
             fn = estimate_wrap if p.wraps else SwapTimer.estimate
             return fn(timer, p.size_bytes, p.evict_op, p.back_op, useful)
 
@@ -183,37 +175,26 @@ class Capuchin:
         def helps(e) -> bool:
             return any(useful(lo, hi) for lo, hi in covers(e))
 
-        def cost(p: _Pair, e) -> int:  # SwapOverhead, with the chosen replays that read p
-            penalty = (
-                queue.swap_penalty(p.storage_id, p.evict_op, p.back_op) if queue is not None else 0
-            )
-            return e.overhead_ns + penalty
+        def cost(p: AccessGap, e) -> int:  # SwapOverhead, with the chosen replays that read p
+            return e.overhead_ns + (queue.swap_penalty(p) if queue is not None else 0)
 
-        def take_swap(p: _Pair, e) -> None:  # Swap(t) and mem_saving -= t.mem (lines 7, 12)
+        def take_swap(p: AccessGap, e) -> None:  # Swap(t), mem_saving -= t.mem (lines 7, 12)
             nonlocal added
-            chosen[p.storage_id] = Decision(
-                p.storage_id,
-                Method.SWAP,
-                p.size_bytes,
-                p.evict_op,
-                p.back_op,
-                trigger_op=e.trigger_op,
-                wraps=p.wraps,
-            )
+            chosen[p.storage_id] = p.decision(Method.SWAP, trigger_op=e.trigger_op)
             (reserve_wrap if p.wraps else SwapTimer.reserve)(timer, e)
             for lo, hi in covers(e):
                 excess[lo : hi + 1] -= p.size_bytes
             if queue is not None:
-                queue.swapped(p.storage_id, p.evict_op, p.back_op)
+                queue.swapped(p)
             added += 1
 
         # -- swap first, while a swap costs nothing (§4.5; §1.8 step 3) --------------------------
         queue = None
         if swapping:
-            for p in pairs:
+            for ft, p in pairs:
                 if p.storage_id in chosen:
                     continue
-                if p.free_time_ns < 0:
+                if ft < 0:
                     break  # ranked by free time: no later pair can hide either
                 e = estimate(p)
                 if e.overhead_ns == 0 and helps(e):
@@ -222,8 +203,8 @@ class Capuchin:
                         return added
 
         # -- the hybrid phase: the cheaper of the best swap and the best recomputation -----------
-        best_pair: dict[str, _Pair] = {}  # one access pair per remaining candidate: longest FT
-        for p in pairs:
+        best_pair: dict[str, AccessGap] = {}  # one pair per remaining candidate: longest FT
+        for _, p in pairs:
             if p.storage_id not in chosen:
                 best_pair.setdefault(p.storage_id, p)
         ranked = enumerate(best_pair.items()) if swapping else ()
@@ -233,7 +214,7 @@ class Capuchin:
             queue = MspsQueue(problem, EvictionWindows(chosen.values()), self.max_replay_ops)
             for p in best_pair.values():
                 if problem.storages[p.storage_id].evictable:
-                    queue.add(p.storage_id, p.evict_op, p.back_op)
+                    queue.add(p)
 
         def next_swap():  # UpdateCandidates: overheads re-estimated on the channels as filled
             while swaps:
@@ -248,8 +229,9 @@ class Capuchin:
             return None
 
         def rec_useful(c) -> bool:  # with swaps at hand, no replay whose temporaries overflow
-            ok = c.storage_id not in chosen and useful(c.evict_op + 1, c.back_op - 1)
-            return ok and (not swapping or excess[c.back_op] + c.temp_bytes <= 0)
+            g = c.gap
+            ok = g.storage_id not in chosen and useful(g.evict_op + 1, g.back_op - 1)
+            return ok and (not swapping or excess[g.back_op] + c.temp_bytes <= 0)
 
         while excess.max() > 0:  # lines 13-14: until the required reduction is met
             s = next_swap() if swapping else None
@@ -268,19 +250,17 @@ class Capuchin:
             if r is None or (s is not None and s_cost <= r.overhead_ns):
                 take_swap(*s)  # line 7
             else:  # Recompute(t) and Algorithm 2's update (line 10)
-                queue.select(r.storage_id)
-                chosen[r.storage_id] = Decision(
-                    r.storage_id, Method.RECOMPUTE, r.size_bytes, r.evict_op, r.back_op
-                )
-                excess[r.evict_op + 1 : r.back_op] -= r.size_bytes
-                excess[r.back_op] += r.temp_bytes
+                g = queue.select(r.storage_id).gap
+                chosen[g.storage_id] = g.decision(Method.RECOMPUTE)
+                excess[g.evict_op + 1 : g.back_op] -= g.size_bytes
+                excess[g.back_op] += r.temp_bytes
                 added += 1
         return added
 
 
 def _candidates(
     problem: Problem, over: np.ndarray, chosen: dict[str, Decision], timer: SwapTimer
-) -> list[_Pair]:
+) -> list[tuple[int, AccessGap]]:
     """IdentifyAndSortCandidates (line 1): every access pair of a swappable storage not chosen
     yet whose gap holds an op over the target, ranked by free time (Eq. 1), longest first."""
     cnt = np.concatenate([[0], np.cumsum(over)])
@@ -293,6 +273,6 @@ def _candidates(
             # an over-target op strictly inside the gap (a wrap's: after a, or before b)
             if (cnt[n] - cnt[a + 1] + cnt[b] if wraps else cnt[b] - cnt[a + 1]) > 0:
                 ft = (wrap_free_time if wraps else SwapTimer.free_time)(timer, s.size_bytes, a, b)
-                pairs.append(_Pair(s.storage_id, s.size_bytes, a, b, ft, wraps))
-    pairs.sort(key=lambda p: (-p.free_time_ns, p.storage_id, p.evict_op))
+                pairs.append((ft, AccessGap(s.storage_id, s.size_bytes, a, b, wraps=wraps)))
+    pairs.sort(key=lambda x: (-x[0], x[1].storage_id, x[1].evict_op))
     return pairs

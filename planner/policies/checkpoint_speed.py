@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from ..plan import Decision, Method
 from ..problem import Problem
-from ..registry import register
+from ..registry import PolicyResult, register
 from ._saved import is_conv, is_matmul, recomputable, saved_activations, segment_replays
 
 
 @register("checkpoint-speed")
-def checkpoint_speed(problem: Problem, budget_bytes: int) -> list[Decision]:
+def checkpoint_speed(problem: Problem, budget_bytes: int) -> PolicyResult:
     """Drop every saved activation (Note [Saved activations]) not produced by a convolution or a
     matrix multiply; recompute it at its first backward access.
 
@@ -27,7 +27,7 @@ def checkpoint_speed(problem: Problem, budget_bytes: int) -> list[Decision]:
     otherwise the budget is not consulted (a fixed scheme), so the plan may be infeasible.
     """
     if problem.peak_bytes <= budget_bytes:
-        return []
+        return PolicyResult()
     ops = problem.ops
     out, firsts = [], []
     for a in saved_activations(problem):
@@ -38,4 +38,4 @@ def checkpoint_speed(problem: Problem, budget_bytes: int) -> list[Decision]:
             out.append(
                 Decision(a.storage_id, Method.RECOMPUTE, a.size_bytes, a.evict_op, a.back_op)
             )
-    return segment_replays(problem, out, firsts)
+    return PolicyResult.of(segment_replays(problem, out, firsts))

@@ -29,7 +29,7 @@ import math
 from ...tracer.schema import Phase
 from ..plan import Decision, Method
 from ..problem import Problem
-from ..registry import register
+from ..registry import PolicyResult, register
 from ._saved import recomputable, saved_activations, segment_replays
 
 
@@ -65,7 +65,7 @@ def articulation_checkpoints(problem: Problem) -> list[str]:
 
 
 @register("checkpoint-sqrt")
-def checkpoint_sqrt(problem: Problem, budget_bytes: int) -> list[Decision]:
+def checkpoint_sqrt(problem: Problem, budget_bytes: int) -> PolicyResult:
     """Chen et al.'s sqrt(n) checkpointing with OpenAI's automatic checkpoint choice.
 
     Contract (Note [Policy contract] in planner/registry.py): recompute decisions only, one per
@@ -76,7 +76,7 @@ def checkpoint_sqrt(problem: Problem, budget_bytes: int) -> list[Decision]:
     the plan may be infeasible (or cost more than needed).
     """
     if problem.peak_bytes <= budget_bytes:
-        return []
+        return PolicyResult()
     checkpoints = articulation_checkpoints(problem)
     keep = set(checkpoints)
     saved = saved_activations(problem)
@@ -86,4 +86,4 @@ def checkpoint_sqrt(problem: Problem, budget_bytes: int) -> list[Decision]:
         if a.storage_id not in keep and recomputable(problem, a)
     ]
     firsts = [a.back_op for a in saved if a.storage_id in keep]
-    return segment_replays(problem, drop, firsts)
+    return PolicyResult.of(segment_replays(problem, drop, firsts))

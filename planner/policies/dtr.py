@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from ..lineage import chain_ops, replay_for
 from ..plan import Decision, Method
 from ..problem import Problem
-from ..registry import register
+from ..registry import PolicyResult, register
 
 SMALL_TENSOR_FRACTION = 0.01  # DTR: ignore storages below 1% of the mean size
 DEFAULT_SEED = 0
@@ -411,7 +411,7 @@ def dtr(
     sample: bool = True,
     small_fraction: float = SMALL_TENSOR_FRACTION,
     calibration_rounds: int = DEFAULT_CALIBRATION_ROUNDS,
-) -> list[Decision]:
+) -> PolicyResult:
     """DTR's online eviction on the trace, as recompute decisions.
 
     Contract (Note [Policy contract] in planner/registry.py): recompute decisions only, at most
@@ -425,14 +425,14 @@ def dtr(
     ``calibration_rounds``: see Note [DTR calibration].
     """
     if problem.peak_bytes <= budget_bytes:
-        return []
+        return PolicyResult()
     target = int(budget_bytes)
     best: tuple[tuple, list[Decision]] | None = None
     for _ in range(1 + max(0, calibration_rounds)):
         run = simulate_dtr(problem, target, seed=seed, sample=sample, small_fraction=small_fraction)
         ds = decisions_from_run(problem, run)
         if calibration_rounds <= 0:
-            return ds
+            return PolicyResult.of(ds)
         peak, extra = _judge(problem, ds)
         score = (peak > budget_bytes, extra if peak <= budget_bytes else peak)
         if best is None or score < best[0]:
@@ -448,7 +448,7 @@ def dtr(
         target -= peak - budget_bytes
         if target <= 0:
             break
-    return best[1] if best is not None else []
+    return PolicyResult.of(best[1] if best is not None else [])
 
 
 def _judge(problem: Problem, ds: list[Decision]) -> tuple[int, int]:

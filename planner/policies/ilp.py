@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ...errors import CapuchinError
@@ -24,7 +24,7 @@ from ..coarsen import Stages, coarsen
 from ..lineage import chain_ops
 from ..plan import Decision, Method
 from ..problem import Problem
-from ..registry import register
+from ..registry import PolicyResult, checked, register
 from ._ilp_model import (  # noqa: F401 - re-exported: the model's names are this policy's API
     Candidate,
     Choice,
@@ -236,12 +236,11 @@ def simulated_extra_ns(
     return int(sim.time_ns - problem.time_ns)
 
 
-class IlpDecisions(list):
-    """The ``ilp`` policy's decisions, with the solve's figures in ``parameters`` (for the plan's
-    provenance) and ``result`` (the ``IlpResult``)."""
+@dataclass(frozen=True)
+class IlpPolicyResult(PolicyResult):
+    """The ``ilp`` policy's result, with the solve's own (``IlpResult``: choices, best, bound)."""
 
-    parameters: dict[str, Any]
-    result: IlpResult | None
+    solve: IlpResult | None = None
 
 
 DEFAULT_MAX_STAGES = 256
@@ -263,7 +262,7 @@ def ilp_policy(
     tick_ns: int | None = None,
     time_limit: float | None = None,
     **_ignored: Any,
-) -> IlpDecisions:
+) -> IlpPolicyResult:
     """The optimal plan of the stage model: see the module docstring for the formulation.
 
     ``time_limit_s`` (alias ``time_limit``): wall-clock limit of the whole solve (s, default 30).
@@ -274,14 +273,15 @@ def ilp_policy(
 
     Output contract: decisions on evictable storages, at most one per access gap, evict/back
     consecutive accesses; swaps carry ``trigger_op`` (rule ``trigger_op``, or the warm start's),
-    recomputes leave lineage to the builder. ``.parameters`` (copied into the plan's provenance
-    by ``compare``) holds ``status`` (OPTIMAL: no plan of the decision space is better in the
-    simulator, proven at op granularity, of the stage model otherwise; FEASIBLE: stopped by the
-    time limit; INFEASIBLE: no choice fits the budget; UNKNOWN: no plan found in time),
+    recomputes leave lineage to the builder. ``status``: OPTIMAL (no plan of the decision space
+    is better in the simulator, proven at op granularity, of the stage model otherwise),
+    FEASIBLE (stopped by the time limit), INFEASIBLE (no choice fits the budget) or UNKNOWN (no
+    plan found in time); ``bound_ns``: the proven lower bound on the extra time; ``solve``: the
+    ``IlpResult``. ``figures`` (recorded in the plan's provenance) hold ``status``,
     ``optimality_gap`` ((found - bound) / found), ``ilp_objective_ns`` (the proven lower bound
     on the extra time, ns), ``simulated_extra_ns`` (the returned plan's, ns), ``solve_time_s``,
     ``stages``, ``op_level``, ``candidates``, ``variables``, ``constraints``, ``rounds`` (Benders
-    rounds) and ``notes``. When nothing fits the budget the best effort is an empty list. A
+    rounds) and ``notes``. When nothing fits the budget the best effort is no decisions. A
     time-limited solve returns the best simulated plan found (at worst the warm start's).
     Unknown keyword options are accepted and ignored (``compare`` passes shared ones).
 
@@ -446,9 +446,7 @@ def ilp_policy(
             0,
             0,
         )
-    out = IlpDecisions(to_decisions(problem, budget_bytes, by_key, res.choices))
-    out.result = res
-    out.parameters = {
+    figures = {
         "status": res.status,
         "optimality_gap": res.optimality_gap,
         "ilp_objective_ns": res.bound_ns,
@@ -463,7 +461,10 @@ def ilp_policy(
         "time_limit_s": time_limit_s,
         "notes": list(notes) + list(res.notes),
     }
-    return out
+    decisions = to_decisions(problem, budget_bytes, by_key, res.choices)
+    return IlpPolicyResult(
+        decisions, res.status, res.bound_ns, tuple(figures["notes"]), figures, solve=res
+    )
 
 
 def _warm_start(
@@ -486,7 +487,7 @@ def _warm_start(
     try:
         # the model's candidates are the problem's (persistent ones with their wrap-around gaps
         # included unless ``restricted()``): the warm start plans the same problem
-        ds = _bounded(lambda: fn(problem, budget_bytes), timeout_s)
+        ds = _bounded(lambda: checked(policy, fn(problem, budget_bytes)), timeout_s)
     except _OutOfTime:
         notes.append(f"no warm start: policy {policy!r} took more than {timeout_s:.1f} s")
         return None, {}
@@ -496,7 +497,7 @@ def _warm_start(
     hint: dict[Key, Choice] = {}
     triggers: dict[Key, int] = {}
     outside = 0
-    for d in ds:
+    for d in ds.decisions:
         k = (d.storage_id, d.evict_op)
         if k not in keys:
             outside += 1  # a gap covering no op over the budget: useless to the ILP

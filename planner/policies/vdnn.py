@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from ..plan import Decision, Method
 from ..problem import Problem
-from ..registry import register
+from ..registry import PolicyResult, register
 from ._saved import first_backward_op, is_conv, saved_activations
 
 
 @register("vdnn")
-def vdnn(problem: Problem, budget_bytes: int) -> list[Decision]:
+def vdnn(problem: Problem, budget_bytes: int) -> PolicyResult:
     """Offload the inputs of convolutions in forward, prefetch one layer ahead in backward.
 
     Contract (Note [Policy contract] in planner/registry.py): swap decisions only, one per
@@ -34,7 +34,7 @@ def vdnn(problem: Problem, budget_bytes: int) -> list[Decision]:
     is static), so the plan may be infeasible. A trace without convolutions gets no decisions.
     """
     if problem.peak_bytes <= budget_bytes:
-        return []
+        return PolicyResult()
     saved = {a.storage_id: a for a in saved_activations(problem)}
     layers = []  # the saved inputs of forward convolutions, in layer order, each once
     seen: set[str] = set()
@@ -59,4 +59,4 @@ def vdnn(problem: Problem, budget_bytes: int) -> list[Decision]:
                 a.storage_id, Method.SWAP, a.size_bytes, a.evict_op, a.back_op, trigger_op=trigger
             )
         )
-    return out
+    return PolicyResult.of(out)

@@ -31,7 +31,6 @@ def run_example(script: str | Path, args: list[str], context=None) -> dict[str, 
     and buffers: batch norm's running statistics) of every model that ran a forward, found by a
     global forward hook (the outermost modules that ran, in the order they first ran) or left
     in the script's globals. Deterministic scripts (they seed) give comparable dicts."""
-    captured: dict[str, torch.Tensor] = {}
     optimizers: list = []
     ran: dict[int, torch.nn.Module] = {}  # modules that ran a forward, in first-run order
     from torch.nn.modules.module import register_module_forward_hook
@@ -52,6 +51,14 @@ def run_example(script: str | Path, args: list[str], context=None) -> dict[str, 
     finally:
         h.remove()
         hf.remove()
+    return state_of(optimizers, _models(list(ran.values()), g))
+
+
+def state_of(optimizers, models) -> dict[str, torch.Tensor]:
+    """Copies of every parameter, gradient and optimizer state tensor of ``optimizers`` (named by
+    position: ``opt{i}.g{group}.p{param}``) and of the ``state_dict()`` of each ``(name, module)``
+    in ``models`` (``{name}.state_dict.{key}``)."""
+    captured: dict[str, torch.Tensor] = {}
     for i, opt in enumerate(optimizers):
         for gi, group in enumerate(opt.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -62,11 +69,40 @@ def run_example(script: str | Path, args: list[str], context=None) -> dict[str, 
                 for k, v in opt.state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
                         captured[f"{name}.state.{k}"] = v.detach().clone()
-    for mname, m in _models(list(ran.values()), g):
+    for mname, m in models:
         for k, v in m.state_dict(keep_vars=True).items():
             if isinstance(v, torch.Tensor):
                 captured[f"{mname}.state_dict.{k}"] = v.detach().clone()
     return captured
+
+
+def train_tiny_bert(steps: int, batch: int = 8, seq: int = 64):
+    """A Hugging Face BERT masked LM from a tiny config (random weights, nothing downloaded),
+    dropout active, AdamW, trained ``steps`` steps on random ``batch`` x ``seq`` tokens from seed
+    0; returns ``(model, optimizer)``. Needs ``transformers``."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=500,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
+    model = BertForMaskedLM(config)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return model, opt
 
 
 def _models(ran: list, g: dict):
