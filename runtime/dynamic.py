@@ -382,6 +382,18 @@ class DynamicGuard(BudgetGuard):
         self._replaying: list[Entry] = []  # the entries being replayed, outermost first
         self.n_entries = 0
 
+    def new_iteration(self) -> None:
+        """A dropped storage can outlive its iteration (dropped while the step end made room for
+        the storages it restores, or one that ``stays_out``): its replay keeps its own records
+        (``extra["recs"]``), and its sources stay registered for copy-on-write (R3), which the
+        executor forgets at each iteration start."""
+        super().new_iteration()
+        ex = self.ex
+        for e in ex.entries.values():
+            if e.reason is Reason.DYNAMIC and not e.swap and e.state is Residency.OUT:
+                for st in e.extra.get("pins", ()):
+                    ex.dependents.setdefault(storage_key(st), set()).add(e.sid)
+
     # ---- per op -----------------------------------------------------------------------------------
     def before_op(self, func, args, kwargs, name: str, flat: list, keys: list):
         tr = self.tracker
@@ -654,6 +666,8 @@ class DynamicGuard(BudgetGuard):
         if any(k in ex.entries for k in pinned):  # paths other than bring_back (step end):
             self.bring_back(pinned)  # ancestors first
         tr = self.tracker
+        for r in e.extra.get("recs", ()):  # those of an earlier iteration too (new_iteration)
+            tr.engine.records[r.op_index] = r
         tr.engine.stats = ex.stats
         tr.engine.ensure_resident = ex.ensure_resident
         t0 = time.perf_counter()

@@ -203,6 +203,45 @@ def test_forced_replay_on_the_cnn_at_a_quarter_of_its_peak_is_exact():
     assert sum(s.dynamic_drops for s in complete(rt)) > 0
 
 
+def test_restoring_a_stale_entry_leaves_the_storage_s_new_one_alone():
+    """A storage brought back and evicted again has a new entry; the step end's restore pass
+    works from a list taken before, so it can meet the old entry after the new one was made.
+    Restoring the old entry is a no-op: before, it removed the new entry and left the storage
+    empty and untracked (the transformer at 25% of its peak with ``remat="recompute"``: wrong
+    gradients, caught by ``CAPUCHIN_VERIFY=1``)."""
+    rt = Runtime(budget_bytes=1 << 40, measure_memory=False)
+    with rt:
+        x = torch.randn(64, 64)
+        y = x * 2
+        want = y.clone()
+        g, ex = rt.ex.guard, rt.ex
+        st = y.untyped_storage()
+        key = storage_key(st)
+        g._swap(key, st, st.nbytes())
+        old = ex.entries[key]
+        ex.restore(old)
+        g._swap(key, st, st.nbytes())
+        new = ex.entries[key]
+        ex.restore(old)  # stale
+        assert ex.entries.get(key) is new
+        assert st.nbytes() == 0
+        got = y + 0
+    assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_forced_replay_on_the_transformer_at_a_fifth_of_its_peak_is_exact(monkeypatch):
+    """At 20% the step end's restores make room by evicting again: a stale entry met later in
+    the same pass (above), and storages dropped then outlive the iteration, so their replay in
+    the next one needs their own records and copy-on-write registration
+    (``DynamicGuard.new_iteration``; it raised ``RecomputeError``: op not recorded). Every
+    storage that comes back is checked against a copy (``CAPUCHIN_VERIFY=1``)."""
+    monkeypatch.setenv("CAPUCHIN_VERIFY", "1")
+    rt = Runtime(budget_bytes=peak("transformer") // 5, measure_memory=False, remat="recompute")
+    assert train_mismatches("transformer", rt, STEPS5) == []
+    assert sum(s.dynamic_drops for s in complete(rt)) > 0
+
+
 # ---- a third-party model ---------------------------------------------------------------------
 
 
