@@ -43,6 +43,18 @@ room made under the budget, so nothing recurses deeply).
 # still holds that need the written one, through pinned sources (``DynamicGuard._live_roots``),
 # one at a time, since bringing one back releases what only it pinned.
 
+# Note: [Recording only while replay pays]
+# Recording is most of dynamic mode's cost per op (measured: 10 ms per step of the bundled
+# transformer's 640 ops with nothing evicted, against LRU's bookkeeping). With ``remat="auto"``
+# a storage is dropped only where its replay is cheaper than its swap; where no eviction of an
+# iteration was a drop (on the CPU host, the CNN and the MLP: a swap is a memcpy, cheaper than
+# replaying a convolution or a matmul), the records bought nothing. So after the first two
+# iterations (the one that builds the model, and a first step), an iteration records only if the
+# one before it dropped something, and every ``PROBE_EVERY``-th iteration records again to look;
+# an iteration that does not record swaps DTR's victims (the h of a swap-only storage is its
+# staleness: LRU order). ``remat="recompute"`` always records, ``"swap"`` never does (it never
+# replays).
+
 # Note: [Cycles of dropped storages]
 # A dropped storage comes back after the dropped sources of its replay (``bring_back``), so the
 # sources of dropped storages must never form a cycle. Allocation order alone would make them a
@@ -79,6 +91,7 @@ MAX_CHAIN = 64  # ops in one storage's chain (producer + in-place writes); longe
 # this many); below it all are ranked (the workloads measured here had 10-60)
 SAMPLE = 64
 _GONE = (None, 0)
+PROBE_EVERY = 8  # Note [Recording only while replay pays]
 _NAME_ATTR = "_capuchin_dtr_name"
 _COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 REMAT = ("auto", "recompute", "swap")
@@ -412,6 +425,9 @@ class DynamicGuard(BudgetGuard):
         self.replay_op_s = 0.0  # measured cost of a replay beyond its ops' own times, per op
         self._replaying: list[Entry] = []  # the entries being replayed, outermost first
         self._rng = random.Random(0)  # candidate sampling; never the script's random streams
+        self.recording = remat != "swap"  # Note [Recording only while replay pays]
+        self.iteration = -1
+        self.drops = 0  # drops in this iteration
         self.n_entries = 0
 
     def new_iteration(self) -> None:
@@ -420,6 +436,13 @@ class DynamicGuard(BudgetGuard):
         (``extra["recs"]``), and its sources stay registered for copy-on-write (R3), which the
         executor forgets at each iteration start."""
         super().new_iteration()
+        # Note [Recording only while replay pays]
+        self.iteration += 1
+        self.recording = self.remat == "recompute" or (
+            self.remat == "auto"
+            and (self.iteration < 2 or self.drops > 0 or self.iteration % PROBE_EVERY == 0)
+        )
+        self.drops = 0
         ex = self.ex
         for e in ex.entries.values():
             if e.reason is Reason.DYNAMIC and not e.swap and e.state is Residency.OUT:
@@ -430,9 +453,12 @@ class DynamicGuard(BudgetGuard):
     def before_op(self, func, args, kwargs, name: str, flat: list, keys: list):
         tr = self.tracker
         tr.touch(keys)
-        info = op_info(func)
-        written = tuple(written_inputs(info, args, kwargs, flat))
         ex = self.ex
+        if self.recording or ex.dependents:
+            info = op_info(func)
+            written = tuple(written_inputs(info, args, kwargs, flat))
+        else:
+            info, written = None, ()
         if ex.entries:
             self.writing = {keys[a] for a in written if keys[a] is not None}
             deps = []
@@ -449,6 +475,8 @@ class DynamicGuard(BudgetGuard):
         out_bytes += self.memory.scratch(name, flat, out_bytes)
         self.enforce(set(keys), out_bytes + ex.coming_back(keys))
         self.writing = set()
+        if not self.recording:
+            return pkey, None, 0.0
         pending = tr.prepare(func, args, kwargs, flat, keys, written, info.seeded)
         return pkey, pending, time.perf_counter()
 
@@ -456,7 +484,8 @@ class DynamicGuard(BudgetGuard):
         pkey, pending, t0 = token
         dt = time.perf_counter() - t0
         self.tracker.track_outputs(outs, in_keys, pkey)
-        self.tracker.recorded(pending, dt, outs, in_keys)
+        if pending is not None:
+            self.tracker.recorded(pending, dt, outs, in_keys)
         self.enforce(in_keys | {k for k, _ in storages(outs)})
 
     def stays_out(self, e: Entry) -> bool:
@@ -627,6 +656,7 @@ class DynamicGuard(BudgetGuard):
         tr.evicted(key)
         ex.stats.passive_evictions += 1
         ex.stats.dynamic_drops += 1
+        self.drops += 1
 
     def _swap(self, key: int, st, n: int) -> None:
         ex = self.ex

@@ -242,6 +242,31 @@ def test_forced_replay_on_the_transformer_at_a_fifth_of_its_peak_is_exact(monkey
     assert sum(s.dynamic_drops for s in complete(rt)) > 0
 
 
+def test_an_iteration_records_only_after_one_that_dropped(monkeypatch):
+    """Note [Recording only while replay pays]: with ``remat="auto"`` the first two iterations
+    record; a later one records only if the one before dropped a storage (or every
+    PROBE_EVERY-th); recording or not, training is bitwise plain training's."""
+    from capuchin.runtime import dynamic
+
+    calls: dict[int, int] = {}
+    real = dynamic.DynamicTracker.recorded
+
+    def counting(self, pending, dt, outs, in_keys):
+        calls[rt.ex.ix.iteration] = calls.get(rt.ex.ix.iteration, 0) + 1
+        return real(self, pending, dt, outs, in_keys)
+
+    monkeypatch.setattr(dynamic.DynamicTracker, "recorded", counting)
+    monkeypatch.setattr(dynamic, "PROBE_EVERY", 4)
+    rt = Runtime(budget_bytes=peak("cnn") // 2, measure_memory=False)
+    assert train_mismatches("cnn", rt, ("--steps", "6")) == []
+    its = {s.iteration: s for s in rt.report.iterations}
+    assert calls.get(0) and calls.get(1)
+    for i in range(2, 6):
+        expect = its[i - 1].dynamic_drops > 0 or i % 4 == 0
+        assert bool(calls.get(i)) == expect, (i, calls, [its[j].dynamic_drops for j in its])
+    assert not all(calls.get(i) for i in range(2, 6)), "the CNN drops nothing: some skip"
+
+
 # ---- a third-party model ---------------------------------------------------------------------
 
 
