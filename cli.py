@@ -520,7 +520,8 @@ def run(plan, budget, report, force, no_measure, eviction, script, script_args):
     default="checkpoint-sqrt,dtr,swap,recompute",
     show_default=True,
     metavar="P[,P...]",
-    help="Comparison policies also searched ('' for none).",
+    help="Comparison policies also searched ('' for none); also the runtime modes with no plan, "
+    "dynamic and lru (every candidate run under the memory).",
 )
 @click.option(
     "--max-overhead",

@@ -22,6 +22,16 @@ policy, verified by a real run.
 # sample (median step-to-step time / value, steps after the first) against plain training at
 # unmanaged's own largest value.
 
+# Note: [Runtime modes]
+# ``compare`` may also name the runtime's modes that need no trace and no plan: ``dynamic``
+# (``Runtime(budget_bytes=memory)``: DTR's eviction and replay, runtime/dynamic.py) and ``lru``
+# (the paper's passive mode: ``eviction="lru"``). They answer "how large a batch fits with no
+# plan at all". A mode has no prediction to judge, so every candidate value is *run*: ``steps``
+# optimizer steps under the budget ``memory``; it fits when the run completes and its measured
+# peak (every iteration, the first included) is within VERIFY_TOLERANCE of memory. The same
+# doubling and bisection find its largest value, and the run at that value is its verifying run
+# (``runs[mode]``: peak, time per sample).
+
 # Note: [Verified, not only planned]
 # The answer is a value that was *run*: when the verifying run's measured peak is more than
 # VERIFY_TOLERANCE (5%, the runtime's own standard for a plan) over memory, the next smaller value
@@ -52,6 +62,7 @@ from .errors import CapuchinError, ScriptError
 from .planner.budget import format_bytes
 
 COMPARISON_POLICIES = ("checkpoint-sqrt", "dtr", "swap", "recompute")
+RUNTIME_MODES = {"dynamic": "dtr", "lru": "lru"}  # Note [Runtime modes]: name -> Runtime eviction
 VERIFY_TOLERANCE = 0.05  # Note [Verified, not only planned]
 VERIFY_TRIES = 3
 UNMANAGED = "unmanaged"
@@ -238,12 +249,13 @@ def max_batch(
     get_policy(policy)  # an unknown name fails here, with the list of valid ones
     others = [p for p in (compare or ()) if p != policy]
     for p in others:
-        get_policy(p)
+        if p not in RUNTIME_MODES:
+            get_policy(p)
     dev = resolve_device(device)
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="capuchin-max-batch-") as tmp:
         search = _Search(
-            path, list(script_args), flag, memory_bytes, dev, Path(tmp), max_overhead, log
+            path, list(script_args), flag, memory_bytes, dev, Path(tmp), max_overhead, log, steps
         )
         first = search.candidate(min_value)
         if not first.fits_device:
@@ -277,6 +289,9 @@ def max_batch(
         na = {p: search.not_applicable[p] for p in others if p in search.not_applicable}
         for p in na:
             best.pop(p, None)
+        mode_runs = {
+            p: _run_dict(search.runs[best[p], p]) for p in others if (best[p], p) in search.runs
+        }
         chosen = best[policy]
         plan = search.plan(chosen, policy) if chosen else None
         result = MaxBatchResult(
@@ -299,6 +314,7 @@ def max_batch(
             verify_steps=steps,
             planned_max=chosen,
             plan=plan,
+            runs=mode_runs,
         )
         if verify and chosen:
             run = None
@@ -358,7 +374,7 @@ def max_batch(
                     result.time_per_sample_ratio = run.time_per_sample_s / base.time_per_sample_s
             if time_all:
                 for p, v in best.items():
-                    if p == policy or not v:
+                    if p == policy or not v or p in RUNTIME_MODES:
                         continue
                     log(f"max-batch: timing {p}: {steps} steps at {flag} {v} under its plan")
                     result.runs[p] = _run_dict(
@@ -395,8 +411,11 @@ class _Search:
         tmp: Path,
         max_overhead: float | None,
         log,
+        steps: int = 5,
     ):
         self.script = script
+        self.steps = steps
+        self.runs: dict[tuple[int, str], PolicyRun | None] = {}  # (value, runtime mode) -> run
         self.args = args
         self.flag = flag
         self.memory_bytes = memory_bytes
@@ -411,6 +430,8 @@ class _Search:
 
     # ---- judges ------------------------------------------------------------------------------
     def fits(self, value: int, policy: str) -> bool:
+        if policy in RUNTIME_MODES:
+            return self._mode_fits(value, policy)
         c = self.candidate(value)
         if not c.fits_device:
             return False
@@ -441,6 +462,47 @@ class _Search:
         if ok and self.max_overhead is not None:
             ok = info["predicted_overhead"] <= self.max_overhead
         return ok
+
+    def _mode_fits(self, value: int, mode: str) -> bool:
+        """Note [Runtime modes]: run ``steps`` steps at ``value`` in ``mode`` under the budget."""
+        key = (value, mode)
+        if key not in self.runs:
+            args = [*self.args, self.flag, str(value)]
+            try:
+                run = run_steps(
+                    self.script,
+                    args,
+                    self.steps,
+                    device=self.device,
+                    mode=mode,
+                    budget_bytes=self.memory_bytes,
+                )
+            except CapuchinError as exc:
+                if not _is_oom(exc) and "out of memory" not in str(exc).lower():
+                    raise
+                run = None  # CUDA: a real out-of-memory error under the cap
+            self.runs[key] = run
+            ok = (
+                run is not None
+                and run.peak_bytes is not None
+                and (run.peak_bytes <= (1 + VERIFY_TOLERANCE) * self.memory_bytes)
+            )
+            self.log(
+                f"max-batch:   {self.flag} {value} {mode}: "
+                + (
+                    "out of memory"
+                    if run is None
+                    else f"measured peak {_mb(run.peak_bytes)} "
+                    f"({(run.peak_bytes or 0) / self.memory_bytes:.3f} x memory): "
+                    + ("fits" if ok else "does not fit")
+                )
+            )
+        run = self.runs[key]
+        return (
+            run is not None
+            and run.peak_bytes is not None
+            and (run.peak_bytes <= (1 + VERIFY_TOLERANCE) * self.memory_bytes)
+        )
 
     def largest(self, policy: str, lo_value: int, hi_value: int) -> int:
         """Doubling from ``lo_value`` then bisection (Note [Max-batch search]); 0 if none fits."""
@@ -599,11 +661,14 @@ def run_steps(
     plan=None,
     device: str = "cpu",
     keep_state: bool = False,
+    mode: str | None = None,
+    budget_bytes: int | None = None,
 ) -> PolicyRun:
     """Run ``script`` for ``steps`` optimizer steps (stopped after the last), under ``plan``
-    (a ``capuchin.Runtime`` measuring the peak) or plain. Step times are the wall time between
-    consecutive optimizer steps (the script's own data preparation included, as a user sees it).
-    The script's stdout is discarded."""
+    (a ``capuchin.Runtime`` measuring the peak), in a runtime ``mode`` with no plan (``dynamic``
+    or ``lru``, Note [Runtime modes]) under ``budget_bytes``, or plain. Step times are the wall
+    time between consecutive optimizer steps (the script's own data preparation included, as a
+    user sees it). The script's stdout is discarded."""
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -623,7 +688,10 @@ def run_steps(
             raise _Enough()
 
     gc.collect()
-    rt = Runtime(plan, device=device) if plan is not None else None
+    if mode is not None:
+        rt = Runtime(budget_bytes=budget_bytes, device=device, eviction=RUNTIME_MODES[mode])
+    else:
+        rt = Runtime(plan, device=device) if plan is not None else None
     handle = None
     err = io.StringIO()
     try:
@@ -680,4 +748,11 @@ def _state(optimizers: list, torch) -> dict:
     return out
 
 
-__all__ = ["max_batch", "MaxBatchResult", "MaxBatchError", "run_steps", "COMPARISON_POLICIES"]
+__all__ = [
+    "max_batch",
+    "MaxBatchResult",
+    "MaxBatchError",
+    "run_steps",
+    "COMPARISON_POLICIES",
+    "RUNTIME_MODES",
+]

@@ -43,6 +43,18 @@ room made under the budget, so nothing recurses deeply).
 # still holds that need the written one, through pinned sources (``DynamicGuard._live_roots``),
 # one at a time, since bringing one back releases what only it pinned.
 
+# Note: [Recording only while replay pays]
+# Recording is most of dynamic mode's cost per op (measured: 10 ms per step of the bundled
+# transformer's 640 ops with nothing evicted, against LRU's bookkeeping). With ``remat="auto"``
+# a storage is dropped only where its replay is cheaper than its swap; where no eviction of an
+# iteration was a drop (on the CPU host, the CNN and the MLP: a swap is a memcpy, cheaper than
+# replaying a convolution or a matmul), the records bought nothing. So after the first two
+# iterations (the one that builds the model, and a first step), an iteration records only if the
+# one before it dropped something, and every ``PROBE_EVERY``-th iteration records again to look;
+# an iteration that does not record swaps DTR's victims (the h of a swap-only storage is its
+# staleness: LRU order). ``remat="recompute"`` always records, ``"swap"`` never does (it never
+# replays).
+
 # Note: [Cycles of dropped storages]
 # A dropped storage comes back after the dropped sources of its replay (``bring_back``), so the
 # sources of dropped storages must never form a cycle. Allocation order alone would make them a
@@ -58,6 +70,8 @@ room made under the budget, so nothing recurses deeply).
 
 from __future__ import annotations
 
+import math
+import random
 import time
 import weakref
 
@@ -69,13 +83,49 @@ from ..planner.plan import Decision, Method
 from ..tracer.hooks import op_info, written_inputs
 from .backend import byte_view
 from .passive import BudgetGuard, PassiveTracker
-from .recompute import RecomputeEngine, Record, _capture_rng, _Slot, _template
+from .recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
 from .state import Entry, Reason, Residency, resize, storage_key, storages, writes
 
 MAX_CHAIN = 64  # ops in one storage's chain (producer + in-place writes); longer: swap only
+# candidates ranked per eviction: more are sampled (at random, DTR's sqrt(n) sampling, at least
+# this many); below it all are ranked (the workloads measured here had 10-60)
+SAMPLE = 64
+_GONE = (None, 0)
+PROBE_EVERY = 8  # Note [Recording only while replay pays]
 _NAME_ATTR = "_capuchin_dtr_name"
 _COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 REMAT = ("auto", "recompute", "swap")
+
+
+def _template(value, counter: list):
+    """``recompute._template`` of the positional arguments (tensors replaced by markers in flat
+    order), without rebuilding the arguments that hold no tensor (sizes, scalars, dtypes)."""
+    out = None
+    for i, v in enumerate(value):
+        if isinstance(v, torch.Tensor):
+            counter[0] += 1
+            v = _Marker(counter[0] - 1)
+        elif isinstance(v, (list, tuple)) and v and _has_tensor(v):
+            v = _template(v, counter)
+        elif isinstance(v, list):
+            v = list(v)
+        else:
+            if out is not None:
+                out.append(v)
+            continue
+        if out is None:
+            out = list(value[:i])
+        out.append(v)
+    if out is None:
+        return value if isinstance(value, tuple) else list(value)
+    return type(value)(out)
+
+
+def _has_tensor(v) -> bool:
+    for x in v:
+        if isinstance(x, torch.Tensor) or (isinstance(x, (list, tuple)) and _has_tensor(x)):
+            return True
+    return False
 
 
 class _Node:
@@ -164,21 +214,24 @@ class DynamicTracker(PassiveTracker):
         return cb
 
     def touch(self, keys) -> None:
-        super().touch(keys)
+        """Staleness is ``last_access`` (an op clock); the LRU order is not used here."""
         self.clock += 1
+        clock = self.clock
         la = self.last_access
         for key in keys:
-            la[key] = self.clock
+            la[key] = clock
 
     # ---- recording (every op while dynamic mode is on) ----------------------------------------
     def prepare(
-        self, func, args: tuple, kwargs: dict, flat: list, written: tuple, seeded: bool
+        self, func, args: tuple, kwargs: dict, flat: list, keys: list, written: tuple, seeded: bool
     ) -> tuple:
         """Before the op runs: what a record needs then (the RNG state of a seeded op, the views
         of the arguments it writes). The record itself is made after it ran, and only if it
         allocated or extended a storage's chain (views and reads are never recorded)."""
-        try:
-            wslots = {a: self._slot(flat[a]) for a in written}
+        chain = self.chain
+        try:  # the view before the op of a storage whose chain it extends (an in-place op may
+            # change it: transpose_); the other arguments' slots are taken after it, if at all
+            wslots = {a: self._slot(flat[a]) for a in written if keys[a] in chain}
         except (RuntimeError, NotImplementedError):
             wslots = None
         rng = _capture_rng(func, args, kwargs, flat) if seeded else None
@@ -189,7 +242,7 @@ class DynamicTracker(PassiveTracker):
                 where,
                 torch.frombuffer(bytearray(state.numpy().tobytes()), dtype=torch.uint8),
             )
-        return func, args, kwargs, flat, tuple(written), rng, wslots
+        return func, args, kwargs, flat, keys, written, rng, wslots
 
     def _slot(self, t) -> _Slot:
         tag = getattr(t.untyped_storage(), _NAME_ATTR, None)
@@ -197,99 +250,90 @@ class DynamicTracker(PassiveTracker):
 
     def recorded(self, pending: tuple, dt: float, outs: list, in_keys: set) -> None:
         """The op ran (``dt`` seconds): name the storages it allocated, give them (or the
-        storages it wrote) their chain, cost and neighbours."""
-        func, args, kwargs, flat, written, rng, wslots = pending
+        storages it wrote) their chain, cost and neighbours. Most ops of a step allocate, so
+        this runs for most ops: it keeps to one pass over the outputs and reuses the argument
+        keys that the op's preparation computed."""
+        func, args, kwargs, flat, keys, written, rng, wslots = pending
         if wslots is None:
             return
         chain = self.chain
-        fresh = False
-        for t in outs:
+        in_it = self.in_iteration
+        fresh = []  # (output position, storage, key) of the storages the op allocated
+        for j, t in enumerate(outs):
             try:
-                key = storage_key(t.untyped_storage())
+                st = t.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 continue
-            if key not in in_keys and key in self.in_iteration and key not in chain:
-                fresh = True
-                break
-        if not fresh:
-            for a in written:
-                try:
-                    if storage_key(flat[a].untyped_storage()) in chain:
-                        break
-                except (RuntimeError, NotImplementedError):
-                    continue
-            else:
-                return  # a view, a read, or a write to storages nobody replays
+            key = st._cdata
+            if key not in in_keys and key in in_it and key not in chain:
+                fresh.append((j, st, key))
+        extended = [a for a in wslots if keys[a] in chain]
+        if not fresh and not extended:
+            return  # a view, a read, or a write to storages nobody replays
         try:
             slots = [wslots[a] if a in wslots else self._slot(t) for a, t in enumerate(flat)]
         except (RuntimeError, NotImplementedError):
             return
         self.serial += 1
+        op = self.serial
         counter = [0]
         rec = Record(
-            self.serial,
+            op,
             func,
-            _template(tuple(args), counter),
-            _template(dict(kwargs), counter),
+            _template(args, counter),
+            dict(kwargs) if kwargs else {},  # as recompute.py records them (its _fill)
             slots,
             written,
-            [],
+            [None] * len(outs),
             rng,
         )
         replayable = func.namespace not in _COLLECTIVES
         for a in written:  # the write counts the op left (the executor bumped them)
-            s = slots[a]
-            st = s.weak()
+            st = slots[a].weak()
             if st is not None:
-                s.writes = writes(st)
-        src = [storage_key(st) for s in rec.slots if (st := s.weak()) is not None]
+                slots[a].writes = writes(st)
+        src = [k for k in keys if k is not None]
         new_bytes = 0
         made = []
-        for j, t in enumerate(outs):
-            try:
-                st = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                rec.out_sids.append(None)
-                continue
-            key = storage_key(st)
-            if key in in_keys or key not in self.in_iteration or key in self.chain:
-                rec.out_sids.append(None)
-                continue
-            sid = f"{rec.op_index}:{j}"
-            setattr(st, _NAME_ATTR, (self.engine.epoch, sid))
-            rec.out_sids.append(sid)
+        epoch = self.engine.epoch
+        for j, st, key in fresh:
+            if key in chain or key in self.sid:
+                continue  # a second output in the same storage
+            sid = f"{op}:{j}"
+            setattr(st, _NAME_ATTR, (epoch, sid))
+            rec.out_sids[j] = sid
             new_bytes += st.nbytes()
             made.append(key)
             self.sid[key] = sid
             self.last_access[key] = self.clock
             if replayable:
-                self.chain[key] = [rec]
+                chain[key] = [rec]
                 self.cost_s[key] = dt
                 self.wcount[key] = writes(st)
-        self.new_out[rec.op_index] = new_bytes
-        for a in rec.written:  # R1: an in-place write extends the written storage's chain
-            st = rec.slots[a].weak()
-            if st is None:
-                continue
-            key = storage_key(st)
-            ch = self.chain.get(key)
-            if ch is None:
-                continue
+        self.new_out[op] = new_bytes
+        for a in extended:  # R1: an in-place write extends the written storage's chain
+            key = keys[a]
+            ch = chain[key]
             if replayable and len(ch) < MAX_CHAIN and ch[-1] is not rec:
                 ch.append(rec)
                 self.cost_s[key] += dt
-                self.wcount[key] = writes(st)
+                self.wcount[key] = slots[a].writes
                 made.append(key)
             elif ch[-1] is not rec:
-                del self.chain[key]  # a write that cannot be replayed: swap only from now on
-        if made:
-            self.engine.records[rec.op_index] = rec
-            for key in made:
-                ps = self.parents.setdefault(key, set())
-                for k in src:
-                    if k != key:
-                        ps.add(k)
-                        self.children.setdefault(k, set()).add(key)
+                del chain[key]  # a write that cannot be replayed: swap only from now on
+        parents, children = self.parents, self.children
+        for key in made:
+            ps = parents.get(key)
+            if ps is None:
+                ps = parents[key] = set()
+            for k in src:
+                if k != key:
+                    ps.add(k)
+                    cs = children.get(k)
+                    if cs is None:
+                        children[k] = {key}
+                    else:
+                        cs.add(key)
 
     # ---- what a drop would take -----------------------------------------------------------------
     def replay_plan(self, key: int):
@@ -380,15 +424,41 @@ class DynamicGuard(BudgetGuard):
         self.writing: set[int] = set()  # storages the op being prepared writes
         self.replay_op_s = 0.0  # measured cost of a replay beyond its ops' own times, per op
         self._replaying: list[Entry] = []  # the entries being replayed, outermost first
+        self._rng = random.Random(0)  # candidate sampling; never the script's random streams
+        self.recording = remat != "swap"  # Note [Recording only while replay pays]
+        self.iteration = -1
+        self.drops = 0  # drops in this iteration
         self.n_entries = 0
+
+    def new_iteration(self) -> None:
+        """A dropped storage can outlive its iteration (dropped while the step end made room for
+        the storages it restores, or one that ``stays_out``): its replay keeps its own records
+        (``extra["recs"]``), and its sources stay registered for copy-on-write (R3), which the
+        executor forgets at each iteration start."""
+        super().new_iteration()
+        # Note [Recording only while replay pays]
+        self.iteration += 1
+        self.recording = self.remat == "recompute" or (
+            self.remat == "auto"
+            and (self.iteration < 2 or self.drops > 0 or self.iteration % PROBE_EVERY == 0)
+        )
+        self.drops = 0
+        ex = self.ex
+        for e in ex.entries.values():
+            if e.reason is Reason.DYNAMIC and not e.swap and e.state is Residency.OUT:
+                for st in e.extra.get("pins", ()):
+                    ex.dependents.setdefault(storage_key(st), set()).add(e.sid)
 
     # ---- per op -----------------------------------------------------------------------------------
     def before_op(self, func, args, kwargs, name: str, flat: list, keys: list):
         tr = self.tracker
         tr.touch(keys)
-        info = op_info(func)
-        written = tuple(written_inputs(info, args, kwargs, flat))
         ex = self.ex
+        if self.recording or ex.dependents:
+            info = op_info(func)
+            written = tuple(written_inputs(info, args, kwargs, flat))
+        else:
+            info, written = None, ()
         if ex.entries:
             self.writing = {keys[a] for a in written if keys[a] is not None}
             deps = []
@@ -405,14 +475,17 @@ class DynamicGuard(BudgetGuard):
         out_bytes += self.memory.scratch(name, flat, out_bytes)
         self.enforce(set(keys), out_bytes + ex.coming_back(keys))
         self.writing = set()
-        pending = tr.prepare(func, args, kwargs, flat, written, info.seeded)
+        if not self.recording:
+            return pkey, None, 0.0
+        pending = tr.prepare(func, args, kwargs, flat, keys, written, info.seeded)
         return pkey, pending, time.perf_counter()
 
     def after_op(self, outs: list, in_keys: set, token) -> None:
         pkey, pending, t0 = token
         dt = time.perf_counter() - t0
         self.tracker.track_outputs(outs, in_keys, pkey)
-        self.tracker.recorded(pending, dt, outs, in_keys)
+        if pending is not None:
+            self.tracker.recorded(pending, dt, outs, in_keys)
         self.enforce(in_keys | {k for k, _ in storages(outs)})
 
     def stays_out(self, e: Entry) -> bool:
@@ -462,9 +535,16 @@ class DynamicGuard(BudgetGuard):
         cands = []
         dev = self.device_type
         swap_s_per_byte = 1.0 / self.bw_out + 1.0 / self.bw_in
-        for key, (ref, n) in tr.lru.items():
-            if n == 0 or key in protect or key not in tr.in_iteration or key in ex.entries:
-                continue
+        lru, entries = tr.lru, ex.entries
+        keys = [
+            k
+            for k in tr.in_iteration
+            if k not in protect and k not in entries and lru.get(k, _GONE)[1] > 0
+        ]
+        if len(keys) > SAMPLE:  # DTR's approximation: rank a random sample, not all
+            keys = self._rng.sample(keys, max(SAMPLE, math.isqrt(len(keys))))
+        for key in keys:
+            ref, n = lru[key]
             st = ref()
             if st is None or st.nbytes() == 0 or not st.resizable() or st.device.type != dev:
                 continue
@@ -482,10 +562,10 @@ class DynamicGuard(BudgetGuard):
                 else:
                     cost = c_drop
             stale = max(1, tr.clock - tr.last_access.get(key, 0))
-            cands.append((cost / (n * stale), key, st, n, drop, c_swap))
-        cands.sort(key=lambda c: c[0])
+            cands.append((cost / (n * stale), -stale, key, st, n, drop, c_swap))
+        cands.sort(key=lambda c: (c[0], c[1]))  # equal h: the least recently used first
         got = 0
-        for _, key, st, n, drop, c_swap in cands:
+        for _, _, key, st, n, drop, c_swap in cands:
             if got >= need:
                 break
             if st.nbytes() == 0 or key in ex.entries:
@@ -576,6 +656,7 @@ class DynamicGuard(BudgetGuard):
         tr.evicted(key)
         ex.stats.passive_evictions += 1
         ex.stats.dynamic_drops += 1
+        self.drops += 1
 
     def _swap(self, key: int, st, n: int) -> None:
         ex = self.ex
@@ -654,6 +735,8 @@ class DynamicGuard(BudgetGuard):
         if any(k in ex.entries for k in pinned):  # paths other than bring_back (step end):
             self.bring_back(pinned)  # ancestors first
         tr = self.tracker
+        for r in e.extra.get("recs", ()):  # those of an earlier iteration too (new_iteration)
+            tr.engine.records[r.op_index] = r
         tr.engine.stats = ex.stats
         tr.engine.ensure_resident = ex.ensure_resident
         t0 = time.perf_counter()

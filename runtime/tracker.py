@@ -547,8 +547,8 @@ class Executor:
     def _restore(self, e: Entry, planned: bool) -> None:
         st = e.storage
         key = storage_key(st) if st is not None else None
-        if e.state is Residency.RESIDENT and key not in self.entries:
-            return
+        if e.state is Residency.RESIDENT and self.entries.get(key) is not e:
+            return  # back already (evicted again since, its storage has another entry: leave it)
         if e.swap:
             if self.swap.restore(e, planned) and e.decision is not None and self.guided:
                 self._late_feedback(e)

@@ -209,6 +209,70 @@ def test_forced_replay_on_the_cnn_at_a_quarter_of_its_peak_is_exact():
     assert sum(s.dynamic_drops for s in complete(rt)) > 0
 
 
+def test_restoring_a_stale_entry_leaves_the_storage_s_new_one_alone():
+    """A storage brought back and evicted again has a new entry; the step end's restore pass
+    works from a list taken before, so it can meet the old entry after the new one was made.
+    Restoring the old entry is a no-op: before, it removed the new entry and left the storage
+    empty and untracked (the transformer at 25% of its peak with ``remat="recompute"``: wrong
+    gradients, caught by ``CAPUCHIN_VERIFY=1``)."""
+    rt = Runtime(budget_bytes=1 << 40, measure_memory=False)
+    with rt:
+        x = torch.randn(64, 64)
+        y = x * 2
+        want = y.clone()
+        g, ex = rt.ex.guard, rt.ex
+        st = y.untyped_storage()
+        key = storage_key(st)
+        g._swap(key, st, st.nbytes())
+        old = ex.entries[key]
+        ex.restore(old)
+        g._swap(key, st, st.nbytes())
+        new = ex.entries[key]
+        ex.restore(old)  # stale
+        assert ex.entries.get(key) is new
+        assert st.nbytes() == 0
+        got = y + 0
+    assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_forced_replay_on_the_transformer_at_a_fifth_of_its_peak_is_exact(monkeypatch):
+    """At 20% the step end's restores make room by evicting again: a stale entry met later in
+    the same pass (above), and storages dropped then outlive the iteration, so their replay in
+    the next one needs their own records and copy-on-write registration
+    (``DynamicGuard.new_iteration``; it raised ``RecomputeError``: op not recorded). Every
+    storage that comes back is checked against a copy (``CAPUCHIN_VERIFY=1``)."""
+    monkeypatch.setenv("CAPUCHIN_VERIFY", "1")
+    rt = Runtime(budget_bytes=peak("transformer") // 5, measure_memory=False, remat="recompute")
+    assert train_mismatches("transformer", rt, STEPS5) == []
+    assert sum(s.dynamic_drops for s in complete(rt)) > 0
+
+
+def test_an_iteration_records_only_after_one_that_dropped(monkeypatch):
+    """Note [Recording only while replay pays]: with ``remat="auto"`` the first two iterations
+    record; a later one records only if the one before dropped a storage (or every
+    PROBE_EVERY-th); recording or not, training is bitwise plain training's."""
+    from capuchin.runtime import dynamic
+
+    calls: dict[int, int] = {}
+    real = dynamic.DynamicTracker.recorded
+
+    def counting(self, pending, dt, outs, in_keys):
+        calls[rt.ex.ix.iteration] = calls.get(rt.ex.ix.iteration, 0) + 1
+        return real(self, pending, dt, outs, in_keys)
+
+    monkeypatch.setattr(dynamic.DynamicTracker, "recorded", counting)
+    monkeypatch.setattr(dynamic, "PROBE_EVERY", 4)
+    rt = Runtime(budget_bytes=peak("cnn") // 2, measure_memory=False)
+    assert train_mismatches("cnn", rt, ("--steps", "6")) == []
+    its = {s.iteration: s for s in rt.report.iterations}
+    assert calls.get(0) and calls.get(1)
+    for i in range(2, 6):
+        expect = its[i - 1].dynamic_drops > 0 or i % 4 == 0
+        assert bool(calls.get(i)) == expect, (i, calls, [its[j].dynamic_drops for j in its])
+    assert not all(calls.get(i) for i in range(2, 6)), "the CNN drops nothing: some skip"
+
+
 # ---- a third-party model ---------------------------------------------------------------------
 
 

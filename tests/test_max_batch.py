@@ -185,3 +185,39 @@ def test_max_batch_doubles_the_unmanaged_batch(script, ref_batch, tmp_path):
     assert plain.state.keys() == r.verified_state.keys()
     bad = [k for k in plain.state if not torch.equal(plain.state[k], r.verified_state[k])]
     assert not bad, bad[:5]
+
+
+@pytest.mark.slow
+def test_runtime_modes_with_no_plan_are_searched_by_real_runs(tmp_path):
+    """Note [Runtime modes]: dynamic mode and LRU passive mode as comparison modes: each one's
+    largest batch was run under the memory (peak within 1.05x), the next batch up was not, and
+    dynamic mode's training at its largest batch is bitwise plain training's."""
+    path = TRACES / "cnn.py"
+    memory = _peak(path, ["--batch", "8"], tmp_path, "ref") // 2
+    r = capuchin.max_batch(
+        path,
+        [],
+        memory=memory,
+        arg="--batch",
+        compare=("dynamic", "lru"),
+        steps=3,
+        min_value=4,
+        max_value=64,
+        verify=False,
+        log=None,
+    )
+    for mode in ("dynamic", "lru"):
+        v = r.max_by_policy[mode]
+        assert v > r.unmanaged_max, r.summary()
+        assert r.runs[mode]["value"] == v
+        assert r.runs[mode]["peak_bytes"] <= 1.05 * memory, r.summary()
+        if v < 64:  # the search stopped because the next value up did not fit
+            up = run_steps(path, ["--batch", str(v + 1)], 3, mode=mode, budget_bytes=memory)
+            assert up.peak_bytes > 1.05 * memory, (mode, v, up.peak_bytes, memory)
+    v = r.max_by_policy["dynamic"]
+    args = ["--batch", str(v)]
+    got = run_steps(path, args, 3, mode="dynamic", budget_bytes=memory, keep_state=True)
+    plain = run_steps(path, args, 3, plan=None, keep_state=True)
+    assert plain.state.keys() == got.state.keys()
+    assert not [k for k in plain.state if not torch.equal(plain.state[k], got.state[k])]
+    assert "dynamic" in r.summary() and "lru" in r.summary()
