@@ -57,26 +57,27 @@ class RuntimeCosts:
 # hot/guarded/slow: the per-op lines of benchmarks/runtime.py (hot: passthrough mode minus no mode,
 # 5.35 - 1.99 µs; slow: its "runtime slow path" line, a plan's action op, minus the hot path,
 # 8.54 - 5.51 µs; guarded: the argument check, 1.1 µs at load 10, scaled by the 3x the other
-# figures fell from there); swap_action_ns: its "swap cycle" 64 KiB line (25 µs per direction,
-# the copy included: swap-outs up to 1 MiB copy on the calling thread, Note [Inline copies on
-# CPU] in runtime/backend.py); copy_ns_per_byte: its 2-8 MiB lines (0.045-0.075 ns per byte).
-# Measured 2026-11-23 20:49 UTC (commit 6e8fac5) at load average 1.5 on the 2-core host (not below 1: to be
-# rerun on a quiet host). replay_op_ns has no line of its own: it is the figure the slow-path
-# line gave when it measured passive mode (40 µs), an upper bound of a replayed op's
-# bookkeeping until measured.
+# figures fell from there), measured 2026-11-23 20:49 UTC (commit 6e8fac5) at load average 1.5
+# on the 2-core host (not below 1: to be rerun on a quiet host). swap_action_ns: the "implied
+# swap cost per direction" line of the same benchmark (what the capuchin rows leave unexplained,
+# per swap): 85-95 µs on cnn and transformer at load 1.7-2.4 (2026-11-23 21:03 UTC, commit
+# 175aeab); the 64 KiB "swap cycle" line alone (25 µs per direction since swap-outs up to 1 MiB
+# copy on the calling thread, Note [Inline copies on CPU] in runtime/backend.py) misses the
+# copy thread's wake-up and interpreter-lock handoff while compute runs. copy_ns_per_byte: the
+# 2-8 MiB swap-cycle lines (0.045-0.075 ns per byte). replay_op_ns has no line of its own: it
+# is the figure the slow-path line gave when it measured passive mode (40 µs), an upper bound
+# of a replayed op's bookkeeping until measured.
 CPU = RuntimeCosts(
     hot_op_ns=3_400,
     guarded_op_ns=400,
     slow_op_ns=3_000,
-    swap_action_ns=25_000,
+    swap_action_ns=90_000,
     replay_op_ns=40_000,
     copies_share_compute=True,
     copy_ns_per_byte=0.06,
 )
-# not measured (no GPU here): the per-op costs are those of CPU (the same Python); a swap's
-# host-side cost (events, streams, record_stream) is unmeasured and kept at the CPU copy-thread
-# figure of before (90 µs); the copies run on the copy engines, which the simulator's channels
-# model.
+# not measured (no GPU here): the host-side costs are those of CPU; the copies run on the copy
+# engines, which the simulator's channels model.
 CUDA = RuntimeCosts(
     hot_op_ns=3_400,
     guarded_op_ns=400,
