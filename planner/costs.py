@@ -45,8 +45,8 @@ adds ``runtime_cost_ns`` to the simulated iteration for the plan's predicted tim
 # Sources: ``python benchmarks/runtime.py`` prints the per-op figures (its "per-op cost" lines:
 # a 16-float ``aten.add`` without a mode, through a passthrough mode, on the runtime's hot path and
 # on its slow path; a swap cycle through the CPU backend) and the table whose "measured /
-# predicted" column checks this model; the figures below are from its run recorded in
-# docs/runtime.md (CPU, 1 intra-op thread, a quiet 2-core host: load average below 1). Under
+# predicted" column checks this model; the figures below are from its runs recorded in
+# docs/runtime.md (CPU, 1 intra-op thread, a 2-core host; each constant says its load). Under
 # load the host-side costs grow with it (about 3x at load 10), and so do the op times a trace
 # records: trace and run on a quiet machine.
 """
@@ -77,16 +77,23 @@ class RuntimeCosts:
     #                                measured bandwidth (fresh pages after a resize, thread handoff)
 
 
-# hot/guarded/slow: the per-op lines of benchmarks/runtime.py (5.3 - 2.0 µs passthrough minus no
-# mode, +0.04 µs hot path, +39.6 µs slow path, rounded; guarded: the argument check, 1.1 µs at
-# load 10, scaled by the 3x the other figures fell from there);
-# swap_action_ns and copy_ns_per_byte: its "swap cycle" lines (a swap-out and swap-in through the
-# CPU backend: 64 KiB cost 89 µs per direction, 2-8 MiB 0.05-0.07 ns per byte); replay_op_ns: the
-# slow path's cost again (a replay re-enters the same bookkeeping).
+# hot/guarded/slow: the per-op lines of benchmarks/runtime.py (hot: passthrough mode minus no mode,
+# 5.35 - 1.99 µs; slow: its "runtime slow path" line, a plan's action op, minus the hot path,
+# 8.54 - 5.51 µs; guarded: the argument check, 1.1 µs at load 10, scaled by the 3x the other
+# figures fell from there), measured 2026-11-23 20:49 UTC (commit 6e8fac5) at load average 1.5
+# on the 2-core host (not below 1: to be rerun on a quiet host). swap_action_ns: the "implied
+# swap cost per direction" line of the same benchmark (what the capuchin rows leave unexplained,
+# per swap): 85-95 µs on cnn and transformer at load 1.7-2.4 (2026-11-23 21:03 UTC, commit
+# 175aeab); the 64 KiB "swap cycle" line alone (25 µs per direction since swap-outs up to 1 MiB
+# copy on the calling thread, Note [Inline copies on CPU] in runtime/backend.py) misses the
+# copy thread's wake-up and interpreter-lock handoff while compute runs. copy_ns_per_byte: the
+# 2-8 MiB swap-cycle lines (0.045-0.075 ns per byte). replay_op_ns has no line of its own: it
+# is the figure the slow-path line gave when it measured passive mode (40 µs), an upper bound
+# of a replayed op's bookkeeping until measured.
 CPU = RuntimeCosts(
     hot_op_ns=3_400,
     guarded_op_ns=400,
-    slow_op_ns=40_000,
+    slow_op_ns=3_000,
     swap_action_ns=90_000,
     replay_op_ns=40_000,
     copies_share_compute=True,
@@ -97,7 +104,7 @@ CPU = RuntimeCosts(
 CUDA = RuntimeCosts(
     hot_op_ns=3_400,
     guarded_op_ns=400,
-    slow_op_ns=40_000,
+    slow_op_ns=3_000,
     swap_action_ns=90_000,
     replay_op_ns=40_000,
     copies_share_compute=False,

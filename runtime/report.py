@@ -56,6 +56,9 @@ class IterationStats:
     trigger_moves_refused: int = 0  # ... not moved: the plan's curve leaves no room in the budget
     complete: bool = True  # ended by an optimizer step (or capuchin.step())
     kind: str | None = None  # the plan's kind of iteration it ran under (Note [Iteration kinds])
+    # unexpected ops skipped, the plan followed on after them (Note [Resync after an unexpected
+    # op] in tracker.py)
+    resynced_ops: int = 0
     # the most that passive mode's resident bytes (plus the next op's allocation) stayed over the
     # budget with nothing left it may evict (Note [Passive budget on CPU] in passive.py); 0 when
     # the budget was kept

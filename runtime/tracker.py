@@ -56,6 +56,28 @@
 # a trace usually part at their first ops (an evaluation pass before the training step), so
 # little of the new kind's plan is lost. Each iteration's kind is in the report (``kind``).
 
+# Note: [Resync after an unexpected op]
+# A script may run an op the plan does not know where the traced iteration had none: a data
+# loader's ``randperm`` when an epoch starts, a logging op, a framework's epoch-boundary op.
+# Such an op (its name is not the plan's op here, and no other kind's plan takes it) is
+# *skipped*, not a divergence, when both hold: fewer than ``RESYNC_MAX_OPS`` ops were skipped in
+# this iteration, and the new output bytes of the skipped ops (predicted on meta tensors before
+# it runs, counted after) fit the plan's headroom, the budget less the plan's simulated peak
+# (``Plan.op_peak_bytes``, plus what moved in-triggers added): the plan's curve then stays
+# within the budget with them resident. A skipped op takes no op index of the plan (the next op
+# is matched against the same planned op), carries out no planned action, and runs on the slow
+# path like any other (evicted inputs come back first, in-place writes are counted). The next
+# ``RESYNC_LOOKAHEAD`` ops then take the slow path and must match the plan by name *and*
+# shapes: a shape mismatch there is a divergence at once, a name mismatch is one more unexpected
+# op under the same limits. So an inserted op or a short run of them resynchronizes; a
+# different op sequence or other shapes still diverges, at most ``RESYNC_MAX_OPS`` ops later
+# and reported at the plan's op index where it started; passive mode then counts what the
+# skipped ops left allocated with what the iteration left before (``BudgetGuard.discover``: on
+# the GPT-2 Trainer's epoch boundary, 8 ops skipped before a real divergence left the measured
+# peak at 0.998x the budget, 1.012x without counting them). Skipped ops are counted in the
+# report (``resynced_ops``, also when the iteration diverged after them). Iteration 0 builds
+# the model and skips nothing.
+
 # Note: [End of run]
 # Only a step ends an iteration, so the ops a script runs after its last step (a final evaluation,
 # saving, printing a metric) form an incomplete last iteration that usually matches no plan. That
@@ -82,6 +104,10 @@ from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_in
 from ..tracer.schema import IdKind, TensorId, id_kind, shape_signature
 from .backend import byte_view
 from .state import Entry, Reason, Residency, bump_writes, resize, storage_key
+
+# Note [Resync after an unexpected op]
+RESYNC_LOOKAHEAD = 4  # ops after a skipped one that must match the plan by name and shapes
+RESYNC_MAX_OPS = 8  # unexpected ops skipped per iteration; the next one is a divergence
 
 _EMPTY: list = []
 _NONE: dict = {}
@@ -181,6 +207,10 @@ class Executor:
         self._moved_by_kind: dict[str, list[int]] = {}  # the same for the plan's other kinds
         self.guided = False
         self.watching = False  # Note [Watched iterations]
+        # Note [Resync after an unexpected op]: ops skipped in this iteration, the bytes they
+        # left allocated, and how many of the next ops must still match by name and shapes
+        self.skipped = self.skipped_bytes = self.resync_left = 0
+        self.skipped_outs: list[weakref.ref] = []  # their new outputs, counted at a divergence
         self.last_diverged = False
         self.warned = False
         self.warning: str | None = None  # Note [End of run]: printed when a step ends the iteration
@@ -210,6 +240,8 @@ class Executor:
             self.table = self.kind_tables[0]
             stats.kind = self.table.kind
         self.guided = self.table is not None
+        self.skipped = self.skipped_bytes = self.resync_left = 0  # Note [Resync after ...]
+        self.skipped_outs.clear()
         # Note [Watched iterations]
         self.watching = self.guided and self.last_diverged and self.rt.passive_enabled
         self._count_pending()
@@ -335,7 +367,7 @@ class Executor:
     # ---- fast path switch -------------------------------------------------------------------------
     def _update_fast(self) -> None:
         mode = self.mode
-        if not self.guided or self.guard.active or self.watching:
+        if not self.guided or self.guard.active or self.watching or self.resync_left:
             mode.fast, mode.evicted = _EMPTY, _NONE
         elif not self.entries and not self.swap.pending_out and not self.recompute.records:
             mode.fast, mode.evicted = self.table.fast, _NONE
@@ -356,22 +388,29 @@ class Executor:
         self.op_time[k] = time.perf_counter()
         flat = flatten_tensors(args, kwargs)
         acts = None
+        extra = False  # Note [Resync after an unexpected op]
         if self.guided:
             tbl = self.table
             if k >= tbl.n_ops or (func is not tbl.expected[k] and not tbl.late_match(k, func)):
                 if self._switch_kind(k, func, flat):
                     tbl = self.table
                     acts = tbl.ops.get(k)
+                elif self._may_skip(func, args, kwargs):
+                    extra = True
+                    ix.op_index = k - 1  # it takes no op index of the plan
                 else:
                     self._diverge(k, info.name, "op", flat)
             else:
                 acts = tbl.ops.get(k)
-                if (acts is not None or self.watching) and not tbl.shapes_match(k, flat):
+                check = acts is not None or self.watching or self.resync_left
+                if check and not tbl.shapes_match(k, flat):
                     if self._switch_kind(k, func, flat):
                         acts = self.table.ops.get(k)
                     else:
                         self._diverge(k, info.name, "shapes", flat)
                         acts = None
+                elif self.resync_left:
+                    self.resync_left -= 1
         if not self.guided and self._tail is not None:  # Note [Wrap-around storages ...]
             refs = []
             for t in flat:
@@ -443,8 +482,52 @@ class Executor:
                 guard.after_op(flatten_outputs(out), in_keys, token)
             elif watch:
                 guard.watch(flatten_outputs(out), in_keys, token)
+        if extra:
+            self._skipped(k, info.name, flat, out)
         self._update_fast()
         return out
+
+    # ---- resync after an unexpected op (Note [Resync after an unexpected op]) -------------------
+    def _may_skip(self, func, args, kwargs) -> bool:
+        """An op the plan does not expect here may be skipped: in a checked iteration, fewer than
+        ``RESYNC_MAX_OPS`` skipped in it, and its predicted new outputs fit the plan's headroom."""
+        if self.skipped >= RESYNC_MAX_OPS or self.ix.iteration < self.rt.first_checked_iteration:
+            return False  # iteration 0 builds the model: it follows no plan (Note [Watched ...])
+        _key, n = self.backend.memory.predict(func, args, kwargs)
+        return self.skipped_bytes + n <= self._headroom()
+
+    def _skipped(self, k: int, name: str, flat: list, out) -> None:
+        """An unexpected op ran without taking op index ``k`` of the plan: count what it left
+        allocated against the headroom (a divergence if over) and check the next ops."""
+        in_keys = set(_keys(flat))
+        seen = set()
+        for o in flatten_outputs(out):
+            try:
+                st = o.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            key = storage_key(st)
+            if key not in in_keys and key not in seen:
+                seen.add(key)
+                self.skipped_bytes += st.nbytes()
+                self.skipped_outs.append(weakref.ref(o))
+        if self.skipped_bytes > self._headroom():  # more than its meta prediction
+            self.ix.op_index = k
+            self._diverge(k, name, "op", flat)
+            return
+        self.skipped += 1
+        self.stats.resynced_ops += 1
+        self.resync_left = RESYNC_LOOKAHEAD
+
+    def _headroom(self) -> int:
+        """Bytes the plan's simulated curve (plus what moved in-triggers added) leaves under the
+        budget at its highest op; 0 without a curve."""
+        peak = self.table.op_peak_bytes
+        budget = self.rt.budget_bytes
+        if not peak or budget is None:
+            return 0
+        moved = self._moved()
+        return budget - max(p + (moved[i] if i < len(moved) else 0) for i, p in enumerate(peak))
 
     def _run(self, func, args, kwargs):
         for _ in range(64):
@@ -694,9 +777,13 @@ class Executor:
             if e is None or e.state is not Residency.OUT:
                 self._done_with(tbl.decisions[sid])
         if self.rt.passive_enabled and not self.guard.active:
-            if not self.watching and k > 0:
-                self.guard.discover(flat)  # CPU only: on CUDA the allocator counts everything
+            # what skipped ops left (Note [Resync after an unexpected op]) is counted too: a
+            # failed resync leaves passive mode no more than a plain divergence would
+            extra = [t for t in (r() for r in self.skipped_outs) if t is not None]
+            if not self.watching and (k > 0 or extra):
+                self.guard.discover([*flat, *extra])  # CPU only: the CUDA allocator counts all
             self.guard.start()
+        self.skipped_outs.clear()
 
     def coming_back(self, keys: list) -> int:
         """Bytes the on-demand restore of this op's evicted inputs will allocate."""

@@ -1,0 +1,73 @@
+"""Resync after an unexpected op (Note [Resync after an unexpected op] in runtime/tracker.py): a
+small op the traced iteration did not run (an epoch's ``randperm``, a logging op) is skipped and
+the plan followed on; a large one, or other shapes, is still a divergence. Every run trains
+bitwise like plain training."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+from capuchin.planner.api import make_plan
+from capuchin.runtime.engine import Runtime
+from capuchin.runtime.testing import run_example, state_mismatches
+from capuchin.tracer.script import trace_script
+
+SCRIPT = Path(__file__).resolve().parent / "frameworks" / "extra_ops.py"
+STEPS = 7  # the extra op runs in iterations 2 and 5
+
+
+@cache
+def _plan(tmp: Path):
+    # one traced iteration (1): it runs no extra op
+    trace = trace_script(
+        SCRIPT, ["--steps", "3"], output=tmp / "t.parquet", iterations=1, log=lambda m: None
+    )
+    plan = make_plan(trace, "50%", policy="capuchin")
+    assert plan.decisions, "the plan evicts something"
+    return plan
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    return _plan(tmp_path_factory.mktemp("resync"))
+
+
+def _run(plan, *argv):
+    args = ["--steps", str(STEPS), *argv]
+    rt = Runtime(plan, measure_memory=True)
+    got = run_example(SCRIPT, args, rt)
+    assert state_mismatches(run_example(SCRIPT, args), got) == []
+    its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+    assert len(its) == STEPS - 1
+    return its
+
+
+@pytest.mark.parametrize("where", ["start", "middle"])
+def test_a_small_extra_op_is_skipped_and_the_plan_followed_on(plan, where, capsys):
+    its = _run(plan, "--where", where)
+    assert "diverge" not in capsys.readouterr().err
+    assert not any(s.diverged for s in its), [(s.iteration, s.diverged_at) for s in its]
+    assert [s.resynced_ops for s in its] == [0, 1, 0, 0, 1, 0], [s.resynced_ops for s in its]
+    evictions = {s.evictions for s in its}
+    assert len(evictions) == 1 and evictions.pop() > 0, "every planned eviction, every iteration"
+    for s in its:
+        assert s.peak_bytes <= plan.budget_bytes, (s.iteration, s.peak_bytes, plan.budget_bytes)
+
+
+@pytest.mark.parametrize("where", ["start", "middle"])
+def test_a_large_extra_op_is_still_a_divergence(plan, where):
+    its = _run(plan, "--where", where, "--big")
+    assert [s.iteration for s in its if s.diverged] == [2, 5]
+    assert all(s.resynced_ops == 0 for s in its)
+
+
+def test_other_shapes_after_an_extra_op_are_still_a_divergence(plan):
+    """From iteration 5 on the epoch's permutation is shorter: the op after iteration 5's
+    ``randperm`` (the slice of the permutation, op 0: no planned action, so no other check
+    would see it) matches by name but not by shapes, and the lookahead catches it there."""
+    its = _run(plan, "--short-from", "5")
+    assert [s.iteration for s in its if s.diverged] == [5, 6]
+    assert its[1].resynced_ops == 1 and not its[1].diverged, "iteration 2 resynced"
+    assert its[4].diverged_at == 0
