@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from capuchin.planner.api import make_plan
 from capuchin.runtime.engine import Runtime
-from capuchin.runtime.testing import run_example, state_mismatches
+from capuchin.testing.training import run_example, state_mismatches
 from capuchin.tracer.script import trace_script
 
 SCRIPT = Path(__file__).resolve().parent / "frameworks" / "extra_ops.py"
