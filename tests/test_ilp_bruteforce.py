@@ -184,14 +184,14 @@ def test_ilp_optimum_with_wrap_around_swaps_equals_brute_force(seed, fraction):
     without = brute_force(problem, budget, wraps=False)
     assert expected is not None and (without is None or without > expected)
     ds = ilp.ilp_policy(problem, budget, max_stages=10**6, warm_start=False, time_limit_s=30)
-    res = ds.result
+    res = ds.solve
     assert res.status == "OPTIMAL", res
     assert res.best_ns == expected
-    assert any(d.wraps for d in ds)
-    plan, sim = build_plan(problem, ds, policy="ilp", budget_bytes=budget)
+    assert any(d.wraps for d in ds.decisions)
+    plan, sim = build_plan(problem, ds.decisions, policy="ilp", budget_bytes=budget)
     assert plan.predictions.feasible and sim.time_ns - problem.time_ns == expected
     # with its warm start the ILP is never worse than the capuchin policy
     warm = ilp.ilp_policy(problem, budget, max_stages=10**6, time_limit_s=30)
     theirs = make_plan(problem, budget, "capuchin")
     p = theirs.predictions
-    assert warm.result.best_ns <= p.predicted_time_ns - p.runtime_cost_ns - problem.time_ns
+    assert warm.solve.best_ns <= p.predicted_time_ns - p.runtime_cost_ns - problem.time_ns

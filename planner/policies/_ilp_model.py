@@ -105,7 +105,7 @@ class Candidate(AccessGap):
     out_ns: int
     in_ns: int
     trigger: int | None = None  # a fixed in-trigger (the warm start's); None: ``trigger_op``'s rule
-    wraps: bool = False  # the wrap-around gap (Note [Wrap-around gaps in the model])
+    # ``wraps`` (AccessGap): the wrap-around gap (Note [Wrap-around gaps in the model])
 
 
 def window(stages: Stages, c: Candidate) -> list[int]:
