@@ -332,7 +332,7 @@ def test_dtr_plans_on_the_unet_log_are_valid_plans(converted):
     problem = Problem.from_trace(trace)
     for frac in (0.4, 0.6):
         budget = int(problem.peak_bytes * frac)
-        ds = complete_decisions(problem, get_policy("dtr")(problem, budget))
+        ds = complete_decisions(problem, get_policy("dtr")(problem, budget).decisions)
         assert any(d.keep for d in ds), frac  # collective recomputation is exercised
         sim = simulate(problem, ds)  # raised PlanError at 40% before the fix
         assert sim.time_ns >= problem.time_ns
