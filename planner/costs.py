@@ -64,9 +64,9 @@ class RuntimeCosts:
 # 175aeab); the 64 KiB "swap cycle" line alone (25 µs per direction since swap-outs up to 1 MiB
 # copy on the calling thread, Note [Inline copies on CPU] in runtime/backend.py) misses the
 # copy thread's wake-up and interpreter-lock handoff while compute runs. copy_ns_per_byte: the
-# 2-8 MiB swap-cycle lines (0.045-0.075 ns per byte). replay_op_ns has no line of its own: it
-# is the figure the slow-path line gave when it measured passive mode (40 µs), an upper bound
-# of a replayed op's bookkeeping until measured.
+# 2-8 MiB swap-cycle lines (0.045-0.075 ns per byte). replay_op_ns has no line of its own:
+# 40 µs, about passive mode's per-op line (every op inspected, its outputs tracked), taken as an
+# upper bound of a replayed op's bookkeeping until measured.
 CPU = RuntimeCosts(
     hot_op_ns=3_400,
     guarded_op_ns=400,
