@@ -80,16 +80,18 @@ class RuntimeCosts:
 # hot/guarded/slow: the per-op lines of benchmarks/runtime.py (hot: passthrough mode minus no mode,
 # 5.35 - 1.99 µs; slow: its "runtime slow path" line, a plan's action op, minus the hot path,
 # 8.54 - 5.51 µs; guarded: the argument check, 1.1 µs at load 10, scaled by the 3x the other
-# figures fell from there), measured 2026-11-23 20:49 UTC (commit 6e8fac5) at load average 1.5
-# on the 2-core host (not below 1: to be rerun on a quiet host). swap_action_ns: the "implied
-# swap cost per direction" line of the same benchmark (what the capuchin rows leave unexplained,
-# per swap): 85-95 µs on cnn and transformer at load 1.7-2.4 (2026-11-23 21:03 UTC, commit
-# 175aeab); the 64 KiB "swap cycle" line alone (25 µs per direction since swap-outs up to 1 MiB
-# copy on the calling thread, Note [Inline copies on CPU] in runtime/backend.py) misses the
-# copy thread's wake-up and interpreter-lock handoff while compute runs. copy_ns_per_byte: the
-# 2-8 MiB swap-cycle lines (0.045-0.075 ns per byte). replay_op_ns has no line of its own: it
-# is the figure the slow-path line gave when it measured passive mode (40 µs), an upper bound
-# of a replayed op's bookkeeping until measured.
+# figures fell from there), measured 2026-11-23 20:49-20:56 UTC (commit 6e8fac5, best of 3
+# rounds at load average 1.5-3.5 on the 2-core host; docs/runtime.md, Measured): to be rerun on
+# a quiet host. swap_action_ns: the same benchmark's "implied swap cost per direction" line
+# (what the capuchin rows leave unexplained, per swap and direction): 85-95 µs on cnn and
+# transformer at load 1.7-2.4 (2026-11-23 21:03 UTC, commit 175aeab), 89-163 µs on the four
+# examples at load 4.5-4.9 (21:12 UTC, commit ed5cbaa). The 64 KiB "swap cycle" line alone
+# (25 µs per direction since swap-outs up to 1 MiB copy on the calling thread, Note [Inline
+# copies on CPU] in runtime/backend.py) misses the copy thread's wake-up and interpreter-lock
+# handoff while compute runs. copy_ns_per_byte: the 2-8 MiB swap-cycle lines (0.045-0.075 ns
+# per byte). replay_op_ns has no line of its own: 40 µs, about passive mode's per-op line
+# (every op inspected, its outputs tracked), taken as an upper bound of a replayed op's
+# bookkeeping until measured.
 CPU = RuntimeCosts(
     hot_op_ns=3_400,
     guarded_op_ns=400,
