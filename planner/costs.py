@@ -36,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .plan import Decision, Method
 from .problem import Problem
 
@@ -95,7 +97,7 @@ def runtime_cost_ns(
     c = costs if costs is not None else costs_for(problem.device)
     n = problem.n_ops
     action = set()
-    in_window = [False] * n
+    edges = [0] * (n + 1)  # +1 where a decision's window opens, -1 after it closes
     swaps = 0
     replays = 0
     copy_ns = 0.0
@@ -113,8 +115,11 @@ def runtime_cost_ns(
             action.update(d.replay_ops)
             replays += len(d.replay_ops)
         lo, hi = (d.evict_op, d.back_op) if d.evict_op <= d.back_op else (0, n - 1)
-        for k in range(max(0, lo), min(n, hi + 1)):
-            in_window[k] = True
+        lo, hi = max(0, lo), min(n, hi + 1)
+        if lo < hi:
+            edges[lo] += 1
+            edges[hi] -= 1
+    in_window = (np.cumsum(edges[:n]) > 0).tolist()  # linear in ops + decisions
     guarded = slow = 0
     for k, op in enumerate(problem.ops):
         if k in action or (in_window[k] and op.writes):
