@@ -178,3 +178,11 @@ def test_swapped_source_is_restored_on_demand():
     out = {o.storage_id: o for o in r.outcomes}
     assert out["B"].stall_ns == 100 and out["B"].recompute_ns == 100
     assert out["A"].stall_ns == 0  # already back when its own back-access comes
+
+
+def test_unchecked_access_while_out_raises_at_that_op():
+    # evicted after f1 but f2 (op 1, no decision acts there) reads A: the simulator's own
+    # check finds it even when the static checks are skipped (Note [Only the ops of decisions])
+    p = chain()
+    with pytest.raises(PlanError, match=r"op 1 \(f2\) accesses storage A"):
+        simulate(p, [Decision("A", Method.SWAP, 100, 0, 6, trigger_op=5)], check=False)
