@@ -104,6 +104,7 @@ def test_resnet32_hybrid_not_worse_than_variants(resnet32, frac):
     assert fits
 
 
+@pytest.mark.slow
 def test_recompute_first_beats_both_variants_on_resnet32(resnet32):
     # search Note [Recompute first]: from the recompute-only plan, the replays a swap makes cheaper are
     # switched; at 60% that mixed plan is faster than recomputing alone (+8.6% before) and than

@@ -127,7 +127,10 @@ def test_zero_size_tensors(policy):
         assert not {d.storage_id for d in plan.decisions} & zero
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(
+    "policy",  # the ILP's solves take seconds each: in the full run only
+    [pytest.param(p, marks=pytest.mark.slow) if p == "ilp" else p for p in POLICIES],
+)
 @pytest.mark.parametrize("make", [cnn_problem, transformer_problem], ids=["cnn", "transformer"])
 def test_plans_pass_the_simulator_and_keep_their_word(policy, make):
     problem = make()
