@@ -19,7 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-DTR_ZIP = Path("/work/shared/data/dtr-logs.zip")
+from capuchin.tracer.dtr_import import dtr_logs_path
+
+DTR_ZIP = dtr_logs_path()  # ../shared/data/dtr-logs.zip, or $CAPUCHIN_DTR_LOGS
 
 
 def main(argv=None) -> int:

@@ -25,8 +25,10 @@ import time
 import zipfile
 from pathlib import Path
 
+from capuchin.tracer.dtr_import import dtr_logs_path
+
 ROOT = Path(__file__).resolve().parent.parent
-DTR_ZIP = Path("/work/shared/data/dtr-logs.zip")
+DTR_ZIP = dtr_logs_path()  # ../shared/data/dtr-logs.zip, or $CAPUCHIN_DTR_LOGS
 COLS = [
     "trace",
     "ops",

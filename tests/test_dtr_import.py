@@ -1,6 +1,6 @@
 """Importing DTR logs: every log converts, and the trace's memory matches an independent replay.
 
-The replay below is written from the format description (/work/shared/data/README.md), not from
+The replay below is written from the format description (../shared/data/README.md), not from
 the converter: names are references, COPY adds one, COPY_FROM moves one, views keep their base's
 storage alive, a storage is free when no reference to it or to a view of it is left, constants
 exist from the iteration start.
