@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -111,15 +111,21 @@ class SimResult:
     op_peak_bytes: np.ndarray = field(repr=False)
     op_start_ns: np.ndarray = field(repr=False)
     op_end_ns: np.ndarray = field(repr=False)
-    _memory: dict = field(repr=False)  # column arrays; DataFrames are built on first use
-    _spans: list = field(repr=False)
+    _memory: dict | None = field(repr=False)  # column arrays; DataFrames are built on first use
+    _spans: list | None = field(repr=False)
     _carry: dict = field(default_factory=dict, repr=False)  # Note [Steady state across iterations]
+    # the fast pass (simfast.py) leaves _memory and _spans to the reference pass, run on first use
+    _reference: Callable[[], SimResult] | None = field(default=None, repr=False)
+
+    @cached_property
+    def _full(self) -> SimResult:
+        return self if self._memory is not None else self._reference()
 
     @cached_property
     def memory(self) -> pd.DataFrame:
         """One row per memory event: time_ns, live_bytes, op_index, delta_bytes, what,
         storage_id (what: "op" marks an op's start, then "alloc"/"free")."""
-        m = dict(self._memory)
+        m = dict(self._full._memory)
         csid, asid, order, kind = m.pop("_lazy")  # the object columns, built on first use
         m["what"] = np.array(["free", "alloc", "op"], dtype=object)[kind]
         m["storage_id"] = np.concatenate(
@@ -137,7 +143,8 @@ class SimResult:
         """What ran when: stream (compute, d2h, h2d), name, start_ns, end_ns, op_index,
         storage_id."""
         return pd.DataFrame(
-            self._spans, columns=["stream", "name", "start_ns", "end_ns", "op_index", "storage_id"]
+            self._full._spans,
+            columns=["stream", "name", "start_ns", "end_ns", "op_index", "storage_id"],
         )
 
     @property
@@ -296,28 +303,66 @@ def simulate(
     # last one): results are remembered per problem, the most recent first, as many as
     # _MEMO_EVENTS op-slots allow (a result's arrays grow with the number of ops)
     key = (tuple(decisions), bw_out, bw_in, check)
-    memo = _MEMO.get(problem)
+    # kept on the problem itself: a result of the fast pass refers to its problem (for the
+    # reference pass it runs on first use of .memory/.spans), so a weak-keyed memo would keep
+    # every problem alive; as an attribute the two form a cycle the garbage collector frees
+    memo = problem.__dict__.get("_simulation_memo")
     if memo is None:
-        memo = _MEMO[problem] = OrderedDict()
+        memo = OrderedDict()
+        object.__setattr__(problem, "_simulation_memo", memo)
     res = memo.get(key)
     if res is not None:
         memo.move_to_end(key)
         return res
     if check:
         check_decisions(problem, decisions)
-    res = _simulate(problem, decisions, bw_out, bw_in)
-    prev: dict = {}
-    for _ in range(3):  # Note [Steady state across iterations]
-        if all(v == (0, 0) for v in res._carry.values()) and not any(prev.values()):
-            break  # nothing carried over: the first pass was the steady state already
-        prev = res._carry
-        res = _simulate(problem, decisions, bw_out, bw_in, prev)
-        if res._carry == prev:
-            break
+    # Note [The fast pass] (simfast.py): the same result, visiting only the ops of decisions
+    res = _steady(problem, decisions, bw_out, bw_in, _fast_pass if check and FAST else _simulate)
     memo[key] = res
     while len(memo) > max(2, _MEMO_EVENTS // max(1, problem.n_ops)):
         memo.popitem(last=False)
     return res
+
+
+def _steady(problem, decisions, bw_out, bw_in, one_pass) -> SimResult:
+    """Passes of ``one_pass`` until the carry settles (Note [Steady state across iterations])."""
+    res = one_pass(problem, decisions, bw_out, bw_in)
+    prev: dict = {}
+    for _ in range(3):
+        if all(v == (0, 0) for v in res._carry.values()) and not any(prev.values()):
+            break  # nothing carried over: the first pass was the steady state already
+        prev = res._carry
+        res = one_pass(problem, decisions, bw_out, bw_in, prev)
+        if res._carry == prev:
+            break
+    return res
+
+
+FAST = True  # Note [The fast pass]; False: every plan takes the reference pass (tests)
+
+
+def _fast_pass(problem, decisions, bw_out, bw_in, carry=None) -> SimResult:
+    from .simfast import fast_pass
+
+    try:
+        return fast_pass(problem, decisions, bw_out, bw_in, carry)
+    except PlanError:  # the reference pass raises the error, worded
+        return _simulate(problem, decisions, bw_out, bw_in, carry)
+
+
+def simulate_reference(
+    problem: Problem,
+    decisions: Sequence[Decision],
+    *,
+    bandwidth_d2h_bytes_per_s: float | None = None,
+    bandwidth_h2d_bytes_per_s: float | None = None,
+) -> SimResult:
+    """``simulate`` by the reference pass alone, nothing remembered (for tests of the fast
+    pass, Note [The fast pass])."""
+    bw_out = float(bandwidth_d2h_bytes_per_s or problem.bandwidth_d2h_bytes_per_s)
+    bw_in = float(bandwidth_h2d_bytes_per_s or problem.bandwidth_h2d_bytes_per_s)
+    check_decisions(problem, decisions)
+    return _steady(problem, decisions, bw_out, bw_in, _simulate)
 
 
 def simulate_plan(plan: Plan, trace=None) -> SimResult:
@@ -351,7 +396,6 @@ def simulate_plan(plan: Plan, trace=None) -> SimResult:
     return simulate(problem, plan.decisions)
 
 
-_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MEMO_EVENTS = 200_000
 
 
