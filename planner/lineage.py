@@ -37,15 +37,21 @@ class EvictionWindows:
 
     def __init__(self, decisions: Sequence[Decision]):
         self._iv: dict[str, list[tuple[int, int, Method]]] = {}
+        iv = self._iv
         for d in decisions:
             if d.wraps:  # out after evict_op to the end, and from the start to back_op
-                self._iv.setdefault(d.storage_id, []).extend(
+                iv.setdefault(d.storage_id, []).extend(
                     [(-1, d.back_op, d.method), (d.evict_op, 1 << 62, d.method)]
                 )
                 continue
-            self._iv.setdefault(d.storage_id, []).append((d.evict_op, d.back_op, d.method))
-        for v in self._iv.values():
-            v.sort()
+            v = iv.get(d.storage_id)
+            if v is None:
+                iv[d.storage_id] = [(d.evict_op, d.back_op, d.method)]
+            else:
+                v.append((d.evict_op, d.back_op, d.method))
+        for v in iv.values():
+            if len(v) > 1:
+                v.sort()
         self._back_from: dict[str, int] = {}  # dropped storage -> op it was regenerated at
 
     def out_at(self, sid: str, op: int) -> Method | None:
@@ -72,14 +78,34 @@ class EvictionWindows:
 def chain_ops(problem: Problem, sid: str, upto: int) -> list[int] | None:
     """The producer of ``sid`` and its in-place writers with index <= ``upto``; None when the
     storage has no producer in the iteration (it cannot be recomputed)."""
+    chain = _chain(problem, sid, upto)
+    return None if chain is None else list(chain)
+
+
+def _chain(problem: Problem, sid: str, upto: int) -> tuple[int, ...] | None:
+    """``chain_ops`` as a tuple, remembered per problem (lineage walks ask for the same chains
+    over and over)."""
+    memo = _CHAINS.get(problem)
+    if memo is None:
+        memo = _CHAINS[problem] = {}
+    key = (sid, upto)
+    got = memo.get(key, _UNSEEN)
+    if got is not _UNSEEN:
+        return got
     s = problem.storages[sid]
     if s.alloc_op is None or s.alloc_op > upto:
-        return None
-    w = s.writers
-    chain = [s.alloc_op, *(x for x in w[: bisect_right(w, upto)] if x > s.alloc_op)]
-    if any(is_collective(problem.ops[k].name) for k in chain):
-        return None  # never replayed (Note [Collectives] in problem.py)
+        chain = None
+    else:
+        w = s.writers
+        chain = (s.alloc_op, *(x for x in w[: bisect_right(w, upto)] if x > s.alloc_op))
+        if any(is_collective(problem.ops[k].name) for k in chain):
+            chain = None  # never replayed (Note [Collectives] in problem.py)
+    memo[key] = chain
     return chain
+
+
+_CHAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_UNSEEN = object()
 
 
 def replay_for(
@@ -104,13 +130,24 @@ def replay_for(
         memo = _REPLAY_MEMO[problem] = {}
     key = (sid, evict_op, back_op, max_ops, regen, res is None)
     entries = memo.setdefault(key, [])
-    for seen, result in entries:
-        if all(res.out_at(x, back_op) == v for x, v in seen):
+    for never, seen, result in entries:
+        # ``never``: the storages whose out_at was None; when no decision evicts any of them
+        # (one set test) they still are, and only the others need out_at
+        if (
+            not never
+            or res._iv.keys().isdisjoint(never)
+            or all(res.out_at(x, back_op) is None for x in never)
+        ) and all(res.out_at(x, back_op) == v for x, v in seen):
             return None if result is None else (list(result[0]), list(result[1]))
     seen: list[tuple[str, Method | None]] = []
     result = _replay_walk(problem, sid, evict_op, back_op, residency, resident, max_ops, seen)
     entries.insert(
-        0, (tuple(seen), None if result is None else (tuple(result[0]), tuple(result[1])))
+        0,
+        (
+            frozenset(x for x, v in seen if v is None),
+            tuple((x, v) for x, v in seen if v is not None),
+            None if result is None else (tuple(result[0]), tuple(result[1])),
+        ),
     )
     del entries[_MEMO_VARIANTS:]
     return result
@@ -140,7 +177,7 @@ def _replay_walk(
 ) -> tuple[list[int], list[str]] | None:
     st = problem.storages
     ops = problem.ops
-    first = chain_ops(problem, sid, evict_op)
+    first = _chain(problem, sid, evict_op)
     if first is None:
         return None
     replay: set[int] = set(first)
@@ -152,7 +189,7 @@ def _replay_walk(
         for x in ops[j].inputs:
             if x in regen:
                 if j - 1 > regen[x] and x != sid:
-                    more = chain_ops(problem, x, j - 1) or []
+                    more = _chain(problem, x, j - 1) or ()
                     new = [o for o in more if o not in replay]
                     replay.update(new)
                     todo.extend(new)
@@ -180,7 +217,7 @@ def _replay_walk(
             if ok:
                 sources[x] = None
                 continue
-            more = chain_ops(problem, x, j - 1)
+            more = _chain(problem, x, j - 1)
             if more is None:
                 return None
             regen[x] = j - 1
@@ -249,18 +286,63 @@ def keepable(
 ) -> list[str]:
     """Storages dropped by other recompute decisions that ``replay_ops`` regenerate whole (every
     in-place write up to their own evicted-access included): collective recomputation."""
-    rs = set(replay_ops)
+    rs = None
     out = []
-    for j in replay_ops:
-        for x in problem.ops[j].allocs:
-            if x == d.storage_id or res.out_at(x, d.back_op) != Method.RECOMPUTE:
-                continue
-            for e, b, m in res._iv.get(x, ()):
-                if m == Method.RECOMPUTE and e < d.back_op <= b:
-                    chain = chain_ops(problem, x, e)
-                    if chain and all(o in rs for o in chain):
-                        out.append(x)
+    iv = res._iv
+    for x in _allocs_of(problem, replay_ops):
+        # (a storage no decision evicts is never out: skip out_at's call)
+        if x not in iv or x == d.storage_id or res.out_at(x, d.back_op) != Method.RECOMPUTE:
+            continue
+        for e, b, m in iv[x]:
+            if m == Method.RECOMPUTE and e < d.back_op <= b:
+                chain = _chain(problem, x, e)
+                if rs is None:
+                    rs = set(replay_ops)
+                if chain and rs.issuperset(chain):
+                    out.append(x)
     return out
+
+
+def _allocs_of(problem: Problem, replay_ops: Sequence[int]) -> tuple[str, ...]:
+    """The storages the ops allocate, in op order (remembered per problem and op list)."""
+    memo = _ALLOCS.get(problem)
+    if memo is None:
+        memo = _ALLOCS[problem] = {}
+    key = tuple(replay_ops)
+    got = memo.get(key)
+    if got is None:
+        ops = problem.ops
+        got = memo[key] = tuple(x for j in key for x in ops[j].allocs)
+    return got
+
+
+_ALLOCS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fit_keeps(
+    problem: Problem, d: Decision, xs: list[str], res: EvictionWindows, room: np.ndarray
+) -> list[str]:
+    """The storages of ``xs``, in order, whose bytes fit ``room`` from ``d``'s back-access to
+    their own (``room[b:xb].min() >= size``; each kept one lowers ``room`` there). Every range
+    starts at ``b = d.back_op``, so its minimum is a prefix minimum, made again after a keep."""
+    b = d.back_op
+    items = []
+    for x in xs:
+        xb = next(bb for e, bb, m in res._iv[x] if e < b <= bb)
+        items.append((x, min(xb, len(room)), problem.storages[x].size_bytes))
+    keep = []
+    pm = None
+    end = max((hi for _, hi, _ in items), default=b)
+    for x, hi, size in items:
+        if hi > b:  # an empty range always fits
+            if pm is None:
+                pm = np.minimum.accumulate(room[b:end])
+            if pm[hi - b - 1] < size:
+                continue
+            room[b:hi] -= size
+            pm = None
+        keep.append(x)
+    return keep
 
 
 class _RegenResident:
@@ -336,12 +418,7 @@ def finish_decisions(
                 ops, srcs = r
                 keep = []
                 if collective:
-                    for x in keepable(problem, d, ops, res):
-                        xb = next(b for e, b, m in res._iv[x] if e < d.back_op <= b)
-                        size = problem.storages[x].size_bytes
-                        if room[d.back_op : xb].min(initial=size) >= size:
-                            room[d.back_op : xb] -= size
-                            keep.append(x)
+                    keep = _fit_keeps(problem, d, keepable(problem, d, ops, res), res, room)
                 d = Decision(
                     d.storage_id,
                     Method.RECOMPUTE,

@@ -71,6 +71,19 @@ class _Ops:
         self.kind = np.array(kind, dtype=np.int8)
         self.time_ns = problem.time_ns
         self.peak_bytes = problem.peak_bytes
+        self._sizes = {sid: s.size_bytes for sid, s in st.items()}
+        self._copies: dict[tuple[float, float], tuple[dict, dict]] = {}
+
+    def copy_ns(self, bw_out: float, bw_in: float) -> tuple[dict, dict]:
+        """Per storage, its swap-out and swap-in copy times at these bandwidths (ns, rounded
+        as the reference pass rounds them)."""
+        got = self._copies.get((bw_out, bw_in))
+        if got is None:
+            got = self._copies[(bw_out, bw_in)] = (
+                {sid: int(round(b / bw_out * 1e9)) for sid, b in self._sizes.items()},
+                {sid: int(round(b / bw_in * 1e9)) for sid, b in self._sizes.items()},
+            )
+        return got
 
 
 _OPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -178,15 +191,7 @@ def fast_pass(
     E: dict[int, int] = {}  # visited op -> time added after it ends (swap-out calls)
     shift = 0
     t = 0
-    out_ns = {}  # size -> swap-out copy time
-    in_ns = {}
-
-    def copy_ns(cache, size, bw):
-        v = cache.get(size)
-        if v is None:
-            v = cache[size] = int(round(size / bw * 1e9))
-        return v
-
+    out_ns, in_ns = P.copy_ns(bw_out, bw_in)  # storage -> copy time
     visit = sorted({*evict_at, *back_at, *trig_at})
     for k in visit:
         t = t0 = start_l[k] + (cA[k] if cA is not None else 0) + shift
@@ -198,14 +203,14 @@ def fast_pass(
                 if swap_ns:
                     t += swap_ns
                 begin = max(t, h2d_free, out_end.get(sid, 0))
-                end = begin + copy_ns(in_ns, d.size_bytes, bw_in)
+                end = begin + in_ns[sid]
                 h2d_free = end
                 at.append(begin), ad.append(d.size_bytes), ak.append(_ALLOC)
                 in_end[sid] = end
                 state[sid] = "swapping_in"
                 inf = info[i]
                 if inf is None:
-                    inf = info[i] = {}
+                    inf = info[i] = dict(_TIMES)
                 inf["in_start_ns"], inf["in_end_ns"] = begin, end
         for i in back_at.get(k, ()):
             d = decisions[i]
@@ -229,7 +234,7 @@ def fast_pass(
                     if swap_ns:
                         t += swap_ns
                     begin = max(t, h2d_free, out_end.get(x, 0))
-                    end = begin + copy_ns(in_ns, st[x].size_bytes, bw_in)
+                    end = begin + in_ns[x]
                     h2d_free = end
                     at.append(begin), ad.append(st[x].size_bytes), ak.append(_ALLOC)
                     in_end[x] = end
@@ -237,7 +242,7 @@ def fast_pass(
                     j = active[x]
                     inf = info[j]
                     if inf is None:
-                        inf = info[j] = {}
+                        inf = info[j] = dict(_TIMES)
                     inf["in_start_ns"], inf["in_end_ns"] = begin, end
                 if state.get(x) == "swapping_in":
                     wait = in_end[x] - t
@@ -248,7 +253,7 @@ def fast_pass(
                     j = active[x]
                     inf = info[j]
                     if inf is None:
-                        inf = info[j] = {}
+                        inf = info[j] = dict(_TIMES)
                     inf["back_ns"] = t
             if d.method != Method.SWAP and state.get(sid) != "in":
                 t1 = t
@@ -279,7 +284,7 @@ def fast_pass(
                 recomp[i] = t - t1
                 inf = info[i]
                 if inf is None:
-                    inf = info[i] = {}
+                    inf = info[i] = dict(_TIMES)
                 inf["back_ns"] = t
             state[sid] = "in"
             del active[sid]
@@ -296,19 +301,19 @@ def fast_pass(
                 if swap_ns:
                     t += swap_ns
                 begin = max(t, d2h_free)
-                end = begin + copy_ns(out_ns, d.size_bytes, bw_out)
+                end = begin + out_ns[sid]
                 d2h_free = end
                 out_end[sid] = end
                 at.append(end), ad.append(-d.size_bytes), ak.append(_FREE)
                 inf = info[i]
                 if inf is None:
-                    inf = info[i] = {}
+                    inf = info[i] = dict(_TIMES)
                 inf["out_start_ns"], inf["out_end_ns"], inf["freed_ns"] = begin, end, end
             else:
                 dk.append(5 * k + 4), dt.append(t), dd.append(-d.size_bytes), dkind.append(_FREE)
                 inf = info[i]
                 if inf is None:
-                    inf = info[i] = {}
+                    inf = info[i] = dict(_TIMES)
                 inf["freed_ns"] = t
         if t != t_end:
             E[k] = t - t_end
@@ -366,16 +371,22 @@ def fast_pass(
     else:
         peak, peak_t, peak_op = problem.resident_bytes, 0, -1
 
-    new = object.__new__
+    # DecisionOutcome(...) field by field, without its frozen __init__'s setattr calls
+    new, setattr_ = object.__new__, object.__setattr__
     outcomes = []
     for i, d in enumerate(decisions):
         o = new(DecisionOutcome)
-        v = dict(_OUTCOME_DEFAULTS)
-        v["storage_id"], v["method"] = d.storage_id, d.method
-        v["stall_ns"], v["recompute_ns"] = stall[i], recomp[i]
-        if info[i] is not None:
-            v.update(info[i])
-        o.__dict__.update(v)
+        setattr_(
+            o,
+            "__dict__",
+            {
+                "storage_id": d.storage_id,
+                "method": d.method,
+                "stall_ns": stall[i],
+                "recompute_ns": recomp[i],
+                **(info[i] or _TIMES),
+            },
+        )
         outcomes.append(o)
 
     ref_args = (problem, tuple(decisions), bw_out, bw_in, carry or None)
@@ -397,17 +408,8 @@ def fast_pass(
     )
 
 
-_OUTCOME_DEFAULTS = dict(
-    storage_id="",
-    method=Method.SWAP,
-    stall_ns=0,
-    recompute_ns=0,
-    out_start_ns=-1,
-    out_end_ns=-1,
-    in_start_ns=-1,
-    in_end_ns=-1,
-    freed_ns=-1,
-    back_ns=-1,
+_TIMES = dict(  # DecisionOutcome's times, in field order, as when they did not happen
+    out_start_ns=-1, out_end_ns=-1, in_start_ns=-1, in_end_ns=-1, freed_ns=-1, back_ns=-1
 )
 
 

@@ -1,0 +1,114 @@
+"""Lineage's shortcuts against their straightforward definitions, on every call the capuchin
+policy's search makes: the replay memo (Note [Replay memo]) against a fresh walk, ``keepable``
+and the collective keeps that fit (``_fit_keeps``) against plain loops over the replay's ops and
+the room per op."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from capuchin.planner import lineage, msps, search
+from capuchin.planner.plan import Method
+from capuchin.planner.problem import Problem
+from capuchin.planner.registry import get_policy
+from capuchin.tracer.reader import load_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def keepable_plain(problem, d, replay_ops, res):
+    rs = set(replay_ops)
+    out = []
+    for j in replay_ops:
+        for x in problem.ops[j].allocs:
+            if x == d.storage_id or res.out_at(x, d.back_op) != Method.RECOMPUTE:
+                continue
+            for e, b, m in res._iv.get(x, ()):
+                if m == Method.RECOMPUTE and e < d.back_op <= b:
+                    chain = lineage.chain_ops(problem, x, e)
+                    if chain and all(o in rs for o in chain):
+                        out.append(x)
+    return out
+
+
+def fit_keeps_plain(problem, d, xs, res, room):
+    keep = []
+    for x in xs:
+        xb = next(b for e, b, m in res._iv[x] if e < d.back_op <= b)
+        size = problem.storages[x].size_bytes
+        if room[d.back_op : xb].min(initial=size) >= size:
+            room[d.back_op : xb] -= size
+            keep.append(x)
+    return keep
+
+
+class Counted:
+    def __init__(self):
+        self.keepable = self.kept = self.fits = self.replays = self.hits = 0
+
+
+def _checked(monkeypatch) -> Counted:
+    c = Counted()
+    keepable, fit_keeps, replay_for = lineage.keepable, lineage._fit_keeps, lineage.replay_for
+
+    def k(problem, d, replay_ops, res):
+        got = keepable(problem, d, replay_ops, res)
+        assert got == keepable_plain(problem, d, replay_ops, res)
+        c.keepable += 1
+        c.kept += len(got)
+        return got
+
+    def f(problem, d, xs, res, room):
+        want_room = room.copy()
+        want = fit_keeps_plain(problem, d, xs, res, want_room)
+        got = fit_keeps(problem, d, xs, res, room)
+        assert got == want and np.array_equal(room, want_room)
+        c.fits += len(xs) > len(got) > 0  # some kept, some not: the room decided
+        return got
+
+    def r(
+        problem,
+        sid,
+        evict_op,
+        back_op,
+        residency=None,
+        resident=None,
+        max_ops=lineage.MAX_REPLAY_OPS,
+    ):
+        memo = lineage._REPLAY_MEMO.get(problem, {})
+        before = sum(len(v) for v in memo.values())
+        got = replay_for(problem, sid, evict_op, back_op, residency, resident, max_ops)
+        memo = lineage._REPLAY_MEMO.get(problem, {})
+        c.hits += sum(len(v) for v in memo.values()) == before  # nothing walked: the memo's
+        want = lineage._replay_walk(
+            problem, sid, evict_op, back_op, residency, resident, max_ops, []
+        )
+        assert got == (None if want is None else (list(want[0]), list(want[1])))
+        c.replays += 1
+        return got
+
+    monkeypatch.setattr(lineage, "keepable", k)
+    monkeypatch.setattr(lineage, "_fit_keeps", f)
+    for mod in (lineage, search, msps):
+        monkeypatch.setattr(mod, "replay_for", r)
+    return c
+
+
+@pytest.mark.slow
+def test_lineage_shortcuts_equal_their_definitions_on_a_search(monkeypatch):
+    c = _checked(monkeypatch)
+    problem = Problem.from_trace(load_trace(ROOT / "traces" / "transformer.trace.parquet"))
+    for f in (0.6, 0.45):
+        get_policy("capuchin")(problem, int(problem.peak_bytes * f))
+    assert c.keepable > 100 and c.kept > 10 and c.replays > 1000 and c.hits > 500
+    assert c.fits > 0
+
+
+def test_lineage_shortcuts_equal_their_definitions_on_a_small_search(monkeypatch):
+    c = _checked(monkeypatch)
+    problem = Problem.from_trace(load_trace(ROOT / "traces" / "cnn.trace.parquet"))
+    get_policy("capuchin")(problem, int(problem.peak_bytes * 0.5))
+    assert c.keepable > 1000 and c.kept > 1000 and c.fits > 100
+    assert c.replays > 1000 and c.hits > 1000
