@@ -14,6 +14,7 @@ Times are on the baseline compute stream (Note [Baseline timeline] in problem.py
 
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
@@ -83,6 +84,17 @@ class Channel:
         return t
 
 
+def _op_times(problem: Problem) -> tuple[list[int], list[int]]:
+    """The problem's baseline op start and end times as lists, once per problem."""
+    got = _OP_TIMES.get(problem)
+    if got is None:
+        got = _OP_TIMES[problem] = (problem.start_ns.tolist(), problem.end_ns.tolist())
+    return got
+
+
+_OP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @dataclass(frozen=True)
 class SwapEstimate:
     """A swap of one storage over one access pair, as a policy foresees it (ns)."""
@@ -104,6 +116,11 @@ class SwapTimer:
         self.p = problem
         self.start = problem.start_ns
         self.end = problem.end_ns
+        # the same as Python lists: ``estimate`` looks up one op at a time (bisect on the
+        # sorted lists gives np.searchsorted's answer)
+        self._start, self._end = _op_times(problem)
+        self._out_ns: dict[int, int] = {}
+        self._in_ns: dict[int, int] = {}
         self.d2h = Channel()
         self.h2d = Channel()
         self.set_peak(in_peak)
@@ -118,12 +135,21 @@ class SwapTimer:
         nxt = np.where(~np.asarray(in_peak, dtype=bool), np.arange(n), n)
         self.next_ok = np.minimum.accumulate(nxt[::-1])[::-1] if n else nxt  # first >= k
         self.next_ok = np.append(self.next_ok, n)  # so that next_ok[n] exists
+        self._prev_ok = self.prev_ok.tolist()
+        self._last_peak = self.last_peak.tolist()
+        self._next_ok = self.next_ok.tolist()
 
     def out_time(self, size: int) -> int:
-        return int(round(size / self.p.bandwidth_d2h_bytes_per_s * 1e9))
+        t = self._out_ns.get(size)
+        if t is None:
+            t = self._out_ns[size] = int(round(size / self.p.bandwidth_d2h_bytes_per_s * 1e9))
+        return t
 
     def in_time(self, size: int) -> int:
-        return int(round(size / self.p.bandwidth_h2d_bytes_per_s * 1e9))
+        t = self._in_ns.get(size)
+        if t is None:
+            t = self._in_ns[size] = int(round(size / self.p.bandwidth_h2d_bytes_per_s * 1e9))
+        return t
 
     def free_time(self, size: int, a: int, b: int) -> int:
         """FT (paper Eq. 1) of evicting after op ``a`` and needing it at op ``b``, ideal case."""
@@ -138,21 +164,22 @@ class SwapTimer:
         """
         t_out = self.out_time(size)
         t_in = self.in_time(size)
-        out_start = self.d2h.first_fit(int(self.end[a]), t_out)
+        start, next_ok = self._start, self._next_ok
+        out_start = self.d2h.first_fit(self._end[a], t_out)
         out_end = out_start + t_out
-        back = int(self.start[b])
+        back = start[b]
         options = []
         slot = self.h2d.latest_fit(out_end, back, t_in)
         if slot is not None:  # walk back from the back-access, skipping the peak window
-            k = min(int(np.searchsorted(self.start, slot, side="right")) - 1, b - 1)
-            k = int(self.prev_ok[k]) if k >= 0 else -1
+            k = min(bisect_right(start, slot) - 1, b - 1)
+            k = self._prev_ok[k] if k >= 0 else -1
             if k > a:
                 options.append(k)
-        lp = int(self.last_peak[b - 1])  # move later: after the last peak op in the gap
-        k = int(self.next_ok[lp + 1]) if lp > a else int(self.next_ok[a + 1])
+        lp = self._last_peak[b - 1]  # move later: after the last peak op in the gap
+        k = next_ok[lp + 1] if lp > a else next_ok[a + 1]
         options.append(k if k < b else None)
-        k = max(a + 1, int(np.searchsorted(self.start, out_end, side="left")))  # earliest
-        k = int(self.next_ok[k]) if k < len(self.next_ok) else b
+        k = max(a + 1, bisect_left(start, out_end))  # earliest
+        k = next_ok[k] if k < len(next_ok) else b
         options.append(k if k < b else None)
         best = None
         for k in dict.fromkeys(options):
@@ -166,18 +193,19 @@ class SwapTimer:
     def _at(
         self, k: int | None, a: int, b: int, out_start: int, out_end: int, t_in: int
     ) -> SwapEstimate:
-        issue = int(self.start[k]) if k is not None else int(self.start[b])
+        start = self._start
+        issue = start[k] if k is not None else start[b]
         in_start = self.h2d.first_fit(max(issue, out_end), t_in)
         in_end = in_start + t_in
-        lo = int(np.searchsorted(self.start, out_end, side="left"))
-        hi = int(np.searchsorted(self.end, in_start, side="right")) - 1
+        lo = bisect_left(start, out_end)
+        hi = bisect_right(self._end, in_start) - 1
         return SwapEstimate(
             k,
             out_start,
             out_end,
             in_start,
             in_end,
-            max(0, in_end - int(self.start[b])),
+            max(0, in_end - start[b]),
             max(lo, a + 1),
             min(hi, b - 1),
         )
