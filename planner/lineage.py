@@ -286,20 +286,33 @@ def keepable(
 ) -> list[str]:
     """Storages dropped by other recompute decisions that ``replay_ops`` regenerate whole (every
     in-place write up to their own evicted-access included): collective recomputation."""
+    return [x for x, _ in _keepable(problem, d, replay_ops, res)]
+
+
+def _keepable(
+    problem: Problem, d: Decision, replay_ops: Sequence[int], res: EvictionWindows
+) -> list[tuple[str, int]]:
+    """``keepable``, each storage with the back-access of its first eviction window holding
+    ``d``'s back-access (where a keep of it ends)."""
     rs = None
     out = []
     iv = res._iv
+    back = d.back_op
     for x in _allocs_of(problem, replay_ops):
         # (a storage no decision evicts is never out: skip out_at's call)
-        if x not in iv or x == d.storage_id or res.out_at(x, d.back_op) != Method.RECOMPUTE:
+        if x not in iv or x == d.storage_id or res.out_at(x, back) != Method.RECOMPUTE:
             continue
+        first = None
         for e, b, m in iv[x]:
-            if m == Method.RECOMPUTE and e < d.back_op <= b:
-                chain = _chain(problem, x, e)
-                if rs is None:
-                    rs = set(replay_ops)
-                if chain and rs.issuperset(chain):
-                    out.append(x)
+            if e < back <= b:
+                if first is None:
+                    first = b
+                if m == Method.RECOMPUTE:
+                    chain = _chain(problem, x, e)
+                    if rs is None:
+                        rs = set(replay_ops)
+                    if chain and rs.issuperset(chain):
+                        out.append((x, first))
     return out
 
 
@@ -319,17 +332,23 @@ def _allocs_of(problem: Problem, replay_ops: Sequence[int]) -> tuple[str, ...]:
 _ALLOCS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _fit_keeps(
-    problem: Problem, d: Decision, xs: list[str], res: EvictionWindows, room: np.ndarray
+def _keeps(
+    problem: Problem, d: Decision, replay_ops: Sequence[int], res: EvictionWindows, room
 ) -> list[str]:
-    """The storages of ``xs``, in order, whose bytes fit ``room`` from ``d``'s back-access to
-    their own (``room[b:xb].min() >= size``; each kept one lowers ``room`` there). Every range
-    starts at ``b = d.back_op``, so its minimum is a prefix minimum, made again after a keep."""
+    """``keepable`` storages of ``d``'s replay that fit ``room`` (lowered for each one kept)."""
+    return _fit_keeps(problem, d, _keepable(problem, d, replay_ops, res), room)
+
+
+def _fit_keeps(
+    problem: Problem, d: Decision, xs: list[tuple[str, int]], room: np.ndarray
+) -> list[str]:
+    """The storages ``x`` of ``xs`` (``(x, xb)``, from ``_keepable``), in order, whose bytes fit
+    ``room`` from ``d``'s back-access to ``xb`` (``room[b:xb].min() >= size``; each kept one
+    lowers ``room`` there). Every range starts at ``b = d.back_op``, so its minimum is a prefix
+    minimum, made again after a keep."""
     b = d.back_op
-    items = []
-    for x in xs:
-        xb = next(bb for e, bb, m in res._iv[x] if e < b <= bb)
-        items.append((x, min(xb, len(room)), problem.storages[x].size_bytes))
+    st = problem.storages
+    items = [(x, min(xb, len(room)), st[x].size_bytes) for x, xb in xs]
     keep = []
     pm = None
     end = max((hi for _, hi, _ in items), default=b)
@@ -418,7 +437,7 @@ def finish_decisions(
                 ops, srcs = r
                 keep = []
                 if collective:
-                    keep = _fit_keeps(problem, d, keepable(problem, d, ops, res), res, room)
+                    keep = _keeps(problem, d, ops, res, room)
                 d = Decision(
                     d.storage_id,
                     Method.RECOMPUTE,

@@ -33,9 +33,9 @@ def keepable_plain(problem, d, replay_ops, res):
     return out
 
 
-def fit_keeps_plain(problem, d, xs, res, room):
+def fit_keeps_plain(problem, d, replay_ops, res, room):
     keep = []
-    for x in xs:
+    for x in keepable_plain(problem, d, replay_ops, res):
         xb = next(b for e, b, m in res._iv[x] if e < d.back_op <= b)
         size = problem.storages[x].size_bytes
         if room[d.back_op : xb].min(initial=size) >= size:
@@ -51,32 +51,22 @@ class Counted:
 
 def _checked(monkeypatch) -> Counted:
     c = Counted()
-    keepable, fit_keeps, replay_for = lineage.keepable, lineage._fit_keeps, lineage.replay_for
+    replay_for = lineage.replay_for
 
-    def k(problem, d, replay_ops, res):
-        got = keepable(problem, d, replay_ops, res)
-        assert got == keepable_plain(problem, d, replay_ops, res)
+    def keeps(problem, d, replay_ops, res, room):
+        xs = lineage.keepable(problem, d, replay_ops, res)
+        assert xs == keepable_plain(problem, d, replay_ops, res)
+        want_room = room.copy()
+        want = fit_keeps_plain(problem, d, replay_ops, res, want_room)
+        got = lineage._fit_keeps(problem, d, lineage._keepable(problem, d, replay_ops, res), room)
+        assert got == want and np.array_equal(room, want_room)
         c.keepable += 1
         c.kept += len(got)
-        return got
-
-    def f(problem, d, xs, res, room):
-        want_room = room.copy()
-        want = fit_keeps_plain(problem, d, xs, res, want_room)
-        got = fit_keeps(problem, d, xs, res, room)
-        assert got == want and np.array_equal(room, want_room)
         c.fits += len(xs) > len(got) > 0  # some kept, some not: the room decided
         return got
 
-    def r(
-        problem,
-        sid,
-        evict_op,
-        back_op,
-        residency=None,
-        resident=None,
-        max_ops=lineage.MAX_REPLAY_OPS,
-    ):
+    def r(problem, sid, evict_op, back_op, residency=None, resident=None, max_ops=None):
+        max_ops = lineage.MAX_REPLAY_OPS if max_ops is None else max_ops
         memo = lineage._REPLAY_MEMO.get(problem, {})
         before = sum(len(v) for v in memo.values())
         got = replay_for(problem, sid, evict_op, back_op, residency, resident, max_ops)
@@ -89,8 +79,7 @@ def _checked(monkeypatch) -> Counted:
         c.replays += 1
         return got
 
-    monkeypatch.setattr(lineage, "keepable", k)
-    monkeypatch.setattr(lineage, "_fit_keeps", f)
+    monkeypatch.setattr(lineage, "_keeps", keeps)
     for mod in (lineage, search, msps):
         monkeypatch.setattr(mod, "replay_for", r)
     return c
