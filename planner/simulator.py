@@ -170,13 +170,19 @@ _FREE, _ALLOC, _MARK = 0, 1, 2
 def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
     """Static invariants of a plan; raises ``PlanError`` on the first broken one."""
     n = problem.n_ops
-    by_storage: dict[str, list[Decision]] = {}
     checked = _CHECKED.get(problem)
     if checked is None:
         checked = _CHECKED[problem] = set()
+    seen = _CHECKED_OBJECTS.get(problem)
+    if seen is None or len(seen) > 50_000:
+        seen = _CHECKED_OBJECTS[problem] = {}
     for d in decisions:
-        by_storage.setdefault(d.storage_id, []).append(d)
-        if d in checked:  # every check below depends on the decision and the problem only
+        # every check below depends on the decision and the problem only; a decision object
+        # checked before is found by identity, without hashing its fields
+        if seen.get(id(d)) is d:
+            continue
+        if d in checked:
+            seen[id(d)] = d
             continue
         s = problem.storages.get(d.storage_id)
         where = f"decision {d.storage_id} ({d.method.value} after op {d.evict_op})"
@@ -211,6 +217,7 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
                     f"{d.evict_op} nor up to op {d.back_op}"
                 )
             checked.add(d)
+            seen[id(d)] = d
             continue
         if not (0 <= d.evict_op < d.back_op < n):
             raise PlanError(
@@ -229,6 +236,12 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
         else:
             _check_replay(problem, d, where)
         checked.add(d)
+        seen[id(d)] = d
+    if len({d.storage_id for d in decisions}) == len(decisions):
+        return
+    by_storage: dict[str, list[Decision]] = {}
+    for d in decisions:
+        by_storage.setdefault(d.storage_id, []).append(d)
     for sid, ds in by_storage.items():
         if len(ds) > 1:  # the plan format and the runtime key decisions by storage
             raise PlanError(
@@ -238,6 +251,7 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
 
 
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decisions that passed
+_CHECKED_OBJECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # id -> such a decision
 
 
 def _check_replay(problem: Problem, d: Decision, where: str) -> None:
