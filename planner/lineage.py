@@ -131,13 +131,13 @@ def replay_for(
     key = (sid, evict_op, back_op, max_ops, regen, res is None)
     entries = memo.setdefault(key, [])
     for never, seen, result in entries:
-        # ``never``: the storages whose out_at was None; when no decision evicts any of them
-        # (one set test) they still are, and only the others need out_at
-        if (
-            not never
-            or res._iv.keys().isdisjoint(never)
-            or all(res.out_at(x, back_op) is None for x in never)
-        ) and all(res.out_at(x, back_op) == v for x, v in seen):
+        # ``never``: the storages whose out_at was None; out_at is None for every storage no
+        # decision evicts, so only those of them that some decision evicts need out_at
+        if never:
+            hit = res._iv.keys() & never
+            if hit and not all(res.out_at(x, back_op) is None for x in hit):
+                continue
+        if all(res.out_at(x, back_op) == v for x, v in seen):
             return None if result is None else (list(result[0]), list(result[1]))
     seen: list[tuple[str, Method | None]] = []
     result = _replay_walk(problem, sid, evict_op, back_op, residency, resident, max_ops, seen)
