@@ -298,6 +298,7 @@ def _keepable(
     out = []
     iv = res._iv
     back = d.back_op
+    chains = _CHAINS.get(problem, {})
     for x in _allocs_of(problem, replay_ops):
         # (a storage no decision evicts is never out: skip out_at's call)
         if x not in iv or x == d.storage_id or res.out_at(x, back) != Method.RECOMPUTE:
@@ -308,7 +309,9 @@ def _keepable(
                 if first is None:
                     first = b
                 if m == Method.RECOMPUTE:
-                    chain = _chain(problem, x, e)
+                    chain = chains.get((x, e), _UNSEEN)
+                    if chain is _UNSEEN:
+                        chain = _chain(problem, x, e)
                     if rs is None:
                         rs = set(replay_ops)
                     if chain and rs.issuperset(chain):
