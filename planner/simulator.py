@@ -4,6 +4,9 @@
 decision and the broken rule) and returns a ``SimResult``: the memory curve, the predicted peak,
 the predicted iteration time and overhead, and per decision its stall or recompute time. It is
 independent of the policy that made the decisions; every policy's output goes through it.
+``_simulate`` below is the reference pass, the definition of the model; ``simulate`` runs the
+fast pass of simfast.py on checked plans, equal to it field by field (simfast.py Note [The fast
+pass]).
 
 # Note: [Simulation model]
 # - One compute stream runs the ops in order, back to back (Note [Baseline timeline]).
