@@ -65,6 +65,21 @@ class EvictionWindows:
                 return m
         return None
 
+    def all_out_at(self, pairs, op: int) -> bool:
+        """Whether ``out_at(x, op) == v`` for every ``(x, v)`` of ``pairs`` (``out_at``'s rule,
+        inlined: the replay memo asks this for every entry it tries)."""
+        iv, back_from = self._iv, self._back_from
+        for x, v in pairs:
+            got = None
+            for e, b, m in iv.get(x, ()):
+                if e < op <= b:
+                    r = back_from.get(x) if back_from else None
+                    got = None if r is not None and e < r <= op else m
+                    break
+            if got != v:
+                return False
+        return True
+
     def regenerated(self, sid: str, op: int) -> None:
         """Record that a replay before op ``op`` brought dropped ``sid`` back (its own
         recomputation, or kept by another's): from then until its back-access it is resident."""
@@ -137,7 +152,7 @@ def replay_for(
             hit = res._iv.keys() & never
             if hit and not all(res.out_at(x, back_op) is None for x in hit):
                 continue
-        if all(res.out_at(x, back_op) == v for x, v in seen):
+        if not seen or res.all_out_at(seen, back_op):
             return None if result is None else (list(result[0]), list(result[1]))
     seen: list[tuple[str, Method | None]] = []
     result = _replay_walk(problem, sid, evict_op, back_op, residency, resident, max_ops, seen)

@@ -101,3 +101,21 @@ def test_lineage_shortcuts_equal_their_definitions_on_a_small_search(monkeypatch
     get_policy("capuchin")(problem, int(problem.peak_bytes * 0.5))
     assert c.keepable > 1000 and c.kept > 1000 and c.fits > 100
     assert c.replays > 1000 and c.hits > 1000
+
+
+def test_replay_memo_equals_a_fresh_walk_when_the_builder_resolves(monkeypatch):
+    # resolve_recompute marks storages regenerated as it goes (EvictionWindows.regenerated),
+    # which out_at and the memo's test must honour; the recompute-only plans, their lineage
+    # stripped, resolved twice (the second time from the memo)
+    from dataclasses import replace
+
+    c = _checked(monkeypatch)
+    for name in ("transformer", "cnn"):
+        problem = Problem.from_trace(load_trace(ROOT / "traces" / f"{name}.trace.parquet"))
+        for f in (0.6, 0.45):
+            ds = get_policy("recompute")(problem, int(problem.peak_bytes * f)).decisions
+            bare = [replace(d, replay_ops=(), sources=(), keep=()) for d in ds]
+            bare.sort(key=lambda d: (d.evict_op, d.storage_id))
+            for _ in range(2):
+                lineage.resolve_recompute(problem, bare)
+    assert c.replays > 50 and c.hits > 20
