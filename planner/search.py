@@ -68,10 +68,21 @@ plan gets faster without its peak rising above the bound it was given.
 # under the simulator, ties to the restricted plan, so the persistent candidates never make a
 # plan worse. When the restricted plan fits at no cost the other is not made: fewer swaps, and
 # the runtime's first planned iteration starts as the plan assumes (docs/persistent-state.md).
+#
+# Note: [Garbage collection while searching]
+# A search allocates millions of short-lived objects (decisions, outcomes, tuples of the
+# simulator and the lineage); each allocation burst triggers the cyclic collector, which walks
+# every tracked object of the generations it collects, the problem's and the memoized results
+# included. Little of it is cyclic garbage: reference counting frees it. The policies that
+# search (``capuchin``, ``swap``, ``recompute``) run with the collector paused
+# (``gc_paused``). Measured cold at 60% (2026-11-24, load 1-2): DTR ResNet-32 6.0 -> 5.3 s of
+# CPU, InceptionV4 28.4 -> 22.1 s, with the same peak resident memory (242 and 370 MiB).
 """
 
 from __future__ import annotations
 
+import functools
+import gc
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -85,6 +96,23 @@ from .plan import Decision, Method
 from .problem import Problem
 from .simulator import SimResult, simulate
 from .swapping import SwapTimer
+
+
+def gc_paused(fn: Callable) -> Callable:
+    """``fn`` with Python's cyclic garbage collector paused while it runs (Note [Garbage
+    collection while searching]); the collector's state is restored afterwards."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+
+    return run
 
 
 class Attempt(NamedTuple):

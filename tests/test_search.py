@@ -158,3 +158,31 @@ def test_capuchin_skips_the_variants_when_its_plan_costs_nothing():
     assert p not in search._CACHE
     made = [k[0] for k in search._CACHE[p.restricted()]]
     assert made == ["grid"]  # the hybrid's grid only: no recompute-only grid, no conversions
+
+
+def test_gc_paused_restores_the_collector_state():
+    import gc
+
+    import pytest
+    from capuchin.planner.search import gc_paused
+
+    seen = []
+
+    @gc_paused
+    def inner(fail=False):
+        seen.append(gc.isenabled())
+        if fail:
+            raise ValueError("x")
+        return 7
+
+    assert gc.isenabled()
+    assert inner() == 7 and seen == [False] and gc.isenabled()
+    with pytest.raises(ValueError):
+        inner(fail=True)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        inner()
+        assert not gc.isenabled()  # a collector paused by the caller stays paused
+    finally:
+        gc.enable()

@@ -51,6 +51,7 @@ from ..search import (
     Attempt,
     Switching,
     best_of,
+    gc_paused,
     recompute_first,
     restricted_first,
     searched,
@@ -61,6 +62,7 @@ from ..swapping import SwapTimer, WrapEstimate, estimate_wrap, reserve_wrap, wra
 
 
 @register("capuchin")
+@gc_paused
 def capuchin(
     problem: Problem,
     budget_bytes: int,
@@ -107,6 +109,7 @@ def capuchin(
 
 
 @register("swap")
+@gc_paused
 def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> PolicyResult:
     """Capuchin restricted to swapping: zero-overhead swaps by free time, then the swaps with the
     smallest exposed wait, until the simulated peak fits; on the target grid."""
@@ -115,6 +118,7 @@ def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> P
 
 
 @register("recompute")
+@gc_paused
 def recompute_only(
     problem: Problem,
     budget_bytes: int,
