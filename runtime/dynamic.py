@@ -50,7 +50,10 @@ room made under the budget, so nothing recurses deeply).
 # iteration was a drop (on the CPU host, the CNN and the MLP: a swap is a memcpy, cheaper than
 # replaying a convolution or a matmul), the records bought nothing. So after the first two
 # iterations (the one that builds the model, and a first step), an iteration records only if the
-# one before it dropped something, and every ``PROBE_EVERY``-th iteration records again to look;
+# one before it dropped and those drops saved more than recording cost (the swaps they replaced,
+# less their replays, against ``RECORD_OP_S`` per op of that iteration: on the CPU host the
+# transformer's few drops per step save well under a millisecond of memcpy and recording costs
+# about 10 ms), and every ``PROBE_EVERY``-th iteration records again to look;
 # an iteration that does not record swaps DTR's victims (the h of a swap-only storage is its
 # staleness: LRU order). ``remat="recompute"`` always records, ``"swap"`` never does (it never
 # replays).
@@ -92,6 +95,7 @@ MAX_CHAIN = 64  # ops in one storage's chain (producer + in-place writes); longe
 SAMPLE = 64
 _GONE = (None, 0)
 PROBE_EVERY = 8  # Note [Recording only while replay pays]
+RECORD_OP_S = 15e-6  # recording's cost per op (10 ms per step of the transformer's 640 ops)
 _NAME_ATTR = "_capuchin_dtr_name"
 _COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 REMAT = ("auto", "recompute", "swap")
@@ -428,6 +432,8 @@ class DynamicGuard(BudgetGuard):
         self.recording = remat != "swap"  # Note [Recording only while replay pays]
         self.iteration = -1
         self.drops = 0  # drops in this iteration
+        self.gain_s = 0.0  # what this iteration's drops saved against swapping, estimated
+        self._clock0 = 0  # the op clock at this iteration's start
         self.n_entries = 0
 
     def new_iteration(self) -> None:
@@ -438,11 +444,13 @@ class DynamicGuard(BudgetGuard):
         super().new_iteration()
         # Note [Recording only while replay pays]
         self.iteration += 1
+        clock = self.tracker.clock
+        paid = self.drops > 0 and self.gain_s > RECORD_OP_S * (clock - self._clock0)
         self.recording = self.remat == "recompute" or (
             self.remat == "auto"
-            and (self.iteration < 2 or self.drops > 0 or self.iteration % PROBE_EVERY == 0)
+            and (self.iteration < 2 or paid or self.iteration % PROBE_EVERY == 0)
         )
-        self.drops = 0
+        self.drops, self.gain_s, self._clock0 = 0, 0.0, clock
         ex = self.ex
         for e in ex.entries.values():
             if e.reason is Reason.DYNAMIC and not e.swap and e.state is Residency.OUT:
@@ -571,13 +579,15 @@ class DynamicGuard(BudgetGuard):
             if st.nbytes() == 0 or key in ex.entries:
                 continue
             plan = self.drop_plan(key) if drop else None
-            if (
-                plan is not None
-                and self.remat == "auto"
-                and plan[2] + tr.neighbourhood_s(key) + self.replay_op_s * len(plan[0]) >= c_swap
-            ):
+            c_drop = (
+                plan[2] + tr.neighbourhood_s(key) + self.replay_op_s * len(plan[0])
+                if plan is not None
+                else 0.0
+            )
+            if plan is not None and self.remat == "auto" and c_drop >= c_swap:
                 plan = None  # the dead sources it regenerates make it dearer than a swap
             if plan is not None:
+                self.gain_s += c_swap - c_drop
                 self._drop(key, st, n, plan)
             else:
                 self._swap(key, st, n)

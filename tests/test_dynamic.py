@@ -263,6 +263,7 @@ def test_an_iteration_records_only_after_one_that_dropped(monkeypatch):
 
     monkeypatch.setattr(dynamic.DynamicTracker, "recorded", counting)
     monkeypatch.setattr(dynamic, "PROBE_EVERY", 4)
+    monkeypatch.setattr(dynamic, "RECORD_OP_S", 0.0)  # any drop pays for recording
     rt = Runtime(budget_bytes=peak("cnn") // 2, measure_memory=False)
     assert train_mismatches("cnn", rt, ("--steps", "6")) == []
     its = {s.iteration: s for s in rt.report.iterations}
@@ -271,6 +272,28 @@ def test_an_iteration_records_only_after_one_that_dropped(monkeypatch):
         expect = its[i - 1].dynamic_drops > 0 or i % 4 == 0
         assert bool(calls.get(i)) == expect, (i, calls, [its[j].dynamic_drops for j in its])
     assert not all(calls.get(i) for i in range(2, 6)), "the CNN drops nothing: some skip"
+
+
+def test_drops_that_save_less_than_recording_costs_stop_the_recording(monkeypatch):
+    """Note [Recording only while replay pays]: the transformer at 80% drops a few storages in
+    its first step, saving less than a millisecond of swapping, against ~10 ms of recording:
+    later iterations record only to probe, and swap; training stays bitwise."""
+    from capuchin.runtime import dynamic
+
+    calls: dict[int, int] = {}
+    real = dynamic.DynamicTracker.recorded
+
+    def counting(self, pending, dt, outs, in_keys):
+        calls[rt.ex.ix.iteration] = calls.get(rt.ex.ix.iteration, 0) + 1
+        return real(self, pending, dt, outs, in_keys)
+
+    monkeypatch.setattr(dynamic.DynamicTracker, "recorded", counting)
+    monkeypatch.setattr(dynamic, "PROBE_EVERY", 4)
+    rt = Runtime(budget_bytes=int(peak("transformer") * 0.8), measure_memory=False)
+    assert train_mismatches("transformer", rt, ("--steps", "6")) == []
+    its = {s.iteration: s for s in rt.report.iterations}
+    assert its[1].dynamic_drops > 0, "the premise: the first step drops"
+    assert [i for i in range(2, 6) if calls.get(i)] == [4], calls  # the probe alone
 
 
 # ---- a third-party model ---------------------------------------------------------------------
