@@ -131,14 +131,19 @@ def replay_for(
     residency: EvictionWindows | None = None,
     resident=None,
     max_ops: int = MAX_REPLAY_OPS,
+    max_ns: int | None = None,
 ) -> tuple[list[int], list[str]] | None:
     """``(replay_ops, sources)`` to regenerate ``sid`` (as of ``evict_op``) before op
     ``back_op``; see Note [Replay chains]. ``resident(x, j)`` may override the source test
-    (the Capuchin policy assumes candidates resident); None when it cannot be recomputed.
-    Memoized per problem (Note [Replay memo])."""
+    (the Capuchin policy assumes candidates resident); None when it cannot be recomputed, and
+    with ``max_ns`` also when its ops take ``max_ns`` or more (Note [Replays with a time
+    bound]). Memoized per problem (Note [Replay memo])."""
     regen = isinstance(resident, _RegenResident)
     if resident is not None and not regen:
-        return _replay_walk(problem, sid, evict_op, back_op, residency, resident, max_ops, None)
+        r = _replay_walk(problem, sid, evict_op, back_op, residency, resident, max_ops, None)
+        if isinstance(r, _Costly) or (r is not None and max_ns is not None and r[2] >= max_ns):
+            return None
+        return None if r is None else (r[0], r[1])
     res = resident.res if regen else residency
     memo = _REPLAY_MEMO.get(problem)
     if memo is None:
@@ -146,6 +151,8 @@ def replay_for(
     key = (sid, evict_op, back_op, max_ops, regen, res is None)
     entries = memo.setdefault(key, [])
     for never, seen, result in entries:
+        if isinstance(result, _Costly) and (max_ns is None or max_ns > result.ns):
+            continue  # a walk cut short at a lower bound says nothing here
         # ``never``: the storages whose out_at was None; out_at is None for every storage no
         # decision evicts, so only those of them that some decision evicts need out_at
         if never:
@@ -153,20 +160,49 @@ def replay_for(
             if hit and not all(res.out_at(x, back_op) is None for x in hit):
                 continue
         if not seen or res.all_out_at(seen, back_op):
-            return None if result is None else (list(result[0]), list(result[1]))
+            if result is None or isinstance(result, _Costly):
+                return None
+            if max_ns is not None and result[2] >= max_ns:
+                return None
+            return list(result[0]), list(result[1])
     seen: list[tuple[str, Method | None]] = []
-    result = _replay_walk(problem, sid, evict_op, back_op, residency, resident, max_ops, seen)
+    result = _replay_walk(
+        problem, sid, evict_op, back_op, residency, resident, max_ops, seen, max_ns
+    )
     entries.insert(
         0,
         (
             frozenset(x for x, v in seen if v is None),
             tuple((x, v) for x, v in seen if v is not None),
-            None if result is None else (tuple(result[0]), tuple(result[1])),
+            result
+            if result is None or isinstance(result, _Costly)
+            else (tuple(result[0]), tuple(result[1]), result[2]),
         ),
     )
     del entries[_MEMO_VARIANTS:]
-    return result
+    if result is None or isinstance(result, _Costly):
+        return None
+    if max_ns is not None and result[2] >= max_ns:
+        return None
+    return result[0], result[1]
 
+
+class _Costly(float):
+    """A walk stopped once its replay's ops took this many ns (Note [Replays with a time
+    bound]): the whole replay takes at least that long, or does not exist."""
+
+    @property
+    def ns(self) -> float:
+        return float(self)
+
+
+# Note: [Replays with a time bound]
+# Callers that only want a replay cheaper than some time (``search.switch_stalled``: a replay
+# that costs less than a swap's stall) pass ``max_ns``. The walk adds each op's time as it joins
+# the replay and stops once the sum reaches ``max_ns``: the replay only grows, so the answer
+# (None) is the one the whole walk would give. The memo keeps such a stop with the bound it
+# reached and the residency it saw up to there; it answers a later query only when that query's
+# bound is no higher (the same walk reaches it), and never an unbounded one.
 
 # Note: [Replay memo]
 # A replay depends on the problem, the decision's storage and access pair, ``max_ops``, and the
@@ -189,13 +225,19 @@ def _replay_walk(
     resident,
     max_ops: int,
     seen: list | None,
-) -> tuple[list[int], list[str]] | None:
+    max_ns: int | None = None,
+) -> tuple[list[int], list[str], int] | _Costly | None:
+    """The walk of ``replay_for``: ``(replay_ops, sources, their time in ns)``; a ``_Costly``
+    once the time reaches ``max_ns``."""
     st = problem.storages
     ops = problem.ops
     first = _chain(problem, sid, evict_op)
     if first is None:
         return None
     replay: set[int] = set(first)
+    dur = sum(ops[j].duration_ns for j in replay)
+    if max_ns is not None and dur >= max_ns:
+        return _Costly(dur)
     regen: dict[str, int] = {sid: evict_op}  # storage -> latest version needed (op bound)
     todo = list(first)
     sources: dict[str, None] = {}
@@ -209,6 +251,10 @@ def _replay_walk(
                     replay.update(new)
                     todo.extend(new)
                     regen[x] = j - 1
+                    if new and max_ns is not None:
+                        dur += sum(ops[o].duration_ns for o in new)
+                        if dur >= max_ns:
+                            return _Costly(dur)
                 continue
             xs = st[x]
             if xs.communicated:
@@ -241,6 +287,10 @@ def _replay_walk(
             todo.extend(new)
             if len(replay) > max_ops:
                 return None
+            if max_ns is not None and new:
+                dur += sum(ops[o].duration_ns for o in new)
+                if dur >= max_ns:
+                    return _Costly(dur)
     ordered = sorted(replay)
     # sources are what the ordered replay reads before producing it
     made: set[str] = set()
@@ -250,7 +300,9 @@ def _replay_walk(
             if x not in made:
                 need[x] = None
         made.update(ops[j].allocs)
-    return ordered, list(need)
+    if max_ns is None:
+        dur = sum(ops[j].duration_ns for j in ordered)
+    return ordered, list(need), dur
 
 
 def resolve_recompute(problem: Problem, decisions: Sequence[Decision]) -> list[Decision]:

@@ -191,24 +191,58 @@ def grid_targets(problem: Problem) -> list[int]:
 
 
 def grid(
-    problem: Problem, planner: TargetPlanner, switching: Switching | None = None
+    problem: Problem,
+    planner: TargetPlanner,
+    switching: Switching | None = None,
+    upto: int | None = None,
 ) -> list[GridPlan]:
-    """Plans of ``planner`` for every grid target, each pruned against its own target, with the
-    switched variants of Note [Stalled swaps] when ``switching`` is given. Cached per problem."""
-    return cached(problem, ("grid", planner, switching), lambda: _grid(problem, planner, switching))
+    """Plans of ``planner`` for the grid targets up to ``upto`` (every target when ``None``),
+    each pruned against its own target, with the switched variants of Note [Stalled swaps]
+    when ``switching`` is given (those switched against a target above ``upto`` left out).
+    Each plan is made once per problem, planner and switching, and cached: a call with a
+    larger ``upto`` returns a superset, in the same order (Note [Targets up to the budget])."""
+    g = cached(problem, ("grid", planner, switching), lambda: _Grid(problem, planner, switching))
+    return g.plans(upto)
 
 
-def _grid(problem: Problem, planner: TargetPlanner, switching: Switching | None) -> list[GridPlan]:
-    peak = problem.peak_bytes
-    targets = grid_targets(problem)
-    out = []
-    for t in targets:
+class _Variant(NamedTuple):
+    plan: GridPlan  # pruned, with its simulated peak and time
+    attempt: Attempt  # the same plan, for switching against higher targets
+    switched: dict  # grid target above its peak -> its switched plan, or None (none better)
+
+
+class _Grid:
+    """The grid of one problem, planner and switching, made lazily target by target."""
+
+    def __init__(self, problem: Problem, planner: TargetPlanner, switching: Switching | None):
+        self.problem, self.planner, self.switching = problem, planner, switching
+        self.targets = grid_targets(problem)
+        self.made: dict[int, list[_Variant]] = {}
+        self.lists: dict[int | None, list[GridPlan]] = {}
+
+    def plans(self, upto: int | None) -> list[GridPlan]:
+        key = None if upto is None or upto >= max(self.targets, default=0) else upto
+        if key not in self.lists:
+            out = []
+            for t in self.targets:
+                if key is None or t <= key:
+                    for v in self._variants(t):
+                        out.append(v.plan)
+                        out.extend(self._switched(v, key))
+            self.lists[key] = out
+        return self.lists[key]
+
+    def _variants(self, t: int) -> list[_Variant]:
+        if t in self.made:
+            return self.made[t]
+        problem, planner, switching = self.problem, self.planner, self.switching
+        made = self.made[t] = []
         try:
             a = planner(problem, t)
         except PlanError:  # a target whose plan breaks an invariant is skipped, not fatal
-            continue
+            return made
         if a.sim is None:
-            continue
+            return made
         variants = [a]
         if switching is not None and a.sim.stall_ns + a.sim.recompute_ns > 0:
             sw = switch_stalled(problem, a, t, switching)
@@ -228,15 +262,27 @@ def _grid(problem: Problem, planner: TargetPlanner, switching: Switching | None)
         for v in variants:
             ds = prune(problem, v, max(t, v.sim.peak_bytes))
             vsim = simulate(problem, ds)
-            out.append(GridPlan(ds, vsim.peak_bytes, vsim.time_ns))
-            if switching is None or vsim.stall_ns == 0:
+            plan = GridPlan(ds, vsim.peak_bytes, vsim.time_ns)
+            made.append(_Variant(plan, Attempt(ds, vsim, v.regen), {}))
+        return made
+
+    def _switched(self, v: _Variant, upto: int | None) -> list[GridPlan]:
+        """A stalled plan switched as far as the next two grid targets above its peak allow
+        (Note [Stalled swaps]), those up to ``upto``; only the switches that got faster."""
+        if self.switching is None or v.attempt.sim.stall_ns == 0:
+            return []
+        above = sorted(x for x in self.targets if v.plan.peak_bytes < x < self.problem.peak_bytes)
+        out = []
+        for c in above[:2]:
+            if upto is not None and c > upto:
                 continue
-            # and switched as far as the next grid targets above its peak allow
-            for c in sorted(x for x in targets if vsim.peak_bytes < x < peak)[:2]:
-                cds, csim, _ = switch_stalled(problem, Attempt(ds, vsim, v.regen), c, switching)
-                if csim.time_ns < vsim.time_ns and csim.peak_bytes <= c:
-                    out.append(GridPlan(cds, csim.peak_bytes, csim.time_ns))
-    return out
+            if c not in v.switched:
+                cds, csim, _ = switch_stalled(self.problem, v.attempt, c, self.switching)
+                ok = csim.time_ns < v.plan.time_ns and csim.peak_bytes <= c
+                v.switched[c] = GridPlan(cds, csim.peak_bytes, csim.time_ns) if ok else None
+            if v.switched[c] is not None:
+                out.append(v.switched[c])
+        return out
 
 
 def pick(plans: Iterable[GridPlan], budget: int) -> list[Decision]:
@@ -332,11 +378,13 @@ def recompute_first(
     plans = grid(problem, planner)
     done = cached(problem, ("recompute-first", planner, switching), dict)
     out = []
-    for i, (ds, peak, t) in enumerate(plans):
+    for g in plans:
+        ds, peak, t = g
         if peak > budget:
             continue
-        if i not in done:
-            done[i] = None
+        key = id(g)  # the grid keeps its plans alive, so the key stays unique
+        if key not in done:
+            done[key] = None
             try:
                 sim = simulate(problem, ds)
             except PlanError:
@@ -352,9 +400,9 @@ def recompute_first(
                 calm_tries=RECOMPUTE_FIRST_TRIES,
             )
             if csim.time_ns < t and csim.peak_bytes <= peak:
-                done[i] = GridPlan(cds, csim.peak_bytes, csim.time_ns)
-        if done[i] is not None:
-            out.append(done[i])
+                done[key] = GridPlan(cds, csim.peak_bytes, csim.time_ns)
+        if done[key] is not None:
+            out.append(done[key])
     return out
 
 
@@ -384,8 +432,16 @@ def switch_stalled(
             if d.method == Method.SWAP:  # recompute it instead
                 if not problem.storages[d.storage_id].evictable:
                     continue  # persistent: swap only (problem.py Note [Wrap-around gaps])
+                # only a replay cheaper than the stall matters (lineage Note [Replays with a
+                # time bound])
                 r = replay_for(
-                    problem, d.storage_id, d.evict_op, d.back_op, res, max_ops=max_replay_ops
+                    problem,
+                    d.storage_id,
+                    d.evict_op,
+                    d.back_op,
+                    res,
+                    max_ops=max_replay_ops,
+                    max_ns=o.stall_ns,
                 )
                 if r is not None:
                     rp_ns = sum(ops[j].duration_ns for j in r[0])
@@ -417,6 +473,7 @@ def switch_stalled(
                     res,
                     resident=regen_resident(problem, res, d.back_op),
                     max_ops=max_replay_ops,
+                    max_ns=o.stall_ns + o.recompute_ns,  # extra < stall, or no use
                 )
             if r is not None:
                 extra = sum(ops[j].duration_ns for j in r[0]) - o.recompute_ns

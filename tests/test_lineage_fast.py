@@ -46,7 +46,7 @@ def fit_keeps_plain(problem, d, replay_ops, res, room):
 
 class Counted:
     def __init__(self):
-        self.keepable = self.kept = self.fits = self.replays = self.hits = 0
+        self.keepable = self.kept = self.fits = self.replays = self.hits = self.costly = 0
 
 
 def _checked(monkeypatch) -> Counted:
@@ -65,16 +65,23 @@ def _checked(monkeypatch) -> Counted:
         c.fits += len(xs) > len(got) > 0  # some kept, some not: the room decided
         return got
 
-    def r(problem, sid, evict_op, back_op, residency=None, resident=None, max_ops=None):
+    def r(
+        problem, sid, evict_op, back_op, residency=None, resident=None, max_ops=None, max_ns=None
+    ):
         max_ops = lineage.MAX_REPLAY_OPS if max_ops is None else max_ops
         memo = lineage._REPLAY_MEMO.get(problem, {})
         before = sum(len(v) for v in memo.values())
-        got = replay_for(problem, sid, evict_op, back_op, residency, resident, max_ops)
+        got = replay_for(problem, sid, evict_op, back_op, residency, resident, max_ops, max_ns)
         memo = lineage._REPLAY_MEMO.get(problem, {})
         c.hits += sum(len(v) for v in memo.values()) == before  # nothing walked: the memo's
         want = lineage._replay_walk(
             problem, sid, evict_op, back_op, residency, resident, max_ops, []
         )
+        # the whole walk, without a time bound: a bounded query answers None exactly when the
+        # replay does not exist or takes max_ns or more (lineage Note [Replays with a time bound])
+        if want is not None and max_ns is not None and want[2] >= max_ns:
+            want = None
+            c.costly += 1
         assert got == (None if want is None else (list(want[0]), list(want[1])))
         c.replays += 1
         return got
@@ -92,7 +99,7 @@ def test_lineage_shortcuts_equal_their_definitions_on_a_search(monkeypatch):
     for f in (0.6, 0.45):
         get_policy("capuchin")(problem, int(problem.peak_bytes * f))
     assert c.keepable > 100 and c.kept > 10 and c.replays > 1000 and c.hits > 500
-    assert c.fits > 0
+    assert c.fits > 0 and c.costly > 10
 
 
 def test_lineage_shortcuts_equal_their_definitions_on_a_small_search(monkeypatch):
@@ -101,6 +108,7 @@ def test_lineage_shortcuts_equal_their_definitions_on_a_small_search(monkeypatch
     get_policy("capuchin")(problem, int(problem.peak_bytes * 0.5))
     assert c.keepable > 1000 and c.kept > 1000 and c.fits > 100
     assert c.replays > 1000 and c.hits > 1000
+    assert c.costly > 10  # time-bounded queries that the bound answered
 
 
 def test_replay_memo_equals_a_fresh_walk_when_the_builder_resolves(monkeypatch):
@@ -119,3 +127,28 @@ def test_replay_memo_equals_a_fresh_walk_when_the_builder_resolves(monkeypatch):
             for _ in range(2):
                 lineage.resolve_recompute(problem, bare)
     assert c.replays > 50 and c.hits > 20
+
+
+def test_a_time_bounded_replay_query_leaves_the_memo_exact():
+    # lineage Note [Replays with a time bound]: a walk stopped at a low bound is remembered, and
+    # must answer only queries with a bound no higher; every answer equals the whole walk's
+    problem = Problem.from_trace(load_trace(ROOT / "traces" / "cnn.trace.parquet"))
+    ops = problem.ops
+    checked = 0
+    for sid, s in problem.storages.items():
+        for a, b in s.gaps()[:1]:
+            want = lineage._replay_walk(problem, sid, a, b, None, None, lineage.MAX_REPLAY_OPS, [])
+            if want is None or len(want[0]) < 2:
+                continue
+            dur = sum(ops[j].duration_ns for j in want[0])
+            assert dur == want[2]
+            res = lineage.EvictionWindows([])
+            lineage._REPLAY_MEMO.pop(problem, None)
+            assert lineage.replay_for(problem, sid, a, b, res, max_ns=1) is None  # stopped at once
+            assert lineage.replay_for(problem, sid, a, b, res, max_ns=dur) is None  # not cheaper
+            whole = (list(want[0]), list(want[1]))
+            assert lineage.replay_for(problem, sid, a, b, res, max_ns=dur + 1) == whole
+            assert lineage.replay_for(problem, sid, a, b, res) == whole
+            assert lineage.replay_for(problem, sid, a, b, res, max_ns=2) is None  # from the memo
+            checked += 1
+    assert checked > 5
