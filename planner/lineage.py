@@ -366,9 +366,13 @@ def _keepable(
     iv = res._iv
     back = d.back_op
     chains = _CHAINS.get(problem, {})
-    for x in _allocs_of(problem, replay_ops):
-        # (a storage no decision evicts is never out: skip out_at's call)
-        if x not in iv or x == d.storage_id or res.out_at(x, back) != Method.RECOMPUTE:
+    _, pos = _allocs_of(problem, replay_ops)
+    # a storage no decision evicts is never out: only those in both, in the replay's op order
+    hits = iv.keys() & pos.keys()
+    if len(hits) > 1:
+        hits = sorted(hits, key=pos.__getitem__)
+    for x in hits:
+        if x == d.storage_id or res.out_at(x, back) != Method.RECOMPUTE:
             continue
         first = None
         for e, b, m in iv[x]:
@@ -386,8 +390,11 @@ def _keepable(
     return out
 
 
-def _allocs_of(problem: Problem, replay_ops: Sequence[int]) -> tuple[str, ...]:
-    """The storages the ops allocate, in op order (remembered per problem and op list)."""
+def _allocs_of(
+    problem: Problem, replay_ops: Sequence[int]
+) -> tuple[tuple[str, ...], dict[str, int]]:
+    """The storages the ops allocate, in op order, and each one's first position there
+    (remembered per problem and op list)."""
     memo = _ALLOCS.get(problem)
     if memo is None:
         memo = _ALLOCS[problem] = {}
@@ -395,7 +402,11 @@ def _allocs_of(problem: Problem, replay_ops: Sequence[int]) -> tuple[str, ...]:
     got = memo.get(key)
     if got is None:
         ops = problem.ops
-        got = memo[key] = tuple(x for j in key for x in ops[j].allocs)
+        allocs = tuple(x for j in key for x in ops[j].allocs)
+        pos: dict[str, int] = {}
+        for i, x in enumerate(allocs):
+            pos.setdefault(x, i)
+        got = memo[key] = (allocs, pos)
     return got
 
 

@@ -26,6 +26,7 @@ ops where a decision acts. No torch.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 
@@ -133,10 +134,13 @@ def fast_pass(
         lst.sort(key=lambda i: (decisions[i].back_op, i))
 
     # dynamic compute events (replays at phase 1, drops at phase 4): key, time, delta, kind
+    # as chunks in program order: key, start time, (times from the start, deltas, kinds)
     dk: list[int] = []
     dt: list[int] = []
-    dd: list[int] = []
-    dkind: list[int] = []
+    dev: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    tpl_arrays = _TEMPLATE_ARRAYS.get(problem)
+    if tpl_arrays is None:
+        tpl_arrays = _TEMPLATE_ARRAYS[problem] = {}
     # asynchronous events (copy start / copy end), in issue order
     at: list[int] = []
     ad: list[int] = []
@@ -272,11 +276,14 @@ def fast_pass(
                     tpl = replays[rkey] = _replay_template(problem, d, set(keep))
                 dts, deltas, kinds, _sids, dur = tpl
                 if dts:
-                    key = 5 * k + 1
-                    dk.extend([key] * len(dts))
-                    dt.extend([t + x for x in dts])
-                    dd.extend(deltas)
-                    dkind.extend(kinds)
+                    arr = tpl_arrays.get(rkey)
+                    if arr is None:
+                        arr = tpl_arrays[rkey] = (
+                            np.asarray(dts, dtype=np.int64),
+                            np.asarray(deltas, dtype=np.int64),
+                            np.asarray(kinds, dtype=np.int8),
+                        )
+                    dk.append(5 * k + 1), dt.append(t), dev.append(arr)
                 for x in keep:
                     state[x] = "in"
                 t += dur
@@ -310,7 +317,7 @@ def fast_pass(
                     inf = info[i] = dict(_TIMES)
                 inf["out_start_ns"], inf["out_end_ns"], inf["freed_ns"] = begin, end, end
             else:
-                dk.append(5 * k + 4), dt.append(t), dd.append(-d.size_bytes), dkind.append(_FREE)
+                dk.append(5 * k + 4), dt.append(t), dev.append(_drop_event(d.size_bytes))
                 inf = info[i]
                 if inf is None:
                     inf = info[i] = dict(_TIMES)
@@ -355,11 +362,14 @@ def fast_pass(
     times = np.stack([op_start, alloc_t, op_end])[P.where, P.op]
     if dk:
         m = len(P.key)
-        pos = np.searchsorted(P.key, np.asarray(dk, dtype=np.int64), side="right")
-        idx = np.insert(np.arange(m), pos, m + np.arange(len(dk)))
-        ct_a = np.concatenate([times, np.asarray(dt, dtype=np.int64)])[idx]
-        cd_a = np.concatenate([P.delta, np.asarray(dd, dtype=np.int64)])[idx]
-        ck_a = np.concatenate([P.kind, np.asarray(dkind, dtype=np.int8)])[idx]
+        lens = np.fromiter((len(e[0]) for e in dev), dtype=np.int64, count=len(dev))
+        dk_a = np.repeat(np.asarray(dk, dtype=np.int64), lens)
+        dt_a = np.concatenate([e[0] for e in dev]) + np.repeat(np.asarray(dt, dtype=np.int64), lens)
+        pos = np.searchsorted(P.key, dk_a, side="right")
+        idx = np.insert(np.arange(m), pos, m + np.arange(len(dk_a)))
+        ct_a = np.concatenate([times, dt_a])[idx]
+        cd_a = np.concatenate([P.delta, *(e[1] for e in dev)])[idx]
+        ck_a = np.concatenate([P.kind, *(e[2] for e in dev)])[idx]
     else:
         ct_a, cd_a, ck_a = times, P.delta, P.kind
     live, time, op_of = _curve(ct_a, cd_a, ck_a, at, ad, ak, resident)
@@ -405,6 +415,19 @@ def fast_pass(
         None,
         new_carry,
         _reference=lambda: _simulate(*ref_args),
+    )
+
+
+_TEMPLATE_ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # replay templates
+
+
+@functools.lru_cache(maxsize=4096)
+def _drop_event(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A dropped storage's one event, as a chunk of the fast pass's dynamic events."""
+    return (
+        np.zeros(1, dtype=np.int64),
+        np.full(1, -size, dtype=np.int64),
+        np.full(1, _FREE, dtype=np.int8),
     )
 
 
