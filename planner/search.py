@@ -191,58 +191,24 @@ def grid_targets(problem: Problem) -> list[int]:
 
 
 def grid(
-    problem: Problem,
-    planner: TargetPlanner,
-    switching: Switching | None = None,
-    upto: int | None = None,
+    problem: Problem, planner: TargetPlanner, switching: Switching | None = None
 ) -> list[GridPlan]:
-    """Plans of ``planner`` for the grid targets up to ``upto`` (every target when ``None``),
-    each pruned against its own target, with the switched variants of Note [Stalled swaps]
-    when ``switching`` is given (those switched against a target above ``upto`` left out).
-    Each plan is made once per problem, planner and switching, and cached: a call with a
-    larger ``upto`` returns a superset, in the same order (Note [Targets up to the budget])."""
-    g = cached(problem, ("grid", planner, switching), lambda: _Grid(problem, planner, switching))
-    return g.plans(upto)
+    """Plans of ``planner`` for every grid target, each pruned against its own target, with the
+    switched variants of Note [Stalled swaps] when ``switching`` is given. Cached per problem."""
+    return cached(problem, ("grid", planner, switching), lambda: _grid(problem, planner, switching))
 
 
-class _Variant(NamedTuple):
-    plan: GridPlan  # pruned, with its simulated peak and time
-    attempt: Attempt  # the same plan, for switching against higher targets
-    switched: dict  # grid target above its peak -> its switched plan, or None (none better)
-
-
-class _Grid:
-    """The grid of one problem, planner and switching, made lazily target by target."""
-
-    def __init__(self, problem: Problem, planner: TargetPlanner, switching: Switching | None):
-        self.problem, self.planner, self.switching = problem, planner, switching
-        self.targets = grid_targets(problem)
-        self.made: dict[int, list[_Variant]] = {}
-        self.lists: dict[int | None, list[GridPlan]] = {}
-
-    def plans(self, upto: int | None) -> list[GridPlan]:
-        key = None if upto is None or upto >= max(self.targets, default=0) else upto
-        if key not in self.lists:
-            out = []
-            for t in self.targets:
-                if key is None or t <= key:
-                    for v in self._variants(t):
-                        out.append(v.plan)
-                        out.extend(self._switched(v, key))
-            self.lists[key] = out
-        return self.lists[key]
-
-    def _variants(self, t: int) -> list[_Variant]:
-        if t in self.made:
-            return self.made[t]
-        problem, planner, switching = self.problem, self.planner, self.switching
-        made = self.made[t] = []
+def _grid(problem: Problem, planner: TargetPlanner, switching: Switching | None) -> list[GridPlan]:
+    peak = problem.peak_bytes
+    targets = grid_targets(problem)
+    out = []
+    for t in targets:
         try:
             a = planner(problem, t)
         except PlanError:  # a target whose plan breaks an invariant is skipped, not fatal
-            return made
+            continue
         if a.sim is None:
-            return made
+            continue
         variants = [a]
         if switching is not None and a.sim.stall_ns + a.sim.recompute_ns > 0:
             sw = switch_stalled(problem, a, t, switching)
@@ -262,27 +228,15 @@ class _Grid:
         for v in variants:
             ds = prune(problem, v, max(t, v.sim.peak_bytes))
             vsim = simulate(problem, ds)
-            plan = GridPlan(ds, vsim.peak_bytes, vsim.time_ns)
-            made.append(_Variant(plan, Attempt(ds, vsim, v.regen), {}))
-        return made
-
-    def _switched(self, v: _Variant, upto: int | None) -> list[GridPlan]:
-        """A stalled plan switched as far as the next two grid targets above its peak allow
-        (Note [Stalled swaps]), those up to ``upto``; only the switches that got faster."""
-        if self.switching is None or v.attempt.sim.stall_ns == 0:
-            return []
-        above = sorted(x for x in self.targets if v.plan.peak_bytes < x < self.problem.peak_bytes)
-        out = []
-        for c in above[:2]:
-            if upto is not None and c > upto:
+            out.append(GridPlan(ds, vsim.peak_bytes, vsim.time_ns))
+            if switching is None or vsim.stall_ns == 0:
                 continue
-            if c not in v.switched:
-                cds, csim, _ = switch_stalled(self.problem, v.attempt, c, self.switching)
-                ok = csim.time_ns < v.plan.time_ns and csim.peak_bytes <= c
-                v.switched[c] = GridPlan(cds, csim.peak_bytes, csim.time_ns) if ok else None
-            if v.switched[c] is not None:
-                out.append(v.switched[c])
-        return out
+            # and switched as far as the next grid targets above its peak allow
+            for c in sorted(x for x in targets if vsim.peak_bytes < x < peak)[:2]:
+                cds, csim, _ = switch_stalled(problem, Attempt(ds, vsim, v.regen), c, switching)
+                if csim.time_ns < vsim.time_ns and csim.peak_bytes <= c:
+                    out.append(GridPlan(cds, csim.peak_bytes, csim.time_ns))
+    return out
 
 
 def pick(plans: Iterable[GridPlan], budget: int) -> list[Decision]:
@@ -378,13 +332,11 @@ def recompute_first(
     plans = grid(problem, planner)
     done = cached(problem, ("recompute-first", planner, switching), dict)
     out = []
-    for g in plans:
-        ds, peak, t = g
+    for i, (ds, peak, t) in enumerate(plans):
         if peak > budget:
             continue
-        key = id(g)  # the grid keeps its plans alive, so the key stays unique
-        if key not in done:
-            done[key] = None
+        if i not in done:
+            done[i] = None
             try:
                 sim = simulate(problem, ds)
             except PlanError:
@@ -400,9 +352,9 @@ def recompute_first(
                 calm_tries=RECOMPUTE_FIRST_TRIES,
             )
             if csim.time_ns < t and csim.peak_bytes <= peak:
-                done[key] = GridPlan(cds, csim.peak_bytes, csim.time_ns)
-        if done[key] is not None:
-            out.append(done[key])
+                done[i] = GridPlan(cds, csim.peak_bytes, csim.time_ns)
+        if done[i] is not None:
+            out.append(done[i])
     return out
 
 
