@@ -536,13 +536,13 @@ class DynamicGuard(BudgetGuard):
         tr = self.tracker
         tr.touch(keys)
         ex = self.ex
-        if self.recording or ex.dependents:
+        recording = self.recording
+        written = ()
+        if recording or ex.dependents:
             info = op_info(func)
             written = tuple(written_inputs(info, args, kwargs, flat))
-        else:
-            info, written = None, ()
-        if written:
-            self.writing = {keys[a] for a in written if keys[a] is not None}
+            if written:
+                self.writing = {keys[a] for a in written if keys[a] is not None}
         entries = ex.entries
         if entries:
             if written and ex.dependents:
@@ -559,10 +559,11 @@ class DynamicGuard(BudgetGuard):
                 self.bring_back(keys)
         pkey, out_bytes = self.memory.predict(func, args, kwargs)
         out_bytes += self.memory.scratch(name, flat, out_bytes)
-        self.enforce(set(keys), out_bytes + ex.coming_back(keys))
+        # the op's evicted arguments are back already (bring_back): nothing more comes back
+        self.enforce(set(keys), out_bytes)
         if written:
             self.writing = _NO_KEYS
-        if not self.recording:
+        if not recording:
             return pkey, None, 0.0
         pending = tr.prepare(func, args, kwargs, flat, keys, written, info.seeded)
         return pkey, pending, time.perf_counter()
