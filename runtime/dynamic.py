@@ -64,10 +64,12 @@ room made under the budget, so nothing recurses deeply).
 # one before it dropped and those drops saved more than recording cost (the swaps they replaced,
 # less their replays, against ``RECORD_OP_S`` per op of that iteration: on the CPU host the
 # transformer's few drops per step save well under a millisecond of memcpy and recording costs
-# about 10 ms), and every ``PROBE_EVERY``-th iteration records again to look;
+# about 10 ms), and iteration ``PROBE_EVERY`` records again to look, then the next probe comes
+# after twice the gap each time (8, 16, 32, ...: over a long run the probes' recording costs next
+# to nothing), back to every ``PROBE_EVERY`` after an iteration whose drops paid;
 # an iteration that does not record swaps DTR's victims (the h of a swap-only storage is its
-# staleness: LRU order). ``remat="recompute"`` always records, ``"swap"`` never does (it never
-# replays).
+# swap's cost per byte over its staleness). ``remat="recompute"`` always records, ``"swap"``
+# never does (it never replays).
 
 # Note: [Cycles of dropped storages]
 # A dropped storage comes back after the dropped sources of its replay (``bring_back``), so the
@@ -505,6 +507,7 @@ class DynamicGuard(BudgetGuard):
         self._rng = random.Random(0)  # candidate sampling; never the script's random streams
         self.recording = remat != "swap"  # Note [Recording only while replay pays]
         self.iteration = -1
+        self._next_probe, self._probe_gap = PROBE_EVERY, PROBE_EVERY  # iteration; iterations
         self.drops = 0  # drops in this iteration
         self.gain_s = 0.0  # what this iteration's drops saved against swapping, estimated
         self._clock0 = 0  # the op clock at this iteration's start
@@ -520,9 +523,15 @@ class DynamicGuard(BudgetGuard):
         self.iteration += 1
         clock = self.tracker.clock
         paid = self.drops > 0 and self.gain_s > RECORD_OP_S * (clock - self._clock0)
+        if paid:
+            self._probe_gap = PROBE_EVERY
+            self._next_probe = min(self._next_probe, self.iteration + PROBE_EVERY)
+        probe = self.iteration >= self._next_probe
+        if probe:  # the next one after twice the gap, unless an iteration pays meanwhile
+            self._next_probe = self.iteration + self._probe_gap
+            self._probe_gap *= 2
         self.recording = self.remat == "recompute" or (
-            self.remat == "auto"
-            and (self.iteration < 2 or paid or self.iteration % PROBE_EVERY == 0)
+            self.remat == "auto" and (self.iteration < 2 or paid or probe)
         )
         self.drops, self.gain_s, self._clock0 = 0, 0.0, clock
         ex = self.ex

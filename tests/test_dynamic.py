@@ -296,6 +296,27 @@ def test_drops_that_save_less_than_recording_costs_stop_the_recording(monkeypatc
     assert [i for i in range(2, 6) if calls.get(i)] == [4], calls  # the probe alone
 
 
+def test_probes_that_do_not_pay_come_twice_as_far_apart_each_time(monkeypatch):
+    """Note [Recording only while replay pays]: with no drop ever paying for its recording,
+    the iterations after the first two record only to probe, at PROBE_EVERY, then after twice
+    the gap each time (here 2, 4, 8: iterations 2, 4, 8 of 10)."""
+    from capuchin.runtime import dynamic
+
+    monkeypatch.setattr(dynamic, "PROBE_EVERY", 2)
+    monkeypatch.setattr(dynamic, "RECORD_OP_S", 1.0)  # no drop pays
+    rt = Runtime(budget_bytes=int(peak("mlp") * 0.8), measure_memory=False)
+    recording = []
+    real = dynamic.DynamicGuard.new_iteration
+
+    def new_iteration(self):
+        real(self)
+        recording.append(self.recording)
+
+    monkeypatch.setattr(dynamic.DynamicGuard, "new_iteration", new_iteration)
+    assert train_mismatches("mlp", rt, ("--steps", "10")) == []
+    assert [i for i, r in enumerate(recording) if r] == [0, 1, 2, 4, 8], recording
+
+
 def test_a_swap_s_cost_is_fitted_as_fixed_plus_bytes_over_bandwidth():
     """Note [What a swap costs]: swaps of several sizes give the fixed part and the bandwidth;
     one swap that took far longer (preempted) moves the fit by a bounded factor."""
