@@ -5,6 +5,7 @@ recently used storage, ``eviction="lru"``); plus the simulated ``dtr`` policy's 
 overhead on the same trace, next to the real one.
 
     python benchmarks/dynamic.py [--steps 5] [--percents 80,60,50] [--workloads cnn,bert,...]
+                                 [--repeats 2] [--modes dynamic,lru,plan]
 
 Workloads: the bundled examples (traces/*.py with their traces) and two third-party models built
 from tiny configs with random weights (Hugging Face BERT masked LM and GPT-2 causal LM, dropout
@@ -154,8 +155,12 @@ def main() -> None:
     ap.add_argument("--percents", default="80,60,50")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--modes", default="dynamic,lru,plan", help="which of dynamic,lru,plan to run (and plain)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    wanted = set(args.modes.split(","))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.workloads.split(","):
@@ -173,10 +178,12 @@ def main() -> None:
                 }
                 note = ""
                 try:
-                    plan = capuchin.make_plan(problem, budget=budget, policy="capuchin")
-                    modes["plan"] = lambda m, p=plan: Runtime(p, measure_memory=m)
+                    if "plan" in wanted:
+                        plan = capuchin.make_plan(problem, budget=budget, policy="capuchin")
+                        modes["plan"] = lambda m, p=plan: Runtime(p, measure_memory=m)
                 except InfeasibleBudgetError as exc:
                     note = f"plan infeasible (smallest {exc.smallest_feasible_bytes / MIB:.1f} MiB)"
+                modes = {k: v for k, v in modes.items() if k in wanted}
                 try:
                     sim = capuchin.make_plan(
                         problem, budget=budget, policy="dtr", allow_infeasible=True

@@ -15,8 +15,8 @@ of the freed sources it regenerates, Note [Ghosts]) plus the value of every dist
 storages
 next to ``s`` (those its replay reads and those whose replay reads it), grouped by a union-find
 (DTR's e* approximation: sets merge when a neighbour is dropped, rematerializing ``s`` subtracts
-its cost, sets never split). C of a swap is the copy out and back at the host bandwidths measured
-on this run's swaps.
+its cost, sets never split). C of a swap is its way out and back, each fitted to this run's own
+swaps as a fixed cost plus bytes over a bandwidth (Note [What a swap costs]).
 An evicted storage comes back when an op reads it: a swapped one by copy, a dropped one by
 replaying its chain, after its dropped sources have come back first (ancestors first, each with
 room made under the budget, so nothing recurses deeply).
@@ -43,6 +43,19 @@ room made under the budget, so nothing recurses deeply).
 # still holds that need the written one, through pinned sources (``DynamicGuard._live_roots``),
 # one at a time, since bringing one back releases what only it pinned.
 
+# Note: [What a swap costs]
+# A swap's time is not its bytes over a bandwidth alone: each eviction makes an entry, takes a
+# host buffer and frees the storage; each restore allocates it again and forgets the entry. With
+# C counting bytes only, h = C/(M*L) is the same per byte for every storage and the ranking is
+# staleness alone: many small victims where one larger one frees the same room. So each way
+# (``DynamicGuard.copy_out``: the swap-out from the entry's creation on; ``copy_in``: the
+# restore) is fitted as ``fixed + bytes / bandwidth`` by least squares to this run's swaps
+# (``_CopyTime``). On the CPU host (2 cores, shared; 2026-11-25, load average 3-5) the fits read
+# off the guard after 6 steps of the transformer and GPT-2 at 80% and 50% gave 15-60 µs fixed
+# each way and 7-11 GB/s. Ranked by bytes alone the transformer at 80% evicted 19 storages per
+# step (LRU's choice), with the fixed part 8 for 7.1 MiB against LRU's 9.0
+# (``benchmarks/dynamic.py --steps 5 --repeats 2`` at 3e24e43, docs/dynamic.md).
+
 # Note: [Recording only while replay pays]
 # Recording is most of dynamic mode's cost per op (measured: 10 ms per step of the bundled
 # transformer's 640 ops with nothing evicted, against LRU's bookkeeping). With ``remat="auto"``
@@ -53,10 +66,12 @@ room made under the budget, so nothing recurses deeply).
 # one before it dropped and those drops saved more than recording cost (the swaps they replaced,
 # less their replays, against ``RECORD_OP_S`` per op of that iteration: on the CPU host the
 # transformer's few drops per step save well under a millisecond of memcpy and recording costs
-# about 10 ms), and every ``PROBE_EVERY``-th iteration records again to look;
+# about 10 ms), and iteration ``PROBE_EVERY`` records again to look, then the next probe comes
+# after twice the gap each time (8, 16, 32, ...: over a long run the probes' recording costs next
+# to nothing), back to every ``PROBE_EVERY`` after an iteration whose drops paid;
 # an iteration that does not record swaps DTR's victims (the h of a swap-only storage is its
-# staleness: LRU order). ``remat="recompute"`` always records, ``"swap"`` never does (it never
-# replays).
+# swap's cost per byte over its staleness). ``remat="recompute"`` always records, ``"swap"``
+# never does (it never replays).
 
 # Note: [Cycles of dropped storages]
 # A dropped storage comes back after the dropped sources of its replay (``bring_back``), so the
@@ -74,6 +89,7 @@ room made under the budget, so nothing recurses deeply).
 from __future__ import annotations
 
 import math
+import operator
 import random
 import time
 import weakref
@@ -93,12 +109,13 @@ MAX_CHAIN = 64  # ops in one storage's chain (producer + in-place writes); longe
 # candidates ranked per eviction: more are sampled (at random, DTR's sqrt(n) sampling, at least
 # this many); below it all are ranked (the workloads measured here had 10-60)
 SAMPLE = 64
-_GONE = (None, 0)
 PROBE_EVERY = 8  # Note [Recording only while replay pays]
 RECORD_OP_S = 15e-6  # recording's cost per op (10 ms per step of the transformer's 640 ops)
 _NAME_ATTR = "_capuchin_dtr_name"
 _COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 REMAT = ("auto", "recompute", "swap")
+_NO_KEYS: frozenset = frozenset()
+_rank = operator.itemgetter(0, 1)  # h, then the least recently used first
 
 
 def _template(value, counter: list):
@@ -130,6 +147,52 @@ def _has_tensor(v) -> bool:
         if isinstance(x, torch.Tensor) or (isinstance(x, (list, tuple)) and _has_tensor(x)):
             return True
     return False
+
+
+class _CopyTime:
+    """One way of a swap (out or back) on this run: ``fixed_s + n * s_per_byte`` seconds for
+    ``n`` bytes, fitted by least squares to the measured swaps, each older one weighted down by
+    ``DECAY`` per swap (Note [What a swap costs]). The fit starts from two pseudo-swaps at the
+    given bandwidth and no fixed cost (64 KiB and 4 MiB), which fade the same way; a measured
+    swap counts at most ``CAP`` times what the fit predicts for it (the first swaps of a run
+    include cold allocations, and on a loaded host a swap can be preempted: one such swap must
+    not make every swap look dear)."""
+
+    __slots__ = ("fixed_s", "s_per_byte", "_w", "_n", "_nn", "_t", "_nt")
+    DECAY = 0.95
+    CAP = 4.0
+
+    def __init__(self, bandwidth_bytes_per_s: float):
+        self.fixed_s = 0.0
+        self.s_per_byte = 1.0 / float(bandwidth_bytes_per_s)
+        self._w = self._n = self._nn = self._t = self._nt = 0.0
+        for n in (1 << 16, 1 << 22):
+            self._add(n, n * self.s_per_byte, 1.0)
+
+    def predict(self, n: int) -> float:
+        return self.fixed_s + n * self.s_per_byte
+
+    def add(self, n: int, dt: float) -> None:
+        if n > 0 and dt > 0:
+            self._add(n, min(dt, self.CAP * self.predict(n)), self.DECAY)
+
+    def _add(self, n: int, dt: float, d: float) -> None:
+        self._w = d * self._w + 1.0
+        self._n = d * self._n + n
+        self._nn = d * self._nn + float(n) * n
+        self._t = d * self._t + dt
+        self._nt = d * self._nt + n * dt
+        w, sn, snn, st, snt = self._w, self._n, self._nn, self._t, self._nt
+        det = w * snn - sn * sn
+        if det <= 0:
+            return
+        b = (w * snt - sn * st) / det
+        a = (st - b * sn) / w
+        if a < 0:  # a line through the origin
+            a, b = 0.0, snt / snn
+        elif b <= 0:  # the sizes explain nothing: all of it fixed
+            a, b = st / w, 0.0
+        self.fixed_s, self.s_per_byte = a, b
 
 
 class _Node:
@@ -200,22 +263,37 @@ class DynamicTracker(PassiveTracker):
         self.engine.reset()
 
     def _died(self, key: int):
-        base = super()._died(key)
-
-        def cb(ref, self=self, key=key, base=base):
-            base(ref)
+        def cb(_ref, self=self, key=key):
+            item = self.lru.pop(key, None)  # PassiveTracker's, inlined (one call per storage)
+            self.in_iteration.discard(key)
+            if item is not None:
+                self.tracked_bytes -= item[1]
+            self.last_access.pop(key, None)
+            if self.children:
+                self.children.pop(key, None)  # a source need not be recorded itself
+            sid = self.sid.pop(key, None)
+            if sid is None:
+                return  # never recorded: nothing else is kept for it
             ch = self.chain.pop(key, None)
             cost = self.cost_s.pop(key, 0.0)
-            sid = self.sid.pop(key, None)
             n = self.wcount.pop(key, None)
-            if ch is not None and sid is not None and n is not None:
+            if ch is not None and n is not None:
                 self.ghost[sid] = (ch, n, cost)
             self.parents.pop(key, None)
-            self.children.pop(key, None)
             self.node.pop(key, None)
-            self.last_access.pop(key, None)
 
         return cb
+
+    def _track(self, k: int, st) -> int:
+        """PassiveTracker's, and the storage's first access: without it, an output of an
+        iteration that does not record would look older than every other candidate, and go
+        first (it did: the transformer at 80% evicted 25 storages per step where LRU evicts 19,
+        the ones just made, read again at once)."""
+        n = st.nbytes()
+        self.lru[k] = (weakref.ref(st, self._died(k)), n)
+        self.tracked_bytes += n
+        self.last_access[k] = self.clock
+        return n
 
     def touch(self, keys) -> None:
         """Staleness is ``last_access`` (an op clock); the LRU order is not used here."""
@@ -309,7 +387,6 @@ class DynamicTracker(PassiveTracker):
             new_bytes += st.nbytes()
             made.append(key)
             self.sid[key] = sid
-            self.last_access[key] = self.clock
             if replayable:
                 chain[key] = [rec]
                 self.cost_s[key] = dt
@@ -423,14 +500,16 @@ class DynamicGuard(BudgetGuard):
             raise ValueError(f"remat must be one of {', '.join(REMAT)}, not {remat!r}")
         self.tracker = DynamicTracker(budget_bytes, device, memory)
         self.remat = remat
-        # host copies out and back (bytes/s), refined by the measured swaps
-        self.bw_out = self.bw_in = float(bandwidth_bytes_per_s)
-        self.writing: set[int] = set()  # storages the op being prepared writes
+        # the time of a swap's way out and way back, fitted to this run's swaps
+        self.copy_out = _CopyTime(bandwidth_bytes_per_s)
+        self.copy_in = _CopyTime(bandwidth_bytes_per_s)
+        self.writing: frozenset[int] | set[int] = _NO_KEYS  # storages the op being prepared writes
         self.replay_op_s = 0.0  # measured cost of a replay beyond its ops' own times, per op
         self._replaying: list[Entry] = []  # the entries being replayed, outermost first
         self._rng = random.Random(0)  # candidate sampling; never the script's random streams
         self.recording = remat != "swap"  # Note [Recording only while replay pays]
         self.iteration = -1
+        self._next_probe, self._probe_gap = PROBE_EVERY, PROBE_EVERY  # iteration; iterations
         self.drops = 0  # drops in this iteration
         self.gain_s = 0.0  # what this iteration's drops saved against swapping, estimated
         self._clock0 = 0  # the op clock at this iteration's start
@@ -446,9 +525,15 @@ class DynamicGuard(BudgetGuard):
         self.iteration += 1
         clock = self.tracker.clock
         paid = self.drops > 0 and self.gain_s > RECORD_OP_S * (clock - self._clock0)
+        if paid:
+            self._probe_gap = PROBE_EVERY
+            self._next_probe = min(self._next_probe, self.iteration + PROBE_EVERY)
+        probe = self.iteration >= self._next_probe
+        if probe:  # the next one after twice the gap, unless an iteration pays meanwhile
+            self._next_probe = self.iteration + self._probe_gap
+            self._probe_gap *= 2
         self.recording = self.remat == "recompute" or (
-            self.remat == "auto"
-            and (self.iteration < 2 or paid or self.iteration % PROBE_EVERY == 0)
+            self.remat == "auto" and (self.iteration < 2 or paid or probe)
         )
         self.drops, self.gain_s, self._clock0 = 0, 0.0, clock
         ex = self.ex
@@ -462,38 +547,46 @@ class DynamicGuard(BudgetGuard):
         tr = self.tracker
         tr.touch(keys)
         ex = self.ex
-        if self.recording or ex.dependents:
+        recording = self.recording
+        written = ()
+        if recording or ex.dependents:
             info = op_info(func)
             written = tuple(written_inputs(info, args, kwargs, flat))
-        else:
-            info, written = None, ()
-        if ex.entries:
-            self.writing = {keys[a] for a in written if keys[a] is not None}
-            deps = []
-            for wk in self.writing:  # R3 with room made first (the executor's restore would not)
-                for sid in ex.dependents.get(wk, ()):
-                    e = ex.by_sid.get(sid)
-                    if e is not None and e.state is Residency.OUT and e.storage is not None:
-                        deps.append(storage_key(e.storage))
-            for root in self._live_roots(deps) if deps else ():
-                self.bring_back([*keys, root])  # one at a time: each frees what only it pins
-                ex.stats.cow_restores += 1
-            self.bring_back(keys)
+            if written:
+                self.writing = {keys[a] for a in written if keys[a] is not None}
+        entries = ex.entries
+        if entries:
+            if written and ex.dependents:
+                deps = []
+                for wk in self.writing:  # R3 with room made first (the executor's would not)
+                    for sid in ex.dependents.get(wk, ()):
+                        e = ex.by_sid.get(sid)
+                        if e is not None and e.state is Residency.OUT and e.storage is not None:
+                            deps.append(storage_key(e.storage))
+                for root in self._live_roots(deps) if deps else ():
+                    self.bring_back([*keys, root])  # one at a time: each frees what only it pins
+                    ex.stats.cow_restores += 1
+            if not entries.keys().isdisjoint(keys):
+                self.bring_back(keys)
         pkey, out_bytes = self.memory.predict(func, args, kwargs)
         out_bytes += self.memory.scratch(name, flat, out_bytes)
-        self.enforce(set(keys), out_bytes + ex.coming_back(keys))
-        self.writing = set()
-        if not self.recording:
+        # the op's evicted arguments are back already (bring_back): nothing more comes back
+        self.enforce(set(keys), out_bytes)
+        if written:
+            self.writing = _NO_KEYS
+        if not recording:
             return pkey, None, 0.0
         pending = tr.prepare(func, args, kwargs, flat, keys, written, info.seeded)
         return pkey, pending, time.perf_counter()
 
     def after_op(self, outs: list, in_keys: set, token) -> None:
         pkey, pending, t0 = token
-        dt = time.perf_counter() - t0
-        self.tracker.track_outputs(outs, in_keys, pkey)
         if pending is not None:
+            dt = time.perf_counter() - t0
+            self.tracker.track_outputs(outs, in_keys, pkey)
             self.tracker.recorded(pending, dt, outs, in_keys)
+        else:
+            self.tracker.track_outputs(outs, in_keys, pkey)
         self.enforce(in_keys | {k for k, _ in storages(outs)})
 
     def stays_out(self, e: Entry) -> bool:
@@ -539,44 +632,52 @@ class DynamicGuard(BudgetGuard):
         """Evict resident storages of this iteration, lowest h first, until ``need`` bytes are
         freed. Returns the bytes freed."""
         tr = self.tracker
-        ex = self.ex
-        cands = []
         dev = self.device_type
-        swap_s_per_byte = 1.0 / self.bw_out + 1.0 / self.bw_in
-        lru, entries = tr.lru, ex.entries
-        keys = [
-            k
-            for k in tr.in_iteration
-            if k not in protect and k not in entries and lru.get(k, _GONE)[1] > 0
-        ]
+        swap_fixed_s = self.copy_out.fixed_s + self.copy_in.fixed_s  # Note [What a swap costs]
+        swap_s_per_byte = self.copy_out.s_per_byte + self.copy_in.s_per_byte
+        lru, entries, last, clock = tr.lru, self.ex.entries, tr.last_access, tr.clock
+        chain = tr.chain if self.remat != "swap" else {}
+        auto = self.remat == "auto"
+        keys = [k for k in tr.in_iteration if k not in protect and k not in entries]
         if len(keys) > SAMPLE:  # DTR's approximation: rank a random sample, not all
             keys = self._rng.sample(keys, max(SAMPLE, math.isqrt(len(keys))))
+        # ranked on what the tracker knows (bytes, staleness, the chain's own cost: a lower
+        # bound, regenerated dead sources add to it); the storage itself, and whether and at
+        # what cost it replays, is looked at for the chosen ones only
+        cands = []
         for key in keys:
-            ref, n = lru[key]
-            st = ref()
-            if st is None or st.nbytes() == 0 or not st.resizable() or st.device.type != dev:
+            item = lru.get(key)
+            if item is None or not item[1]:
                 continue
-            c_swap = n * swap_s_per_byte
-            # ranked by the chain's own cost (a lower bound: regenerated dead sources add to
-            # it); whether and at what cost it replays is checked for the chosen ones only
-            drop = self.remat != "swap" and key in tr.chain
+            n = item[1]
+            c_swap = swap_fixed_s + n * swap_s_per_byte
             cost = c_swap
+            drop = key in chain
             if drop:
                 c_drop = (
-                    tr.cost_s[key] + self.replay_op_s * len(tr.chain[key]) + tr.neighbourhood_s(key)
+                    tr.cost_s[key] + self.replay_op_s * len(chain[key]) + tr.neighbourhood_s(key)
                 )
-                if self.remat == "auto" and c_drop >= c_swap:
+                if auto and c_drop >= c_swap:
                     drop = False
                 else:
                     cost = c_drop
-            stale = max(1, tr.clock - tr.last_access.get(key, 0))
-            cands.append((cost / (n * stale), -stale, key, st, n, drop, c_swap))
-        cands.sort(key=lambda c: (c[0], c[1]))  # equal h: the least recently used first
+            stale = clock - last.get(key, 0)
+            if stale < 1:
+                stale = 1
+            cands.append((cost / (n * stale), -stale, key, item[0], n, drop, c_swap))
+        cands.sort(key=_rank)  # equal h: the least recently used first
         got = 0
-        for _, _, key, st, n, drop, c_swap in cands:
+        for _, _, key, ref, n, drop, c_swap in cands:
             if got >= need:
                 break
-            if st.nbytes() == 0 or key in ex.entries:
+            st = ref()
+            if (
+                st is None
+                or key in entries
+                or st.nbytes() == 0
+                or not st.resizable()
+                or st.device.type != dev
+            ):
                 continue
             plan = self.drop_plan(key) if drop else None
             c_drop = (
@@ -584,7 +685,7 @@ class DynamicGuard(BudgetGuard):
                 if plan is not None
                 else 0.0
             )
-            if plan is not None and self.remat == "auto" and c_drop >= c_swap:
+            if plan is not None and auto and c_drop >= c_swap:
                 plan = None  # the dead sources it regenerates make it dearer than a swap
             if plan is not None:
                 self.gain_s += c_swap - c_drop
@@ -670,13 +771,11 @@ class DynamicGuard(BudgetGuard):
 
     def _swap(self, key: int, st, n: int) -> None:
         ex = self.ex
-        e = self._entry(key, st, n, True, None)
         t0 = time.perf_counter()
+        e = self._entry(key, st, n, True, None)
         ex.stats.stall_s += self.swap.evict_now(e)
-        dt = time.perf_counter() - t0
-        if dt > 0 and n >= 1 << 16:  # measured bandwidth, smoothed
-            self.bw_out = 0.8 * self.bw_out + 0.2 * (n / dt)
         self.tracker.evicted(key)
+        self.copy_out.add(n, time.perf_counter() - t0)
         ex.stats.passive_evictions += 1
         ex.stats.dynamic_swaps += 1
 
@@ -685,6 +784,8 @@ class DynamicGuard(BudgetGuard):
         """Evicted storages ``keys`` come back, each dropped one after the evicted sources of its
         replay (ancestors first), each with room made under the budget first."""
         ex = self.ex
+        if ex.entries.keys().isdisjoint(keys):
+            return  # nothing evicted among them
         order = []
         seen = set()
         stack = [(k, False) for k in set(keys) if k is not None]
@@ -719,9 +820,8 @@ class DynamicGuard(BudgetGuard):
             self.enforce(protect, need)
             t0 = time.perf_counter()
             ex.restore(e)
-            dt = time.perf_counter() - t0
-            if e.swap and dt > 0 and e.nbytes >= 1 << 16:  # measured, smoothed
-                self.bw_in = 0.8 * self.bw_in + 0.2 * (e.nbytes / dt)
+            if e.swap:
+                self.copy_in.add(e.nbytes, time.perf_counter() - t0)
 
     def replay(self, e: Entry) -> None:
         """Regenerate dropped ``e`` (the executor's restore of a DYNAMIC entry)."""

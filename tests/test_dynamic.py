@@ -296,6 +296,77 @@ def test_drops_that_save_less_than_recording_costs_stop_the_recording(monkeypatc
     assert [i for i in range(2, 6) if calls.get(i)] == [4], calls  # the probe alone
 
 
+def test_probes_that_do_not_pay_come_twice_as_far_apart_each_time(monkeypatch):
+    """Note [Recording only while replay pays]: with no drop ever paying for its recording,
+    the iterations after the first two record only to probe, at PROBE_EVERY, then after twice
+    the gap each time (here 2, 4, 8: iterations 2, 4, 8 of 10)."""
+    from capuchin.runtime import dynamic
+
+    monkeypatch.setattr(dynamic, "PROBE_EVERY", 2)
+    monkeypatch.setattr(dynamic, "RECORD_OP_S", 1.0)  # no drop pays
+    rt = Runtime(budget_bytes=int(peak("mlp") * 0.8), measure_memory=False)
+    recording = []
+    real = dynamic.DynamicGuard.new_iteration
+
+    def new_iteration(self):
+        real(self)
+        recording.append(self.recording)
+
+    monkeypatch.setattr(dynamic.DynamicGuard, "new_iteration", new_iteration)
+    assert train_mismatches("mlp", rt, ("--steps", "10")) == []
+    assert [i for i, r in enumerate(recording) if r] == [0, 1, 2, 4, 8], recording
+
+
+def test_a_swap_s_cost_is_fitted_as_fixed_plus_bytes_over_bandwidth():
+    """Note [What a swap costs]: swaps of several sizes give the fixed part and the bandwidth;
+    one swap that took far longer (preempted) moves the fit by a bounded factor."""
+    from capuchin.runtime.dynamic import _CopyTime
+
+    c = _CopyTime(12e9)
+    assert c.fixed_s == 0.0 and c.s_per_byte == pytest.approx(1 / 12e9)
+    for _ in range(100):
+        for n in (4096, 1 << 16, 1 << 20, 1 << 22):
+            c.add(n, 20e-6 + n / 5e9)
+    assert c.fixed_s == pytest.approx(20e-6, rel=1e-3)
+    assert c.s_per_byte == pytest.approx(1 / 5e9, rel=1e-3)
+    before = c.predict(1 << 20)
+    c.add(1 << 20, 1.0)
+    assert c.predict(1 << 20) < 2 * before
+
+
+def test_a_swap_s_fixed_cost_makes_one_large_victim_cheaper_than_many_small_ones():
+    """h = C/(M*L) with C = fixed + bytes/bandwidth: where the fixed part dominates, one recent
+    large storage goes before eight staler small ones (bytes only: the small ones, oldest
+    first, as LRU)."""
+    rt = Runtime(budget_bytes=1 << 40, measure_memory=False, remat="swap")
+    with rt:
+        g = rt.ex.guard
+        small = [torch.ones(1024) * i for i in range(8)]  # 4 KiB each, made first
+        large = torch.ones(1 << 18) * 2  # 1 MiB, made last
+        for c in (g.copy_out, g.copy_in):
+            c.fixed_s, c.s_per_byte = 1e-3, 1 / 10e9
+        assert g.evict(8 * 4096, set()) == 1 << 20
+        assert large.untyped_storage().nbytes() == 0
+        assert all(t.untyped_storage().nbytes() == 4096 for t in small)
+        want = [t.clone() for t in small] + [torch.full((1 << 18,), 2.0)]
+        got = [t + 0 for t in (*small, large)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_storage_made_in_an_iteration_that_does_not_record_is_not_the_stalest():
+    """The transformer at 80% swapping DTR's victims (no replay, no recording): a storage's
+    first access is its allocation, so it evicts no more storages per step than LRU (25 to
+    LRU's 19 when the outputs of an iteration that does not record had no access at all and
+    went first); training bitwise."""
+    budget = int(peak("transformer") * 0.8)
+    per_step = {}
+    for eviction, remat in (("dtr", "swap"), ("lru", "auto")):
+        rt = Runtime(budget_bytes=budget, measure_memory=False, eviction=eviction, remat=remat)
+        assert train_mismatches("transformer", rt, STEPS5) == []
+        per_step[eviction] = [s.passive_evictions for s in complete(rt)[2:]]
+    assert max(per_step["dtr"]) <= min(per_step["lru"]), per_step
+
+
 # ---- a third-party model ---------------------------------------------------------------------
 
 
