@@ -371,15 +371,20 @@ def _keepable(
     hits = iv.keys() & pos.keys()
     if len(hits) > 1:
         hits = sorted(hits, key=pos.__getitem__)
+    back_from = res._back_from
+    recompute = Method.RECOMPUTE
     for x in hits:
-        if x == d.storage_id or res.out_at(x, back) != Method.RECOMPUTE:
+        if x == d.storage_id:
             continue
         first = None
         for e, b, m in iv[x]:
             if e < back <= b:
-                if first is None:
+                if first is None:  # out_at(x, back) decides by this window: dropped, not back
+                    r = back_from.get(x) if back_from else None
+                    if m != recompute or (r is not None and e < r <= back):
+                        break
                     first = b
-                if m == Method.RECOMPUTE:
+                if m == recompute:
                     chain = chains.get((x, e), _UNSEEN)
                     if chain is _UNSEEN:
                         chain = _chain(problem, x, e)

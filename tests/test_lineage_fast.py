@@ -47,6 +47,7 @@ def fit_keeps_plain(problem, d, replay_ops, res, room):
 class Counted:
     def __init__(self):
         self.keepable = self.kept = self.fits = self.replays = self.hits = self.costly = 0
+        self.regenerated = 0
 
 
 def _checked(monkeypatch) -> Counted:
@@ -86,7 +87,17 @@ def _checked(monkeypatch) -> Counted:
         c.replays += 1
         return got
 
+    plain_keepable = lineage.keepable
+
+    def keepable(problem, d, replay_ops, res):  # the builder's path: storages regenerated
+        got = plain_keepable(problem, d, replay_ops, res)
+        assert got == keepable_plain(problem, d, replay_ops, res)
+        c.keepable += 1
+        c.regenerated += bool(res._back_from)
+        return got
+
     monkeypatch.setattr(lineage, "_keeps", keeps)
+    monkeypatch.setattr(lineage, "keepable", keepable)
     for mod in (lineage, search, msps):
         monkeypatch.setattr(mod, "replay_for", r)
     return c
@@ -127,6 +138,7 @@ def test_replay_memo_equals_a_fresh_walk_when_the_builder_resolves(monkeypatch):
             for _ in range(2):
                 lineage.resolve_recompute(problem, bare)
     assert c.replays > 50 and c.hits > 20
+    assert c.regenerated > 5  # keepable asked where earlier replays brought storages back
 
 
 def test_a_time_bounded_replay_query_leaves_the_memo_exact():
