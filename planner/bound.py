@@ -67,10 +67,11 @@ def lower_bound(
     time_limit_s: float = 120.0,
     tick_ns: int | None = None,
     cpsat: bool = True,
+    cuts: bool = True,
 ) -> LowerBound:
     """See the module docstring. ``time_limit_s``: wall-clock seconds for the whole call; the
     model build and the LP run to completion, CP-SAT gets what is left (none: no CP-SAT bound).
-    ``cpsat``: run CP-SAT at all. ``tick_ns``: the copy schedule's unit (default 1/100000 of the
+    ``cpsat``: run CP-SAT at all. ``cuts``: add ``add_cuts``'s inequalities. ``tick_ns``: the copy schedule's unit (default 1/100000 of the
     iteration, as the ``ilp`` policy)."""
     from .policies._ilp_model import _import_cp_model, _Model
     from .policies.ilp import DEFAULT_TICKS, candidates
@@ -97,6 +98,8 @@ def lower_bound(
     if tick_ns is None:
         tick_ns = max(1, problem.time_ns // DEFAULT_TICKS)
     model = _Model(problem, stages, budget_bytes, cands, tick_ns)
+    if cuts:
+        add_cuts(model, problem)
     proto = model.m.proto
     if model.hopeless:
         return LowerBound(
@@ -142,6 +145,62 @@ def lower_bound(
         cp_s,
         status,
     )
+
+
+def add_cuts(model, problem: Problem) -> int:
+    """Add to ``model`` (an op-granularity ``_Model``) inequalities that every plan the simulator
+    accepts satisfies (Note [Cuts the simulator implies]); returns how many."""
+    m, q = model.m, model.q
+    added = 0
+    # (1) one decision per storage
+    for cs in model.by_storage.values():
+        lits = [d[c.key] for c in cs for d in (model.drop, model.swap) if c.key in d]
+        if len(lits) > 1:
+            m.add(sum(lits) <= 1)
+            added += 1
+    if problem.host:  # host work lengthens the real timeline beyond the model's: no time cuts
+        return added
+    swaps = [
+        (c.evict_op, c.back_op, c.out_ns // q, c.in_ns // q, w)
+        for k, w in model.swap.items()
+        for c in [model.cands[k]]
+        if not c.wraps
+    ]
+    swaps.sort(key=lambda x: x[:4])
+    if not swaps:
+        return added
+    n = problem.n_ops
+    # ``base[k]``: ticks of ops 0..k-1 (durations rounded up, as the model's stages);
+    # ``clock[k]``: ticks of replays and stalls before the ops 0..k (the model's ``pre``)
+    base = [0]
+    for d in problem.durations_ns.tolist():
+        base.append(base[-1] + -(-int(d) // q))
+    hi = sum(model.m.proto.variables[v.Index()].domain[-1] for v in model.stall.values())
+    hi += sum(-(-problem.ops[j].duration_ns // q) for (_b, j) in model.R)
+    clock = []
+    for k in range(n):
+        x = m.new_int_var(0, hi, f"clock{k}")
+        m.add(x == (clock[-1] if clock else 0) + model.pre[k])
+        clock.append(x)
+
+    def span_at_least(i: int, b: int, need: int, lits: list) -> None:
+        """ticks from the end of op i to the start of op b >= need when every literal holds"""
+        nonlocal added
+        free = base[b] - base[i + 1]
+        if need <= free:
+            return  # the baseline alone covers it
+        m.add(clock[b] - clock[i] >= (need - free) * (sum(lits) - len(lits) + 1))
+        added += 1
+
+    # (2) a swap's in-copy starts after its out-copy ends
+    for e, b, out, inn, w in swaps:
+        span_at_least(e, b, out + inn, [w])
+    # (3) swap-outs run one at a time in the order they are issued (evicted-access order)
+    for iu, (eu, _bu, outu, _inu, wu) in enumerate(swaps):
+        for ev, bv, outv, inv, wv in swaps[iu + 1 :]:
+            if ev > eu:
+                span_at_least(eu, bv, outu + outv + inv, [wu, wv])
+    return added
 
 
 def _lp_bound(model) -> float | None:
@@ -193,3 +252,113 @@ def _lp_bound(model) -> float | None:
         return None
     # GLOP's optimum is a float; shave its tolerance so the bound stays below the true one
     return max(0.0, obj.Value() * (1 - 1e-7) - 1.0)
+
+
+@dataclass(frozen=True)
+class Found:
+    """The best plan ``search_plans`` found: ``extra_ns`` its simulated extra time (None: no
+    fitting plan seen), ``decisions`` its decisions; ``steps`` plans simulated, ``fitting`` how
+    many of them fit the budget."""
+
+    extra_ns: int | None
+    decisions: tuple
+    steps: int
+    fitting: int
+
+
+def search_plans(
+    problem: Problem,
+    budget_bytes: int,
+    start,
+    *,
+    steps: int = 20_000,
+    seed: int = 0,
+    visit=None,
+) -> Found:
+    """An upper bound on the optimum: a seeded local search over plans from the decisions
+    ``start`` (e.g. the capuchin plan's). Each step changes one decision (to a swap with a
+    random in-trigger, or a swap to a recomputation), removes one, or adds one on a random
+    candidate gap (``ilp.candidates``; replacing that storage's decision), simulates the plan
+    (``ilp.simulated_extra_ns``) and keeps it when it fits the budget and is no slower. Every
+    plan is judged by the simulator, so ``extra_ns`` is the extra time of a plan that fits:
+    the optimum is at most that. ``visit(decisions, extra_ns)`` is called for every fitting plan
+    simulated (the tests check the bound against each). Deterministic for a ``seed``."""
+    import random
+
+    from .plan import Decision, Method
+    from .policies.ilp import candidates, simulated_extra_ns
+
+    rng = random.Random(seed)
+    cands = [c for c in candidates(problem, budget_bytes) if not c.wraps]
+
+    def fresh(d):
+        if d.method == Method.SWAP:
+            return Decision(
+                d.storage_id,
+                Method.SWAP,
+                d.size_bytes,
+                d.evict_op,
+                d.back_op,
+                trigger_op=d.trigger_op,
+                wraps=d.wraps,
+            )
+        return Decision(d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op)
+
+    def evaluate(ds):
+        v = simulated_extra_ns(problem, budget_bytes, ds)
+        if v is not None and visit is not None:
+            visit(ds, v)
+        return v
+
+    best_ds = [fresh(d) for d in start]
+    best = evaluate(best_ds)
+    fitting = int(best is not None)
+    for _ in range(steps):
+        ds = list(best_ds)
+        move = rng.random()
+        if move < 0.35 and ds:  # change how one comes back
+            i = rng.randrange(len(ds))
+            d = ds[i]
+            if d.wraps:
+                continue
+            if (
+                d.method == Method.SWAP
+                and rng.random() < 0.5
+                and problem.storages[d.storage_id].evictable
+            ):
+                ds[i] = Decision(
+                    d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op
+                )
+            else:
+                trig = rng.randint(d.evict_op + 1, d.back_op)
+                ds[i] = Decision(
+                    d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op, trigger_op=trig
+                )
+        elif move < 0.55 and ds:  # keep one resident
+            ds.pop(rng.randrange(len(ds)))
+        elif cands:  # evict in another gap
+            c = rng.choice(cands)
+            ds = [d for d in ds if d.storage_id != c.storage_id]
+            if c.chain is not None and rng.random() < 0.4:
+                ds.append(
+                    Decision(c.storage_id, Method.RECOMPUTE, c.size_bytes, c.evict_op, c.back_op)
+                )
+            else:
+                trig = rng.randint(c.evict_op + 1, c.back_op)
+                ds.append(
+                    Decision(
+                        c.storage_id,
+                        Method.SWAP,
+                        c.size_bytes,
+                        c.evict_op,
+                        c.back_op,
+                        trigger_op=trig,
+                    )
+                )
+        v = evaluate(ds)
+        if v is None:
+            continue
+        fitting += 1
+        if best is None or v <= best:
+            best, best_ds = v, ds
+    return Found(best, tuple(best_ds) if best is not None else (), steps, fitting)
