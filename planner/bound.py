@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from ..errors import CapuchinError
 from .coarsen import coarsen
 from .problem import Problem
+
+CUTS = ("one_per_storage", "copies_in_sequence", "swap_outs_in_order")  # add_cuts' families
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,11 @@ def lower_bound(
     time_limit_s: float = 120.0,
     tick_ns: int | None = None,
     cpsat: bool = True,
-    cuts: bool = True,
+    cuts: Collection[str] = CUTS,
 ) -> LowerBound:
     """See the module docstring. ``time_limit_s``: wall-clock seconds for the whole call; the
     model build and the LP run to completion, CP-SAT gets what is left (none: no CP-SAT bound).
-    ``cpsat``: run CP-SAT at all. ``cuts``: add ``add_cuts``'s inequalities. ``tick_ns``: the copy schedule's unit (default 1/100000 of the
+    ``cpsat``: run CP-SAT at all. ``cuts``: which of ``add_cuts``'s families to add (``CUTS``: all). ``tick_ns``: the copy schedule's unit (default 1/100000 of the
     iteration, as the ``ilp`` policy)."""
     from .policies._ilp_model import _import_cp_model, _Model
     from .policies.ilp import DEFAULT_TICKS, candidates
@@ -99,7 +102,7 @@ def lower_bound(
         tick_ns = max(1, problem.time_ns // DEFAULT_TICKS)
     model = _Model(problem, stages, budget_bytes, cands, tick_ns)
     if cuts:
-        add_cuts(model, problem)
+        add_cuts(model, problem, cuts)
     proto = model.m.proto
     if model.hopeless:
         return LowerBound(
@@ -147,19 +150,19 @@ def lower_bound(
     )
 
 
-def add_cuts(model, problem: Problem) -> int:
+def add_cuts(model, problem: Problem, families: Collection[str] = CUTS) -> int:
     """Add to ``model`` (an op-granularity ``_Model``) inequalities that every plan the simulator
     accepts satisfies (Note [Cuts the simulator implies]); returns how many."""
     m, q = model.m, model.q
     added = 0
     # (1) one decision per storage
-    for cs in model.by_storage.values():
+    for cs in model.by_storage.values() if "one_per_storage" in families else ():
         lits = [d[c.key] for c in cs for d in (model.drop, model.swap) if c.key in d]
         if len(lits) > 1:
             m.add(sum(lits) <= 1)
             added += 1
-    if problem.host:  # host work lengthens the real timeline beyond the model's: no time cuts
-        return added
+    if problem.host or not {"copies_in_sequence", "swap_outs_in_order"} & set(families):
+        return added  # host work lengthens the real timeline beyond the model's: no time cuts
     swaps = [
         (c.evict_op, c.back_op, c.out_ns // q, c.in_ns // q, w)
         for k, w in model.swap.items()
@@ -193,10 +196,12 @@ def add_cuts(model, problem: Problem) -> int:
         added += 1
 
     # (2) a swap's in-copy starts after its out-copy ends
-    for e, b, out, inn, w in swaps:
+    for e, b, out, inn, w in swaps if "copies_in_sequence" in families else ():
         span_at_least(e, b, out + inn, [w])
     # (3) swap-outs run one at a time in the order they are issued (evicted-access order)
-    for iu, (eu, _bu, outu, _inu, wu) in enumerate(swaps):
+    for iu, (eu, _bu, outu, _inu, wu) in enumerate(
+        swaps if "swap_outs_in_order" in families else ()
+    ):
         for ev, bv, outv, inv, wv in swaps[iu + 1 :]:
             if ev > eu:
                 span_at_least(eu, bv, outu + outv + inv, [wu, wv])
