@@ -1,13 +1,19 @@
-"""A proven lower bound on the extra time of every plan for a budget: how far from optimal a
-plan can be. No torch; needs OR-Tools (GLOP and CP-SAT).
+"""A proven lower bound on the extra time of every plan for a budget, and an upper bound (the
+best plan a local search finds): the optimum lies between them. No torch; needs OR-Tools (GLOP
+and CP-SAT).
 
 ``lower_bound(problem, budget)`` builds the ``ilp`` policy's model (policies/_ilp_model.py) at op
 granularity over *every* candidate (each access gap of an evictable storage that covers an op
-over the budget), with each swap's in-copy free to start any time after its out-copy, and
-returns the larger of two proven bounds on its optimum:
+over the budget), with each swap's in-copy free to start any time after its out-copy, adds the
+cuts of Note [Cuts the simulator implies] (``add_cuts``), and returns the larger of two proven
+bounds on the optimum of that model:
 
 - ``lp_ns``: the optimum of its linear relaxation (GLOP; all variables continuous);
 - ``cpsat_ns``: CP-SAT's best objective bound after ``time_limit_s`` of search.
+
+``search_plans(problem, budget, start)`` is a seeded local search over plans from ``start`` (e.g.
+capuchin's), every one judged by the simulator: the best that fits is an upper bound on the
+optimum, so a policy's plan is at least (its extra - found) / its extra above the optimum.
 
 # Note: [Why the bound holds for every plan]
 # At op granularity the model is a relaxation of the simulator (policies/_ilp_model.py Note
@@ -17,10 +23,46 @@ returns the larger of two proven bounds on its optimum:
 # plans that prefetch earlier; here every candidate's trigger is its first possible op, so the
 # in-copy may start anywhere after the out-copy and every swap a plan can express is admitted.
 # A decision on a gap that covers no op over the budget lowers no memory row of the model; a
-# plan's choices on the candidates alone already satisfy every row. So no plan whose simulated
+# plan's choices on the candidates alone already satisfy every row. The cuts hold for every
+# plan the simulator accepts (Note [Cuts the simulator implies]), at the model's image of the
+# plan (its choices, its replays, its stalls where it stalled). So no plan whose simulated
 # peak fits the budget has a simulated extra time below the model's optimum, and each of the
 # two bounds is below that optimum. Stages coarser than ops would break this (a storage off
 # the device for part of a stage counts as present there), hence op granularity only.
+# Where the simulator charges host work on the compute stream (``Problem.host``: CPU traces)
+# the real timeline is longer than the model's stages, so the model's copy windows are shorter
+# than the simulator's and this argument does not cover the copy-schedule rows there (the
+# ``ilp`` model's own caveat); the time cuts are left out on such problems. The DTR traces have
+# no host work.
+#
+# Note: [Cuts the simulator implies]
+# ``add_cuts`` adds inequalities the model alone does not imply, each a fact of the simulator
+# (planner/simulator.py Note [Simulation model]) that holds for every plan it accepts:
+# - ``one_per_storage``: at most one decision per storage over all its gaps
+#   (``check_decisions`` raises ``PlanError`` on two; the plan format keys decisions by storage).
+# - ``copies_in_sequence``: a swapped storage's host->device copy starts when its device->host
+#   copy has ended (``start_swap_in``: ``begin >= out_end``), the out-copy starts after the
+#   evicted-access ends and the back-access waits for the in-copy: the time from the end of
+#   op ``e`` to the start of op ``b`` is at least ``out + in``. The model lets the two copies of
+#   one storage overlap (its "in follows out" is proportional, per stage).
+# - ``swap_outs_in_order``: device->host copies run one at a time in issue order, issued at
+#   the end of their evicted-access: when swaps ``u`` and ``v`` with ``e_u < e_v`` are both
+#   taken, ``v``'s out-copy ends at least ``out_u + out_v`` after op ``e_u`` ends, so op
+#   ``b_v`` starts at least ``out_u + out_v + in_v`` after it. The model shares a channel
+#   fractionally within a stage and in any order.
+# The time cuts are written on a clock of the model's own replays and stalls (``clock[k]``: the
+# ticks of ``pre`` before ops 0..k; a span from the end of op i to the start of op b is the
+# rounded-up baseline of ops i+1..b-1 plus ``clock[b] - clock[i]``), copy times rounded down
+# to ticks as the model's, and a cut is added only where the baseline alone does not already
+# cover it. A stall is a whole number of ticks in the model, so the image of a plan counts each
+# stall up to a tick short: every stage that may stall inside a span is credited one tick (the
+# model's copy-schedule rows round the same way: durations up, copies down). Wrap-around swaps
+# are left out (the argument needs both copies in one iteration).
+# On the small generated traces (tests/test_bound.py) the cuts lift the LP bound (e.g. 211 ->
+# 565 ns against an optimum of 1000), and a cut strengthened beyond these facts (one decision
+# per storage made none, a storage's copy time doubled, a queued swap-out counted twice) makes
+# the bound exceed brute force there. On DTR's U-Net they do not move the LP: its swaps have
+# gaps long enough for both copies and the queue (docs/planner.md, Lower bound).
 """
 
 from __future__ import annotations
@@ -151,8 +193,9 @@ def lower_bound(
 
 
 def add_cuts(model, problem: Problem, families: Collection[str] = CUTS) -> int:
-    """Add to ``model`` (an op-granularity ``_Model``) inequalities that every plan the simulator
-    accepts satisfies (Note [Cuts the simulator implies]); returns how many."""
+    """Add to ``model`` (an op-granularity ``_Model``) the ``families`` of inequalities (``CUTS``)
+    that every plan the simulator accepts satisfies (Note [Cuts the simulator implies]); returns
+    how many were added."""
     m, q = model.m, model.q
     added = 0
     # (1) one decision per storage
@@ -186,10 +229,16 @@ def add_cuts(model, problem: Problem, families: Collection[str] = CUTS) -> int:
         m.add(x == (clock[-1] if clock else 0) + model.pre[k])
         clock.append(x)
 
+    # ``stalls[k]``: stages 0..k-1 that may stall. A stall of s ns is floor(s / q) ticks in the
+    # model's image of a plan, up to a tick short: each one in a span is credited a tick.
+    stalls = [0]
+    for k in range(n):
+        stalls.append(stalls[-1] + (k in model.stall))
+
     def span_at_least(i: int, b: int, need: int, lits: list) -> None:
         """ticks from the end of op i to the start of op b >= need when every literal holds"""
         nonlocal added
-        free = base[b] - base[i + 1]
+        free = base[b] - base[i + 1] + stalls[b + 1] - stalls[i + 1]
         if need <= free:
             return  # the baseline alone covers it
         m.add(clock[b] - clock[i] >= (need - free) * (sum(lits) - len(lits) + 1))
