@@ -1,13 +1,19 @@
-"""A proven lower bound on the extra time of every plan for a budget: how far from optimal a
-plan can be. No torch; needs OR-Tools (GLOP and CP-SAT).
+"""A proven lower bound on the extra time of every plan for a budget, and an upper bound (the
+best plan a local search finds): the optimum lies between them. No torch; needs OR-Tools (GLOP
+and CP-SAT).
 
 ``lower_bound(problem, budget)`` builds the ``ilp`` policy's model (policies/_ilp_model.py) at op
 granularity over *every* candidate (each access gap of an evictable storage that covers an op
-over the budget), with each swap's in-copy free to start any time after its out-copy, and
-returns the larger of two proven bounds on its optimum:
+over the budget), with each swap's in-copy free to start any time after its out-copy, adds the
+cuts of Note [Cuts the simulator implies] (``add_cuts``), and returns the larger of two proven
+bounds on the optimum of that model:
 
 - ``lp_ns``: the optimum of its linear relaxation (GLOP; all variables continuous);
 - ``cpsat_ns``: CP-SAT's best objective bound after ``time_limit_s`` of search.
+
+``search_plans(problem, budget, start)`` is a seeded local search over plans from ``start`` (e.g.
+capuchin's), every one judged by the simulator: the best that fits is an upper bound on the
+optimum, so a policy's plan is at least (its extra - found) / its extra above the optimum.
 
 # Note: [Why the bound holds for every plan]
 # At op granularity the model is a relaxation of the simulator (policies/_ilp_model.py Note
@@ -17,21 +23,60 @@ returns the larger of two proven bounds on its optimum:
 # plans that prefetch earlier; here every candidate's trigger is its first possible op, so the
 # in-copy may start anywhere after the out-copy and every swap a plan can express is admitted.
 # A decision on a gap that covers no op over the budget lowers no memory row of the model; a
-# plan's choices on the candidates alone already satisfy every row. So no plan whose simulated
+# plan's choices on the candidates alone already satisfy every row. The cuts hold for every
+# plan the simulator accepts (Note [Cuts the simulator implies]), at the model's image of the
+# plan (its choices, its replays, its stalls where it stalled). So no plan whose simulated
 # peak fits the budget has a simulated extra time below the model's optimum, and each of the
 # two bounds is below that optimum. Stages coarser than ops would break this (a storage off
 # the device for part of a stage counts as present there), hence op granularity only.
+# Where the simulator charges host work on the compute stream (``Problem.host``: CPU traces)
+# the real timeline is longer than the model's stages, so the model's copy windows are shorter
+# than the simulator's and this argument does not cover the copy-schedule rows there (the
+# ``ilp`` model's own caveat); the time cuts are left out on such problems. The DTR traces have
+# no host work.
+#
+# Note: [Cuts the simulator implies]
+# ``add_cuts`` adds inequalities the model alone does not imply, each a fact of the simulator
+# (planner/simulator.py Note [Simulation model]) that holds for every plan it accepts:
+# - ``one_per_storage``: at most one decision per storage over all its gaps
+#   (``check_decisions`` raises ``PlanError`` on two; the plan format keys decisions by storage).
+# - ``copies_in_sequence``: a swapped storage's host->device copy starts when its device->host
+#   copy has ended (``start_swap_in``: ``begin >= out_end``), the out-copy starts after the
+#   evicted-access ends and the back-access waits for the in-copy: the time from the end of
+#   op ``e`` to the start of op ``b`` is at least ``out + in``. The model lets the two copies of
+#   one storage overlap (its "in follows out" is proportional, per stage).
+# - ``swap_outs_in_order``: device->host copies run one at a time in issue order, issued at
+#   the end of their evicted-access: when swaps ``u`` and ``v`` with ``e_u < e_v`` are both
+#   taken, ``v``'s out-copy ends at least ``out_u + out_v`` after op ``e_u`` ends, so op
+#   ``b_v`` starts at least ``out_u + out_v + in_v`` after it. The model shares a channel
+#   fractionally within a stage and in any order.
+# The time cuts are written on a clock of the model's own replays and stalls (``clock[k]``: the
+# ticks of ``pre`` before ops 0..k; a span from the end of op i to the start of op b is the
+# rounded-up baseline of ops i+1..b-1 plus ``clock[b] - clock[i]``), copy times rounded down
+# to ticks as the model's, and a cut is added only where the baseline alone does not already
+# cover it. A stall is a whole number of ticks in the model, so the image of a plan counts each
+# stall up to a tick short: every stage that may stall inside a span is credited one tick (the
+# model's copy-schedule rows round the same way: durations up, copies down). Wrap-around swaps
+# are left out (the argument needs both copies in one iteration).
+# On the small generated traces (tests/test_bound.py) the cuts lift the LP bound (e.g. 211 ->
+# 565 ns against an optimum of 1000), and a cut strengthened beyond these facts (one decision
+# per storage made none, a storage's copy time doubled, a queued swap-out counted twice) makes
+# the bound exceed brute force there. On DTR's U-Net they do not move the LP: its swaps have
+# gaps long enough for both copies and the queue (docs/planner.md, Lower bound).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from ..errors import CapuchinError
 from .coarsen import coarsen
 from .problem import Problem
+
+CUTS = ("one_per_storage", "copies_in_sequence", "swap_outs_in_order")  # add_cuts' families
 
 
 @dataclass(frozen=True)
@@ -67,10 +112,11 @@ def lower_bound(
     time_limit_s: float = 120.0,
     tick_ns: int | None = None,
     cpsat: bool = True,
+    cuts: Collection[str] = CUTS,
 ) -> LowerBound:
     """See the module docstring. ``time_limit_s``: wall-clock seconds for the whole call; the
     model build and the LP run to completion, CP-SAT gets what is left (none: no CP-SAT bound).
-    ``cpsat``: run CP-SAT at all. ``tick_ns``: the copy schedule's unit (default 1/100000 of the
+    ``cpsat``: run CP-SAT at all. ``cuts``: which of ``add_cuts``'s families to add (``CUTS``: all). ``tick_ns``: the copy schedule's unit (default 1/100000 of the
     iteration, as the ``ilp`` policy)."""
     from .policies._ilp_model import _import_cp_model, _Model
     from .policies.ilp import DEFAULT_TICKS, candidates
@@ -97,6 +143,8 @@ def lower_bound(
     if tick_ns is None:
         tick_ns = max(1, problem.time_ns // DEFAULT_TICKS)
     model = _Model(problem, stages, budget_bytes, cands, tick_ns)
+    if cuts:
+        add_cuts(model, problem, cuts)
     proto = model.m.proto
     if model.hopeless:
         return LowerBound(
@@ -142,6 +190,71 @@ def lower_bound(
         cp_s,
         status,
     )
+
+
+def add_cuts(model, problem: Problem, families: Collection[str] = CUTS) -> int:
+    """Add to ``model`` (an op-granularity ``_Model``) the ``families`` of inequalities (``CUTS``)
+    that every plan the simulator accepts satisfies (Note [Cuts the simulator implies]); returns
+    how many were added."""
+    m, q = model.m, model.q
+    added = 0
+    # (1) one decision per storage
+    for cs in model.by_storage.values() if "one_per_storage" in families else ():
+        lits = [d[c.key] for c in cs for d in (model.drop, model.swap) if c.key in d]
+        if len(lits) > 1:
+            m.add(sum(lits) <= 1)
+            added += 1
+    if problem.host or not {"copies_in_sequence", "swap_outs_in_order"} & set(families):
+        return added  # host work lengthens the real timeline beyond the model's: no time cuts
+    swaps = [
+        (c.evict_op, c.back_op, c.out_ns // q, c.in_ns // q, w)
+        for k, w in model.swap.items()
+        for c in [model.cands[k]]
+        if not c.wraps
+    ]
+    swaps.sort(key=lambda x: x[:4])
+    if not swaps:
+        return added
+    n = problem.n_ops
+    # ``base[k]``: ticks of ops 0..k-1 (durations rounded up, as the model's stages);
+    # ``clock[k]``: ticks of replays and stalls before the ops 0..k (the model's ``pre``)
+    base = [0]
+    for d in problem.durations_ns.tolist():
+        base.append(base[-1] + -(-int(d) // q))
+    hi = sum(model.m.proto.variables[v.Index()].domain[-1] for v in model.stall.values())
+    hi += sum(-(-problem.ops[j].duration_ns // q) for (_b, j) in model.R)
+    clock = []
+    for k in range(n):
+        x = m.new_int_var(0, hi, f"clock{k}")
+        m.add(x == (clock[-1] if clock else 0) + model.pre[k])
+        clock.append(x)
+
+    # ``stalls[k]``: stages 0..k-1 that may stall. A stall of s ns is floor(s / q) ticks in the
+    # model's image of a plan, up to a tick short: each one in a span is credited a tick.
+    stalls = [0]
+    for k in range(n):
+        stalls.append(stalls[-1] + (k in model.stall))
+
+    def span_at_least(i: int, b: int, need: int, lits: list) -> None:
+        """ticks from the end of op i to the start of op b >= need when every literal holds"""
+        nonlocal added
+        free = base[b] - base[i + 1] + stalls[b + 1] - stalls[i + 1]
+        if need <= free:
+            return  # the baseline alone covers it
+        m.add(clock[b] - clock[i] >= (need - free) * (sum(lits) - len(lits) + 1))
+        added += 1
+
+    # (2) a swap's in-copy starts after its out-copy ends
+    for e, b, out, inn, w in swaps if "copies_in_sequence" in families else ():
+        span_at_least(e, b, out + inn, [w])
+    # (3) swap-outs run one at a time in the order they are issued (evicted-access order)
+    for iu, (eu, _bu, outu, _inu, wu) in enumerate(
+        swaps if "swap_outs_in_order" in families else ()
+    ):
+        for ev, bv, outv, inv, wv in swaps[iu + 1 :]:
+            if ev > eu:
+                span_at_least(eu, bv, outu + outv + inv, [wu, wv])
+    return added
 
 
 def _lp_bound(model) -> float | None:
@@ -193,3 +306,113 @@ def _lp_bound(model) -> float | None:
         return None
     # GLOP's optimum is a float; shave its tolerance so the bound stays below the true one
     return max(0.0, obj.Value() * (1 - 1e-7) - 1.0)
+
+
+@dataclass(frozen=True)
+class Found:
+    """The best plan ``search_plans`` found: ``extra_ns`` its simulated extra time (None: no
+    fitting plan seen), ``decisions`` its decisions; ``steps`` plans simulated, ``fitting`` how
+    many of them fit the budget."""
+
+    extra_ns: int | None
+    decisions: tuple
+    steps: int
+    fitting: int
+
+
+def search_plans(
+    problem: Problem,
+    budget_bytes: int,
+    start,
+    *,
+    steps: int = 20_000,
+    seed: int = 0,
+    visit=None,
+) -> Found:
+    """An upper bound on the optimum: a seeded local search over plans from the decisions
+    ``start`` (e.g. the capuchin plan's). Each step changes one decision (to a swap with a
+    random in-trigger, or a swap to a recomputation), removes one, or adds one on a random
+    candidate gap (``ilp.candidates``; replacing that storage's decision), simulates the plan
+    (``ilp.simulated_extra_ns``) and keeps it when it fits the budget and is no slower. Every
+    plan is judged by the simulator, so ``extra_ns`` is the extra time of a plan that fits:
+    the optimum is at most that. ``visit(decisions, extra_ns)`` is called for every fitting plan
+    simulated (the tests check the bound against each). Deterministic for a ``seed``."""
+    import random
+
+    from .plan import Decision, Method
+    from .policies.ilp import candidates, simulated_extra_ns
+
+    rng = random.Random(seed)
+    cands = [c for c in candidates(problem, budget_bytes) if not c.wraps]
+
+    def fresh(d):
+        if d.method == Method.SWAP:
+            return Decision(
+                d.storage_id,
+                Method.SWAP,
+                d.size_bytes,
+                d.evict_op,
+                d.back_op,
+                trigger_op=d.trigger_op,
+                wraps=d.wraps,
+            )
+        return Decision(d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op)
+
+    def evaluate(ds):
+        v = simulated_extra_ns(problem, budget_bytes, ds)
+        if v is not None and visit is not None:
+            visit(ds, v)
+        return v
+
+    best_ds = [fresh(d) for d in start]
+    best = evaluate(best_ds)
+    fitting = int(best is not None)
+    for _ in range(steps):
+        ds = list(best_ds)
+        move = rng.random()
+        if move < 0.35 and ds:  # change how one comes back
+            i = rng.randrange(len(ds))
+            d = ds[i]
+            if d.wraps:
+                continue
+            if (
+                d.method == Method.SWAP
+                and rng.random() < 0.5
+                and problem.storages[d.storage_id].evictable
+            ):
+                ds[i] = Decision(
+                    d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op
+                )
+            else:
+                trig = rng.randint(d.evict_op + 1, d.back_op)
+                ds[i] = Decision(
+                    d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op, trigger_op=trig
+                )
+        elif move < 0.55 and ds:  # keep one resident
+            ds.pop(rng.randrange(len(ds)))
+        elif cands:  # evict in another gap
+            c = rng.choice(cands)
+            ds = [d for d in ds if d.storage_id != c.storage_id]
+            if c.chain is not None and rng.random() < 0.4:
+                ds.append(
+                    Decision(c.storage_id, Method.RECOMPUTE, c.size_bytes, c.evict_op, c.back_op)
+                )
+            else:
+                trig = rng.randint(c.evict_op + 1, c.back_op)
+                ds.append(
+                    Decision(
+                        c.storage_id,
+                        Method.SWAP,
+                        c.size_bytes,
+                        c.evict_op,
+                        c.back_op,
+                        trigger_op=trig,
+                    )
+                )
+        v = evaluate(ds)
+        if v is None:
+            continue
+        fitting += 1
+        if best is None or v <= best:
+            best, best_ds = v, ds
+    return Found(best, tuple(best_ds) if best is not None else (), steps, fitting)

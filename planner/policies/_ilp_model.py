@@ -267,6 +267,7 @@ class _Model:
         pre = [lsum(rc[t]) + self.stall.get(t, 0) for t in range(n_st)]
         length = [-(-st.duration_ns[t] // q) + pre[t] for t in range(n_st)]
         has_pre = [bool(rc[t]) or t in self.stall for t in range(n_st)]
+        self.pre, self.length = pre, length  # ticks before stage t's ops; its whole length
         out_load = [[] for _ in range(n_st)]
         out_pre = [[] for _ in range(n_st)]  # out-copies of storages due back in stage t
         out_abs = [[] for _ in range(n_st)]  # out-copy parts ending before stage t's ops
