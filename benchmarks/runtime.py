@@ -278,13 +278,13 @@ def _example(name: str, tmp: Path):
     return TRACES / f"{name}.py", TRACES / f"{name}.trace.parquet", (_checkpointed, [])
 
 
-def _plan(trace: Path, budget: str) -> Plan:
+def _plan(trace: Path, budget: str, policy: str = "capuchin") -> Plan:
     from capuchin.errors import InfeasibleBudgetError
 
     try:
-        return capuchin.make_plan(trace, budget=budget, policy="capuchin")
+        return capuchin.make_plan(trace, budget=budget, policy=policy)
     except InfeasibleBudgetError as exc:
-        return capuchin.make_plan(trace, budget=exc.smallest_feasible_bytes, policy="capuchin")
+        return capuchin.make_plan(trace, budget=exc.smallest_feasible_bytes, policy=policy)
 
 
 def predicted_s(plan: Plan, plain_s: float) -> float:
@@ -302,6 +302,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--examples", default="cnn,transformer,mlp,hf_gpt2")
     ap.add_argument("--budget", default="50%")
+    ap.add_argument(
+        "--also",
+        default=None,
+        metavar="POLICY",
+        help="one more variant: POLICY's plan at the same budget (e.g. capuchin-ls)",
+    )
     ap.add_argument(
         "--threads",
         type=int,
@@ -334,6 +340,14 @@ def main() -> None:
             "capuchin": (None, [], lambda plan=plan: Runtime(plan, measure_memory=False), plan),
             "checkpoint": (ck_prep, ck_argv, lambda: None, None),
         }
+        if args.also:
+            other = _plan(trace, args.budget, args.also)
+            variants[args.also] = (
+                None,
+                [],
+                lambda other=other: Runtime(other, measure_memory=False),
+                other,
+            )
         # The host is shared: interleave the variants round by round and keep each one's best.
         best = dict.fromkeys(variants, math.inf)
         for _ in range(args.repeats):
