@@ -41,6 +41,7 @@ def test_steps_and_seed_are_the_searchs():
     assert a.figures["local_search_steps"] == 300
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_local_search_plans_train_bitwise_within_the_budget(name):
     """The found plans use in-triggers and methods the grid does not: they must run as planned."""
