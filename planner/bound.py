@@ -394,20 +394,10 @@ def search_plans(
             c = rng.choice(cands)
             ds = [d for d in ds if d.storage_id != c.storage_id]
             if c.chain is not None and rng.random() < 0.4:
-                ds.append(
-                    Decision(c.storage_id, Method.RECOMPUTE, c.size_bytes, c.evict_op, c.back_op)
-                )
+                ds.append(c.decision(Method.RECOMPUTE))
             else:
-                trig = rng.randint(c.evict_op + 1, c.back_op)
                 ds.append(
-                    Decision(
-                        c.storage_id,
-                        Method.SWAP,
-                        c.size_bytes,
-                        c.evict_op,
-                        c.back_op,
-                        trigger_op=trig,
-                    )
+                    c.decision(Method.SWAP, trigger_op=rng.randint(c.evict_op + 1, c.back_op))
                 )
         v = evaluate(ds)
         if v is None:

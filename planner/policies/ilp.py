@@ -201,21 +201,9 @@ def to_decisions(
             continue
         c = cands[k]
         if ch == Choice.SWAP:
-            out.append(
-                Decision(
-                    c.storage_id,
-                    Method.SWAP,
-                    c.size_bytes,
-                    c.evict_op,
-                    c.back_op,
-                    trigger_op=trigger_op(problem, c, budget_bytes),
-                    wraps=c.wraps,
-                )
-            )
+            out.append(c.decision(Method.SWAP, trigger_op=trigger_op(problem, c, budget_bytes)))
         else:
-            out.append(
-                Decision(c.storage_id, Method.RECOMPUTE, c.size_bytes, c.evict_op, c.back_op)
-            )
+            out.append(c.decision(Method.RECOMPUTE))
     return out
 
 
