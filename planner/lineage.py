@@ -140,10 +140,10 @@ def replay_for(
     bound]). Memoized per problem (Note [Replay memo])."""
     regen = isinstance(resident, _RegenResident)
     if resident is not None and not regen:
-        r = _replay_walk(problem, sid, evict_op, back_op, residency, resident, max_ops, None)
-        if isinstance(r, _Costly) or (r is not None and max_ns is not None and r[2] >= max_ns):
-            return None
-        return None if r is None else (r[0], r[1])
+        r = _replay_walk(
+            problem, sid, evict_op, back_op, residency, resident, max_ops, None, max_ns
+        )
+        return _answer(r, max_ns)
     res = resident.res if regen else residency
     memo = _REPLAY_MEMO.get(problem)
     if memo is None:
@@ -151,7 +151,7 @@ def replay_for(
     key = (sid, evict_op, back_op, max_ops, regen, res is None)
     entries = memo.setdefault(key, [])
     for never, seen, result in entries:
-        if isinstance(result, _Costly) and (max_ns is None or max_ns > result.ns):
+        if isinstance(result, _Costly) and (max_ns is None or max_ns > result):
             continue  # a walk cut short at a lower bound says nothing here
         # ``never``: the storages whose out_at was None; out_at is None for every storage no
         # decision evicts, so only those of them that some decision evicts need out_at
@@ -160,11 +160,7 @@ def replay_for(
             if hit and not all(res.out_at(x, back_op) is None for x in hit):
                 continue
         if not seen or res.all_out_at(seen, back_op):
-            if result is None or isinstance(result, _Costly):
-                return None
-            if max_ns is not None and result[2] >= max_ns:
-                return None
-            return list(result[0]), list(result[1])
+            return _answer(result, max_ns)
     seen: list[tuple[str, Method | None]] = []
     result = _replay_walk(
         problem, sid, evict_op, back_op, residency, resident, max_ops, seen, max_ns
@@ -180,20 +176,22 @@ def replay_for(
         ),
     )
     del entries[_MEMO_VARIANTS:]
-    if result is None or isinstance(result, _Costly):
-        return None
-    if max_ns is not None and result[2] >= max_ns:
-        return None
-    return result[0], result[1]
+    return _answer(result, max_ns)
 
 
 class _Costly(float):
     """A walk stopped once its replay's ops took this many ns (Note [Replays with a time
     bound]): the whole replay takes at least that long, or does not exist."""
 
-    @property
-    def ns(self) -> float:
-        return float(self)
+
+def _answer(result, max_ns: int | None) -> tuple[list[int], list[str]] | None:
+    """``replay_for``'s answer from a walk's result (or a memoized one): None for no replay, a
+    stopped walk, or a replay whose ops take ``max_ns`` or more."""
+    if result is None or isinstance(result, _Costly):
+        return None
+    if max_ns is not None and result[2] >= max_ns:
+        return None
+    return list(result[0]), list(result[1])
 
 
 # Note: [Replays with a time bound]
@@ -251,9 +249,9 @@ def _replay_walk(
                     replay.update(new)
                     todo.extend(new)
                     regen[x] = j - 1
-                    if new and max_ns is not None:
+                    if new:
                         dur += sum(ops[o].duration_ns for o in new)
-                        if dur >= max_ns:
+                        if max_ns is not None and dur >= max_ns:
                             return _Costly(dur)
                 continue
             xs = st[x]
@@ -287,9 +285,9 @@ def _replay_walk(
             todo.extend(new)
             if len(replay) > max_ops:
                 return None
-            if max_ns is not None and new:
+            if new:
                 dur += sum(ops[o].duration_ns for o in new)
-                if dur >= max_ns:
+                if max_ns is not None and dur >= max_ns:
                     return _Costly(dur)
     ordered = sorted(replay)
     # sources are what the ordered replay reads before producing it
@@ -300,8 +298,6 @@ def _replay_walk(
             if x not in made:
                 need[x] = None
         made.update(ops[j].allocs)
-    if max_ns is None:
-        dur = sum(ops[j].duration_ns for j in ordered)
     return ordered, list(need), dur
 
 
@@ -366,7 +362,7 @@ def _keepable(
     iv = res._iv
     back = d.back_op
     chains = _CHAINS.get(problem, {})
-    _, pos = _allocs_of(problem, replay_ops)
+    pos = _allocs_of(problem, replay_ops)
     # a storage no decision evicts is never out: only those in both, in the replay's op order
     hits = iv.keys() & pos.keys()
     if len(hits) > 1:
@@ -395,11 +391,9 @@ def _keepable(
     return out
 
 
-def _allocs_of(
-    problem: Problem, replay_ops: Sequence[int]
-) -> tuple[tuple[str, ...], dict[str, int]]:
-    """The storages the ops allocate, in op order, and each one's first position there
-    (remembered per problem and op list)."""
+def _allocs_of(problem: Problem, replay_ops: Sequence[int]) -> dict[str, int]:
+    """The storages the ops allocate, each with its first position in op order (remembered
+    per problem and op list)."""
     memo = _ALLOCS.get(problem)
     if memo is None:
         memo = _ALLOCS[problem] = {}
@@ -407,11 +401,9 @@ def _allocs_of(
     got = memo.get(key)
     if got is None:
         ops = problem.ops
-        allocs = tuple(x for j in key for x in ops[j].allocs)
-        pos: dict[str, int] = {}
-        for i, x in enumerate(allocs):
-            pos.setdefault(x, i)
-        got = memo[key] = (allocs, pos)
+        got = memo[key] = {}
+        for i, x in enumerate(x for j in key for x in ops[j].allocs):
+            got.setdefault(x, i)
     return got
 
 

@@ -133,8 +133,8 @@ def fast_pass(
     for lst in trig_at.values():
         lst.sort(key=lambda i: (decisions[i].back_op, i))
 
-    # dynamic compute events (replays at phase 1, drops at phase 4): key, time, delta, kind
-    # as chunks in program order: key, start time, (times from the start, deltas, kinds)
+    # dynamic compute events (replays at phase 1, drops at phase 4), as chunks in program
+    # order: key, start time, (times from the start, deltas, kinds)
     dk: list[int] = []
     dt: list[int] = []
     dev: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
