@@ -263,11 +263,10 @@ class DynamicTracker(PassiveTracker):
         self.engine.reset()
 
     def _died(self, key: int):
-        def cb(_ref, self=self, key=key):
-            item = self.lru.pop(key, None)  # PassiveTracker's, inlined (one call per storage)
-            self.in_iteration.discard(key)
-            if item is not None:
-                self.tracked_bytes -= item[1]
+        base = super()._died(key)
+
+        def cb(ref, self=self, key=key, base=base):
+            base(ref)
             self.last_access.pop(key, None)
             if self.children:
                 self.children.pop(key, None)  # a source need not be recorded itself
@@ -289,9 +288,7 @@ class DynamicTracker(PassiveTracker):
         iteration that does not record would look older than every other candidate, and go
         first (it did: the transformer at 80% evicted 25 storages per step where LRU evicts 19,
         the ones just made, read again at once)."""
-        n = st.nbytes()
-        self.lru[k] = (weakref.ref(st, self._died(k)), n)
-        self.tracked_bytes += n
+        n = super()._track(k, st)
         self.last_access[k] = self.clock
         return n
 
@@ -566,8 +563,7 @@ class DynamicGuard(BudgetGuard):
                 for root in self._live_roots(deps) if deps else ():
                     self.bring_back([*keys, root])  # one at a time: each frees what only it pins
                     ex.stats.cow_restores += 1
-            if not entries.keys().isdisjoint(keys):
-                self.bring_back(keys)
+            self.bring_back(keys)
         pkey, out_bytes = self.memory.predict(func, args, kwargs)
         out_bytes += self.memory.scratch(name, flat, out_bytes)
         # the op's evicted arguments are back already (bring_back): nothing more comes back
@@ -581,12 +577,10 @@ class DynamicGuard(BudgetGuard):
 
     def after_op(self, outs: list, in_keys: set, token) -> None:
         pkey, pending, t0 = token
+        dt = time.perf_counter() - t0 if pending is not None else 0.0
+        self.tracker.track_outputs(outs, in_keys, pkey)
         if pending is not None:
-            dt = time.perf_counter() - t0
-            self.tracker.track_outputs(outs, in_keys, pkey)
             self.tracker.recorded(pending, dt, outs, in_keys)
-        else:
-            self.tracker.track_outputs(outs, in_keys, pkey)
         self.enforce(in_keys | {k for k, _ in storages(outs)})
 
     def stays_out(self, e: Entry) -> bool:
