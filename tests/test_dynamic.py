@@ -353,6 +353,19 @@ def test_a_swap_s_fixed_cost_makes_one_large_victim_cheaper_than_many_small_ones
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+def test_an_output_s_allocation_is_its_first_access_when_nothing_records():
+    """The rule under the test below, directly: with recording off (remat="swap"), a new
+    output's staleness starts at its allocation, not at 0 (the stalest of all)."""
+    rt = Runtime(budget_bytes=1 << 40, measure_memory=False, remat="swap")
+    with rt:
+        x = torch.randn(64, 64)
+        for _ in range(5):
+            x = x * 2
+        tr = rt.ex.guard.tracker
+        assert not rt.ex.guard.recording
+        assert tr.last_access.get(storage_key(x.untyped_storage()), 0) == tr.clock
+
+
 def test_a_storage_made_in_an_iteration_that_does_not_record_is_not_the_stalest():
     """The transformer at 80% swapping DTR's victims (no replay, no recording): a storage's
     first access is its allocation, so it evicts no more storages per step than LRU (25 to
