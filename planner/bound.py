@@ -116,8 +116,9 @@ def lower_bound(
 ) -> LowerBound:
     """See the module docstring. ``time_limit_s``: wall-clock seconds for the whole call; the
     model build and the LP run to completion, CP-SAT gets what is left (none: no CP-SAT bound).
-    ``cpsat``: run CP-SAT at all. ``cuts``: which of ``add_cuts``'s families to add (``CUTS``: all). ``tick_ns``: the copy schedule's unit (default 1/100000 of the
-    iteration, as the ``ilp`` policy)."""
+    ``cpsat``: run CP-SAT at all. ``cuts``: which of ``add_cuts``'s families to add (``CUTS``:
+    all). ``tick_ns``: the copy schedule's unit (default 1/100000 of the iteration, as the
+    ``ilp`` policy)."""
     from .policies._ilp_model import _import_cp_model, _Model
     from .policies.ilp import DEFAULT_TICKS, candidates
 
