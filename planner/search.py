@@ -27,6 +27,17 @@ plan gets faster without its peak rising above the bound it was given.
 # ``pick`` returns the cheapest of those plans whose simulated peak fits: a larger budget can
 # only choose among more plans, so it never costs more.
 #
+# Note: [Deep targets]
+# The grid's targets at and below the floor (``Problem.floor_bytes``, a peak no plan reaches)
+# are *deep*: a planner aiming there evicts all it can. ``grid(..., deep=False)`` leaves them
+# out, and ``fitting_grid(..., deep=None)`` adds them only when no plan of the other targets
+# fits the budget; each target's plans are made once per problem either way, so a grid with
+# and without its deep targets share them. Leaving them out keeps a planner's reach (the
+# lowest budget it fits) and its plans at budgets where the other targets fit nothing, but it
+# is a budget-dependent choice of candidates, so it is monotone in the budget only on each
+# side of the lowest peak the other targets reach; the capuchin policy uses it for one
+# planner only (policies/capuchin.py Note [Deep targets of the recompute-only plans]).
+#
 # Note: [Stalled swaps]
 # Algorithm 1 compares a swap's *estimated* overhead with a recomputation's. The estimate sees
 # the copy channel as the swaps chosen so far occupy it, but the simulation can show a swap
@@ -191,52 +202,92 @@ def grid_targets(problem: Problem) -> list[int]:
 
 
 def grid(
-    problem: Problem, planner: TargetPlanner, switching: Switching | None = None
+    problem: Problem,
+    planner: TargetPlanner,
+    switching: Switching | None = None,
+    deep: bool = True,
 ) -> list[GridPlan]:
     """Plans of ``planner`` for every grid target, each pruned against its own target, with the
-    switched variants of Note [Stalled swaps] when ``switching`` is given. Cached per problem."""
-    return cached(problem, ("grid", planner, switching), lambda: _grid(problem, planner, switching))
+    switched variants of Note [Stalled swaps] when ``switching`` is given. ``deep=False``: only
+    the targets above the floor (Note [Deep targets]). Cached per problem, each target once."""
+    return cached(
+        problem,
+        ("grid", planner, switching, deep),
+        lambda: [
+            g
+            for t in grid_targets(problem)
+            if deep or t > problem.floor_bytes()
+            for g in _target_plans(problem, planner, switching, t)
+        ],
+    )
 
 
-def _grid(problem: Problem, planner: TargetPlanner, switching: Switching | None) -> list[GridPlan]:
+def _target_plans(
+    problem: Problem, planner: TargetPlanner, switching: Switching | None, t: int
+) -> list[GridPlan]:
+    return cached(
+        problem, ("target", planner, switching, t), lambda: _plans(problem, planner, switching, t)
+    )
+
+
+def _plans(
+    problem: Problem, planner: TargetPlanner, switching: Switching | None, t: int
+) -> list[GridPlan]:
+    """The grid's plans for target ``t``: the planner's, its switched variants, each pruned."""
     peak = problem.peak_bytes
     targets = grid_targets(problem)
-    out = []
-    for t in targets:
-        try:
-            a = planner(problem, t)
-        except PlanError:  # a target whose plan breaks an invariant is skipped, not fatal
-            continue
-        if a.sim is None:
-            continue
-        variants = [a]
-        if switching is not None and a.sim.stall_ns + a.sim.recompute_ns > 0:
-            sw = switch_stalled(problem, a, t, switching)
-            if sw.decisions is not a.decisions:
-                variants.append(sw)
-            if a.sim.stall_ns > 0:  # and switched after every round, which changes the path
-                try:
-                    variants.append(
-                        planner(
-                            problem,
-                            t,
-                            after_round=lambda x, t=t: switch_stalled(problem, x, t, switching),
-                        )
+    out: list[GridPlan] = []
+    try:
+        a = planner(problem, t)
+    except PlanError:  # a target whose plan breaks an invariant is skipped, not fatal
+        return out
+    if a.sim is None:
+        return out
+    variants = [a]
+    if switching is not None and a.sim.stall_ns + a.sim.recompute_ns > 0:
+        sw = switch_stalled(problem, a, t, switching)
+        if sw.decisions is not a.decisions:
+            variants.append(sw)
+        if a.sim.stall_ns > 0:  # and switched after every round, which changes the path
+            try:
+                variants.append(
+                    planner(
+                        problem,
+                        t,
+                        after_round=lambda x: switch_stalled(problem, x, t, switching),
                     )
-                except PlanError:
-                    pass
-        for v in variants:
-            ds = prune(problem, v, max(t, v.sim.peak_bytes))
-            vsim = simulate(problem, ds)
-            out.append(GridPlan(ds, vsim.peak_bytes, vsim.time_ns))
-            if switching is None or vsim.stall_ns == 0:
-                continue
-            # and switched as far as the next grid targets above its peak allow
-            for c in sorted(x for x in targets if vsim.peak_bytes < x < peak)[:2]:
-                cds, csim, _ = switch_stalled(problem, Attempt(ds, vsim, v.regen), c, switching)
-                if csim.time_ns < vsim.time_ns and csim.peak_bytes <= c:
-                    out.append(GridPlan(cds, csim.peak_bytes, csim.time_ns))
+                )
+            except PlanError:
+                pass
+    for v in variants:
+        ds = prune(problem, v, max(t, v.sim.peak_bytes))
+        vsim = simulate(problem, ds)
+        out.append(GridPlan(ds, vsim.peak_bytes, vsim.time_ns))
+        if switching is None or vsim.stall_ns == 0:
+            continue
+        # and switched as far as the next grid targets above its peak allow
+        for c in sorted(x for x in targets if vsim.peak_bytes < x < peak)[:2]:
+            cds, csim, _ = switch_stalled(problem, Attempt(ds, vsim, v.regen), c, switching)
+            if csim.time_ns < vsim.time_ns and csim.peak_bytes <= c:
+                out.append(GridPlan(cds, csim.peak_bytes, csim.time_ns))
     return out
+
+
+def fitting_grid(
+    problem: Problem,
+    planner: TargetPlanner,
+    budget: int,
+    switching: Switching | None = None,
+    deep: bool | None = True,
+) -> list[GridPlan]:
+    """``grid(problem, planner, switching, deep)``; ``deep=None``: the targets above the floor
+    when one of their plans fits ``budget``, else every target (Note [Deep targets])."""
+    if deep is None:
+        plans = grid(problem, planner, switching, deep=False)
+        if any(g.peak_bytes <= budget for g in plans):
+            return plans
+        deep = True
+    return grid(problem, planner, switching, deep)
 
 
 def pick(plans: Iterable[GridPlan], budget: int) -> list[Decision]:
@@ -295,15 +346,19 @@ SEARCH_MAX_OPS = 5000  # problems up to this size get the target grid (Note [Tar
 
 
 def searched(
-    problem: Problem, budget: int, planner: TargetPlanner, switching: Switching | None = None
+    problem: Problem,
+    budget: int,
+    planner: TargetPlanner,
+    switching: Switching | None = None,
+    deep: bool | None = True,
 ) -> list[Decision]:
-    """``pick(grid(...))`` up to ``SEARCH_MAX_OPS`` ops, ``descend`` above; ``[]`` when the
-    problem fits the budget as it is."""
+    """``pick(fitting_grid(...))`` up to ``SEARCH_MAX_OPS`` ops, ``descend`` above; ``[]`` when
+    the problem fits the budget as it is. ``deep``: as ``fitting_grid``'s."""
     if problem.n_ops == 0 or problem.peak_bytes <= budget:
         return []
     if problem.n_ops > SEARCH_MAX_OPS:
         return descend(problem, budget, planner)
-    return pick(grid(problem, planner, switching), budget)
+    return pick(fitting_grid(problem, planner, budget, switching, deep), budget)
 
 
 def restricted_first(
@@ -324,17 +379,24 @@ RECOMPUTE_FIRST_TRIES = 8  # candidates tried per pass before giving up
 
 
 def recompute_first(
-    problem: Problem, planner: TargetPlanner, budget: int, switching: Switching
+    problem: Problem,
+    planner: TargetPlanner,
+    budget: int,
+    switching: Switching,
+    deep: bool | None = True,
 ) -> list[GridPlan]:
-    """Note [Recompute first]: the plans of ``grid(problem, planner)`` that fit ``budget``,
-    with the replays that a swap makes cheaper (as simulated) switched, none above its plan's
-    own peak; only those that got faster. Each conversion is made once per plan and cached."""
-    plans = grid(problem, planner)
+    """Note [Recompute first]: the plans of ``fitting_grid(problem, planner, budget, None,
+    deep)`` that fit ``budget``, with the replays that a swap makes cheaper (as simulated)
+    switched, none above its plan's own peak; only those that got faster. Each conversion is
+    made once per plan and cached."""
+    plans = fitting_grid(problem, planner, budget, None, deep)
     done = cached(problem, ("recompute-first", planner, switching), dict)
     out = []
-    for i, (ds, peak, t) in enumerate(plans):
+    for g in plans:
+        ds, peak, t = g
         if peak > budget:
             continue
+        i = id(g)  # grid plans live in the problem's cache: their ids are stable
         if i not in done:
             done[i] = None
             try:

@@ -156,8 +156,9 @@ def test_capuchin_skips_the_variants_when_its_plan_costs_nothing():
     # planned without persistent candidates first (policies/capuchin.py Note [Persistent
     # candidates]): that plan costs nothing, so the one with them is not made either
     assert p not in search._CACHE
-    made = [k[0] for k in search._CACHE[p.restricted()]]
-    assert made == ["grid"]  # the hybrid's grid only: no recompute-only grid, no conversions
+    made = {(k[0], k[1].mode) for k in search._CACHE[p.restricted()]}
+    # the hybrid's grid (and its targets) only: no recompute-only grid, no conversions
+    assert made == {("grid", "hybrid"), ("target", "hybrid")}
 
 
 def test_gc_paused_restores_the_collector_state():
