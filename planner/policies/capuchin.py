@@ -28,7 +28,10 @@ it in the generic search of planner/search.py, which is not in the paper.
 # InceptionV4 at 80/60/50/40%); the recompute-only plan and its recompute-first conversions,
 # which won there (cnn 50%, transformer 80%, U-Net 60%), stay. Where the restricted plan does not
 # fit, the persistent candidates are what can make it fit, and the full search runs. The choice
-# depends on the budget only through that fit, which is monotone (search Note [Targets]).
+# depends on the budget through that fit: a budget just below the lowest peak of the restricted
+# plans gets the full search and can end in a faster plan than a budget just above it, so the
+# policy is monotone in the budget on each side of that peak only (docs/planner.md,
+# "Monotonicity", has a generated problem where it is not).
 #
 # Note: [Deep targets of the recompute-only plans]
 # The recompute-only candidate (its grid and its recompute-first conversions) plans for the
