@@ -118,3 +118,30 @@ def test_recompute_first_beats_both_variants_on_resnet32(resnet32):
     assert not _judge(resnet32, cap.swap_only(resnet32, budget).decisions, budget)[0]
     methods = {d.method for d in hy}
     assert methods == {Method.SWAP, Method.RECOMPUTE}
+
+
+def test_deep_targets_only_when_the_others_fit_nothing(resnet32):
+    # Note [Deep targets]: on DTR's ResNet-32 the recompute-only plans of the deep targets
+    # (at and below the floor) reach a lower peak than the others; fitting_grid(deep=None)
+    # leaves them out where another plan fits, and takes them where none does (the reach)
+    from capuchin.planner import search
+    from capuchin.planner.search import grid_targets
+
+    p = resnet32.restricted()
+    rec = cap.Capuchin("recompute")
+    shallow = grid(p, rec, deep=False)
+    every = grid(p, rec)
+    low = min(g.peak_bytes for g in shallow)
+    assert min(g.peak_bytes for g in every) < low  # the deep plans reach lower
+    deep_targets = [t for t in grid_targets(p) if t <= p.floor_bytes()]
+    assert deep_targets
+    search._CACHE.pop(p, None)
+    assert (
+        search.fitting_grid(p, rec, low, deep=None) == shallow
+    )  # another plan fits: no deep plans made
+    made = {k[3] for k in search._CACHE[p] if k[0] == "target"}
+    assert made.isdisjoint(deep_targets)
+    budget = low - 1  # none of the others fits: every target, deep ones included
+    assert search.fitting_grid(p, rec, budget, deep=None) == every
+    d = search.searched(p, budget, rec, deep=None)
+    assert simulate(p, d).peak_bytes <= budget
