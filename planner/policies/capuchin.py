@@ -34,8 +34,11 @@ it in the generic search of planner/search.py, which is not in the paper.
 # "Monotonicity", has a generated problem where it is not).
 #
 # Note: [Deep targets of the recompute-only plans]
-# The recompute-only candidate (its grid and its recompute-first conversions) plans for the
-# deep targets (search Note [Deep targets]) only when none of its other plans fits the budget.
+# On problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, the recompute-only candidate (its grid and
+# its recompute-first conversions) plans for the deep targets (search Note [Deep targets]) only
+# when none of its other plans fits the budget; on smaller ones, where they cost little (DTR
+# U-Net and ResNet-32 plan in 1.2-3.4 s with them), always, which keeps the policy's choices
+# fewer there (Note [The search, in the plan's provenance]).
 # Algorithm 2 aiming below the floor evicts every candidate and replays long chains: on DTR's
 # DenseNet-121 and a 24-layer GPT-2 those plans run 47-211x the baseline iteration, and
 # planning, pruning and converting them took half of the whole policy's CPU time. Measured
@@ -48,6 +51,19 @@ it in the generic search of planner/search.py, which is not in the paper.
 # stays monotone in the budget; across it, only if no deep recompute-only plan is faster than
 # every plan fitting the larger budget. The hybrid's deep plans win cells where other targets
 # fit (the bundled cnn and mlp at 40-50%, U-Net at 40%), so they are always made.
+#
+# Note: [The search, in the plan's provenance]
+# The policy's result depends on the budget through the plans it compares and through two
+# choices of which plans to make: the search with persistent candidates is light where the
+# plan without them fits (Note [The search with persistent candidates]), and the recompute-only
+# candidate plans its deep targets only where its other plans fit nothing (Note [Deep targets of
+# the recompute-only plans]). Between two budgets with the same choices a larger budget never
+# gets a slower plan (the grids are budget-independent and best-of takes the fastest fitting
+# plan); across a change of choice it can (docs/planner.md, "Monotonicity"). The choices are
+# recorded in ``figures["search"]`` (the plan's ``provenance.parameters``): ``persistent``
+# ("none": not made, "light" or "full") and ``deep_recompute`` (the problems, "restricted" or
+# "full", on which the deep targets were planned); ``descend`` where the problem is too large
+# for the grid (not monotone at all).
 """
 
 from __future__ import annotations
@@ -71,6 +87,7 @@ from ..search import (
     Switching,
     best_of,
     gc_paused,
+    grid,
     recompute_first,
     restricted_first,
     searched,
@@ -78,6 +95,8 @@ from ..search import (
 )
 from ..simulator import simulate
 from ..swapping import SwapTimer, WrapEstimate, estimate_wrap, reserve_wrap, wrap_free_time
+
+DEEP_WHEN_NEEDED_OPS = 1000  # Note [Deep targets of the recompute-only plans]
 
 
 @register("capuchin")
@@ -104,20 +123,36 @@ def capuchin(
     sw = Switching(collective, max_replay_ops)
 
     restricted_fits: list[bool] = []
+    # Note [The search, in the plan's provenance]
+    made = {"persistent": "none", "deep_recompute": []}
 
     def plan(p: Problem) -> list[Decision]:
+        name = "restricted" if p is problem.restricted() else "full"
+        if p is not problem.restricted():
+            made["persistent"] = "light" if restricted_fits == [True] else "full"
         if p.n_ops > SEARCH_MAX_OPS:
+            made["descend"] = True
             return searched(p, budget_bytes, hybrid)
         # Note [The search with persistent candidates]: lighter where the restricted plan fits
-        light = p is not problem.restricted() and restricted_fits == [True]
+        light = made["persistent"] == "light"
+
+        # Note [Deep targets of the recompute-only plans]: when needed, on large problems
+        deep = None if p.n_ops >= DEEP_WHEN_NEEDED_OPS else True
+
+        def recompute_only() -> list[Decision]:
+            ds = searched(p, budget_bytes, rec, deep=deep)
+            if deep is None and not any(
+                g.peak_bytes <= budget_bytes for g in grid(p, rec, deep=False)
+            ):
+                made["deep_recompute"].append(name)
+            return ds
 
         def variants():  # a generator: best_of stops early at a plan that costs nothing
             yield lambda: searched(p, budget_bytes, hybrid, None if light else sw)
-            # Note [Deep targets of the recompute-only plans]
-            yield lambda: searched(p, budget_bytes, rec, deep=None)
+            yield recompute_only
             if not light:
                 yield lambda: searched(p, budget_bytes, swap)
-            for g in recompute_first(p, rec, budget_bytes, sw, deep=None):
+            for g in recompute_first(p, rec, budget_bytes, sw, deep=deep):
                 yield lambda g=g: g.decisions
 
         decisions = best_of(p, budget_bytes, variants())
@@ -125,7 +160,8 @@ def capuchin(
             restricted_fits.append(simulate(p, decisions).peak_bytes <= budget_bytes)
         return decisions
 
-    return PolicyResult.of(restricted_first(problem, budget_bytes, plan))
+    decisions = restricted_first(problem, budget_bytes, plan)
+    return PolicyResult(tuple(decisions), figures={"search": made})
 
 
 @register("swap")
