@@ -35,8 +35,8 @@ plan gets faster without its peak rising above the bound it was given.
 # and without its deep targets share them. Leaving them out keeps a planner's reach (the
 # lowest budget it fits) and its plans at budgets where the other targets fit nothing, but it
 # is a budget-dependent choice of candidates, so it is monotone in the budget only on each
-# side of the lowest peak the other targets reach; the capuchin policy uses it for one
-# planner only (policies/capuchin.py Note [Deep targets of the recompute-only plans]).
+# side of the lowest peak the other targets reach; the capuchin policy uses it on large
+# problems only (policies/capuchin.py Note [Deep targets on large problems]).
 #
 # Note: [Stalled swaps]
 # Algorithm 1 compares a swap's *estimated* overhead with a recomputation's. The estimate sees

@@ -80,7 +80,7 @@ def test_more_budget_never_costs_more(p, frac, extra, policy):
     # (docs/planner.md, "Monotonicity"; test_capuchin_is_not_monotone_across_a_change_of_search)
     s_lo, s_hi = (pl.provenance.parameters.get("search") or {} for pl in (plan_lo, plan_hi))
     light = s_lo.get("persistent") == "full" and s_hi.get("persistent") == "light"
-    assume(not light and s_lo.get("deep_recompute", []) == s_hi.get("deep_recompute", []))
+    assume(not light and s_lo.get("deep", []) == s_hi.get("deep", []))
 
     assert _device_ns(plan_hi) <= _device_ns(plan_lo)
 

@@ -33,37 +33,35 @@ it in the generic search of planner/search.py, which is not in the paper.
 # policy is monotone in the budget on each side of that peak only (docs/planner.md,
 # "Monotonicity", has a generated problem where it is not).
 #
-# Note: [Deep targets of the recompute-only plans]
-# On problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, the recompute-only candidate (its grid and
-# its recompute-first conversions) plans for the deep targets (search Note [Deep targets]) only
-# when none of its other plans fits the budget; on smaller ones, where they cost little (DTR
-# U-Net and ResNet-32 plan in 1.2-3.4 s with them), always, which keeps the policy's choices
-# fewer there (Note [The search, in the plan's provenance]).
-# Algorithm 2 aiming below the floor evicts every candidate and replays long chains: on DTR's
-# DenseNet-121 and a 24-layer GPT-2 those plans run 47-211x the baseline iteration, and
-# planning, pruning and converting them took half of the whole policy's CPU time. Measured
-# with and without them (``capuchin`` at 80/60/50/40% on the bundled traces, DTR U-Net,
-# ResNet-32, InceptionV4, Transformer, DenseNet-121, GPT-2 12 and 24 layers): the same
-# predicted overhead in all 40 cells, each policy 1.4-2.2x faster cold at 60%. They stay for
-# the budgets that need them: on ResNet-32, InceptionV4 and the DTR Transformer they reach
-# lower peaks (11% of the peak on ResNet-32 against 14% without them), so the policy's reach
-# is unchanged. Below and above the lowest peak of the candidate's other plans the policy
-# stays monotone in the budget; across it, only if no deep recompute-only plan is faster than
-# every plan fitting the larger budget. The hybrid's deep plans win cells where other targets
-# fit (the bundled cnn and mlp at 40-50%, U-Net at 40%), so they are always made.
+# Note: [Deep targets on large problems]
+# On problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, each candidate (the hybrid, recompute-only
+# and swap-only grids, and the recompute-first conversions) plans for its deep targets (search
+# Note [Deep targets]) only when none of its other plans fits the budget; on smaller problems,
+# where they cost little (DTR U-Net and ResNet-32 plan in 1.2-3.4 s with them) and win cells
+# where other plans fit (the bundled cnn at 40% and mlp at 50%, U-Net at 40%), always. On the
+# large traces the deep plans are the costliest and lose: Algorithm 2 aiming below the floor
+# evicts every candidate and replays long chains (47-211x the baseline iteration on DTR's
+# DenseNet-121 and a 24-layer GPT-2), the hybrid's deep plans end at higher peaks than the
+# others (DenseNet-121: 44-72% of the peak against 26%), and planning, pruning, switching and
+# converting them took 40-65% of the policy's CPU time. Measured with and without them
+# (``capuchin`` at 80/60/50/40% on DTR InceptionV4, Transformer, DenseNet-121 and GPT-2 with 12
+# and 24 layers): the same predicted overhead and peak in all 20 cells. They stay for the budgets
+# that need them (on InceptionV4 and the DTR Transformer the deep recompute-only plans reach
+# lower peaks than the others), so the policy's reach is unchanged; the price is a
+# budget-dependent choice (Note [The search, in the plan's provenance]).
 #
 # Note: [The search, in the plan's provenance]
 # The policy's result depends on the budget through the plans it compares and through two
 # choices of which plans to make: the search with persistent candidates is light where the
-# plan without them fits (Note [The search with persistent candidates]), and the recompute-only
-# candidate plans its deep targets only where its other plans fit nothing (Note [Deep targets of
-# the recompute-only plans]). Between two budgets with the same choices a larger budget never
+# plan without them fits (Note [The search with persistent candidates]), and on large problems
+# each candidate plans its deep targets only where its other plans fit nothing (Note [Deep
+# targets on large problems]). Between two budgets with the same choices a larger budget never
 # gets a slower plan (the grids are budget-independent and best-of takes the fastest fitting
 # plan); across a change of choice it can (docs/planner.md, "Monotonicity"). The choices are
 # recorded in ``figures["search"]`` (the plan's ``provenance.parameters``): ``persistent``
-# ("none": not made, "light" or "full") and ``deep_recompute`` (the problems, "restricted" or
-# "full", on which the deep targets were planned); ``descend`` where the problem is too large
-# for the grid (not monotone at all).
+# ("none": not made, "light" or "full") and ``deep`` (the candidates, as "restricted hybrid",
+# "full recompute", ..., whose deep targets were planned); ``descend`` where the problem is too
+# large for the grid (not monotone at all).
 """
 
 from __future__ import annotations
@@ -96,7 +94,7 @@ from ..search import (
 from ..simulator import simulate
 from ..swapping import SwapTimer, WrapEstimate, estimate_wrap, reserve_wrap, wrap_free_time
 
-DEEP_WHEN_NEEDED_OPS = 1000  # Note [Deep targets of the recompute-only plans]
+DEEP_WHEN_NEEDED_OPS = 1000  # Note [Deep targets on large problems]
 
 
 @register("capuchin")
@@ -124,7 +122,7 @@ def capuchin(
 
     restricted_fits: list[bool] = []
     # Note [The search, in the plan's provenance]
-    made = {"persistent": "none", "deep_recompute": []}
+    made = {"persistent": "none", "deep": []}
 
     def plan(p: Problem) -> list[Decision]:
         name = "restricted" if p is problem.restricted() else "full"
@@ -135,23 +133,24 @@ def capuchin(
             return searched(p, budget_bytes, hybrid)
         # Note [The search with persistent candidates]: lighter where the restricted plan fits
         light = made["persistent"] == "light"
-
-        # Note [Deep targets of the recompute-only plans]: when needed, on large problems
+        # Note [Deep targets on large problems]: when needed, from DEEP_WHEN_NEEDED_OPS ops
         deep = None if p.n_ops >= DEEP_WHEN_NEEDED_OPS else True
 
-        def recompute_only() -> list[Decision]:
-            ds = searched(p, budget_bytes, rec, deep=deep)
-            if deep is None and not any(
-                g.peak_bytes <= budget_bytes for g in grid(p, rec, deep=False)
-            ):
-                made["deep_recompute"].append(name)
-            return ds
+        def search(planner: Capuchin, switching: Switching | None = None):
+            def run() -> list[Decision]:
+                ds = searched(p, budget_bytes, planner, switching, deep=deep)
+                shallow = grid(p, planner, switching, deep=False) if deep is None else ()
+                if deep is None and not any(g.peak_bytes <= budget_bytes for g in shallow):
+                    made["deep"].append(f"{name} {planner.mode}")
+                return ds
+
+            return run
 
         def variants():  # a generator: best_of stops early at a plan that costs nothing
-            yield lambda: searched(p, budget_bytes, hybrid, None if light else sw)
-            yield recompute_only
+            yield search(hybrid, None if light else sw)
+            yield search(rec)
             if not light:
-                yield lambda: searched(p, budget_bytes, swap)
+                yield search(swap)
             for g in recompute_first(p, rec, budget_bytes, sw, deep=deep):
                 yield lambda g=g: g.decisions
 
