@@ -28,15 +28,18 @@ plan gets faster without its peak rising above the bound it was given.
 # only choose among more plans, so it never costs more.
 #
 # Note: [Deep targets]
-# The grid's targets at and below the floor (``Problem.floor_bytes``, a peak no plan reaches)
-# are *deep*: a planner aiming there evicts all it can. ``grid(..., deep=False)`` leaves them
-# out, and ``fitting_grid(..., deep=None)`` adds them only when no plan of the other targets
-# fits the budget; each target's plans are made once per problem either way, so a grid with
-# and without its deep targets share them. Leaving them out keeps a planner's reach (the
-# lowest budget it fits) and its plans at budgets where the other targets fit nothing, but it
-# is a budget-dependent choice of candidates, so it is monotone in the budget only on each
-# side of the lowest peak the other targets reach; the capuchin policy uses it on large
-# problems only (policies/capuchin.py Note [Deep targets on large problems]).
+# A planner's *deep* targets are the grid's targets at and below the floor
+# (``Problem.floor_bytes``, a peak no plan reaches) and, going down from the highest target,
+# every target from the first whose plan misses it (simulated peak above the target) on: there
+# the planner evicts all it can, and its plans cost the most to make, prune, switch and
+# convert. ``grid(..., deep=False)`` leaves them out, and ``fitting_grid(..., deep=None)`` adds
+# them only when no plan of the other targets fits the budget; each target's plans are made once
+# per problem either way (the first attempt of each target, which decides the misses, is
+# cached too), so a grid with and without its deep targets share them. Leaving them out keeps
+# a planner's reach (the lowest budget it fits) and its plans at budgets where the other targets
+# fit nothing, but it is a budget-dependent choice of candidates, so it is monotone in the
+# budget only on each side of the lowest peak the other targets reach; the capuchin policy uses
+# it on large problems only (policies/capuchin.py Note [Deep targets on large problems]).
 #
 # Note: [Stalled swaps]
 # Algorithm 1 compares a swap's *estimated* overhead with a recomputation's. The estimate sees
@@ -216,10 +219,39 @@ def grid(
         lambda: [
             g
             for t in grid_targets(problem)
-            if deep or t > problem.floor_bytes()
+            if deep or t in _shallow(problem, planner)
             for g in _target_plans(problem, planner, switching, t)
         ],
     )
+
+
+def _shallow(problem: Problem, planner: TargetPlanner) -> frozenset[int]:
+    """The targets that are not deep (Note [Deep targets]): above the floor, from the highest
+    down, until the first whose plan misses it (its simulated peak above it). Cached."""
+
+    def make() -> frozenset[int]:
+        floor = problem.floor_bytes()
+        out = []
+        for t in sorted((x for x in grid_targets(problem) if x > floor), reverse=True):
+            a = _attempt(problem, planner, t)
+            if a is None or a.sim is None or a.sim.peak_bytes > t:
+                break
+            out.append(t)
+        return frozenset(out)
+
+    return cached(problem, ("shallow", planner), make)
+
+
+def _attempt(problem: Problem, planner: TargetPlanner, t: int) -> Attempt | None:
+    """``planner(problem, t)``, once per problem (None: the plan broke an invariant)."""
+
+    def make() -> Attempt | None:
+        try:
+            return planner(problem, t)
+        except PlanError:
+            return None
+
+    return cached(problem, ("attempt", planner, t), make)
 
 
 def _target_plans(
@@ -237,11 +269,8 @@ def _plans(
     peak = problem.peak_bytes
     targets = grid_targets(problem)
     out: list[GridPlan] = []
-    try:
-        a = planner(problem, t)
-    except PlanError:  # a target whose plan breaks an invariant is skipped, not fatal
-        return out
-    if a.sim is None:
+    a = _attempt(problem, planner, t)
+    if a is None or a.sim is None:  # a target whose plan breaks an invariant is skipped
         return out
     variants = [a]
     if switching is not None and a.sim.stall_ns + a.sim.recompute_ns > 0:

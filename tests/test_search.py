@@ -158,7 +158,7 @@ def test_capuchin_skips_the_variants_when_its_plan_costs_nothing():
     assert p not in search._CACHE
     made = {(k[0], k[1].mode) for k in search._CACHE[p.restricted()]}
     # the hybrid's grid (and its targets) only: no recompute-only grid, no conversions
-    assert made == {("grid", "hybrid"), ("target", "hybrid")}
+    assert made == {("grid", "hybrid"), ("target", "hybrid"), ("attempt", "hybrid")}
 
 
 def test_gc_paused_restores_the_collector_state():

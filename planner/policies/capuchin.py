@@ -36,14 +36,17 @@ it in the generic search of planner/search.py, which is not in the paper.
 # Note: [Deep targets on large problems]
 # On problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, each candidate (the hybrid, recompute-only
 # and swap-only grids, and the recompute-first conversions) plans for its deep targets (search
-# Note [Deep targets]) only when none of its other plans fits the budget; on smaller problems,
+# Note [Deep targets]: at and below the floor, and from the first target its plan misses on)
+# only when none of its other plans fits the budget; on smaller problems,
 # where they cost little (DTR U-Net and ResNet-32 plan in 1.2-3.4 s with them) and win cells
 # where other plans fit (the bundled cnn at 40% and mlp at 50%, U-Net at 40%), always. On the
 # large traces the deep plans are the costliest and lose: Algorithm 2 aiming below the floor
 # evicts every candidate and replays long chains (47-211x the baseline iteration on DTR's
 # DenseNet-121 and a 24-layer GPT-2), the hybrid's deep plans end at higher peaks than the
 # others (DenseNet-121: 44-72% of the peak against 26%), and planning, pruning, switching and
-# converting them took 40-65% of the policy's CPU time. Measured with and without them
+# converting them took 40-65% of the policy's CPU time (GPT-2 with 24 layers: the
+# recompute-only plan for the target just above the floor misses it at 107x the baseline,
+# that for the next target hits it at 46x). Measured with and without them
 # (``capuchin`` at 80/60/50/40% on DTR InceptionV4, Transformer, DenseNet-121 and GPT-2 with 12
 # and 24 layers): the same predicted overhead and peak in all 20 cells. They stay for the budgets
 # that need them (on InceptionV4 and the DTR Transformer the deep recompute-only plans reach
