@@ -206,8 +206,9 @@ class BudgetGuard:
         inputs that come back on demand. Returns a token for ``after_op``."""
         self.tracker.touch(keys)
         pkey, out_bytes = self.memory.predict(func, args, kwargs)
-        out_bytes += self.memory.scratch(name, flat, out_bytes)
-        self.enforce(set(keys), out_bytes + self.ex.coming_back(keys))
+        back = self.ex.coming_back(keys)  # restored after this, on demand: 0 bytes until then
+        out_bytes += self.memory.scratch(name, flat, out_bytes, back)
+        self.enforce(set(keys), out_bytes + back)
         return pkey
 
     def watch(self, outs: list, in_keys: set, token) -> None:
