@@ -234,9 +234,9 @@ def _sig(x):
     if isinstance(x, torch.Tensor):
         return (x.shape, x.stride(), x.dtype)
     if isinstance(x, (list, tuple)):
-        return tuple(_sig(a) for a in x)
+        return tuple([_sig(a) for a in x])  # a list first: cheaper than a generator (every op)
     if isinstance(x, dict):
-        return tuple((k, _sig(v)) for k, v in x.items())
+        return tuple([(k, _sig(v)) for k, v in x.items()])
     return x
 
 
