@@ -127,9 +127,9 @@ def _template(value, counter: list):
     out = None
     for i, v in enumerate(value):
         if isinstance(v, torch.Tensor):
-            i = counter[0]
-            counter[0] = i + 1
-            v = _MARKERS[i] if i < 256 else _Marker(i)
+            n = counter[0]  # flat position (``i`` is the position in ``value``)
+            counter[0] = n + 1
+            v = _MARKERS[n] if n < len(_MARKERS) else _Marker(n)
         elif isinstance(v, (list, tuple)) and v and _has_tensor(v):
             v = _template(v, counter)
         elif isinstance(v, list):
