@@ -103,7 +103,7 @@ from ..tracer.hooks import op_info, written_inputs
 from .backend import byte_view
 from .passive import BudgetGuard, PassiveTracker
 from .recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
-from .state import Entry, Reason, Residency, resize, storage_key, storages, writes
+from .state import Entry, Reason, Residency, resize, storage_key, writes
 
 MAX_CHAIN = 64  # ops in one storage's chain (producer + in-place writes); longer: swap only
 # candidates ranked per eviction: more are sampled (at random, DTR's sqrt(n) sampling, at least
@@ -116,6 +116,9 @@ _COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 REMAT = ("auto", "recompute", "swap")
 _NO_KEYS: frozenset = frozenset()
 _rank = operator.itemgetter(0, 1)  # h, then the least recently used first
+_new_slot = object.__new__
+_REPLAYABLE: dict = {}  # op -> not a collective (its namespace, looked up once)
+_MARKERS = tuple(_Marker(i) for i in range(256))  # shared: a marker is never changed
 
 
 def _template(value, counter: list):
@@ -124,8 +127,9 @@ def _template(value, counter: list):
     out = None
     for i, v in enumerate(value):
         if isinstance(v, torch.Tensor):
-            counter[0] += 1
-            v = _Marker(counter[0] - 1)
+            n = counter[0]  # flat position (``i`` is the position in ``value``)
+            counter[0] = n + 1
+            v = _MARKERS[n] if n < len(_MARKERS) else _Marker(n)
         elif isinstance(v, (list, tuple)) and v and _has_tensor(v):
             v = _template(v, counter)
         elif isinstance(v, list):
@@ -310,7 +314,9 @@ class DynamicTracker(PassiveTracker):
         chain = self.chain
         try:  # the view before the op of a storage whose chain it extends (an in-place op may
             # change it: transpose_); the other arguments' slots are taken after it, if at all
-            wslots = {a: self._slot(flat[a]) for a in written if keys[a] in chain}
+            wslots = (
+                {a: self._slot(flat[a]) for a in written if keys[a] in chain} if written else {}
+            )
         except (RuntimeError, NotImplementedError):
             wslots = None
         rng = _capture_rng(func, args, kwargs, flat) if seeded else None
@@ -324,8 +330,20 @@ class DynamicTracker(PassiveTracker):
         return func, args, kwargs, flat, keys, written, rng, wslots
 
     def _slot(self, t) -> _Slot:
-        tag = getattr(t.untyped_storage(), _NAME_ATTR, None)
-        return _Slot(t, tag[1] if tag is not None and tag[0] == self.engine.epoch else None, False)
+        """``_Slot(t, its name in this epoch or None, pin=False)``, built with one storage lookup
+        (it is made for every tensor argument of every recorded op)."""
+        st = t.untyped_storage()
+        tag = getattr(st, _NAME_ATTR, None)
+        s = _new_slot(_Slot)
+        s.sid = tag[1] if tag is not None and tag[0] == self.engine.epoch else None
+        s.strong = None
+        s.weak = weakref.ref(st)
+        s.writes = writes(st)
+        s.size = tuple(t.shape)
+        s.stride = t.stride()
+        s.offset = t.storage_offset()
+        s.dtype = t.dtype
+        return s
 
     def recorded(self, pending: tuple, dt: float, outs: list, in_keys: set) -> None:
         """The op ran (``dt`` seconds): name the storages it allocated, give them (or the
@@ -346,11 +364,15 @@ class DynamicTracker(PassiveTracker):
             key = st._cdata
             if key not in in_keys and key in in_it and key not in chain:
                 fresh.append((j, st, key))
-        extended = [a for a in wslots if keys[a] in chain]
+        extended = [a for a in wslots if keys[a] in chain] if wslots else ()
         if not fresh and not extended:
             return  # a view, a read, or a write to storages nobody replays
+        slot = self._slot
         try:
-            slots = [wslots[a] if a in wslots else self._slot(t) for a, t in enumerate(flat)]
+            if wslots:
+                slots = [wslots[a] if a in wslots else slot(t) for a, t in enumerate(flat)]
+            else:
+                slots = [slot(t) for t in flat]
         except (RuntimeError, NotImplementedError):
             return
         self.serial += 1
@@ -366,7 +388,9 @@ class DynamicTracker(PassiveTracker):
             [None] * len(outs),
             rng,
         )
-        replayable = func.namespace not in _COLLECTIVES
+        replayable = _REPLAYABLE.get(func)
+        if replayable is None:
+            replayable = _REPLAYABLE[func] = func.namespace not in _COLLECTIVES
         for a in written:  # the write counts the op left (the executor bumped them)
             st = slots[a].weak()
             if st is not None:
@@ -563,7 +587,8 @@ class DynamicGuard(BudgetGuard):
                 for root in self._live_roots(deps) if deps else ():
                     self.bring_back([*keys, root])  # one at a time: each frees what only it pins
                     ex.stats.cow_restores += 1
-            self.bring_back(keys)
+            if not entries.keys().isdisjoint(keys):
+                self.bring_back(keys)
         pkey, out_bytes = self.memory.predict(func, args, kwargs)
         out_bytes += self.memory.scratch(name, flat, out_bytes)
         # the op's evicted arguments are back already (bring_back): nothing more comes back
@@ -581,7 +606,7 @@ class DynamicGuard(BudgetGuard):
         self.tracker.track_outputs(outs, in_keys, pkey)
         if pending is not None:
             self.tracker.recorded(pending, dt, outs, in_keys)
-        self.enforce(in_keys | {k for k, _ in storages(outs)})
+        self.enforce(in_keys, outs=outs)
 
     def stays_out(self, e: Entry) -> bool:
         """A dropped storage nothing but dynamic mode holds (the source of a dropped storage's

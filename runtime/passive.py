@@ -206,8 +206,9 @@ class BudgetGuard:
         inputs that come back on demand. Returns a token for ``after_op``."""
         self.tracker.touch(keys)
         pkey, out_bytes = self.memory.predict(func, args, kwargs)
-        out_bytes += self.memory.scratch(name, flat, out_bytes)
-        self.enforce(set(keys), out_bytes + self.ex.coming_back(keys))
+        back = self.ex.coming_back(keys)  # restored after this, on demand: 0 bytes until then
+        out_bytes += self.memory.scratch(name, flat, out_bytes, back)
+        self.enforce(set(keys), out_bytes + back)
         return pkey
 
     def watch(self, outs: list, in_keys: set, token) -> None:
@@ -215,7 +216,7 @@ class BudgetGuard:
 
     def after_op(self, outs: list, in_keys: set, token) -> None:
         self.tracker.track_outputs(outs, in_keys, token)
-        self.enforce(in_keys | {k for k, _ in storages(outs)})
+        self.enforce(in_keys, outs=outs)
 
     def evicted(self, key: int) -> None:
         self.tracker.evicted(key)
@@ -283,9 +284,11 @@ class BudgetGuard:
         )
 
     # ---- eviction --------------------------------------------------------------------------------
-    def enforce(self, protect: set, extra_bytes: int = 0) -> None:
+    def enforce(self, protect: set, extra_bytes: int = 0, outs: list | None = None) -> None:
         """Evict until resident bytes plus ``extra_bytes`` (what the next op allocates) fit the
-        budget; what cannot be evicted is counted as ``passive_short_bytes``."""
+        budget, never a storage in ``protect`` or behind ``outs`` (an op's outputs: their keys
+        are taken only when something is evicted, which most ops do not need); what cannot be
+        evicted is counted as ``passive_short_bytes``."""
         budget = self.budget_bytes
         if budget is None:
             return
@@ -295,6 +298,8 @@ class BudgetGuard:
         while over > 0 and self.swap.pending_out:
             over -= self.swap.sync_earliest()
         if over > 0:
+            if outs:
+                protect = protect | {k for k, _ in storages(outs)}
             self.short(over - self.evict(over, protect))
 
     def choose_victims(self, need: int, protect: set):

@@ -92,6 +92,32 @@ def _drop(rt: Runtime, t: torch.Tensor) -> None:
     assert t.untyped_storage().nbytes() == 0
 
 
+def test_a_recorded_call_s_template_holds_no_tensor():
+    """A recorded call's template replaces every tensor by its flat position, in nested lists too
+    (``aten.index``'s indices: a list whose tensor is not the call's first; a template that kept
+    it, from reusing the list position as the flat one, replayed the first iteration's indices:
+    an IndexError in tests/test_runtime_resync.py, flakily); filled back, it is the call."""
+    from capuchin.runtime.dynamic import _template
+    from capuchin.runtime.recompute import _fill
+
+    a, b, c = torch.ones(2), torch.zeros(3), torch.arange(4)
+    call = (a, [b, None, c], 3, [1, 2], (c,))
+
+    def leaves(x):
+        if isinstance(x, (list, tuple)):
+            for v in x:
+                yield from leaves(v)
+        else:
+            yield x
+
+    t = _template(call, [0])
+    assert not any(isinstance(v, torch.Tensor) for v in leaves(t)), t
+    got = _fill(t, [a, b, c, c])
+    assert got[0] is a and got[1][0] is b and got[1][1] is None and got[1][2] is c
+    assert got[2:4] == (3, [1, 2]) and got[4][0] is c
+    assert type(got[1]) is list and type(got[4]) is tuple
+
+
 def test_replay_of_dropout_inplace_chain_and_freed_source_is_exact():
     """Unit level: a dropped storage comes back with the same bytes when the script reads it:
     dropout (RNG replay under the recorded state, the global stream untouched), an in-place
