@@ -312,11 +312,16 @@ def fitting_grid(
     """``grid(problem, planner, switching, deep)``; ``deep=None``: the targets above the floor
     when one of their plans fits ``budget``, else every target (Note [Deep targets])."""
     if deep is None:
-        plans = grid(problem, planner, switching, deep=False)
-        if any(g.peak_bytes <= budget for g in plans):
-            return plans
-        deep = True
+        deep = deep_needed(problem, planner, budget, switching)
     return grid(problem, planner, switching, deep)
+
+
+def deep_needed(
+    problem: Problem, planner: TargetPlanner, budget: int, switching: Switching | None = None
+) -> bool:
+    """Whether ``fitting_grid(..., deep=None)`` takes the deep targets: no plan of the others
+    fits ``budget`` (Note [Deep targets])."""
+    return not any(g.peak_bytes <= budget for g in grid(problem, planner, switching, deep=False))
 
 
 def pick(plans: Iterable[GridPlan], budget: int) -> list[Decision]:

@@ -116,7 +116,6 @@ _COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 REMAT = ("auto", "recompute", "swap")
 _NO_KEYS: frozenset = frozenset()
 _rank = operator.itemgetter(0, 1)  # h, then the least recently used first
-_new_slot = object.__new__
 _REPLAYABLE: dict = {}  # op -> not a collective (its namespace, looked up once)
 _MARKERS = tuple(_Marker(i) for i in range(256))  # shared: a marker is never changed
 
@@ -334,16 +333,8 @@ class DynamicTracker(PassiveTracker):
         (it is made for every tensor argument of every recorded op)."""
         st = t.untyped_storage()
         tag = getattr(st, _NAME_ATTR, None)
-        s = _new_slot(_Slot)
-        s.sid = tag[1] if tag is not None and tag[0] == self.engine.epoch else None
-        s.strong = None
-        s.weak = weakref.ref(st)
-        s.writes = writes(st)
-        s.size = tuple(t.shape)
-        s.stride = t.stride()
-        s.offset = t.storage_offset()
-        s.dtype = t.dtype
-        return s
+        sid = tag[1] if tag is not None and tag[0] == self.engine.epoch else None
+        return _Slot(t, sid, False, st)
 
     def recorded(self, pending: tuple, dt: float, outs: list, in_keys: set) -> None:
         """The op ran (``dt`` seconds): name the storages it allocated, give them (or the

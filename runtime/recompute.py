@@ -44,8 +44,10 @@ class _Slot:
 
     __slots__ = ("sid", "strong", "weak", "writes", "size", "stride", "offset", "dtype")
 
-    def __init__(self, t: torch.Tensor, sid: str | None, pin: bool):
-        st = t.untyped_storage()
+    def __init__(self, t: torch.Tensor, sid: str | None, pin: bool, st=None):
+        """``st``: ``t``'s untyped storage when the caller looked it up already."""
+        if st is None:
+            st = t.untyped_storage()
         self.sid = sid
         self.strong = st if pin else None  # sources are pinned until the record is released
         self.weak = weakref.ref(st)

@@ -87,8 +87,8 @@ from ..search import (
     Attempt,
     Switching,
     best_of,
+    deep_needed,
     gc_paused,
-    grid,
     recompute_first,
     restricted_first,
     searched,
@@ -142,8 +142,7 @@ def capuchin(
         def search(planner: Capuchin, switching: Switching | None = None):
             def run() -> list[Decision]:
                 ds = searched(p, budget_bytes, planner, switching, deep=deep)
-                shallow = grid(p, planner, switching, deep=False) if deep is None else ()
-                if deep is None and not any(g.peak_bytes <= budget_bytes for g in shallow):
+                if deep is None and deep_needed(p, planner, budget_bytes, switching):
                     made["deep"].append(f"{name} {planner.mode}")
                 return ds
 
