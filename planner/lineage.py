@@ -65,18 +65,21 @@ class EvictionWindows:
                 return m
         return None
 
-    def all_out_at(self, pairs, op: int) -> bool:
-        """Whether ``out_at(x, op) == v`` for every ``(x, v)`` of ``pairs`` (``out_at``'s rule,
-        inlined: the replay memo asks this for every entry it tries)."""
+    def all_usable(self, xs, op: int, regen: bool, want: bool) -> bool:
+        """Whether a replay walk's source test reads ``want`` for every storage of ``xs`` at
+        ``op``: under ``regen`` a storage is usable when it is not out at all, otherwise when it
+        is not out by recomputation (a swapped-out one is restored on demand). ``out_at``'s
+        rule, inlined: the replay memo asks this for every entry it tries."""
         iv, back_from = self._iv, self._back_from
-        for x, v in pairs:
+        recompute = Method.RECOMPUTE
+        for x in xs:
             got = None
             for e, b, m in iv.get(x, ()):
                 if e < op <= b:
                     r = back_from.get(x) if back_from else None
                     got = None if r is not None and e < r <= op else m
                     break
-            if got != v:
+            if (got is None if regen else got is not recompute) != want:
                 return False
         return True
 
@@ -150,26 +153,25 @@ def replay_for(
         memo = _REPLAY_MEMO[problem] = {}
     key = (sid, evict_op, back_op, max_ops, regen, res is None)
     entries = memo.setdefault(key, [])
-    for never, seen, result in entries:
+    for usable, unusable, result in entries:
         if isinstance(result, _Costly) and (max_ns is None or max_ns > result):
             continue  # a walk cut short at a lower bound says nothing here
-        # ``never``: the storages whose out_at was None; out_at is None for every storage no
-        # decision evicts, so only those of them that some decision evicts need out_at
-        if never:
-            hit = res._iv.keys() & never
-            if hit and not all(res.out_at(x, back_op) is None for x in hit):
+        # every storage no decision evicts is usable: only those that some decision evicts
+        if usable:
+            hit = res._iv.keys() & usable
+            if hit and not res.all_usable(hit, back_op, regen, True):
                 continue
-        if not seen or res.all_out_at(seen, back_op):
+        if not unusable or res.all_usable(unusable, back_op, regen, False):
             return _answer(result, max_ns)
-    seen: list[tuple[str, Method | None]] = []
+    seen: list[tuple[str, bool]] = []
     result = _replay_walk(
         problem, sid, evict_op, back_op, residency, resident, max_ops, seen, max_ns
     )
     entries.insert(
         0,
         (
-            frozenset(x for x, v in seen if v is None),
-            tuple((x, v) for x, v in seen if v is not None),
+            frozenset(x for x, ok in seen if ok),
+            tuple(x for x, ok in seen if not ok),
             result
             if result is None or isinstance(result, _Costly)
             else (tuple(result[0]), tuple(result[1]), result[2]),
@@ -204,12 +206,15 @@ def _answer(result, max_ns: int | None) -> tuple[list[int], list[str]] | None:
 
 # Note: [Replay memo]
 # A replay depends on the problem, the decision's storage and access pair, ``max_ops``, and the
-# residency only through ``out_at(x, back_op)`` of the storages x whose source test reached the
-# residency. The walk records those values; a later call with the same arguments reuses the
-# result when every recorded ``out_at`` is unchanged under its residency, which gives exactly
-# the result a new walk would. Searches re-resolve nearly the same decision list thousands of
-# times, so most walks are saved. Custom ``resident`` tests other than ``regen_resident`` are
-# not memoized.
+# residency only through the source test's answer for the storages x whose test reached the
+# residency: whether x is usable as it is at ``back_op`` (not out by recomputation; under
+# ``regen_resident``, not out at all). The walk records those answers; a later call with the
+# same arguments reuses the result when every recorded answer is the same under its residency,
+# which gives exactly the result a new walk would. Recording the answer, not ``out_at`` itself,
+# lets a swap added or removed reuse the replays that only read the storage: searches
+# re-resolve nearly the same decision list thousands of times, adding and pruning swaps, so
+# most walks are saved. Custom ``resident`` tests other than ``regen_resident`` are not
+# memoized.
 _REPLAY_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MEMO_VARIANTS = 4  # residency variants remembered per (storage, access pair)
 
@@ -260,9 +265,8 @@ def _replay_walk(
             if isinstance(resident, _RegenResident):
                 ok = xs.alive_at(back_op) and not xs.written_between(j, back_op)
                 if ok:
-                    v = resident.res.out_at(x, back_op)
-                    seen.append((x, v))
-                    ok = v is None
+                    ok = resident.res.out_at(x, back_op) is None
+                    seen.append((x, ok))
             elif resident is not None:
                 ok = resident(x, j)
             else:
@@ -270,9 +274,8 @@ def _replay_walk(
                 # regenerated through its whole lineage
                 ok = xs.alive_at(back_op) and not xs.written_between(j, back_op)
                 if ok and residency is not None:
-                    v = residency.out_at(x, back_op)
-                    seen.append((x, v))
-                    ok = v in (None, Method.SWAP)
+                    ok = residency.out_at(x, back_op) in (None, Method.SWAP)
+                    seen.append((x, ok))
             if ok:
                 sources[x] = None
                 continue

@@ -38,6 +38,7 @@ class Channel:
         self.ends: list[int] = []
         self._rs: list[int] = []
         self._re: list[int] = []
+        self._gaps: np.ndarray | None = None  # _rs[j + 1] - _re[j], made when first asked
 
     def reserve(self, start: int, end: int) -> None:
         i = bisect_left(self.starts, start)
@@ -50,21 +51,33 @@ class Channel:
             start, end = min(start, rs[lo]), max(end, re_[hi - 1])
         rs[lo:hi] = [start]
         re_[lo:hi] = [end]
+        self._gaps = None
 
     def first_fit(self, earliest: int, dur: int) -> int:
-        """The earliest start >= ``earliest`` with ``dur`` ns free."""
-        starts, ends = (self._rs, self._re) if dur > 0 else (self.starts, self.ends)
+        """The earliest start >= ``earliest`` with ``dur`` ns free (Note [First fit])."""
+        if dur <= 0:
+            return scan_first_fit(self.starts, self.ends, earliest, dur)
+        rs, re_ = self._rs, self._re
         t = earliest
-        i = max(0, bisect_right(starts, t) - 1)
-        while i < len(starts):
-            if ends[i] <= t:
-                i += 1
-                continue
-            if starts[i] >= t + dur:
-                return t
-            t = max(t, ends[i])
-            i += 1
-        return t
+        i = bisect_right(rs, t) - 1  # the last run starting at or before t
+        if i >= 0 and re_[i] > t:
+            t = re_[i]  # inside it: from its end
+        i += 1
+        n = len(rs)
+        if i >= n or rs[i] >= t + dur:
+            return t
+        # the first gap after run i, i+1, ... that holds dur (after the last run: all free)
+        for j in range(i, min(i + _SCAN, n - 1)):
+            if rs[j + 1] - re_[j] >= dur:
+                return re_[j]
+        if i + _SCAN >= n - 1:
+            return re_[-1]
+        gaps = self._gaps
+        if gaps is None:
+            gaps = self._gaps = np.array(rs[1:], dtype=np.int64) - np.array(re_[:-1], np.int64)
+        tail = gaps[i + _SCAN :] >= dur
+        k = int(tail.argmax())
+        return re_[i + _SCAN + k] if tail[k] else re_[-1]
 
     def latest_fit(self, earliest: int, deadline: int, dur: int) -> int | None:
         """The latest start in [earliest, deadline - dur] with ``dur`` ns free, or None."""
@@ -82,6 +95,34 @@ class Channel:
                     return None
             i -= 1
         return t
+
+
+def scan_first_fit(starts: list[int], ends: list[int], earliest: int, dur: int) -> int:
+    """``Channel.first_fit`` by a plain scan over sorted, disjoint ``[start, end)`` intervals
+    (zero-length slots, and the reference the faster search is tested against)."""
+    t = earliest
+    i = max(0, bisect_right(starts, t) - 1)
+    while i < len(starts):
+        if ends[i] <= t:
+            i += 1
+            continue
+        if starts[i] >= t + dur:
+            return t
+        t = max(t, ends[i])
+        i += 1
+    return t
+
+
+_SCAN = 8  # gaps looked at one by one before the vectorised search
+
+# Note: [First fit]
+# A slot of positive length starting at t fits before run i when ``rs[i] >= t + dur``; past
+# that, the runs are disjoint and maximal, so the slot starts at the end of the first run j >= i
+# whose following gap ``rs[j + 1] - re[j]`` holds ``dur`` (or after the last run). A busy
+# channel walks tens of runs per query (DenseNet-121 at 60%: 30 on average, 94 at the 90th
+# percentile), so after ``_SCAN`` gaps the rest are compared at once on an array of the gaps,
+# made again after a reservation. The answer is the plain scan's (``scan_first_fit``; tested
+# against it in tests/test_channel.py).
 
 
 def _op_times(problem: Problem) -> tuple[list[int], list[int]]:

@@ -1,12 +1,13 @@
 """``swapping.Channel``'s coalesced runs give the same first/latest fit as the intervals as
-reserved (the plain scan over them is the reference)."""
+reserved (the plain scan over them is the reference), and its first fit over the runs' gaps
+(Note [First fit]) the plain scan's."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from capuchin.planner.swapping import Channel
+from capuchin.planner.swapping import Channel, scan_first_fit
 
 
 def _reference(c: Channel) -> Channel:
@@ -34,5 +35,25 @@ def test_coalesced_runs_fit_like_the_intervals(seed):
     for _ in range(60):
         e0, d = rnd.randint(0, t + 5), rnd.randint(0, 7)
         dl = e0 + rnd.randint(0, 40)
-        assert c.first_fit(e0, d) == ref.first_fit(e0, d)
+        assert c.first_fit(e0, d) == scan_first_fit(ref.starts, ref.ends, e0, d)
         assert c.latest_fit(e0, dl, d) == ref.latest_fit(e0, dl, d)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_first_fit_between_reservations(seed):
+    """Queries between reservations, on channels of up to 300 copies with slots longer than
+    most gaps, so that the search over the gaps' array runs and must see each reservation."""
+    rnd = random.Random(seed)
+    ivs, t = [], 0
+    for _ in range(rnd.randint(20, 300)):
+        s = t + rnd.choice([0, 0, 1, 2, 4, 9, 20])
+        e = s + rnd.randint(1, 6)
+        ivs.append((s, e))
+        t = e
+    rnd.shuffle(ivs)
+    c = Channel()
+    for s, e in ivs:
+        c.reserve(s, e)
+        for _ in range(3):
+            e0, d = rnd.randint(0, t + 5), rnd.choice([1, 3, 5, 8, 12, 19, 25])
+            assert c.first_fit(e0, d) == scan_first_fit(c.starts, c.ends, e0, d)
