@@ -417,7 +417,153 @@ def _keeps(
     problem: Problem, d: Decision, replay_ops: Sequence[int], res: EvictionWindows, room
 ) -> list[str]:
     """``keepable`` storages of ``d``'s replay that fit ``room`` (lowered for each one kept)."""
-    return _fit_keeps(problem, d, _keepable(problem, d, replay_ops, res), room)
+    if res._back_from or len(replay_ops) <= _SHORT_REPLAY:
+        # storages regenerated on the way (the builder's path), or a short replay: the loop
+        return _fit_keeps(problem, d, _keepable(problem, d, replay_ops, res), room)
+    at_once = _keepable_at_once(problem, d, replay_ops, res)
+    if isinstance(at_once, list):
+        return _fit_keeps(problem, d, at_once, room)
+    sids, his, sizes = at_once
+    return [sids[i] for i in _fit_arrays(d.back_op, his, sizes, room)]
+
+
+_SHORT_REPLAY = 32  # ops: up to it, the loop over the few storages is faster than the arrays
+
+# Note: [Keepable, at once]
+# ``finish_decisions`` asks ``_keepable`` for every recomputation of every plan a search makes,
+# and a long replay regenerates many dropped storages (a 24-layer GPT-2: about 94 candidates per
+# replay, 25,000 per call). Where nothing is regenerated yet (``res._back_from`` empty, as in
+# ``finish_decisions``), its test for a storage x the replay allocates, with x dropped by one
+# window (e, b] (the storage's only decision, not wrapping), is: recomputation, e < back <= b,
+# and x's chain up to e inside the replay (``_chain``: the producer and the writers <= e), i.e.
+# x's producer at or before e and not a collective, and e before ``lim``, the first in-place
+# writer of x after its producer that the replay lacks or that is a collective. That is a few
+# comparisons on arrays per storage (the windows per storage index, made once per
+# ``EvictionWindows``; ``lim`` per replay, remembered with its op list); storages with more
+# windows take ``_keepable``'s loop. The same storages, in the same order
+# (tests/test_lineage_fast.py).
+
+
+class _Allocs:
+    """The storages a replay's ops allocate, in order of first allocation, as storage indices,
+    with each one's ``lim`` (Note [Keepable, at once])."""
+
+    __slots__ = ("sids", "idx", "alloc", "lim")
+
+    def __init__(self, problem: Problem, key: tuple[int, ...], pos: dict[str, int]):
+        index, _sizes = _storage_arrays(problem)
+        ops, st = problem.ops, problem.storages
+        rs = set(key)
+        self.sids = list(pos)
+        self.idx = np.fromiter((index[x] for x in self.sids), np.int64, len(self.sids))
+        self.alloc = np.fromiter((st[x].alloc_op for x in self.sids), np.int64, len(self.sids))
+        lim = []
+        for x in self.sids:
+            s = st[x]
+            a = s.alloc_op
+            if is_collective(ops[a].name):
+                lim.append(-1)
+                continue
+            first = 1 << 62
+            for w in s.writers:
+                if w > a and (w not in rs or is_collective(ops[w].name)):
+                    first = w
+                    break
+            lim.append(first)
+        self.lim = np.array(lim, dtype=np.int64)
+
+
+def _storage_arrays(problem: Problem) -> tuple[dict[str, int], np.ndarray]:
+    """Each storage's index and the storages' sizes, once per problem."""
+    got = _STORAGE_ARRAYS.get(problem)
+    if got is None:
+        index = {x: i for i, x in enumerate(problem.storages)}
+        sizes = np.fromiter((s.size_bytes for s in problem.storages.values()), np.int64, len(index))
+        got = _STORAGE_ARRAYS[problem] = (index, sizes)
+    return got
+
+
+_STORAGE_ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_REPLAY_ALLOCS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _window_arrays(problem: Problem, res: EvictionWindows):
+    """Per storage index: the dropped window (e, b] of a storage with one window that is a
+    recomputation (else e > b), and whether it has several windows. Once per residency."""
+    got = res.__dict__.get("_arrays")
+    if got is None:
+        index, _ = _storage_arrays(problem)
+        n = len(index)
+        e_, b_ = np.full(n, 1 << 62, np.int64), np.full(n, -1, np.int64)
+        multi = np.zeros(n, bool)
+        recompute = Method.RECOMPUTE
+        for x, v in res._iv.items():
+            i = index[x]
+            if len(v) > 1:
+                multi[i] = True
+            elif v[0][2] == recompute:
+                e_[i], b_[i] = v[0][0], v[0][1]
+        got = res._arrays = (e_, b_, multi)
+    return got
+
+
+def _keepable_at_once(
+    problem: Problem, d: Decision, replay_ops: Sequence[int], res: EvictionWindows
+) -> list[tuple[str, int]] | tuple[list[str], np.ndarray, np.ndarray]:
+    """``_keepable`` where nothing is regenerated yet (Note [Keepable, at once]): as the
+    storages, their windows' back-accesses and sizes (arrays), or, when a storage with several
+    windows is among them, as ``_keepable``'s list."""
+    key = tuple(replay_ops)
+    memo = _REPLAY_ALLOCS.get(problem)
+    if memo is None:
+        memo = _REPLAY_ALLOCS[problem] = {}
+    al = memo.get(key)
+    if al is None:
+        al = memo[key] = _Allocs(problem, key, _allocs_of(problem, key))
+    e_, b_, multi = _window_arrays(problem, res)
+    idx = al.idx
+    back = d.back_op
+    e, b = e_[idx], b_[idx]
+    ok = (e < back) & (back <= b) & (e < al.lim) & (al.alloc <= e)
+    many = multi[idx]
+    hits = np.flatnonzero(ok | many)
+    sids, sid = al.sids, d.storage_id
+    if many.any():  # the plain test for the storages with several windows, in order
+        out = []
+        for k in hits.tolist():
+            x = sids[k]
+            if x == sid:
+                continue
+            if many[k]:
+                out.extend(_keepable_one(problem, x, back, replay_ops, res))
+            else:
+                out.append((x, int(b[k])))
+        return out
+    xs = [sids[k] for k in hits.tolist()]
+    if sid in xs:
+        k = xs.index(sid)
+        del xs[k]
+        hits = np.delete(hits, k)
+    return xs, b[hits], _storage_arrays(problem)[1][idx[hits]]
+
+
+def _keepable_one(
+    problem: Problem, x: str, back: int, replay_ops: Sequence[int], res: EvictionWindows
+) -> list[tuple[str, int]]:
+    """``_keepable``'s test of one storage ``x`` (with nothing regenerated)."""
+    out = []
+    first = None
+    for e, b, m in res._iv[x]:
+        if e < back <= b:
+            if first is None:
+                if m != Method.RECOMPUTE:
+                    break
+                first = b
+            if m == Method.RECOMPUTE:
+                chain = _chain(problem, x, e)
+                if chain and set(replay_ops).issuperset(chain):
+                    out.append((x, first))
+    return out
 
 
 def _fit_keeps(
@@ -425,24 +571,56 @@ def _fit_keeps(
 ) -> list[str]:
     """The storages ``x`` of ``xs`` (``(x, xb)``, from ``_keepable``), in order, whose bytes fit
     ``room`` from ``d``'s back-access to ``xb`` (``room[b:xb].min() >= size``; each kept one
-    lowers ``room`` there). Every range starts at ``b = d.back_op``, so its minimum is a prefix
-    minimum, made again after a keep."""
-    b = d.back_op
+    lowers ``room`` there)."""
+    if not xs:
+        return []
+    his = np.fromiter((xb for _, xb in xs), np.int64, len(xs))
     st = problem.storages
-    items = [(x, min(xb, len(room)), st[x].size_bytes) for x, xb in xs]
-    keep = []
-    pm = None
-    end = max((hi for _, hi, _ in items), default=b)
-    for x, hi, size in items:
-        if hi > b:  # an empty range always fits
-            if pm is None:
-                pm = np.minimum.accumulate(room[b:end])
-            if pm[hi - b - 1] < size:
-                continue
-            room[b:hi] -= size
-            pm = None
-        keep.append(x)
-    return keep
+    sizes = np.fromiter((st[x].size_bytes for x, _ in xs), np.int64, len(xs))
+    return [xs[i][0] for i in _fit_arrays(d.back_op, his, sizes, room)]
+
+
+def _fit_arrays(b: int, his: np.ndarray, sizes: np.ndarray, room: np.ndarray) -> list[int]:
+    """``_fit_keeps`` on arrays: the positions kept (Note [Keeps that fit])."""
+    n = len(his)
+    if not n:
+        return []
+    his = np.minimum(his, len(room))
+    free = his <= b  # an empty range always fits
+    todo = np.flatnonzero(~free)
+    if not len(todo):
+        return list(range(n))
+    ends = his[todo] - (b + 1)  # each range's last position in the prefix minimum
+    sz = sizes[todo]
+    pm = np.minimum.accumulate(room[b : int(his.max())])
+    v0 = pm[ends]
+    fits = np.flatnonzero(v0 >= sz)  # the room only shrinks: the others never fit
+    kept = np.flatnonzero(free).tolist()
+    if len(fits):
+        done: list[tuple[int, int, int]] = []  # (end, room there before, size) per keep
+        for k, e, v, s in zip(
+            fits.tolist(), ends[fits].tolist(), v0[fits].tolist(), sz[fits].tolist(), strict=True
+        ):
+            for ke, kv, ks in done:
+                v = v - ks if e <= ke else min(v, kv - ks)
+            if v >= s:
+                done.append((e, v, s))
+                kept.append(int(todo[k]))
+                room[b : b + e + 1] -= s
+        kept.sort()
+    return kept
+
+
+# Note: [Keeps that fit]
+# A keep of x fits when ``room[b:hi].min() >= size`` and lowers ``room[b:hi]`` by its size, in
+# the order of the candidates; every range starts at the back-access b, so the test reads the
+# prefix minimum pm of ``room[b:]`` at the range's last position. A keep with last position ke,
+# where pm was kv, lowers pm by its size s up to ke, and beyond ke takes pm to
+# ``min(pm, kv - s)``: so each candidate's value is its first pm with the keeps before it
+# applied, in scalars, and the room only shrinks, so a candidate that does not fit the first
+# pm never fits. Few candidates fit the first pm (a 24-layer GPT-2: 2% of about 94 per replay),
+# which leaves a short loop; DenseNet-121 keeps about 9 per replay, where making pm again
+# after each keep was the cost.
 
 
 class _RegenResident:

@@ -1,7 +1,7 @@
 """Lineage's shortcuts against their straightforward definitions, on every call the capuchin
-policy's search makes: the replay memo (Note [Replay memo]) against a fresh walk, ``keepable``
-and the collective keeps that fit (``_fit_keeps``) against plain loops over the replay's ops and
-the room per op."""
+policy's search makes: the replay memo (Note [Replay memo]) against a fresh walk, ``keepable``,
+the keepable storages tested at once (Note [Keepable, at once]) and the collective keeps that
+fit (``_fit_keeps``) against plain loops over the replay's ops and the room per op."""
 
 from __future__ import annotations
 
@@ -44,22 +44,37 @@ def fit_keeps_plain(problem, d, replay_ops, res, room):
     return keep
 
 
+def at_once_pairs(problem, d, replay_ops, res):
+    """``_keepable_at_once`` as ``_keepable``'s ``(storage, window back-access)`` pairs."""
+    got = lineage._keepable_at_once(problem, d, replay_ops, res)
+    if isinstance(got, list):
+        return got
+    sids, his, sizes = got
+    assert sizes.tolist() == [problem.storages[x].size_bytes for x in sids]
+    return list(zip(sids, his.tolist(), strict=True))
+
+
 class Counted:
     def __init__(self):
         self.keepable = self.kept = self.fits = self.replays = self.hits = self.costly = 0
-        self.regenerated = 0
+        self.regenerated = self.at_once = 0
 
 
 def _checked(monkeypatch) -> Counted:
     c = Counted()
     replay_for = lineage.replay_for
+    real_keeps = lineage._keeps
 
     def keeps(problem, d, replay_ops, res, room):
         xs = lineage.keepable(problem, d, replay_ops, res)
         assert xs == keepable_plain(problem, d, replay_ops, res)
+        if not res._back_from:
+            at_once = at_once_pairs(problem, d, replay_ops, res)
+            assert at_once == lineage._keepable(problem, d, replay_ops, res)
+            c.at_once += 1
         want_room = room.copy()
         want = fit_keeps_plain(problem, d, replay_ops, res, want_room)
-        got = lineage._fit_keeps(problem, d, lineage._keepable(problem, d, replay_ops, res), room)
+        got = real_keeps(problem, d, replay_ops, res, room)
         assert got == want and np.array_equal(room, want_room)
         c.keepable += 1
         c.kept += len(got)
@@ -110,6 +125,7 @@ def test_lineage_shortcuts_equal_their_definitions_on_a_search(monkeypatch):
     for f in (0.6, 0.45):
         get_policy("capuchin")(problem, int(problem.peak_bytes * f))
     assert c.keepable > 100 and c.kept > 10 and c.replays > 1000 and c.hits > 500
+    assert c.at_once > 100
     assert c.fits > 0 and c.costly > 10
 
 
@@ -118,7 +134,7 @@ def test_lineage_shortcuts_equal_their_definitions_on_a_small_search(monkeypatch
     problem = Problem.from_trace(load_trace(ROOT / "traces" / "cnn.trace.parquet"))
     for f in (0.5, 0.4):
         get_policy("capuchin")(problem, int(problem.peak_bytes * f))
-    assert c.keepable > 1000 and c.kept > 1000 and c.fits > 100
+    assert c.keepable > 1000 and c.kept > 1000 and c.fits > 100 and c.at_once > 1000
     assert c.replays > 1000 and c.hits > 1000
     assert c.costly > 10  # time-bounded queries that the bound answered
 
@@ -165,3 +181,73 @@ def test_a_time_bounded_replay_query_leaves_the_memo_exact():
             assert lineage.replay_for(problem, sid, a, b, res, max_ns=2) is None  # from the memo
             checked += 1
     assert checked > 5
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp", "transformer"])
+def test_keepable_at_once_equals_the_loop_on_random_plans(name):
+    # Note [Keepable, at once]: random decision sets, most storages dropped, some swapped, a few
+    # with two windows (they take the loop)
+    import random
+
+    from capuchin.planner.plan import Decision
+
+    problem = Problem.from_trace(load_trace(ROOT / "traces" / f"{name}.trace.parquet"))
+    gaps = [(sid, a, b) for sid, s in problem.storages.items() if s.evictable for a, b in s.gaps()]
+    size = {sid: s.size_bytes for sid, s in problem.storages.items()}
+    rnd = random.Random(0)
+    compared = found = several = 0
+    for _ in range(40):
+        picked: dict[str, list] = {}
+        for sid, a, b in rnd.sample(gaps, len(gaps) // 2):
+            if sid not in picked or rnd.random() < 0.1:
+                picked.setdefault(sid, []).append((a, b))
+        ds = [
+            Decision(sid, Method.RECOMPUTE if rnd.random() < 0.85 else Method.SWAP, size[sid], a, b)
+            for sid, ws in picked.items()
+            for a, b in ws
+        ]
+        res = lineage.EvictionWindows(ds)
+        for d in ds:
+            if d.method != Method.RECOMPUTE:
+                continue
+            r = lineage.replay_for(problem, d.storage_id, d.evict_op, d.back_op, res)
+            if r is None:
+                continue
+            want = lineage._keepable(problem, d, r[0], res)
+            assert at_once_pairs(problem, d, r[0], res) == want
+            compared += 1
+            found += len(want)
+            several += any(len(res._iv[x]) > 1 for x, _ in want)
+    assert compared > 500 and found > 100 and several > 5
+
+
+def test_a_storage_written_after_the_version_a_replay_regenerates_is_not_kept():
+    # Note [Keepable, at once]: t is made from x before x is written in place; t's replay
+    # regenerates x as it was then (op 0 only), so x, dropped over t's back-access, is not kept
+    # (its chain up to its evicted-access 3 holds the write, op 2): ``lim``
+    from capuchin.planner.plan import Decision
+    from capuchin.testing.synthetic import trace_from_ops
+
+    ops = [
+        ("mk", 10, (), ("x",)),
+        ("f", 10, ("x",), ("t",)),
+        ("w", 10, (), (), ("x",)),
+        ("u", 10, ("x",), ("y",)),
+        ("z", 10, ("y",), ("z",)),
+        ("g", 10, ("t", "z"), ("o",)),
+        ("h", 10, ("x", "o"), ("q",)),
+    ]
+    sizes = dict.fromkeys(["x", "t", "y", "z", "o", "q"], 100)
+    problem = Problem.from_trace(trace_from_ops(ops, sizes))
+    t = Decision("t", Method.RECOMPUTE, 100, 1, 5)
+    res = lineage.EvictionWindows([t, Decision("x", Method.RECOMPUTE, 100, 3, 6)])
+    replay_ops, _ = lineage.replay_for(problem, "t", 1, 5, res)
+    assert replay_ops == [0, 1]
+    assert lineage._keepable(problem, t, replay_ops, res) == []
+    assert at_once_pairs(problem, t, replay_ops, res) == []
+    # dropped until before the write instead, x is kept
+    t2 = Decision("t", Method.RECOMPUTE, 100, 1, 2)
+    res = lineage.EvictionWindows([t2, Decision("x", Method.RECOMPUTE, 100, 1, 2)])
+    replay_ops, _ = lineage.replay_for(problem, "t", 1, 2, res)
+    assert lineage._keepable(problem, t2, replay_ops, res) == [("x", 2)]
+    assert at_once_pairs(problem, t2, replay_ops, res) == [("x", 2)]
