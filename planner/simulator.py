@@ -708,25 +708,25 @@ def _replay_template(problem, d: Decision, keep: set):
     for pos, j in enumerate(d.replay_ops):
         for x in ops[j].inputs:
             last_use[x] = pos
-    temps: dict[str, int] = {}
+    # each intermediate is freed after the op of its last use, or of its allocation if later;
+    # at one op, in the order of allocation
+    frees: dict[int, list[tuple[str, int]]] = {}
     ct, cd, ck, csid = [], [], [], []
     t = 0
     for pos, j in enumerate(d.replay_ops):
         op = ops[j]
         for s in op.allocs:
+            size = st[s].size_bytes
             if not (s == d.storage_id or s in keep):
-                temps[s] = st[s].size_bytes
-            ct.append(t), cd.append(st[s].size_bytes), ck.append(_ALLOC), csid.append(s)
+                frees.setdefault(max(pos, last_use.get(s, -1)), []).append((s, size))
+            ct.append(t), cd.append(size), ck.append(_ALLOC), csid.append(s)
         if op.scratch_bytes:
             ct.append(t), cd.append(op.scratch_bytes), ck.append(_ALLOC), csid.append(scratch_id(j))
         t += op.duration_ns
         if op.scratch_bytes:
             ct.append(t), cd.append(-op.scratch_bytes), ck.append(_FREE), csid.append(scratch_id(j))
-        for s in list(temps):
-            if last_use.get(s, -1) <= pos:
-                ct.append(t), cd.append(-temps.pop(s)), ck.append(_FREE), csid.append(s)
-    for s, b in temps.items():
-        ct.append(t), cd.append(-b), ck.append(_FREE), csid.append(s)
+        for s, size in frees.pop(pos, ()):
+            ct.append(t), cd.append(-size), ck.append(_FREE), csid.append(s)
     return tuple(ct), tuple(cd), tuple(ck), tuple(csid), t
 
 

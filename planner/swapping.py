@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -136,9 +137,10 @@ def _op_times(problem: Problem) -> tuple[list[int], list[int]]:
 _OP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-@dataclass(frozen=True)
-class SwapEstimate:
-    """A swap of one storage over one access pair, as a policy foresees it (ns)."""
+class SwapEstimate(NamedTuple):
+    """A swap of one storage over one access pair, as a policy foresees it (ns). A named tuple:
+    a policy makes hundreds of thousands per plan (DenseNet-121 at 60%: 310,000), and a frozen
+    dataclass's construction cost 3% of its hybrid selection's time there."""
 
     trigger_op: int | None  # None: on demand at the back-access
     out_start_ns: int
