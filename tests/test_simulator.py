@@ -186,3 +186,20 @@ def test_unchecked_access_while_out_raises_at_that_op():
     p = chain()
     with pytest.raises(PlanError, match=r"op 1 \(f2\) accesses storage A"):
         simulate(p, [Decision("A", Method.SWAP, 100, 0, 6, trigger_op=5)], check=False)
+
+
+def test_a_decision_s_remembered_hash_is_of_its_fields_and_not_pickled():
+    # plan.py Note [Decision hash]: equal decisions hash alike whatever was hashed before, and
+    # the hash stays in the process (string hashes differ between processes)
+    import pickle
+
+    from capuchin.planner.plan import Decision, Method
+
+    d = Decision("s1", Method.RECOMPUTE, 64, 1, 5, replay_ops=(0, 1), sources=("x",))
+    e = Decision("s1", Method.RECOMPUTE, 64, 1, 5, replay_ops=(0, 1), sources=("x",))
+    f = Decision("s1", Method.RECOMPUTE, 64, 1, 5, replay_ops=(0, 2), sources=("x",))
+    assert hash(d) == hash(e) and d == e and d != f
+    assert len({d, e, f}) == 2
+    assert "_hash" not in pickle.loads(pickle.dumps(d)).__dict__
+    assert pickle.loads(pickle.dumps(d)) == d
+    assert d.to_dict() == e.to_dict() and "_hash" not in d.to_dict()
