@@ -126,6 +126,17 @@ _CHAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _UNSEEN = object()
 
 
+def _durations(problem: Problem) -> list[int]:
+    """Each op's baseline duration (ns), once per problem."""
+    got = _DURATIONS.get(problem)
+    if got is None:
+        got = _DURATIONS[problem] = [op.duration_ns for op in problem.ops]
+    return got
+
+
+_DURATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def replay_for(
     problem: Problem,
     sid: str,
@@ -237,10 +248,14 @@ def _replay_walk(
     first = _chain(problem, sid, evict_op)
     if first is None:
         return None
+    dl = _durations(problem)
     replay: set[int] = set(first)
-    dur = sum(ops[j].duration_ns for j in replay)
+    dur = sum([dl[j] for j in replay])
     if max_ns is not None and dur >= max_ns:
         return _Costly(dur)
+    regen_res = resident.res if isinstance(resident, _RegenResident) else None
+    custom = resident if regen_res is None else None
+    swap_ok = (None, Method.SWAP)
     regen: dict[str, int] = {sid: evict_op}  # storage -> latest version needed (op bound)
     todo = list(first)
     sources: dict[str, None] = {}
@@ -255,27 +270,33 @@ def _replay_walk(
                     todo.extend(new)
                     regen[x] = j - 1
                     if new:
-                        dur += sum(ops[o].duration_ns for o in new)
+                        dur += sum([dl[o] for o in new])
                         if max_ns is not None and dur >= max_ns:
                             return _Costly(dur)
                 continue
             xs = st[x]
             if xs.communicated:
                 return None  # Note [Collectives] in problem.py: never a replay's source
-            if isinstance(resident, _RegenResident):
-                ok = xs.alive_at(back_op) and not xs.written_between(j, back_op)
-                if ok:
-                    ok = resident.res.out_at(x, back_op) is None
-                    seen.append((x, ok))
-            elif resident is not None:
-                ok = resident(x, j)
+            if custom is not None:
+                ok = custom(x, j)
             else:
-                # a swapped-out source is restored on demand (a bounded wait) rather than
-                # regenerated through its whole lineage
-                ok = xs.alive_at(back_op) and not xs.written_between(j, back_op)
-                if ok and residency is not None:
-                    ok = residency.out_at(x, back_op) in (None, Method.SWAP)
-                    seen.append((x, ok))
+                # alive at the back-access and not written in place since op j read it
+                # (``alive_at`` and ``written_between``, inlined: the walk's inner loop)
+                a, f = xs.alloc_op, xs.free_op
+                ok = (a is None or a <= back_op) and (f is None or f >= back_op)
+                if ok and xs.writers:
+                    w = xs.writers
+                    i = bisect_right(w, j)
+                    ok = not (i < len(w) and w[i] < back_op)
+                if ok:
+                    if regen_res is not None:  # regen_resident: a swapped-out source regenerated
+                        ok = regen_res.out_at(x, back_op) is None
+                        seen.append((x, ok))
+                    elif residency is not None:
+                        # a swapped-out source is restored on demand (a bounded wait) rather
+                        # than regenerated through its whole lineage
+                        ok = residency.out_at(x, back_op) in swap_ok
+                        seen.append((x, ok))
             if ok:
                 sources[x] = None
                 continue
@@ -289,7 +310,7 @@ def _replay_walk(
             if len(replay) > max_ops:
                 return None
             if new:
-                dur += sum(ops[o].duration_ns for o in new)
+                dur += sum([dl[o] for o in new])
                 if max_ns is not None and dur >= max_ns:
                     return _Costly(dur)
     ordered = sorted(replay)

@@ -83,12 +83,29 @@ class Decision:
     # Note: [Decision hash]
     # Searches simulate lists of mostly the same decisions again and again, and the simulation
     # memo hashes every decision of the list each time (DenseNet-121 at 60%: 1.2 million), so a
-    # decision remembers its hash. The hash is of every field, as equality compares them, and is
-    # not pickled: string hashes differ from one process to the next.
+    # decision remembers its hash. The hash is of every field, as equality compares them (a new
+    # field goes into the tuple below; tests/test_simulator.py changes each field in turn), and
+    # is not pickled: string hashes differ from one process to the next.
     def __hash__(self) -> int:
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash(tuple(getattr(self, f) for f in _DECISION_FIELDS))
+            h = hash(
+                (
+                    self.storage_id,
+                    self.method,
+                    self.size_bytes,
+                    self.evict_op,
+                    self.back_op,
+                    self.trigger_op,
+                    self.replay_ops,
+                    self.sources,
+                    self.keep,
+                    self.predicted_stall_ns,
+                    self.predicted_recompute_ns,
+                    self.wraps,
+                    self.out_done_op,
+                )
+            )
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -112,9 +129,6 @@ class Decision:
         for k in ("replay_ops", "sources", "keep"):
             d[k] = tuple(d.get(k, ()))
         return cls(**{k: v for k, v in d.items() if k in {f.name for f in fields(cls)}})
-
-
-_DECISION_FIELDS = tuple(f.name for f in fields(Decision))
 
 
 @dataclass(frozen=True)

@@ -203,3 +203,22 @@ def test_a_decision_s_remembered_hash_is_of_its_fields_and_not_pickled():
     assert "_hash" not in pickle.loads(pickle.dumps(d)).__dict__
     assert pickle.loads(pickle.dumps(d)) == d
     assert d.to_dict() == e.to_dict() and "_hash" not in d.to_dict()
+    # every field is in the hash: a decision differing in any one field hashes differently
+    from dataclasses import fields, replace
+
+    def other(v):
+        if isinstance(v, Method):
+            return Method.SWAP
+        if isinstance(v, bool):
+            return not v
+        if v is None:
+            return 7
+        if isinstance(v, int):
+            return v + 1
+        if isinstance(v, str):
+            return v + "y"
+        return (*v, 9)
+
+    for f in fields(Decision):
+        g = replace(d, **{f.name: other(getattr(d, f.name))})
+        assert g != d and hash(g) != hash(d), f.name
