@@ -198,6 +198,15 @@ class SwapTimer:
         """FT (paper Eq. 1) of evicting after op ``a`` and needing it at op ``b``, ideal case."""
         return int(self.start[b] - self.end[a]) - self.out_time(size) - self.in_time(size)
 
+    def least_overhead(self, size: int, a: int, b: int) -> int:
+        """A lower bound on ``estimate(size, a, b, ...).overhead_ns`` whatever its in-trigger:
+        the in-copy of every option starts no earlier than the first free slot after the
+        out-copy ends (``first_fit`` is monotone in its earliest start)."""
+        t_out = self.out_time(size)
+        t_in = self.in_time(size)
+        out_end = self.d2h.first_fit(self._end[a], t_out) + t_out
+        return max(0, self.h2d.first_fit(out_end, t_in) + t_in - self._start[b])
+
     def estimate(self, size: int, a: int, b: int, useful=None) -> SwapEstimate:
         """Swap-out after op ``a``, back at op ``b``, in-trigger per Note [In-trigger search].
 

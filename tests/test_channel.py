@@ -57,3 +57,36 @@ def test_first_fit_between_reservations(seed):
         for _ in range(3):
             e0, d = rnd.randint(0, t + 5), rnd.choice([1, 3, 5, 8, 12, 19, 25])
             assert c.first_fit(e0, d) == scan_first_fit(c.starts, c.ends, e0, d)
+
+
+def test_least_overhead_bounds_every_estimate():
+    # SwapTimer.least_overhead: the hybrid's zero-overhead pass skips a pair when it is > 0, so it
+    # must never exceed the overhead the estimate gives, on channels filled at random
+    from pathlib import Path
+
+    import numpy as np
+    from capuchin.planner.problem import Problem
+    from capuchin.planner.swapping import SwapTimer
+    from capuchin.tracer.reader import load_trace
+
+    root = Path(__file__).resolve().parent.parent
+    problem = Problem.from_trace(load_trace(root / "traces" / "transformer.trace.parquet"))
+    rnd = random.Random(0)
+    gaps = [(s.size_bytes, a, b) for s in problem.storages.values() for a, b in s.gaps()]
+    t_end = int(problem.end_ns[-1])
+    checked = tight = 0
+    for _ in range(20):
+        in_peak = np.array([rnd.random() < 0.3 for _ in range(problem.n_ops)])
+        timer = SwapTimer(problem, in_peak)
+        for _ in range(rnd.randint(0, 60)):
+            s = rnd.randint(0, t_end)
+            (timer.d2h if rnd.random() < 0.5 else timer.h2d).reserve(
+                s, s + rnd.randint(1, t_end // 50)
+            )
+        for size, a, b in rnd.sample(gaps, min(200, len(gaps))):
+            lb = timer.least_overhead(size, a, b)
+            e = timer.estimate(size, a, b)
+            assert 0 <= lb <= e.overhead_ns
+            checked += 1
+            tight += lb == e.overhead_ns > 0
+    assert checked > 1000 and tight > 10

@@ -279,6 +279,8 @@ class Capuchin:
                     continue
                 if ft < 0:
                     break  # ranked by free time: no later pair can hide either
+                if not p.wraps and timer.least_overhead(p.size_bytes, p.evict_op, p.back_op):
+                    continue  # no in-trigger hides it: the estimate would say so
                 e = estimate(p)
                 if e.overhead_ns == 0 and helps(e):
                     take_swap(p, e)
