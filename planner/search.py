@@ -110,6 +110,9 @@ from .plan import Decision, Method
 from .problem import Problem
 from .simulator import SimResult, simulate
 from .swapping import SwapTimer
+from .hiding import hide
+import os
+HIDE = os.environ.get('CAP_HIDE', 'lazy')
 
 
 def gc_paused(fn: Callable) -> Callable:
@@ -142,6 +145,7 @@ class GridPlan(NamedTuple):
     decisions: list[Decision]
     peak_bytes: int
     time_ns: int
+    regen: frozenset = frozenset()
 
 
 AfterRound = Callable[[Attempt], Attempt]
@@ -291,14 +295,18 @@ def _plans(
     for v in variants:
         ds = prune(problem, v, max(t, v.sim.peak_bytes))
         vsim = simulate(problem, ds)
-        out.append(GridPlan(ds, vsim.peak_bytes, vsim.time_ns))
+        out.append(GridPlan(ds, vsim.peak_bytes, vsim.time_ns, v.regen))
+        if HIDE == 'grid' and vsim.stall_ns + vsim.recompute_ns > 0:
+            hds, hsim = hide(problem, ds, vsim, max(t, vsim.peak_bytes), v.regen)
+            if hds is not ds:
+                out.append(GridPlan(hds, hsim.peak_bytes, hsim.time_ns))
         if switching is None or vsim.stall_ns == 0:
             continue
         # and switched as far as the next grid targets above its peak allow
         for c in sorted(x for x in targets if vsim.peak_bytes < x < peak)[:2]:
-            cds, csim, _ = switch_stalled(problem, Attempt(ds, vsim, v.regen), c, switching)
+            cds, csim, creg = switch_stalled(problem, Attempt(ds, vsim, v.regen), c, switching)
             if csim.time_ns < vsim.time_ns and csim.peak_bytes <= c:
-                out.append(GridPlan(cds, csim.peak_bytes, csim.time_ns))
+                out.append(GridPlan(cds, csim.peak_bytes, csim.time_ns, creg))
     return out
 
 
@@ -392,7 +400,34 @@ def searched(
         return []
     if problem.n_ops > SEARCH_MAX_OPS:
         return descend(problem, budget, planner)
-    return pick(fitting_grid(problem, planner, budget, switching, deep), budget)
+    plans = fitting_grid(problem, planner, budget, switching, deep)
+    if HIDE == 'lazy':
+        plans = plans + hidden(problem, plans, budget)
+    return pick(plans, budget)
+
+
+def hidden(problem: Problem, plans: list[GridPlan], budget: int) -> list[GridPlan]:
+    """Note [Hidden swaps, on the grid]: ``hide`` of each plan that fits ``budget``, bounded by
+    the plan's own peak; only those that got faster. Made once per plan and cached."""
+    done = cached(problem, "hidden", dict)
+    out = []
+    for g in plans:
+        if g.peak_bytes > budget or g.time_ns <= problem.time_ns:
+            continue
+        i = id(g)  # grid plans live in the problem's cache: their ids are stable
+        if i not in done:
+            done[i] = None
+            try:
+                sim = simulate(problem, g.decisions)
+            except PlanError:
+                continue
+            if sim.stall_ns + sim.recompute_ns > 0:
+                hds, hsim = hide(problem, g.decisions, sim, g.peak_bytes, g.regen)
+                if hds is not g.decisions:
+                    done[i] = GridPlan(hds, hsim.peak_bytes, hsim.time_ns)
+        if done[i] is not None:
+            out.append(done[i])
+    return out
 
 
 def restricted_first(
@@ -427,7 +462,7 @@ def recompute_first(
     done = cached(problem, ("recompute-first", planner, switching), dict)
     out = []
     for g in plans:
-        ds, peak, t = g
+        ds, peak, t = g.decisions, g.peak_bytes, g.time_ns
         if peak > budget:
             continue
         i = id(g)  # grid plans live in the problem's cache: their ids are stable
@@ -439,16 +474,16 @@ def recompute_first(
                 continue
             if sim.recompute_ns <= 0:
                 continue
-            cds, csim, _ = switch_stalled(
+            cds, csim, creg = switch_stalled(
                 problem,
-                Attempt(ds, sim),
+                Attempt(ds, sim, g.regen),
                 peak,
                 switching,
                 max_passes=RECOMPUTE_FIRST_PASSES,
                 calm_tries=RECOMPUTE_FIRST_TRIES,
             )
             if csim.time_ns < t and csim.peak_bytes <= peak:
-                done[i] = GridPlan(cds, csim.peak_bytes, csim.time_ns)
+                done[i] = GridPlan(cds, csim.peak_bytes, csim.time_ns, creg)
         if done[i] is not None:
             out.append(done[i])
     return out
