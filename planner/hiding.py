@@ -1,28 +1,34 @@
-"""Hidden swaps: a plan's replays and stalled swaps turned into swaps the simulation hides. No torch.
+"""Hidden swaps: a plan's replays and stalled swaps made swaps that the simulation hides. No torch.
 
-``hide(problem, attempt, bound)`` reads one simulated plan and returns it with recomputations
-switched to swaps, and stalled swaps given earlier in-triggers, wherever the copy channels as
-simulated leave room to hide the copy and the simulated memory curve leaves room for the storage
-while it is copied out and after its prefetch; kept only when the simulator confirms the plan got
-faster with its peak at most ``bound``.
+``hide(problem, decisions, sim, bound)`` reads one simulated plan and returns it with
+recomputations switched to swaps, and stalled swaps given earlier in-triggers, wherever the copy
+channels as simulated leave room to hide the copy and the simulated memory curve leaves room for
+the storage; kept only when the simulator confirms that the plan got faster with its peak at
+most ``bound``. search.py offers these variants next to the grid's plans (Note [Hidden swaps, on
+the grid] there).
 
 # Note: [Hidden swaps]
-# Algorithm 1 places each in-trigger against a *peak window*: the ops whose estimated memory is
-# above the target when the swap is chosen (swapping.py Note [In-trigger search]). At a low
-# target that window is most of the iteration, so a swap chosen early has no trigger outside it
-# and is estimated (and simulated) as an on-demand restore; Algorithm 1 then prefers replaying
-# the tensor, and the plan pays replays while the copy channels sit idle (DTR U-Net at 60%:
-# 19 replays, 8 swaps). Once the plan is simulated, the window is known per storage: a storage
-# of ``size`` bytes may be back from op ``k`` on when every op from ``k`` to its back-access has
-# ``op_peak + size <= bound``, and may stay until its swap-out ends when the ops before that do.
-# So, from the simulation, each replay (and each stalled swap) gets the latest in-trigger
-# whose copy is hidden on the channels as simulated and whose residency fits that room; the
-# ones that fit are taken greedily, largest saving first, each one's copies and bytes reserved
-# before the next is estimated. The estimates use the simulated op times. All taken switches
-# are simulated at once; when the plan does not get faster within ``bound``, the first half of
-# them is tried, then the first quarter, and so on (``HIDE_SIMULATIONS`` passes at most per
-# round, ``HIDE_ROUNDS`` rounds while one improves). The result depends on the plan and the
-# bound only, so a grid stays budget-independent (search.py Note [Targets]).
+# Algorithm 1 places each in-trigger against a *peak window*, the ops whose estimated memory is
+# above the target when the swap is chosen (swapping.py Note [In-trigger search]). At a low target
+# that window covers most of the backward pass, so a swap chosen there has no trigger outside it
+# and becomes an on-demand restore, stalled (DTR U-Net, hybrid plan for 54% of the peak: 24-58 ms
+# of its 83-106 ms are stalls, on-demand restores among them). The simulated-cost switches of
+# search.py estimate a replay's swap on a fitting plan with no window at all, so a prefetch can
+# land where the plan has no room (such a trial is refused), and they switch one replay at a time
+# (U-Net at 60%: the best plan kept 19 replays, 26.5 ms, with the copy channels mostly idle). Once
+# a plan is simulated the room is known per storage: a storage of ``size`` bytes may be back from
+# op ``k`` on when every op from ``k`` to where it is back now has ``op_peak + size <= bound``,
+# and a replayed storage may be swapped when the ops that run before its swap-out ends have that
+# room too. So each replay, and each stalled swap, gets the latest in-trigger whose copy the
+# channels as simulated hide and whose residency fits that room; they are taken greedily, largest
+# saving first (recompute or stall time, less the host work a swap adds on CPU: ``Problem.host``),
+# each one's copies and bytes reserved before the next is estimated, on the simulated op times. A
+# replayed storage that another replay regenerates (its producer in that replay, or kept by it) is
+# left alone: switching it would re-resolve the other replay, which costs as much as a plan's
+# whole lineage on long chains (a 24-layer GPT-2). The switches are simulated all at once; when
+# the plan does not get faster within ``bound``, the first half of them, then the first quarter,
+# and so on (``HIDE_SIMULATIONS`` simulations at most per round, ``HIDE_ROUNDS`` rounds while one
+# improves). The result depends on the plan and the bound alone.
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ def hide(
 ) -> tuple[list[Decision], SimResult]:
     """Note [Hidden swaps]: ``decisions`` (simulated as ``sim``) with replays and stalled swaps
     switched to hidden swaps while the simulation confirms the plan gets faster with its peak at
-    most ``bound``; the input when nothing does."""
+    most ``bound``; the input (the same objects) when nothing does. ``regen``: the plan's
+    recomputations whose replays regenerate their swapped-out sources (search.Attempt)."""
     for _ in range(HIDE_ROUNDS):
         switches = _switches(problem, decisions, sim, bound)
         if not switches:
@@ -124,7 +131,9 @@ def _switches(
                 continue
         # what the switch adds on the compute stream (Problem.host): the trigger's action, and
         # a swap's two host hand-overs where a replay was
-        host = problem.host.action_op_ns + (2 * problem.host.swap_ns if d.method == Method.RECOMPUTE else 0)
+        host = problem.host.action_op_ns + (
+            2 * problem.host.swap_ns if d.method == Method.RECOMPUTE else 0
+        )
         saving = o.stall_ns + o.recompute_ns
         if saving > host:
             cands.append((-saving, d.storage_id, d, o))

@@ -12,6 +12,8 @@ combinators here only read decisions and simulations, never a policy's internals
   cheapest that fits (Note [Targets]); made once per problem and cached.
 - ``recompute_first``: switch replays of fitting plans to swaps where the simulation says a swap
   is cheaper (Note [Recompute first]).
+- ``hidden``: the fitting plans with replays and stalled swaps switched to swaps the simulation
+  hides (hiding.py; Note [Hidden swaps, on the grid]).
 - ``best_of``: the fastest fitting plan among several (Note [Best of variants]).
 - ``searched``: ``grid`` and ``pick``, or ``descend`` on problems too large for the grid.
 - ``restricted_first``: a policy on ``Problem.restricted()`` and on the full problem, the
@@ -68,6 +70,15 @@ plan gets faster without its peak rising above the bound it was given.
 # steps), none above the plan's own peak. The conversion of a grid plan does not depend on the
 # budget and is cached, so the result stays monotone in the budget.
 #
+# Note: [Hidden swaps, on the grid]
+# ``searched(..., hiding=True)`` picks among a grid's plans and their ``hide`` variants
+# (hiding.py Note [Hidden swaps]); the capuchin policy searches so, and offers the variants of
+# its recompute-first conversions too (``swap`` and ``recompute`` stay the paper's baselines). A
+# variant is made from its plan alone, bounded by the plan's own peak, and offered only where
+# that plan fits the budget (so only the plans that can be picked are converted, made once per
+# plan and cached). A variant never peaks above its plan, so a larger budget offers every
+# variant a smaller one does, and the pick stays monotone in the budget (Note [Targets]).
+#
 # Note: [Best of variants]
 # ``best_of`` simulates each candidate plan in order and returns the fitting one with the
 # smallest simulated time (when none fits: the lowest peak; ties keep the earlier). It stops
@@ -105,14 +116,12 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from ..errors import PlanError
+from .hiding import hide
 from .lineage import EvictionWindows, finish_decisions, regen_resident, replay_for, replay_of
 from .plan import Decision, Method
 from .problem import Problem
 from .simulator import SimResult, simulate
 from .swapping import SwapTimer
-from .hiding import hide
-import os
-HIDE = os.environ.get('CAP_HIDE', 'lazy')
 
 
 def gc_paused(fn: Callable) -> Callable:
@@ -296,10 +305,6 @@ def _plans(
         ds = prune(problem, v, max(t, v.sim.peak_bytes))
         vsim = simulate(problem, ds)
         out.append(GridPlan(ds, vsim.peak_bytes, vsim.time_ns, v.regen))
-        if HIDE == 'grid' and vsim.stall_ns + vsim.recompute_ns > 0:
-            hds, hsim = hide(problem, ds, vsim, max(t, vsim.peak_bytes), v.regen)
-            if hds is not ds:
-                out.append(GridPlan(hds, hsim.peak_bytes, hsim.time_ns))
         if switching is None or vsim.stall_ns == 0:
             continue
         # and switched as far as the next grid targets above its peak allow
@@ -393,17 +398,17 @@ def searched(
     planner: TargetPlanner,
     switching: Switching | None = None,
     deep: bool | None = True,
+    hiding: bool = False,
 ) -> list[Decision]:
     """``pick(fitting_grid(...))`` up to ``SEARCH_MAX_OPS`` ops, ``descend`` above; ``[]`` when
-    the problem fits the budget as it is. ``deep``: as ``fitting_grid``'s."""
+    the problem fits the budget as it is. ``deep``: as ``fitting_grid``'s. ``hiding``: pick
+    among the fitting plans' ``hidden`` variants too (on the grid)."""
     if problem.n_ops == 0 or problem.peak_bytes <= budget:
         return []
     if problem.n_ops > SEARCH_MAX_OPS:
         return descend(problem, budget, planner)
     plans = fitting_grid(problem, planner, budget, switching, deep)
-    if HIDE == 'lazy':
-        plans = plans + hidden(problem, plans, budget)
-    return pick(plans, budget)
+    return pick(plans + hidden(problem, plans, budget) if hiding else plans, budget)
 
 
 def hidden(problem: Problem, plans: list[GridPlan], budget: int) -> list[GridPlan]:
@@ -424,7 +429,7 @@ def hidden(problem: Problem, plans: list[GridPlan], budget: int) -> list[GridPla
             if sim.stall_ns + sim.recompute_ns > 0:
                 hds, hsim = hide(problem, g.decisions, sim, g.peak_bytes, g.regen)
                 if hds is not g.decisions:
-                    done[i] = GridPlan(hds, hsim.peak_bytes, hsim.time_ns)
+                    done[i] = GridPlan(hds, hsim.peak_bytes, hsim.time_ns, g.regen)
         if done[i] is not None:
             out.append(done[i])
     return out

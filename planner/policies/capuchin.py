@@ -89,6 +89,7 @@ from ..search import (
     best_of,
     deep_needed,
     gc_paused,
+    hidden,
     recompute_first,
     restricted_first,
     searched,
@@ -141,7 +142,7 @@ def capuchin(
 
         def search(planner: Capuchin, switching: Switching | None = None):
             def run() -> list[Decision]:
-                ds = searched(p, budget_bytes, planner, switching, deep=deep)
+                ds = searched(p, budget_bytes, planner, switching, deep=deep, hiding=True)
                 if deep is None and deep_needed(p, planner, budget_bytes, switching):
                     made["deep"].append(f"{name} {planner.mode}")
                 return ds
@@ -153,7 +154,8 @@ def capuchin(
             yield search(rec)
             if not light:
                 yield search(swap)
-            for g in recompute_first(p, rec, budget_bytes, sw, deep=deep):
+            converted = recompute_first(p, rec, budget_bytes, sw, deep=deep)
+            for g in converted + hidden(p, converted, budget_bytes):
                 yield lambda g=g: g.decisions
 
         decisions = best_of(p, budget_bytes, variants())
