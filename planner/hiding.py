@@ -23,12 +23,14 @@ the grid] there).
 # channels as simulated hide and whose residency fits that room; they are taken greedily, largest
 # saving first (recompute or stall time, less the host work a swap adds on CPU: ``Problem.host``),
 # each one's copies and bytes reserved before the next is estimated, on the simulated op times. A
-# replayed storage that another replay regenerates (its producer in that replay, or kept by it) is
-# left alone: switching it would re-resolve the other replay, which costs as much as a plan's
-# whole lineage on long chains (a 24-layer GPT-2). The switches are simulated all at once; when
-# the plan does not get faster within ``bound``, the first half of them, then the first quarter,
-# and so on (``HIDE_SIMULATIONS`` simulations at most per round, ``HIDE_ROUNDS`` rounds while one
-# improves). The result depends on the plan and the bound alone.
+# replay that waited for a swapped-out source (restored on demand) makes that source's prefetch
+# due when the replay starts, and adds its wait to that swap's saving. A replayed storage that
+# another replay regenerates (its producer in that replay, or kept by it) is left alone: switching
+# it would re-resolve the other replay, which costs as much as a plan's whole lineage on long
+# chains (a 24-layer GPT-2). The switches are simulated all at once; when the plan does not get
+# faster within ``bound``, the first half of them, then the first quarter, and so on
+# (``HIDE_SIMULATIONS`` simulations at most per round, ``HIDE_ROUNDS`` rounds while one improves).
+# The result depends on the plan and the bound alone.
 """
 
 from __future__ import annotations
@@ -118,6 +120,19 @@ def _switches(
     problem: Problem, decisions: list[Decision], sim: SimResult, bound: int
 ) -> list[tuple[str, Decision]]:
     """The switches to hidden swaps of one round, in the order taken (largest saving first)."""
+    start = sim.op_start_ns.tolist()
+    # replays that waited for a swapped-out source: that swap's prefetch is due when they start
+    due: dict[str, tuple[int, int]] = {}  # source -> (earliest replay start, total wait)
+    swapped = {d.storage_id: d for d in decisions if d.method == Method.SWAP and not d.wraps}
+    for d, o in zip(decisions, sim.outcomes, strict=True):
+        if d.method != Method.RECOMPUTE or o.stall_ns <= 0:
+            continue
+        begin = start[d.back_op] - o.stall_ns - o.recompute_ns
+        for src in d.sources:
+            x = swapped.get(src)
+            if x is not None and x.evict_op < d.back_op <= x.back_op:
+                t, w = due.get(src, (begin, 0))
+                due[src] = (min(t, begin), w + o.stall_ns)
     cands = []  # (saving, storage, decision, outcome)
     # a storage another replay regenerates stays as it is (switching it re-resolves that one)
     regenerated = Counter(k for d in decisions for k in d.keep)
@@ -134,13 +149,12 @@ def _switches(
         host = problem.host.action_op_ns + (
             2 * problem.host.swap_ns if d.method == Method.RECOMPUTE else 0
         )
-        saving = o.stall_ns + o.recompute_ns
+        saving = o.stall_ns + o.recompute_ns + due.get(d.storage_id, (0, 0))[1]
         if saving > host:
             cands.append((-saving, d.storage_id, d, o))
     if not cands:
         return []
     cands.sort(key=lambda c: (c[0], c[1]))
-    start = sim.op_start_ns.tolist()
     end = sim.op_end_ns.tolist()
     peak = sim.op_peak_bytes.astype(np.int64)
     own_in = {c[1]: (c[3].in_start_ns, c[3].in_end_ns) for c in cands if c[3].in_start_ns >= 0}
@@ -176,12 +190,13 @@ def _switches(
         k0 = lo_out + (int(over[-1]) + 1 if len(over) else 0)
         if k0 >= b:
             return None
-        slot = h2d.latest_fit(max(out_end, start[k0]), start[b], t_in)
+        deadline = min(start[b], due.get(d.storage_id, (start[b], 0))[0])
+        slot = h2d.latest_fit(max(out_end, start[k0]), deadline, t_in)
         if slot is None:
             return None
         k = max(k0, bisect_right(start, slot) - 1)
         in_start = h2d.first_fit(max(start[k], out_end), t_in)
-        if k >= b or in_start + t_in > start[b] or k == d.trigger_op:
+        if k >= b or in_start + t_in > deadline or k == d.trigger_op:
             return None
         if d.method == Method.RECOMPUTE:
             d2h.reserve(out_start, out_end)
