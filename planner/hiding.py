@@ -185,12 +185,14 @@ def _switches(
             lo_out = max(a + 1, bisect_left(start, out_end))  # ops before it is out
             if lo_out > a + 1 and int(peak[a + 1 : lo_out].max()) + size > bound:
                 return None
+        deadline = min(start[b], due.get(d.storage_id, (start[b], 0))[0])
+        if h2d.latest_fit(out_end, deadline, t_in) is None:  # no room on the channel at all
+            return None
         # the earliest op from which every op up to first_in has room for the storage
         over = np.flatnonzero(peak[lo_out:first_in] + size > bound)
         k0 = lo_out + (int(over[-1]) + 1 if len(over) else 0)
         if k0 >= b:
             return None
-        deadline = min(start[b], due.get(d.storage_id, (start[b], 0))[0])
         slot = h2d.latest_fit(max(out_end, start[k0]), deadline, t_in)
         if slot is None:
             return None

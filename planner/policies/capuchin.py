@@ -142,7 +142,8 @@ def capuchin(
 
         def search(planner: Capuchin, switching: Switching | None = None):
             def run() -> list[Decision]:
-                ds = searched(p, budget_bytes, planner, switching, deep=deep, hiding=True)
+                hiding = planner.mode != "swap"  # Note [Hidden swaps in the search]
+                ds = searched(p, budget_bytes, planner, switching, deep=deep, hiding=hiding)
                 if deep is None and deep_needed(p, planner, budget_bytes, switching):
                     made["deep"].append(f"{name} {planner.mode}")
                 return ds
