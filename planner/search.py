@@ -71,17 +71,17 @@ plan gets faster without its peak rising above the bound it was given.
 # budget and is cached, so the result stays monotone in the budget.
 #
 # Note: [Hidden swaps, on the grid]
-# ``searched(..., hiding=True)`` picks among a grid's plans and their ``hide`` variants
-# (hiding.py Note [Hidden swaps]); the capuchin policy searches its hybrid and recompute-only
-# grids so, and offers the variants of its recompute-first conversions too (``swap`` and
-# ``recompute`` stay the paper's baselines, and the policy's swap-only grid gets none). A variant is made from its plan alone, bounded by the plan's own peak, and only for
-# the plans on the list's front (no other plan of the list has a peak and a time both no larger)
-# that fit the budget: only plans that can be picked are converted, each once, cached. On DTR's
-# Transformer and InceptionV4 at 60% the front makes that 26 and 28 conversions instead of 64
-# and 46, with the same plans picked at 60/50/40% there and on U-Net and ResNet-32. A variant
-# never peaks above its plan, and which plans are converted depends on the list alone, so a
-# larger budget offers every variant a smaller one does, and the pick stays monotone in the
-# budget (Note [Targets]).
+# ``searched(..., hiding=True)`` picks among a grid's plans and their ``hide`` variants (hiding.py
+# Note [Hidden swaps]); the capuchin policy searches its hybrid and recompute-only grids so, and
+# offers the variants of its recompute-first conversions too (``swap`` and ``recompute`` stay the
+# paper's baselines, and the policy's swap-only grid gets none). A variant is made from its plan
+# alone, bounded by the plan's own peak, and only for the plans on the list's front (no other plan
+# of the list has a peak and a time both no larger) that fit the budget: only plans that can be
+# picked are converted, each once, cached. On DTR's Transformer and InceptionV4 at 60% the front
+# makes that 26 and 28 conversions instead of 64 and 46, with the same plans picked at 60/50/40%
+# there and on U-Net and ResNet-32. A variant never peaks above its plan, and which plans are
+# converted depends on the list alone, so a larger budget offers every variant a smaller one does,
+# and the pick stays monotone in the budget (Note [Targets]).
 #
 # Note: [Best of variants]
 # ``best_of`` simulates each candidate plan in order and returns the fitting one with the
