@@ -419,11 +419,14 @@ def hidden(problem: Problem, plans: list[GridPlan], budget: int) -> list[GridPla
     """Note [Hidden swaps, on the grid]: ``hide`` of each plan on the front of ``plans`` that
     fits ``budget``, bounded by the plan's own peak; only those that got faster. Made once per
     plan and cached."""
+    fitting = [g for g in plans if g.peak_bytes <= budget]
+    if not fitting or any(g.time_ns <= problem.time_ns for g in fitting):
+        return []  # none fits, or one costs nothing: no variant can be faster
     done = cached(problem, "hidden", dict)
     out = []
     front = _front(plans)
-    for g in plans:
-        if g.peak_bytes > budget or g.time_ns <= problem.time_ns or id(g) not in front:
+    for g in fitting:
+        if id(g) not in front:
             continue
         i = id(g)  # grid plans live in the problem's cache: their ids are stable
         if i not in done:
