@@ -89,6 +89,7 @@ from ..search import (
     best_of,
     deep_needed,
     gc_paused,
+    hidden,
     recompute_first,
     restricted_first,
     searched,
@@ -142,7 +143,8 @@ def capuchin(
 
         def search(planner: Capuchin, switching: Switching | None = None):
             def run() -> list[Decision]:
-                ds = searched(p, budget_bytes, planner, switching, deep=deep)
+                hiding = planner.mode != "swap"  # Note [Hidden swaps in the search]
+                ds = searched(p, budget_bytes, planner, switching, deep=deep, hiding=hiding)
                 if deep is None and deep_needed(p, planner, budget_bytes, switching):
                     made["deep"].append(f"{name} {planner.mode}")
                 return ds
@@ -154,7 +156,8 @@ def capuchin(
             yield search(rec)
             if not light:
                 yield search(swap)
-            for g in recompute_first(p, rec, budget_bytes, sw, deep=deep):
+            converted = recompute_first(p, rec, budget_bytes, sw, deep=deep)
+            for g in converted + hidden(p, converted, budget_bytes):
                 yield lambda g=g: g.decisions
 
         decisions = best_of(p, budget_bytes, variants())

@@ -1,0 +1,219 @@
+"""Hidden swaps: a plan's replays and stalled swaps made swaps that the simulation hides. No torch.
+
+``hide(problem, decisions, sim, bound)`` reads one simulated plan and returns it with
+recomputations switched to swaps, and stalled swaps given earlier in-triggers, wherever the copy
+channels as simulated leave room to hide the copy and the simulated memory curve leaves room for
+the storage; kept only when the simulator confirms that the plan got faster with its peak at
+most ``bound``. search.py offers these variants next to the grid's plans (Note [Hidden swaps, on
+the grid] there).
+
+# Note: [Hidden swaps]
+# Algorithm 1 places each in-trigger against a *peak window*, the ops whose estimated memory is
+# above the target when the swap is chosen (swapping.py Note [In-trigger search]). At a low target
+# that window covers most of the backward pass, so a swap chosen there has no trigger outside it
+# and becomes an on-demand restore, stalled (DTR U-Net, hybrid plan for 54% of the peak: 24-58 ms
+# of its 83-106 ms are stalls, on-demand restores among them). The simulated-cost switches of
+# search.py estimate a replay's swap on a fitting plan with no window at all, so a prefetch can
+# land where the plan has no room (such a trial is refused), and they switch one replay at a time
+# (U-Net at 60%: the best plan kept 19 replays, 26.5 ms, with the copy channels mostly idle). Once
+# a plan is simulated the room is known per storage: a storage of ``size`` bytes may be back from
+# op ``k`` on when every op from ``k`` to where it is back now has ``op_peak + size <= bound``,
+# and a replayed storage may be swapped when the ops that run before its swap-out ends have that
+# room too. So each replay, and each stalled swap, gets the latest in-trigger whose copy the
+# channels as simulated hide and whose residency fits that room; they are taken greedily, largest
+# saving first (recompute or stall time, less the host work a swap adds on CPU: ``Problem.host``),
+# each one's copies and bytes reserved before the next is estimated, on the simulated op times. A
+# replay that waited for a swapped-out source (restored on demand) makes that source's prefetch
+# due when the replay starts, and adds its wait to that swap's saving. A replayed storage that
+# another replay regenerates (its producer in that replay, or kept by it) is left alone: switching
+# it would re-resolve the other replay, which costs as much as a plan's whole lineage on long
+# chains (a 24-layer GPT-2). The switches are simulated all at once; when the plan does not get
+# faster within ``bound``, the first half of them, then the first quarter, and so on
+# (``HIDE_SIMULATIONS`` simulations at most per round, ``HIDE_ROUNDS`` rounds while one improves).
+# The result depends on the plan and the bound alone.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections import Counter
+
+import numpy as np
+
+from ..errors import PlanError
+from .lineage import EvictionWindows, replay_of
+from .plan import Decision, Method
+from .problem import Problem
+from .simulator import SimResult, simulate
+from .swapping import Channel
+
+HIDE_ROUNDS = 3  # Note [Hidden swaps]
+HIDE_SIMULATIONS = 4  # per round
+
+
+def hide(
+    problem: Problem,
+    decisions: list[Decision],
+    sim: SimResult,
+    bound: int,
+    regen: frozenset = frozenset(),
+) -> tuple[list[Decision], SimResult]:
+    """Note [Hidden swaps]: ``decisions`` (simulated as ``sim``) with replays and stalled swaps
+    switched to hidden swaps while the simulation confirms the plan gets faster with its peak at
+    most ``bound``; the input (the same objects) when nothing does. ``regen``: the plan's
+    recomputations whose replays regenerate their swapped-out sources (search.Attempt)."""
+    for _ in range(HIDE_ROUNDS):
+        switches = _switches(problem, decisions, sim, bound)
+        if not switches:
+            break
+        n = len(switches)
+        improved = False
+        for _ in range(HIDE_SIMULATIONS):
+            trial = _switched(problem, decisions, dict(switches[:n]), regen)
+            try:
+                tsim = simulate(problem, trial) if trial is not None else None
+            except PlanError:
+                tsim = None
+            if tsim is not None and tsim.peak_bytes <= bound and tsim.time_ns < sim.time_ns:
+                decisions, sim, improved = trial, tsim, True
+                break
+            if n == 1:
+                break
+            n //= 2
+        if not improved:
+            break
+    return decisions, sim
+
+
+def _switched(
+    problem: Problem, decisions: list[Decision], new: dict[str, Decision], regen: frozenset
+) -> list[Decision] | None:
+    """``decisions`` with the switches ``new``; the replays that regenerated a switched storage
+    read it as a source instead (re-resolved, without collective keeps; None when one has no
+    replay left), the others unchanged."""
+    trial = [new.get(d.storage_id, d) for d in decisions]
+    producers = {problem.storages[sid].alloc_op: sid for sid in new}
+    res = None
+    out = []
+    for x in trial:
+        if x.method == Method.RECOMPUTE and (
+            any(k in new for k in x.keep) or any(j in producers for j in x.replay_ops)
+        ):
+            res = res if res is not None else EvictionWindows(trial)
+            r = replay_of(problem, x, res, regen)
+            if r is None:
+                return None
+            x = Decision(
+                x.storage_id,
+                Method.RECOMPUTE,
+                x.size_bytes,
+                x.evict_op,
+                x.back_op,
+                replay_ops=tuple(r[0]),
+                sources=tuple(r[1]),
+            )
+        out.append(x)
+    return out
+
+
+def _switches(
+    problem: Problem, decisions: list[Decision], sim: SimResult, bound: int
+) -> list[tuple[str, Decision]]:
+    """The switches to hidden swaps of one round, in the order taken (largest saving first)."""
+    start = sim.op_start_ns.tolist()
+    # replays that waited for a swapped-out source: that swap's prefetch is due when they start
+    due: dict[str, tuple[int, int]] = {}  # source -> (earliest replay start, total wait)
+    swapped = {d.storage_id: d for d in decisions if d.method == Method.SWAP and not d.wraps}
+    for d, o in zip(decisions, sim.outcomes, strict=True):
+        if d.method != Method.RECOMPUTE or o.stall_ns <= 0:
+            continue
+        begin = start[d.back_op] - o.stall_ns - o.recompute_ns
+        for src in d.sources:
+            x = swapped.get(src)
+            if x is not None and x.evict_op < d.back_op <= x.back_op:
+                t, w = due.get(src, (begin, 0))
+                due[src] = (min(t, begin), w + o.stall_ns)
+    cands = []  # (saving, storage, decision, outcome)
+    # a storage another replay regenerates stays as it is (switching it re-resolves that one)
+    regenerated = Counter(k for d in decisions for k in d.keep)
+    replayed = Counter(j for d in decisions for j in d.replay_ops)
+    for d, o in zip(decisions, sim.outcomes, strict=True):
+        if d.wraps or not problem.storages[d.storage_id].swappable:
+            continue
+        if d.method == Method.RECOMPUTE:
+            producer = problem.storages[d.storage_id].alloc_op
+            if regenerated[d.storage_id] or replayed[producer] > (producer in d.replay_ops):
+                continue
+        # what the switch adds on the compute stream (Problem.host): the trigger's action, and
+        # a swap's two host hand-overs where a replay was
+        host = problem.host.action_op_ns + (
+            2 * problem.host.swap_ns if d.method == Method.RECOMPUTE else 0
+        )
+        saving = o.stall_ns + o.recompute_ns + due.get(d.storage_id, (0, 0))[1]
+        if saving > host:
+            cands.append((-saving, d.storage_id, d, o))
+    if not cands:
+        return []
+    cands.sort(key=lambda c: (c[0], c[1]))
+    end = sim.op_end_ns.tolist()
+    peak = sim.op_peak_bytes.astype(np.int64)
+    own_in = {c[1]: (c[3].in_start_ns, c[3].in_end_ns) for c in cands if c[3].in_start_ns >= 0}
+    d2h, h2d = Channel(), Channel()
+    for o in sim.outcomes:
+        if o.out_start_ns >= 0:
+            d2h.reserve(o.out_start_ns, o.out_end_ns)
+        if o.in_start_ns >= 0 and o.storage_id not in own_in:
+            h2d.reserve(o.in_start_ns, o.in_end_ns)
+    bw_out, bw_in = problem.bandwidth_d2h_bytes_per_s, problem.bandwidth_h2d_bytes_per_s
+    out: list[tuple[str, Decision]] = []
+
+    def switch(d: Decision, o) -> Decision | None:
+        """The hidden swap of ``d`` with its copies and bytes reserved, or None."""
+        size, a, b = d.size_bytes, d.evict_op, d.back_op
+        if b <= a + 1:
+            return None
+        t_in = int(round(size / bw_in * 1e9))
+        if d.method == Method.SWAP:  # a stalled swap: its swap-out stays as simulated
+            out_end = o.out_end_ns
+            first_in = bisect_right(end, o.in_start_ns)  # ops already with it back
+            lo_out = a + 1
+        else:
+            t_out = int(round(size / bw_out * 1e9))
+            out_start = d2h.first_fit(end[a], t_out)
+            out_end = out_start + t_out
+            first_in = b
+            lo_out = max(a + 1, bisect_left(start, out_end))  # ops before it is out
+            if lo_out > a + 1 and int(peak[a + 1 : lo_out].max()) + size > bound:
+                return None
+        deadline = min(start[b], due.get(d.storage_id, (start[b], 0))[0])
+        if h2d.latest_fit(out_end, deadline, t_in) is None:  # no room on the channel at all
+            return None
+        # the earliest op from which every op up to first_in has room for the storage
+        over = np.flatnonzero(peak[lo_out:first_in] + size > bound)
+        k0 = lo_out + (int(over[-1]) + 1 if len(over) else 0)
+        if k0 >= b:
+            return None
+        slot = h2d.latest_fit(max(out_end, start[k0]), deadline, t_in)
+        if slot is None:
+            return None
+        k = max(k0, bisect_right(start, slot) - 1)
+        in_start = h2d.first_fit(max(start[k], out_end), t_in)
+        if k >= b or in_start + t_in > deadline or k == d.trigger_op:
+            return None
+        if d.method == Method.RECOMPUTE:
+            d2h.reserve(out_start, out_end)
+            if lo_out > a + 1:
+                peak[a + 1 : lo_out] += size
+        h2d.reserve(in_start, in_start + t_in)
+        k_in = bisect_right(end, in_start)
+        if k_in < first_in:
+            peak[k_in:first_in] += size
+        return Decision(d.storage_id, Method.SWAP, size, a, b, trigger_op=k)
+
+    for _, sid, d, o in cands:
+        new = switch(d, o)
+        if new is not None:
+            out.append((sid, new))
+        elif sid in own_in:  # a stalled swap left as it is keeps its copy
+            h2d.reserve(*own_in[sid])
+    return out
