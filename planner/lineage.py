@@ -26,7 +26,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import PlanError
-from .plan import Decision, Method
+from .plan import Decision, Method, new_decision
 from .problem import Problem, is_collective
 
 MAX_REPLAY_OPS = 5000
@@ -606,29 +606,33 @@ def _fit_arrays(b: int, his: np.ndarray, sizes: np.ndarray, room: np.ndarray) ->
     n = len(his)
     if not n:
         return []
-    his = np.minimum(his, len(room))
-    free = his <= b  # an empty range always fits
-    todo = np.flatnonzero(~free)
-    if not len(todo):
-        return list(range(n))
-    ends = his[todo] - (b + 1)  # each range's last position in the prefix minimum
-    sz = sizes[todo]
-    pm = np.minimum.accumulate(room[b : int(his.max())])
-    v0 = pm[ends]
-    fits = np.flatnonzero(v0 >= sz)  # the room only shrinks: the others never fit
-    kept = np.flatnonzero(free).tolist()
-    if len(fits):
-        done: list[tuple[int, int, int]] = []  # (end, room there before, size) per keep
-        for k, e, v, s in zip(
-            fits.tolist(), ends[fits].tolist(), v0[fits].tolist(), sz[fits].tolist(), strict=True
-        ):
-            for ke, kv, ks in done:
-                v = v - ks if e <= ke else min(v, kv - ks)
-            if v >= s:
-                done.append((e, v, s))
-                kept.append(int(todo[k]))
-                room[b : b + e + 1] -= s
-        kept.sort()
+    m = len(room)
+    his_l = [h if h < m else m for h in his.tolist()]
+    end = max(his_l)
+    if end <= b:
+        return list(range(n))  # every range empty: all fit
+    pm = np.minimum.accumulate(room[b:end])
+    # each range's first pm: at its last position; an empty range always fits
+    firsts = pm[[h - b - 1 for h in his_l if h > b]].tolist()
+    sz = sizes.tolist()
+    kept: list[int] = []
+    done: list[tuple[int, int, int]] = []  # (end, room there before, size) per keep
+    k = 0
+    for i, hi in enumerate(his_l):
+        if hi <= b:
+            kept.append(i)
+            continue
+        v, s = firsts[k], sz[i]
+        k += 1
+        if v < s:  # the room only shrinks: it never fits
+            continue
+        e = hi - b - 1
+        for ke, kv, ks in done:
+            v = v - ks if e <= ke else min(v, kv - ks)
+        if v >= s:
+            done.append((e, v, s))
+            kept.append(i)
+            room[b:hi] -= s
     return kept
 
 
@@ -712,13 +716,13 @@ def finish_decisions(
         if d.method == Method.RECOMPUTE:
             r = replay_of(problem, d, res, regen)
             if r is None:
-                d = Decision(d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op)
+                d = new_decision(d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op)
             else:
                 ops, srcs = r
                 keep = []
                 if collective:
                     keep = _keeps(problem, d, ops, res, room)
-                d = Decision(
+                d = new_decision(
                     d.storage_id,
                     Method.RECOMPUTE,
                     d.size_bytes,

@@ -222,3 +222,27 @@ def test_a_decision_s_remembered_hash_is_of_its_fields_and_not_pickled():
     for f in fields(Decision):
         g = replace(d, **{f.name: other(getattr(d, f.name))})
         assert g != d and hash(g) != hash(d), f.name
+
+
+def test_new_decision_is_the_constructor_s_decision():
+    # plan.new_decision skips the frozen dataclass's setattr per field: the same fields, the
+    # same defaults, equal and equally hashed, and an unknown field refused
+    from dataclasses import fields
+
+    import pytest
+    from capuchin.planner.plan import Decision, Method, new_decision
+
+    kw = dict(replay_ops=(0, 1), sources=("x",), keep=("y",))
+    for args, more in [
+        (("s1", Method.RECOMPUTE, 64, 1, 5), kw),
+        (("s2", Method.SWAP, 8, 0, 3), {}),
+        (("s3", Method.SWAP, 8, 0, 3), {"trigger_op": 2, "out_done_op": 1}),
+    ]:
+        a, b = Decision(*args, **more), new_decision(*args, **more)
+        assert a == b and hash(a) == hash(b) and type(b) is Decision
+        assert {f.name: getattr(b, f.name) for f in fields(Decision)} == {
+            f.name: getattr(a, f.name) for f in fields(Decision)
+        }
+        assert a.to_dict() == b.to_dict()
+    with pytest.raises(TypeError):
+        new_decision("s1", Method.SWAP, 8, 0, 3, nonsense=1)
