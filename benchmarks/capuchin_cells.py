@@ -68,7 +68,9 @@ def main(argv=None) -> int:
             shown.append(f"{c['overhead_pct']:+.2f}% ({c['extra_ms']} ms)" if ok else "over")
         small = f"{row['smallest_frac']:.1%}" if "smallest_frac" in row else ""
         print(f"| {row['trace']} | {' | '.join(shown)} | {small} | {row['cpu_s']} |", flush=True)
-    print(f"(policy {args.policy}; the simulator's predicted overhead, % of the baseline iteration)")
+    print(
+        f"(policy {args.policy}; the simulator's predicted overhead, % of the baseline iteration)"
+    )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
