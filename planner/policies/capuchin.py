@@ -143,7 +143,7 @@ def capuchin(
 
         def search(planner: Capuchin, switching: Switching | None = None):
             def run() -> list[Decision]:
-                hiding = planner.mode != "swap"  # Note [Hidden swaps in the search]
+                hiding = planner.mode != "swap"  # search Note [Hidden swaps, on the grid]
                 ds = searched(p, budget_bytes, planner, switching, deep=deep, hiding=hiding)
                 if deep is None and deep_needed(p, planner, budget_bytes, switching):
                     made["deep"].append(f"{name} {planner.mode}")
