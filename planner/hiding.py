@@ -41,7 +41,7 @@ from collections import Counter
 import numpy as np
 
 from ..errors import PlanError
-from .lineage import EvictionWindows, replay_of
+from .lineage import reresolved
 from .plan import Decision, Method
 from .problem import Problem
 from .simulator import SimResult, simulate
@@ -89,31 +89,9 @@ def _switched(
     problem: Problem, decisions: list[Decision], new: dict[str, Decision], regen: frozenset
 ) -> list[Decision] | None:
     """``decisions`` with the switches ``new``; the replays that regenerated a switched storage
-    read it as a source instead (re-resolved, without collective keeps; None when one has no
-    replay left), the others unchanged."""
-    trial = [new.get(d.storage_id, d) for d in decisions]
-    producers = {problem.storages[sid].alloc_op: sid for sid in new}
-    res = None
-    out = []
-    for x in trial:
-        if x.method == Method.RECOMPUTE and (
-            any(k in new for k in x.keep) or any(j in producers for j in x.replay_ops)
-        ):
-            res = res if res is not None else EvictionWindows(trial)
-            r = replay_of(problem, x, res, regen)
-            if r is None:
-                return None
-            x = Decision(
-                x.storage_id,
-                Method.RECOMPUTE,
-                x.size_bytes,
-                x.evict_op,
-                x.back_op,
-                replay_ops=tuple(r[0]),
-                sources=tuple(r[1]),
-            )
-        out.append(x)
-    return out
+    read it as a source instead (``lineage.reresolved``; None when one has no replay left), the
+    others unchanged."""
+    return reresolved(problem, [new.get(d.storage_id, d) for d in decisions], new, regen)
 
 
 def _switches(

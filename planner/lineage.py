@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -460,8 +460,8 @@ _SHORT_REPLAY = 32  # ops: up to it, the loop over the few storages is faster th
 # x's producer at or before e and not a collective, and e before ``lim``, the first in-place
 # writer of x after its producer that the replay lacks or that is a collective. That is a few
 # comparisons on arrays per storage (the windows per storage index, made once per
-# ``EvictionWindows``; ``lim`` per replay, remembered with its op list); storages with more
-# windows take ``_keepable``'s loop. The same storages, in the same order
+# ``EvictionWindows``; ``lim`` per replay, remembered with its op list); where a storage with
+# more windows is among them, ``_keepable``'s loop answers for all. The same storages, in the same order
 # (tests/test_lineage_fast.py).
 
 
@@ -533,7 +533,7 @@ def _keepable_at_once(
 ) -> list[tuple[str, int]] | tuple[list[str], np.ndarray, np.ndarray]:
     """``_keepable`` where nothing is regenerated yet (Note [Keepable, at once]): as the
     storages, their windows' back-accesses and sizes (arrays), or, when a storage with several
-    windows is among them, as ``_keepable``'s list."""
+    windows is among them, ``_keepable``'s own list."""
     key = tuple(replay_ops)
     memo = _REPLAY_ALLOCS.get(problem)
     if memo is None:
@@ -549,42 +549,14 @@ def _keepable_at_once(
     many = multi[idx]
     hits = np.flatnonzero(ok | many)
     sids, sid = al.sids, d.storage_id
-    if many.any():  # the plain test for the storages with several windows, in order
-        out = []
-        for k in hits.tolist():
-            x = sids[k]
-            if x == sid:
-                continue
-            if many[k]:
-                out.extend(_keepable_one(problem, x, back, replay_ops, res))
-            else:
-                out.append((x, int(b[k])))
-        return out
+    if many.any():  # a storage with several windows among them: the loop, for all
+        return _keepable(problem, d, replay_ops, res)
     xs = [sids[k] for k in hits.tolist()]
     if sid in xs:
         k = xs.index(sid)
         del xs[k]
         hits = np.delete(hits, k)
     return xs, b[hits], _storage_arrays(problem)[1][idx[hits]]
-
-
-def _keepable_one(
-    problem: Problem, x: str, back: int, replay_ops: Sequence[int], res: EvictionWindows
-) -> list[tuple[str, int]]:
-    """``_keepable``'s test of one storage ``x`` (with nothing regenerated)."""
-    out = []
-    first = None
-    for e, b, m in res._iv[x]:
-        if e < back <= b:
-            if first is None:
-                if m != Method.RECOMPUTE:
-                    break
-                first = b
-            if m == Method.RECOMPUTE:
-                chain = _chain(problem, x, e)
-                if chain and set(replay_ops).issuperset(chain):
-                    out.append((x, first))
-    return out
 
 
 def _fit_keeps(
@@ -694,6 +666,41 @@ def replay_of(
     if r is None:
         r = replay_for(problem, d.storage_id, d.evict_op, d.back_op, res, max_ops=max_ops)
     return r
+
+
+def reresolved(
+    problem: Problem,
+    decisions: Sequence[Decision],
+    changed: Collection[str],
+    regen: frozenset = frozenset(),
+) -> list[Decision] | None:
+    """``decisions``, which already hold a change to the storages ``changed`` (switched or
+    dropped), with each recomputation whose replay regenerated one of them (its producer
+    replayed, or kept) re-resolved against their residency: it reads the storage as a source
+    now, without collective keeps (``replay_of``). The others are unchanged; None when one has
+    no replay left."""
+    producers = {problem.storages[sid].alloc_op for sid in changed}
+    res = None
+    out = []
+    for x in decisions:
+        if x.method == Method.RECOMPUTE and (
+            any(k in changed for k in x.keep) or any(j in producers for j in x.replay_ops)
+        ):
+            res = res if res is not None else EvictionWindows(decisions)
+            r = replay_of(problem, x, res, regen)
+            if r is None:
+                return None
+            x = new_decision(
+                x.storage_id,
+                Method.RECOMPUTE,
+                x.size_bytes,
+                x.evict_op,
+                x.back_op,
+                replay_ops=tuple(r[0]),
+                sources=tuple(r[1]),
+            )
+        out.append(x)
+    return out
 
 
 def finish_decisions(

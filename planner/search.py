@@ -121,7 +121,13 @@ import numpy as np
 
 from ..errors import PlanError
 from .hiding import hide
-from .lineage import EvictionWindows, finish_decisions, regen_resident, replay_for, replay_of
+from .lineage import (
+    EvictionWindows,
+    finish_decisions,
+    regen_resident,
+    replay_for,
+    reresolved,
+)
 from .plan import Decision, Method
 from .problem import Problem
 from .simulator import SimResult, simulate
@@ -715,25 +721,6 @@ def _without(
     problem: Problem, decisions: list[Decision], gone: Decision, regen: frozenset = frozenset()
 ) -> list[Decision] | None:
     """``decisions`` minus ``gone``: the replays that regenerated its storage now read it as a
-    source instead (re-resolved, without collective keeps); the others are unchanged."""
-    sid = gone.storage_id
+    source instead (``lineage.reresolved``); the others are unchanged."""
     kept = [x for x in decisions if x is not gone]
-    producer = problem.storages[sid].alloc_op
-    res = EvictionWindows(kept)
-    out = []
-    for x in kept:
-        if x.method == Method.RECOMPUTE and (sid in x.keep or producer in x.replay_ops):
-            r = replay_of(problem, x, res, regen)
-            if r is None:
-                return None
-            x = Decision(
-                x.storage_id,
-                Method.RECOMPUTE,
-                x.size_bytes,
-                x.evict_op,
-                x.back_op,
-                replay_ops=tuple(r[0]),
-                sources=tuple(r[1]),
-            )
-        out.append(x)
-    return out
+    return reresolved(problem, kept, (gone.storage_id,), regen)
