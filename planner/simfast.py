@@ -147,6 +147,7 @@ def fast_pass(
     ak: list[int] = []
 
     state: dict[str, str] = {}
+    away: set[str] = set()  # the storages whose state is "out" or "swapping_in"
     active: dict[str, int] = {}
     out_end: dict[str, int] = {}
     in_end: dict[str, int] = {}
@@ -166,10 +167,12 @@ def fast_pass(
         c_out, c_in = carry.get(sid, (0, 0))
         if d.trigger_op is not None and d.trigger_op > d.evict_op:
             state[sid] = "swapping_in"
+            away.add(sid)
             in_end[sid] = c_in
             h2d_free = max(h2d_free, c_in)
         else:
             state[sid] = "out"
+            away.add(sid)
             out_end[sid] = c_out
             d2h_free = max(d2h_free, c_out)
             if c_out > 0:
@@ -225,8 +228,8 @@ def fast_pass(
                 restore = (sid,)
             elif state.get(sid) != "in":
                 restore = []
-                for x in d.sources:
-                    if state.get(x) in ("out", "swapping_in"):
+                for x in d.sources if not away.isdisjoint(d.sources) else ():
+                    if x in away:
                         if decisions[active[x]].method != Method.SWAP:
                             raise PlanError("dropped source")
                         restore.append(x)
@@ -254,6 +257,7 @@ def fast_pass(
                         stall[i] += wait
                         t += wait
                     state[x] = "in"
+                    away.discard(x)
                     j = active[x]
                     inf = info[j]
                     if inf is None:
@@ -286,6 +290,7 @@ def fast_pass(
                     dk.append(5 * k + 1), dt.append(t), dev.append(arr)
                 for x in keep:
                     state[x] = "in"
+                    away.discard(x)
                 t += dur
                 t += len(d.replay_ops) * replay_op_ns
                 recomp[i] = t - t1
@@ -294,6 +299,7 @@ def fast_pass(
                     inf = info[i] = dict(_TIMES)
                 inf["back_ns"] = t
             state[sid] = "in"
+            away.discard(sid)
             del active[sid]
         if t != t0:
             D[k] = t - t0
@@ -304,6 +310,7 @@ def fast_pass(
             sid = d.storage_id
             active[sid] = i
             state[sid] = "out"
+            away.add(sid)
             if d.method == Method.SWAP:
                 if swap_ns:
                     t += swap_ns
@@ -381,25 +388,29 @@ def fast_pass(
     else:
         peak, peak_t, peak_op = problem.resident_bytes, 0, -1
 
-    # DecisionOutcome(...) field by field, without its frozen __init__'s setattr calls
-    new, setattr_ = object.__new__, object.__setattr__
-    outcomes = []
-    for i, d in enumerate(decisions):
-        o = new(DecisionOutcome)
-        setattr_(
-            o,
-            "__dict__",
-            {
-                "storage_id": d.storage_id,
-                "method": d.method,
-                "stall_ns": stall[i],
-                "recompute_ns": recomp[i],
-                **(info[i] or _TIMES),
-            },
-        )
-        outcomes.append(o)
+    ds = tuple(decisions)  # a caller may reuse its list; the outcomes are made on first use
 
-    ref_args = (problem, tuple(decisions), bw_out, bw_in, carry or None)
+    def outcomes() -> tuple[DecisionOutcome, ...]:
+        # DecisionOutcome(...) field by field, without its frozen __init__'s setattr calls
+        new, setattr_ = object.__new__, object.__setattr__
+        out = []
+        for i, d in enumerate(ds):
+            o = new(DecisionOutcome)
+            setattr_(
+                o,
+                "__dict__",
+                {
+                    "storage_id": d.storage_id,
+                    "method": d.method,
+                    "stall_ns": stall[i],
+                    "recompute_ns": recomp[i],
+                    **(info[i] or _TIMES),
+                },
+            )
+            out.append(o)
+        return tuple(out)
+
+    ref_args = (problem, ds, bw_out, bw_in, carry or None)
     return SimResult(
         peak,
         peak_op,
@@ -407,7 +418,7 @@ def fast_pass(
         int(t),
         P.time_ns,
         P.peak_bytes,
-        tuple(outcomes),
+        outcomes,
         op_peak,
         op_start,
         op_end,
@@ -415,6 +426,7 @@ def fast_pass(
         None,
         new_carry,
         _reference=lambda: _simulate(*ref_args),
+        _totals=(sum(stall), sum(recomp)),
     )
 
 

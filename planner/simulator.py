@@ -110,7 +110,11 @@ class SimResult:
     time_ns: int
     baseline_time_ns: int
     baseline_peak_bytes: int
-    outcomes: tuple[DecisionOutcome, ...]
+    # the outcomes, or a function that makes them: the fast pass leaves them to first use, as
+    # most of the plans a search simulates are judged by their peak and time alone
+    _outcomes: tuple[DecisionOutcome, ...] | Callable[[], tuple[DecisionOutcome, ...]] = field(
+        repr=False
+    )
     op_peak_bytes: np.ndarray = field(repr=False)
     op_start_ns: np.ndarray = field(repr=False)
     op_end_ns: np.ndarray = field(repr=False)
@@ -119,6 +123,13 @@ class SimResult:
     _carry: dict = field(default_factory=dict, repr=False)  # Note [Steady state across iterations]
     # the fast pass (simfast.py) leaves _memory and _spans to the reference pass, run on first use
     _reference: Callable[[], SimResult] | None = field(default=None, repr=False)
+    _totals: tuple[int, int] | None = field(default=None, repr=False)  # stall_ns, recompute_ns
+
+    @cached_property
+    def outcomes(self) -> tuple[DecisionOutcome, ...]:
+        """One ``DecisionOutcome`` per decision, in the plan's order."""
+        o = self._outcomes
+        return o if isinstance(o, tuple) else o()
 
     @cached_property
     def _full(self) -> SimResult:
@@ -157,10 +168,14 @@ class SimResult:
 
     @property
     def stall_ns(self) -> int:
+        if self._totals is not None:
+            return self._totals[0]
         return sum(o.stall_ns for o in self.outcomes)
 
     @property
     def recompute_ns(self) -> int:
+        if self._totals is not None:
+            return self._totals[1]
         return sum(o.recompute_ns for o in self.outcomes)
 
     def outcomes_frame(self) -> pd.DataFrame:

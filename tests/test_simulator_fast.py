@@ -31,6 +31,8 @@ SCALARS = (
     "baseline_time_ns",
     "baseline_peak_bytes",
     "outcomes",
+    "stall_ns",
+    "recompute_ns",
     "_carry",
 )
 
