@@ -112,7 +112,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -208,12 +207,23 @@ class Switching:
     max_replay_ops: int = 200
 
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def problem_cache(problem: Problem, name: str = "_search_cache") -> dict:
+    """A dict kept on the problem itself. Not a weak-keyed dict: what is cached (attempts with
+    their simulations, which run the reference pass on their problem on first use of their
+    memory curve) refers to the problem, and a weak key whose value refers to it is never
+    freed; as an attribute the two form a cycle the garbage collector frees. ``capuchin
+    max-batch`` plans a new problem per value it tries (tests/test_search.py checks a planned
+    problem is freed)."""
+    per = problem.__dict__.get(name)
+    if per is None:
+        per = {}
+        object.__setattr__(problem, name, per)
+    return per
 
 
 def cached(problem: Problem, key, make: Callable[[], Any]):
     """``make()``, once per problem and key."""
-    per = _CACHE.setdefault(problem, {})
+    per = problem_cache(problem)
     if key not in per:
         per[key] = make()
     return per[key]
@@ -539,9 +549,7 @@ def switch_stalled(
     sim = a.sim
     key = (tuple(a.decisions), sim.time_ns, sim.peak_bytes, a.regen, bound, switching)
     key += (max_passes, calm_tries)
-    done = _SWITCHED.get(problem)
-    if done is None:
-        done = _SWITCHED[problem] = {}
+    done = problem_cache(problem, "_switched")
     got = done.get(key, done)  # the dict itself: not remembered yet
     if got is done:
         new = _switch_stalled(problem, a, bound, switching, max_passes, calm_tries)
@@ -549,9 +557,6 @@ def switch_stalled(
     if got is None:  # unchanged
         return Attempt(a.decisions, sim, a.regen)
     return Attempt(list(got.decisions), got.sim, got.regen)
-
-
-_SWITCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # switch_stalled's results
 
 
 def _switch_stalled(

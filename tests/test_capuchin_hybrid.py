@@ -135,11 +135,11 @@ def test_deep_targets_only_when_the_others_fit_nothing(resnet32):
     assert min(g.peak_bytes for g in every) < low  # the deep plans reach lower
     deep_targets = [t for t in grid_targets(p) if t <= p.floor_bytes()]
     assert deep_targets
-    search._CACHE.pop(p, None)
+    search.problem_cache(p).clear()
     assert (
         search.fitting_grid(p, rec, low, deep=None) == shallow
     )  # another plan fits: no deep plans made
-    made = {k[3] for k in search._CACHE[p] if k[0] == "target"}
+    made = {k[3] for k in search.problem_cache(p) if k[0] == "target"}
     assert made.isdisjoint(deep_targets)
     budget = low - 1  # none of the others fits: every target, deep ones included
     assert search.fitting_grid(p, rec, budget, deep=None) == every

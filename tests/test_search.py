@@ -155,10 +155,29 @@ def test_capuchin_skips_the_variants_when_its_plan_costs_nothing():
     assert simulate(p, ds).time_ns == p.time_ns
     # planned without persistent candidates first (policies/capuchin.py Note [Persistent
     # candidates]): that plan costs nothing, so the one with them is not made either
-    assert p not in search._CACHE
-    made = {(k[0], k[1].mode) for k in search._CACHE[p.restricted()]}
+    assert "_search_cache" not in p.__dict__
+    made = {(k[0], k[1].mode) for k in search.problem_cache(p.restricted())}
     # the hybrid's grid (and its targets) only: no recompute-only grid, no conversions
     assert made == {("grid", "hybrid"), ("target", "hybrid"), ("attempt", "hybrid")}
+
+
+def test_a_planned_problem_is_freed():
+    """The search's caches live on the problem: once the caller drops it, the collector frees
+    it with them (``capuchin max-batch`` plans a new problem per value it tries)."""
+    import gc
+    import weakref
+
+    from capuchin.planner import search
+    from capuchin.planner.policies.capuchin import capuchin
+
+    p = _transformer()
+    capuchin(p, int(p.peak_bytes * 0.5))
+    assert search.problem_cache(p.restricted())  # it searched
+    refs = [weakref.ref(p), weakref.ref(p.restricted())]
+    del p
+    gc.collect()  # frees p, whose entry in problem.py's _RESTRICTED then lets go of the other
+    gc.collect()
+    assert all(r() is None for r in refs)
 
 
 def test_gc_paused_restores_the_collector_state():
