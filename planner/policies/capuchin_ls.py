@@ -25,8 +25,8 @@ from ..search import gc_paused
 from ..simulator import simulate
 from .capuchin import capuchin
 
-WORK = 250_000  # steps x ops: about 1 s of CPU on DTR U-Net and ResNet-32 (~1,000 steps)
-MIN_STEPS, MAX_STEPS = 100, 2_000
+WORK = 1_000_000  # steps x ops: 2-4 s of CPU per budget on DTR U-Net and ResNet-32 (~4,000 steps)
+MIN_STEPS, MAX_STEPS = 100, 5_000
 
 
 def steps_for(problem: Problem) -> int:
