@@ -27,7 +27,15 @@ plan gets faster without its peak rising above the bound it was given.
 # and its estimates are optimistic. So ``grid`` plans for a fixed grid of targets (the floor,
 # nine steps up to the peak, and three below the floor), independent of the budget, and
 # ``pick`` returns the cheapest of those plans whose simulated peak fits: a larger budget can
-# only choose among more plans, so it never costs more.
+# only choose among more plans, so it never costs more. Problems under ``FINE_GRID_OPS`` ops
+# take 19 steps up to the peak instead of nine (a superset of the coarse grid's targets), and
+# their ``hidden`` variants come from every fitting plan, not only the front's (Note [Hidden
+# swaps, on the grid]): where a finer grid adds a plan that dominates one of the coarse grid's,
+# the dominated plan's variant can still be the fastest (DTR U-Net at 40%: 93.45 ms extra with
+# it, 102.69 ms from the front alone). On the bundled traces and DTR U-Net and ResNet-32 at
+# 80/60/50/40% that lowers nine cells and raises none (e.g. ResNet-32 6.18 -> 5.28 ms at 80%,
+# 37.79 -> 31.35 ms at 40%; docs/planner.md "Speed" has the cost); on larger problems the grid
+# is most of the policy's time (DTR DenseNet-121: 70%), so they keep the coarse one.
 #
 # Note: [Deep targets]
 # A planner's *deep* targets are the grid's targets at and below the floor
@@ -79,9 +87,10 @@ plan gets faster without its peak rising above the bound it was given.
 # of the list has a peak and a time both no larger) that fit the budget: only plans that can be
 # picked are converted, each once, cached. On DTR's Transformer and InceptionV4 at 60% the front
 # makes that 26 and 28 conversions instead of 64 and 46, with the same plans picked at 60/50/40%
-# there and on U-Net and ResNet-32. A variant never peaks above its plan, and which plans are
-# converted depends on the list alone, so a larger budget offers every variant a smaller one does,
-# and the pick stays monotone in the budget (Note [Targets]).
+# there. Under ``FINE_GRID_OPS`` ops every fitting plan is converted (Note [Targets]: with the
+# finer grid a dominated plan's variant won there). A variant never peaks above its plan, and
+# which plans are converted depends on the list alone, so a larger budget offers every variant
+# a smaller one does, and the pick stays monotone in the budget (Note [Targets]).
 #
 # Note: [Best of variants]
 # ``best_of`` simulates each candidate plan in order and returns the fitting one with the
@@ -229,10 +238,15 @@ def cached(problem: Problem, key, make: Callable[[], Any]):
     return per[key]
 
 
+FINE_GRID_OPS = 1000  # smaller problems get the finer grid (Note [Targets])
+
+
 def grid_targets(problem: Problem) -> list[int]:
-    """Note [Targets]: the floor, nine steps up to the peak, and three below the floor."""
+    """Note [Targets]: the floor, nine steps up to the peak (19 under ``FINE_GRID_OPS`` ops),
+    and three below the floor."""
     floor, peak = problem.floor_bytes(), problem.peak_bytes
-    targets = [floor + (peak - floor) * i // 10 for i in range(10)]
+    k = 20 if problem.n_ops < FINE_GRID_OPS else 10
+    targets = [floor + (peak - floor) * i // k for i in range(k)]
     targets += [floor * 9 // 10, floor * 3 // 4, floor // 2]
     return [x for x in dict.fromkeys(targets) if 0 < x < peak]
 
@@ -433,16 +447,16 @@ def searched(
 
 def hidden(problem: Problem, plans: list[GridPlan], budget: int) -> list[GridPlan]:
     """Note [Hidden swaps, on the grid]: ``hide`` of each plan on the front of ``plans`` that
-    fits ``budget``, bounded by the plan's own peak; only those that got faster. Made once per
-    plan and cached."""
+    fits ``budget`` (of each plan that fits, under ``FINE_GRID_OPS`` ops), bounded by the plan's
+    own peak; only those that got faster. Made once per plan and cached."""
     fitting = [g for g in plans if g.peak_bytes <= budget]
     if not fitting or any(g.time_ns <= problem.time_ns for g in fitting):
         return []  # none fits, or one costs nothing: no variant can be faster
     done = cached(problem, "hidden", dict)
     out = []
-    front = _front(plans)
+    front = _front(plans) if problem.n_ops >= FINE_GRID_OPS else None  # Note [Targets]
     for g in fitting:
-        if id(g) not in front:
+        if front is not None and id(g) not in front:
             continue
         i = id(g)  # grid plans live in the problem's cache: their ids are stable
         if i not in done:

@@ -145,9 +145,17 @@ def test_first_divergence_deep_in_an_unwatched_iteration_counts_what_came_before
     """A divergence by op name at op 100 of every iteration (a plan table altered to expect
     another op there): the first diverged iteration is not watched, so passive mode starts with
     the forward's activations unseen; they are found through the autograd graph and counted
-    (without: 1.24x the budget)."""
+    (without: 1.24x the budget).
+
+    Planned on the coarse target grid (planner/search.py Note [Targets]), the plan this was
+    measured with: the finer grid's 50% plan has fewer bytes out at op 100, and what the
+    unwatched iteration left resident can only be counted, not evicted, so passive mode is
+    1.16 MB short there (1.057x the budget)."""
     import capuchin.runtime.engine as engine
+    from capuchin.planner import search
     from capuchin.runtime.actions import compile_plan
+
+    monkeypatch.setattr(search, "FINE_GRID_OPS", 0)
 
     def altered(plan):
         table = compile_plan(plan)
@@ -156,7 +164,7 @@ def test_first_divergence_deep_in_an_unwatched_iteration_counts_what_came_before
         return table
 
     monkeypatch.setattr(engine, "compile_plan", altered)
-    plan = plan50("transformer")
+    plan = plan50.__wrapped__("transformer")  # not the cached plan: the one of the coarse grid
     rt = Runtime(plan, measure_memory=True)
     assert train_mismatches("transformer", rt) == []
     its = complete(rt)
