@@ -124,3 +124,41 @@ def test_nothing_over_budget_costs_nothing():
     problem = small_problem(0)
     b = lower_bound(problem, problem.peak_bytes)
     assert b.bound_ns == 0 and b.gap(0) == 0.0
+
+
+def test_dual_value_is_below_the_lp_optimum_for_any_multipliers(monkeypatch):
+    """Note [A bound from any dual]: the solvers' duals give the LP optimum (to the 1 ns shave),
+    and multipliers far from optimal (perturbed, signs flipped) give less, never more."""
+    import numpy as np
+    from capuchin.planner import bound
+    from ortools.linear_solver import pywraplp
+
+    models = []
+    real = bound._lp_bound
+    monkeypatch.setattr(bound, "_lp_bound", lambda m: models.append(m) or real(m))
+    problem = small_problem(0)
+    bound.lower_bound(problem, int(problem.peak_bytes * 0.8), cpsat=False)
+    lp = bound._relaxation(models[0])
+    # the LP optimum, by a primal simplex solve of the same arrays (independent of the duals)
+    s = pywraplp.Solver.CreateSolver("GLOP")
+    xs = [s.NumVar(float(a), float(b), "") for a, b in zip(lp.lo, lp.hi, strict=True)]
+    rows = [s.Constraint(float(a), float(b)) for a, b in zip(lp.row_lo, lp.row_hi, strict=True)]
+    for r, c, v in zip(lp.rows, lp.cols, lp.vals, strict=True):
+        rows[r].SetCoefficient(xs[c], float(v))
+    for j in np.nonzero(lp.c)[0]:
+        s.Objective().SetCoefficient(xs[j], float(lp.c[j]))
+    s.Objective().SetMinimization()
+    assert s.Solve() == pywraplp.Solver.OPTIMAL
+    opt = s.Objective().Value()
+    assert opt > 100  # (565.6 ns here)
+    rng = np.random.default_rng(0)
+    for solver in ("highs", "glop"):
+        y = bound._lp_duals(lp, solver)
+        assert isinstance(y, np.ndarray)
+        assert opt - 1.01 <= bound._dual_value(lp, y) <= opt
+        for scale in (1e-3, 1e-1, 1.0, 10.0):
+            noisy = y + scale * np.abs(y).max() * rng.standard_normal(len(y))
+            assert bound._dual_value(lp, noisy) <= opt
+        flipped = np.where(rng.random(len(y)) < 0.5, -y, y)
+        assert bound._dual_value(lp, flipped) <= opt
+        assert bound._dual_value(lp, -y) <= opt
