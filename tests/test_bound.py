@@ -162,3 +162,24 @@ def test_dual_value_is_below_the_lp_optimum_for_any_multipliers(monkeypatch):
         flipped = np.where(rng.random(len(y)) < 0.5, -y, y)
         assert bound._dual_value(lp, flipped) <= opt
         assert bound._dual_value(lp, -y) <= opt
+
+
+def test_dual_value_ignores_a_multiplier_on_a_missing_side():
+    """min x over -10 <= x <= 10, x <= 5 (optimum -10): a multiplier of the wrong sign for the
+    row's only side must count for nothing, not as if the missing side were 0."""
+    import numpy as np
+    from capuchin.planner.bound import _dual_value, _Relaxation
+
+    lp = _Relaxation(
+        c=np.array([1.0]),
+        lo=np.array([-10.0]),
+        hi=np.array([10.0]),
+        rows=np.array([0]),
+        cols=np.array([0]),
+        vals=np.array([1.0]),
+        row_lo=np.array([-np.inf]),
+        row_hi=np.array([5.0]),
+    )
+    for y in (-3.0, -1.0, 0.0, 1.0, 3.0):
+        assert _dual_value(lp, np.array([y])) <= -10
+    assert _dual_value(lp, np.array([0.0])) >= -11.01
