@@ -1,6 +1,6 @@
 """A proven lower bound on the extra time of every plan for a budget, and an upper bound (the
-best plan a local search finds): the optimum lies between them. No torch; needs OR-Tools (GLOP
-and CP-SAT).
+best plan a local search finds): the optimum lies between them. No torch; needs OR-Tools
+(MathOpt's HiGHS or GLOP, and CP-SAT).
 
 ``lower_bound(problem, budget)`` builds the ``ilp`` policy's model (policies/_ilp_model.py) at op
 granularity over *every* candidate (each access gap of an evictable storage that covers an op
@@ -8,7 +8,9 @@ over the budget), with each swap's in-copy free to start any time after its out-
 cuts of Note [Cuts the simulator implies] (``add_cuts``), and returns the larger of two proven
 bounds on the optimum of that model:
 
-- ``lp_ns``: the optimum of its linear relaxation (GLOP; all variables continuous);
+- ``lp_ns``: the optimum of its linear relaxation (all variables continuous), as the value of a
+  dual solution (HiGHS's interior point through MathOpt, GLOP where HiGHS gives none; Note [A
+  bound from any dual]);
 - ``cpsat_ns``: CP-SAT's best objective bound after ``time_limit_s`` of search.
 
 ``search_plans(problem, budget, start)`` is a seeded local search over plans from ``start`` (e.g.
@@ -50,6 +52,15 @@ optimum, so a policy's plan is at least (its extra - found) / its extra above th
 #   taken, ``v``'s out-copy ends at least ``out_u + out_v`` after op ``e_u`` ends, so op
 #   ``b_v`` starts at least ``out_u + out_v + in_v`` after it. The model shares a channel
 #   fractionally within a stage and in any order.
+# - ``sources_restored``: a swapped-out storage that a replay before op ``b`` reads as a source
+#   (lineage's rule: alive at ``b``, not written in place since the replayed op read it) is
+#   restored on demand before the replay (``restore``: its in-copy allocates it when it starts,
+#   compute waits for the end) and stays resident (state "in") up to its back-access; one already
+#   prefetched is resident too. So it is on the device at every op from ``b`` to its
+#   back-access: ``a[v, t] + R[b, j] <= 1`` for those ``t``, written with one monotone
+#   "restored by op t" variable per swap candidate (linear size). The model lets it stay absent
+#   (Note [Where the ILP and the simulator differ]: a swapped-out source is restored at no
+#   charge).
 # The time cuts are written on a clock of the model's own replays and stalls (``clock[k]``: the
 # ticks of ``pre`` before ops 0..k; a span from the end of op i to the start of op b is the
 # rounded-up baseline of ops i+1..b-1 plus ``clock[b] - clock[i]``), copy times rounded down
@@ -63,6 +74,28 @@ optimum, so a policy's plan is at least (its extra - found) / its extra above th
 # per storage made none, a storage's copy time doubled, a queued swap-out counted twice) makes
 # the bound exceed brute force there. On DTR's U-Net they do not move the LP: its swaps have
 # gaps long enough for both copies and the queue (docs/planner.md, Lower bound).
+# ``sources_restored`` lifts CP-SAT's bound on small traces (3400 -> 3800 ns against an optimum
+# of 4000; 6300 -> 9900, the optimum), and made to start one op before the replay, or at the
+# start of the gap, it lifts the bound above brute force (tests/test_bound.py). On DTR's U-Net
+# and ResNet-32 at 80/60/40% it leaves the LP where it was and adds 2-4% variables (ResNet-32
+# 40%: 402k -> 420k, the LP slower), so it is not among the default ``CUTS``.
+#
+# Note: [A bound from any dual]
+# The LP is ``min c x`` over ``row_lo <= A x <= row_hi``, ``lo <= x <= hi`` with every ``lo``
+# and ``hi`` finite (the model's domains). For any row multipliers ``y`` and every feasible
+# ``x``: ``c x = y A x + (c - y A) x >= sum_i min(y_i row_lo_i, y_i row_hi_i) + sum_j min(d_j
+# lo_j, d_j hi_j)`` with ``d = c - y A`` (a multiplier whose row side is infinite is set to 0
+# first). So the right-hand side is a lower bound on the LP optimum whatever ``y`` is: it needs
+# no optimal basis, no solver tolerance and no trust in the solver, only ``y`` close to an optimal
+# dual for the bound to be close to the optimum. ``_dual_value`` evaluates it in floating point
+# and subtracts a bound on the rounding error (each reduced cost a sequential sum of at most k + 1
+# products, k the longest column, each product rounded once; the totals summed by ``math.fsum``)
+# and 1 ns; the LP's data are integers below 2^53, exact in floating point. That is what lets
+# the interior-point solve stop without crossover (the DTR ResNet-32 LP at 40%: 402k columns;
+# HiGHS's barrier about 70 s, GLOP's primal simplex about 230 s; not done: GLOP's dual simplex in
+# 300 s, CLP in 400 s, HiGHS's barrier with crossover in 240 s, PDLP far off after 150 s; one
+# core, load 0.2-2.3), and the value it gives is within 1e-5 of the LP optimum there (24.3677 ms
+# against 24.3679). Only an infeasible LP is taken on the solver's word (``math.inf``).
 """
 
 from __future__ import annotations
@@ -72,11 +105,16 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from ..errors import CapuchinError
 from .coarsen import coarsen
 from .problem import Problem
 
-CUTS = ("one_per_storage", "copies_in_sequence", "swap_outs_in_order")  # add_cuts' families
+CUTS = ("one_per_storage", "copies_in_sequence", "swap_outs_in_order")  # add_cuts' defaults
+# add_cuts' other family: valid, lifts CP-SAT's bound on small traces, leaves the LP on the DTR
+# traces where it was (and makes it ~4% larger): Note [Cuts the simulator implies]
+SOURCES_RESTORED = "sources_restored"
 
 
 @dataclass(frozen=True)
@@ -194,7 +232,8 @@ def lower_bound(
 
 
 def add_cuts(model, problem: Problem, families: Collection[str] = CUTS) -> int:
-    """Add to ``model`` (an op-granularity ``_Model``) the ``families`` of inequalities (``CUTS``)
+    """Add to ``model`` (an op-granularity ``_Model``) the ``families`` of inequalities (``CUTS``,
+    ``SOURCES_RESTORED``)
     that every plan the simulator accepts satisfies (Note [Cuts the simulator implies]); returns
     how many were added."""
     m, q = model.m, model.q
@@ -205,6 +244,8 @@ def add_cuts(model, problem: Problem, families: Collection[str] = CUTS) -> int:
         if len(lits) > 1:
             m.add(sum(lits) <= 1)
             added += 1
+    if SOURCES_RESTORED in families:
+        added += _sources_restored(model, problem)
     if problem.host or not {"copies_in_sequence", "swap_outs_in_order"} & set(families):
         return added  # host work lengthens the real timeline beyond the model's: no time cuts
     swaps = [
@@ -258,55 +299,223 @@ def add_cuts(model, problem: Problem, families: Collection[str] = CUTS) -> int:
     return added
 
 
-def _lp_bound(model) -> float | None:
-    """The optimum of the linear relaxation of ``model``'s time objective (ns), ``math.inf``
-    when the relaxation is infeasible, None when GLOP gives no answer."""
-    from ortools.linear_solver import pywraplp
+def _sources_restored(model, problem: Problem) -> int:
+    """Cut (4) of Note [Cuts the simulator implies]: a swapped storage that a replay before op
+    ``b`` reads as a source is on the device from op ``b`` to its back-access. ``rho[t]`` (per
+    swap candidate): some replay before an op ``b <= t`` of its gap reads it."""
+    m = model.m
+    if len(model.pre) != problem.n_ops:  # pragma: no cover - the bound's model is op-level
+        return 0
+    readers: dict = {}  # swap candidate key -> {b: [R[b, j] of replayed ops j reading it]}
+    for (b, j), r in model.R.items():
+        op = problem.ops[j]
+        for x in op.inputs:
+            if x in op.writes:
+                continue
+            xs = problem.storages[x]
+            if not xs.alive_at(b) or xs.written_between(j, b):
+                continue  # not a source: regenerated by the replay (lineage's rule)
+            for c in model.by_storage.get(x, ()):
+                if not c.wraps and c.key in model.swap and c.evict_op < b < c.back_op:
+                    readers.setdefault(c.key, {}).setdefault(b, []).append(r)
+    added = 0
+    for k, at in readers.items():
+        c = model.cands[k]
+        rho = None
+        for t in range(min(at), c.back_op):
+            if t in at or rho is None:
+                nxt = m.new_bool_var(f"restored{k}@{t}")
+                for r in at.get(t, ()):
+                    m.add(nxt >= r)
+                if rho is not None:
+                    m.add(nxt >= rho)
+                rho = nxt
+                added += 1
+            a = model.absent.get((k, t))
+            if a is not None:
+                m.add(a + rho <= 1)
+                added += 1
+    return added
 
+
+def _lp_bound(model) -> float | None:
+    """A proven lower bound on the optimum of the linear relaxation of ``model``'s time objective
+    (ns): the Lagrangian value of the solver's dual solution (Note [A bound from any dual]);
+    ``math.inf`` when the relaxation is infeasible, None when no solver gives an answer."""
+    lp = _relaxation(model)
+    for solver in ("highs", "glop"):
+        got = _lp_duals(lp, solver)
+        if got is None:
+            continue
+        if isinstance(got, float):  # math.inf: infeasible
+            return got
+        return max(0.0, _dual_value(lp, got))
+    return None
+
+
+@dataclass(frozen=True)
+class _Relaxation:
+    """min ``c @ x`` subject to ``row_lo <= A x <= row_hi``, ``lo <= x <= hi`` (``A`` in
+    coordinates ``rows``, ``cols``, ``vals``, sorted by row, one entry per row and column);
+    infinite row sides are ``inf``."""
+
+    c: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    rows: np.ndarray
+    cols: np.ndarray
+    vals: np.ndarray
+    row_lo: np.ndarray
+    row_hi: np.ndarray
+
+
+def _relaxation(model) -> _Relaxation:
+    """``model``'s CP-SAT proto as an LP: every variable continuous over its domain's hull, every
+    constraint a row over its domain's hull, negated literals ``1 - x`` folded into the sides."""
     proto = model.m.proto
-    lp = pywraplp.Solver.CreateSolver("GLOP")
-    inf = lp.infinity()
-    xs = []
-    for v in proto.variables:
-        dom = list(v.domain)
-        xs.append(lp.NumVar(float(dom[0]), float(dom[-1]), ""))
-    for c in proto.constraints:
-        if not c.has_linear() or len(c.enforcement_literal):
+    nv = len(proto.variables)
+    lo = np.empty(nv)
+    hi = np.empty(nv)
+    for i, v in enumerate(proto.variables):
+        dom = list(v.domain)  # (a protobuf repeated field takes no negative index)
+        lo[i], hi[i] = dom[0], dom[-1]
+    refs: list[int] = []
+    coefs: list[int] = []
+    lens: list[int] = []
+    dlo: list[int] = []
+    dhi: list[int] = []
+    for ct in proto.constraints:
+        if not ct.has_linear() or len(ct.enforcement_literal):
             raise CapuchinError(
                 "lower_bound: the model has a constraint that is not plain "
                 "linear (no LP relaxation here)"
             )
-        lin = c.linear
+        lin = ct.linear
+        refs += lin.vars
+        coefs += lin.coeffs
+        lens.append(len(lin.vars))
         dom = list(lin.domain)  # (a split domain relaxes to its hull)
-        lo, hi = dom[0], dom[-1]
-        const = 0.0
-        terms = []
-        for ref, coef in zip(lin.vars, lin.coeffs, strict=True):
-            if ref < 0:  # a negated literal: 1 - x
-                const += coef
-                terms.append((-ref - 1, -coef))
-            else:
-                terms.append((ref, coef))
-        row = lp.Constraint(
-            -inf if lo <= -(2**62) else lo - const, inf if hi >= 2**62 else hi - const
-        )
-        for i, coef in terms:
-            row.SetCoefficient(xs[i], row.GetCoefficient(xs[i]) + coef)
-    obj = lp.Objective()
+        dlo.append(dom[0])
+        dhi.append(dom[-1])
+    nr = len(lens)
+    ref = np.asarray(refs, dtype=np.int64)
+    coef = np.asarray(coefs, dtype=np.float64)
+    rid = np.repeat(np.arange(nr, dtype=np.int64), lens)
+    neg = ref < 0  # a negated literal: coef * (1 - x)
+    const = np.bincount(rid[neg], weights=coef[neg], minlength=nr)
+    var = np.where(neg, -ref - 1, ref)
+    coef = np.where(neg, -coef, coef)
+    key, at = np.unique(rid * nv + var, return_inverse=True)  # merge repeated terms
+    vals = np.bincount(at, weights=coef)
+    nz = vals != 0
+    key, vals = key[nz], vals[nz]
+    big = float(2**62)
+    dlo_a = np.asarray(dlo, dtype=np.float64)
+    dhi_a = np.asarray(dhi, dtype=np.float64)
+    c = np.zeros(nv)
     for (_b, j), v in model.R.items():
-        x = xs[v.Index()]
-        obj.SetCoefficient(x, obj.GetCoefficient(x) + model.problem.ops[j].duration_ns)
+        c[v.Index()] += model.problem.ops[j].duration_ns
     for v in model.stall.values():
-        x = xs[v.Index()]
-        obj.SetCoefficient(x, obj.GetCoefficient(x) + model.q)
-    obj.SetMinimization()
-    code = lp.Solve()
-    if code == pywraplp.Solver.INFEASIBLE:
-        return math.inf
-    if code != pywraplp.Solver.OPTIMAL:
+        c[v.Index()] += model.q
+    return _Relaxation(
+        c,
+        lo,
+        hi,
+        key // nv,
+        key % nv,
+        vals,
+        np.where(dlo_a <= -big, -np.inf, dlo_a - const),
+        np.where(dhi_a >= big, np.inf, dhi_a - const),
+    )
+
+
+def _lp_duals(lp: _Relaxation, solver: str):
+    """Row duals of ``lp`` from ``solver`` (MathOpt: "highs", its interior point without
+    crossover; "glop", simplex): an array, ``math.inf`` when the solver proves the LP infeasible,
+    None when it gives no dual solution (or is not in this OR-Tools)."""
+    try:
+        from ortools.math_opt import (
+            callback_pb2,
+            model_parameters_pb2,
+            model_pb2,
+            parameters_pb2,
+            result_pb2,
+        )
+        from ortools.math_opt.core.python import solver as mo
+    except ImportError:  # pragma: no cover - depends on the OR-Tools version
         return None
-    # GLOP's optimum is a float; shave its tolerance so the bound stays below the true one
-    return max(0.0, obj.Value() * (1 - 1e-7) - 1.0)
+    nv, nr = len(lp.c), len(lp.row_lo)
+    mp = model_pb2.ModelProto()
+    mp.variables.ids.extend(range(nv))
+    mp.variables.lower_bounds.extend(lp.lo.tolist())
+    mp.variables.upper_bounds.extend(lp.hi.tolist())
+    mp.variables.integers.extend([False] * nv)
+    nz = np.nonzero(lp.c)[0]
+    mp.objective.linear_coefficients.ids.extend(nz.tolist())
+    mp.objective.linear_coefficients.values.extend(lp.c[nz].tolist())
+    mp.linear_constraints.ids.extend(range(nr))
+    mp.linear_constraints.lower_bounds.extend(lp.row_lo.tolist())
+    mp.linear_constraints.upper_bounds.extend(lp.row_hi.tolist())
+    mp.linear_constraint_matrix.row_ids.extend(lp.rows.tolist())
+    mp.linear_constraint_matrix.column_ids.extend(lp.cols.tolist())
+    mp.linear_constraint_matrix.coefficients.extend(lp.vals.tolist())
+    params = parameters_pb2.SolveParametersProto()
+    if solver == "highs":
+        kind = parameters_pb2.SOLVER_TYPE_HIGHS
+        params.lp_algorithm = parameters_pb2.LP_ALGORITHM_BARRIER
+        params.highs.string_options["run_crossover"] = "off"  # the duals need no basis
+    else:
+        kind = parameters_pb2.SOLVER_TYPE_GLOP
+        params.threads = 1
+    try:
+        res = mo.solve(
+            mp,
+            kind,
+            parameters_pb2.SolverInitializerProto(),
+            params,
+            model_parameters_pb2.ModelSolveParametersProto(),
+            None,
+            callback_pb2.CallbackRegistrationProto(),
+            None,
+            None,
+        )
+    except Exception:  # pragma: no cover - a solver missing from this build, or failing
+        return None
+    if res.termination.reason == result_pb2.TERMINATION_REASON_INFEASIBLE:
+        return math.inf
+    for sol in res.solutions:
+        if sol.HasField("dual_solution"):
+            y = np.zeros(nr)
+            dv = sol.dual_solution.dual_values
+            y[np.asarray(dv.ids, dtype=np.int64)] = dv.values
+            return y
+    return None
+
+
+def _dual_value(lp: _Relaxation, y: np.ndarray) -> float:
+    """The Lagrangian bound of ``lp`` at row multipliers ``y``, rounded down past its
+    floating-point error (Note [A bound from any dual])."""
+    y = np.where((y > 0) & np.isneginf(lp.row_lo), 0.0, y)  # a side that is not there
+    y = np.where((y < 0) & np.isposinf(lp.row_hi), 0.0, y)
+    side = np.where(y > 0, lp.row_lo, np.where(y < 0, lp.row_hi, 0.0))
+    row_terms = np.where(y != 0, y * np.where(np.isfinite(side), side, 0.0), 0.0)
+    ay = lp.vals * y[lp.rows]
+    nv = len(lp.c)
+    d = lp.c - np.bincount(lp.cols, weights=ay, minlength=nv)  # reduced costs
+    var_terms = np.where(d > 0, d * lp.lo, np.where(d < 0, d * lp.hi, 0.0))
+    # floating-point error: a reduced cost is off by at most (k + 2) ulps of its terms' magnitude
+    # (k products summed in turn, k the longest column, then c), which times |lo| or |hi| bounds
+    # its term's error (a sign flipped near 0 included); each product adds 1 ulp; the totals are
+    # summed exactly (fsum). gamma is taken well above that, and the error counted twice.
+    k = int(np.bincount(lp.cols, minlength=nv).max(initial=0))
+    gamma = (k + 256 + 2 * math.log2(max(2, len(ay)))) * 2.0**-53
+    mag_d = np.abs(lp.c) + np.bincount(lp.cols, weights=np.abs(ay), minlength=nv)
+    err = gamma * (
+        np.abs(row_terms).sum()
+        + np.abs(var_terms).sum()
+        + (mag_d * np.maximum(np.abs(lp.lo), np.abs(lp.hi))).sum()
+    )
+    return float(math.fsum(row_terms.tolist()) + math.fsum(var_terms.tolist()) - 2 * err - 1.0)
 
 
 @dataclass(frozen=True)

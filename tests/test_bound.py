@@ -104,6 +104,29 @@ def test_cuts_tight_at_the_optimum_stay_below_it(seed, fraction, bandwidth):
     _below_searched_plans(problem, budget, full.bound_ns)
 
 
+# (seed, fraction): small traces where ``sources_restored`` lifts the full bound (CP-SAT's; not
+# the LP's here): 3400 -> 3800 ns at (62, 0.5), brute force 4000; 6300 -> 9900 at (9, 0.8), the
+# optimum; 2400 -> 3500 at (26, 0.7), brute force 4100. Made to start one op before the replay
+# (or at the gap's start) it lifts (62, 0.5) above brute force (to infinity).
+SOURCE_CASES = [(62, 0.5), (9, 0.8), (26, 0.7)]
+
+
+@pytest.mark.parametrize(("seed", "fraction"), SOURCE_CASES)
+def test_restored_sources_cut_binds_and_stays_below_every_plan(seed, fraction):
+    from capuchin.planner.bound import CUTS, SOURCES_RESTORED
+
+    problem = small_problem(seed)
+    budget = int(problem.peak_bytes * fraction)
+    best = brute_force(problem, budget)
+    assert best is not None
+    cuts = (*CUTS, SOURCES_RESTORED)
+    plain = lower_bound(problem, budget, time_limit_s=20)
+    full = lower_bound(problem, budget, time_limit_s=20, cuts=cuts)
+    assert plain.bound_ns < full.bound_ns <= best
+    assert lower_bound(problem, budget, cpsat=False, cuts=cuts).bound_ns <= best
+    _below_searched_plans(problem, budget, full.bound_ns)
+
+
 def test_search_plans_returns_a_fitting_plan_no_slower_than_its_start():
     from capuchin.planner.build import complete_decisions
 
@@ -124,3 +147,62 @@ def test_nothing_over_budget_costs_nothing():
     problem = small_problem(0)
     b = lower_bound(problem, problem.peak_bytes)
     assert b.bound_ns == 0 and b.gap(0) == 0.0
+
+
+def test_dual_value_is_below_the_lp_optimum_for_any_multipliers(monkeypatch):
+    """Note [A bound from any dual]: the solvers' duals give the LP optimum (to the 1 ns shave),
+    and multipliers far from optimal (perturbed, signs flipped) give less, never more."""
+    import numpy as np
+    from capuchin.planner import bound
+    from ortools.linear_solver import pywraplp
+
+    models = []
+    real = bound._lp_bound
+    monkeypatch.setattr(bound, "_lp_bound", lambda m: models.append(m) or real(m))
+    problem = small_problem(0)
+    bound.lower_bound(problem, int(problem.peak_bytes * 0.8), cpsat=False)
+    lp = bound._relaxation(models[0])
+    # the LP optimum, by a primal simplex solve of the same arrays (independent of the duals)
+    s = pywraplp.Solver.CreateSolver("GLOP")
+    xs = [s.NumVar(float(a), float(b), "") for a, b in zip(lp.lo, lp.hi, strict=True)]
+    rows = [s.Constraint(float(a), float(b)) for a, b in zip(lp.row_lo, lp.row_hi, strict=True)]
+    for r, c, v in zip(lp.rows, lp.cols, lp.vals, strict=True):
+        rows[r].SetCoefficient(xs[c], float(v))
+    for j in np.nonzero(lp.c)[0]:
+        s.Objective().SetCoefficient(xs[j], float(lp.c[j]))
+    s.Objective().SetMinimization()
+    assert s.Solve() == pywraplp.Solver.OPTIMAL
+    opt = s.Objective().Value()
+    assert opt > 100  # (565.6 ns here)
+    rng = np.random.default_rng(0)
+    for solver in ("highs", "glop"):
+        y = bound._lp_duals(lp, solver)
+        assert isinstance(y, np.ndarray)
+        assert opt - 1.01 <= bound._dual_value(lp, y) <= opt
+        for scale in (1e-3, 1e-1, 1.0, 10.0):
+            noisy = y + scale * np.abs(y).max() * rng.standard_normal(len(y))
+            assert bound._dual_value(lp, noisy) <= opt
+        flipped = np.where(rng.random(len(y)) < 0.5, -y, y)
+        assert bound._dual_value(lp, flipped) <= opt
+        assert bound._dual_value(lp, -y) <= opt
+
+
+def test_dual_value_ignores_a_multiplier_on_a_missing_side():
+    """min x over -10 <= x <= 10, x <= 5 (optimum -10): a multiplier of the wrong sign for the
+    row's only side must count for nothing, not as if the missing side were 0."""
+    import numpy as np
+    from capuchin.planner.bound import _dual_value, _Relaxation
+
+    lp = _Relaxation(
+        c=np.array([1.0]),
+        lo=np.array([-10.0]),
+        hi=np.array([10.0]),
+        rows=np.array([0]),
+        cols=np.array([0]),
+        vals=np.array([1.0]),
+        row_lo=np.array([-np.inf]),
+        row_hi=np.array([5.0]),
+    )
+    for y in (-3.0, -1.0, 0.0, 1.0, 3.0):
+        assert _dual_value(lp, np.array([y])) <= -10
+    assert _dual_value(lp, np.array([0.0])) >= -11.01
