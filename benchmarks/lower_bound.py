@@ -8,8 +8,9 @@ gap = (capuchin's extra - bound) / capuchin's extra: capuchin is at most that fr
 extra time above the optimum (0: proven optimal). found: the best plan ``search_plans`` found from
 capuchin's (``--search-steps`` simulated plans, seed 0): the optimum is at most that, so capuchin
 is at least (capuchin - found) / capuchin above it ("capuchin above found"), and the bound at most
-(found - bound) / found below it ("bound below found"). Extra times are the simulator's (ns above
-the baseline iteration); "% iter" is capuchin's as a fraction of the baseline iteration.
+(found - bound) / found below it ("bound below found"). ``ls_ms`` and ``ls_gap``: the
+``capuchin-ls`` plan's extra time and its gap to the bound. Extra times are the simulator's (ns
+above the baseline iteration); "% iter" is capuchin's as a fraction of the baseline iteration.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main(argv=None) -> int:
                 cap_cpu = time.process_time() - c
                 sim = simulate(problem, ds)
                 extra = sim.time_ns - problem.time_ns if sim.peak_bytes <= budget else None
+                ls_sim = simulate(problem, get_policy("capuchin-ls")(problem, budget).decisions)
+                ls = ls_sim.time_ns - problem.time_ns if ls_sim.peak_bytes <= budget else None
                 t = time.perf_counter()
                 c = time.process_time()
                 b = lower_bound(problem, budget, time_limit_s=args.time_limit)
@@ -92,6 +95,10 @@ def main(argv=None) -> int:
                             else "-"
                         ),
                         cap_above_found=_frac(extra, found, extra),
+                        ls_ms=_ms(ls),
+                        ls_gap=(
+                            f"{b.gap(ls):.1%}" if ls is not None and b.gap(ls) is not None else "-"
+                        ),
                         bound_below_found=_frac(found, b.bound_ns, found),
                         cpsat=b.cpsat_status,
                         cands=b.candidates,
