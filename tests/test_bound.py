@@ -64,6 +64,18 @@ def _below_searched_plans(problem, budget, bound_ns, steps=300):
     return found
 
 
+def _cell(seed: int, fraction: float, bandwidth: float | None = None):
+    """A small generated trace (its copy bandwidth replaced when given), the budget at
+    ``fraction`` of its peak, and the brute-force optimum there (some plan fits)."""
+    problem = small_problem(seed)
+    if bandwidth is not None:
+        problem = problem.with_bandwidth(bandwidth, bandwidth)
+    budget = int(problem.peak_bytes * fraction)
+    best = brute_force(problem, budget)
+    assert best is not None
+    return problem, budget, best
+
+
 # (seed, fraction): small traces where the cuts raise the LP bound (measured: 211 -> 565 ns at
 # (0, 0.8), 69 -> 297 at (3, 0.8), ...; brute force 1000 and 800 there)
 CUT_CASES = [(0, 0.8), (3, 0.8), (21, 0.8), (22, 0.8), (0, 0.7), (3, 0.7), (19, 0.7), (22, 0.7)]
@@ -71,10 +83,7 @@ CUT_CASES = [(0, 0.8), (3, 0.8), (21, 0.8), (22, 0.8), (0, 0.7), (3, 0.7), (19, 
 
 @pytest.mark.parametrize(("seed", "fraction"), CUT_CASES)
 def test_cuts_hold_for_every_plan_and_bind(seed, fraction):
-    problem = small_problem(seed)
-    budget = int(problem.peak_bytes * fraction)
-    best = brute_force(problem, budget)
-    assert best is not None
+    problem, budget, best = _cell(seed, fraction)
     plain = lower_bound(problem, budget, cpsat=False, cuts=())
     cut = lower_bound(problem, budget, cpsat=False)
     assert plain.bound_ns < cut.bound_ns <= best  # the cuts bind, and stay below the optimum
@@ -92,12 +101,7 @@ TIGHT_CASES = [(9, 0.9, None), (26, 0.9, None), (79, 0.9, 2e9)]
 
 @pytest.mark.parametrize(("seed", "fraction", "bandwidth"), TIGHT_CASES)
 def test_cuts_tight_at_the_optimum_stay_below_it(seed, fraction, bandwidth):
-    problem = small_problem(seed)
-    if bandwidth is not None:
-        problem = problem.with_bandwidth(bandwidth, bandwidth)
-    budget = int(problem.peak_bytes * fraction)
-    best = brute_force(problem, budget)
-    assert best is not None
+    problem, budget, best = _cell(seed, fraction, bandwidth)
     assert lower_bound(problem, budget, cpsat=False).bound_ns <= best
     full = lower_bound(problem, budget, time_limit_s=20)
     assert full.bound_ns <= best
@@ -115,10 +119,7 @@ SOURCE_CASES = [(62, 0.5), (9, 0.8), (26, 0.7)]
 def test_restored_sources_cut_binds_and_stays_below_every_plan(seed, fraction):
     from capuchin.planner.bound import CUTS, SOURCES_RESTORED
 
-    problem = small_problem(seed)
-    budget = int(problem.peak_bytes * fraction)
-    best = brute_force(problem, budget)
-    assert best is not None
+    problem, budget, best = _cell(seed, fraction)
     cuts = (*CUTS, SOURCES_RESTORED)
     plain = lower_bound(problem, budget, time_limit_s=20)
     full = lower_bound(problem, budget, time_limit_s=20, cuts=cuts)
