@@ -544,13 +544,11 @@ def _keepable_at_once(
     e_, b_, multi = _window_arrays(problem, res)
     idx = al.idx
     back = d.back_op
-    e, b = e_[idx], b_[idx]
-    ok = (e < back) & (back <= b) & (e < al.lim) & (al.alloc <= e)
-    many = multi[idx]
-    hits = np.flatnonzero(ok | many)
-    sids, sid = al.sids, d.storage_id
-    if many.any():  # a storage with several windows among them: the loop, for all
+    if multi[idx].any():  # a storage with several windows among them: the loop, for all
         return _keepable(problem, d, replay_ops, res)
+    e, b = e_[idx], b_[idx]
+    hits = np.flatnonzero((e < back) & (back <= b) & (e < al.lim) & (al.alloc <= e))
+    sids, sid = al.sids, d.storage_id
     xs = [sids[k] for k in hits.tolist()]
     if sid in xs:
         k = xs.index(sid)
