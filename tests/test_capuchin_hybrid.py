@@ -145,3 +145,36 @@ def test_deep_targets_only_when_the_others_fit_nothing(resnet32):
     assert search.fitting_grid(p, rec, budget, deep=None) == every
     d = search.searched(p, budget, rec, deep=None)
     assert simulate(p, d).peak_bytes <= budget
+
+
+def test_a_target_whose_plan_costs_too_much_is_deep(resnet32, monkeypatch):
+    # Note [Deep targets]: going down from the highest target, the first whose plan costs more
+    # than DEEP_OVERHEAD baseline iterations extra starts the deep targets, like a miss does;
+    # where another plan fits, neither it nor a lower target is pruned or offered
+    from capuchin.planner import search
+    from capuchin.planner.search import grid_targets
+
+    p = resnet32.restricted()
+    rec = cap.Capuchin("recompute")
+    search.problem_cache(p).clear()
+    top_down = sorted(search._shallow(p, rec), reverse=True)
+    assert len(top_down) >= 3
+
+    def extra(t):  # the plan's extra time, in baseline iterations
+        s = search._attempt(p, rec, t).sim
+        return (s.time_ns - s.baseline_time_ns) / s.baseline_time_ns
+
+    costs = [extra(t) for t in top_down]
+    assert costs[-1] > costs[0]  # lower targets cost more here
+    k = next(i for i, c in enumerate(costs) if c > costs[-1] / 2)  # the first over half the last
+    assert 0 < k < len(top_down)
+    monkeypatch.setattr(search, "DEEP_OVERHEAD", costs[-1] / 2)
+    search.problem_cache(p).clear()
+    assert search._shallow(p, rec) == frozenset(top_down[:k])
+    shallow = grid(p, rec, deep=False)
+    low = min(g.peak_bytes for g in shallow)
+    search.problem_cache(p).clear()
+    assert search.fitting_grid(p, rec, low, deep=None) == shallow  # another plan fits
+    made = {key[3] for key in search.problem_cache(p) if key[0] == "target"}
+    assert made == set(top_down[:k])  # the costly target's plan was made, never pruned
+    assert top_down[k] in grid_targets(p)
