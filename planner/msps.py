@@ -15,6 +15,16 @@ loop stays O(selections * affected * log n) instead of cubic.
 # back-access falls in t's eviction interval and that used t as a source now starts from t's
 # sources instead and pays t's recompute time too (lines 17-21); repeated recomputations are
 # charged through ``ext_time`` (lines 23-32).
+#
+# Note: [Temporaries, capped]
+# A candidate's ``temp_bytes`` (what its replay allocates besides its target) is an upper bound
+# kept incrementally: a substituted source adds its bytes and its own ``temp_bytes``, so along a
+# chain of substitutions it can double per link (a 48-layer GPT-2 went past 2^63 and overflowed
+# the int64 excess it is added to). It is capped at ``temp_cap``, twice the bytes of every
+# storage and the largest scratch, plus one. The policy reads it in two places, and the cap changes
+# neither: a replay whose temporaries need ``excess[b] + temp <= 0`` holds for no value above a
+# target (below the peak, so below the cap); and ``excess[b] += temp`` keeps op ``b`` over any
+# target through every later decision (at most every storage's bytes come off it).
 """
 
 from __future__ import annotations
@@ -25,6 +35,17 @@ from dataclasses import dataclass, field
 from .gaps import AccessGap
 from .lineage import EvictionWindows, replay_for
 from .problem import Problem
+
+
+def temp_cap(problem: Problem) -> int:
+    """Note [Temporaries, capped]: twice the bytes of every storage and the largest scratch,
+    plus one. Cached on the problem."""
+    cap = problem.__dict__.get("_msps_temp_cap")
+    if cap is None:
+        cap = sum(s.size_bytes for s in problem.storages.values())
+        cap = 2 * (cap + max((o.scratch_bytes for o in problem.ops), default=0)) + 1
+        object.__setattr__(problem, "_msps_temp_cap", cap)
+    return cap
 
 
 @dataclass
@@ -65,6 +86,7 @@ class MspsQueue:
         self.users: dict[str, set[str]] = {}  # storage -> candidates/recomps with it in srcs
         self._heap: list[tuple[float, int, str, int]] = []
         self._tick = 0
+        self._temp_cap = temp_cap(problem)
 
     # -- InitMSPS -------------------------------------------------------------------------------
     def add(self, gap: AccessGap) -> RecomputeCandidate | None:
@@ -108,8 +130,9 @@ class MspsQueue:
         cand.rp_time_ns += t.rp_time_ns
         cand.replay_ops |= t.replay_ops
         # t is now regenerated on the way: its bytes and its own temporaries join cand's (an
-        # upper bound, kept incremental so long chains do not make the update quadratic)
-        cand.temp_bytes += t.gap.size_bytes + t.temp_bytes
+        # upper bound, kept incremental so long chains do not make the update quadratic; it can
+        # double per link, hence the cap of Note [Temporaries, capped])
+        cand.temp_bytes = min(cand.temp_bytes + t.gap.size_bytes + t.temp_bytes, self._temp_cap)
 
     def swapped(self, gap: AccessGap) -> None:
         """``gap`` was chosen for swapping: candidates whose replay read its storage while it is
