@@ -44,7 +44,15 @@ plan gets faster without its peak rising above the bound it was given.
 # more than ``DEEP_OVERHEAD`` baseline iterations extra on: there the planner evicts all it can,
 # and its plans cost the most to make, prune, switch and convert. (The costly plans come after a
 # jump: Algorithm 2 on DTR's DenseNet-121 goes from +1.2 to +25 iterations between two targets,
-# on a 24-layer GPT-2 from +0.7 to +66; no such plan won a cell measured where another fit.) ``grid(..., deep=False)`` leaves them out, and ``fitting_grid(..., deep=None)`` adds
+# on a 24-layer GPT-2 from +1.4 to +81; no such plan won a cell measured where another fit.)
+# Deciding that costs a plan too, the costliest to make (a 48-layer GPT-2's recompute-only plan
+# at +238 iterations: 4.7 s, 1,650 decisions), so the planner is first asked for a probe: it may
+# give up once its own estimate of the extra time, Algorithm 2's recompute overheads of what it
+# selected (swaps are left out: their estimates run far above the simulation), passes
+# ``DEEP_OVERHEAD`` iterations; a target whose probe gave up is deep, and its whole plan is made
+# only when the deep targets are. On the DTR traces, GPT-2 with 12, 24 and 48 layers, for the
+# hybrid, recompute-only and swap-only planners on both problems, the probes gave up exactly
+# where the simulated plan cost more than ``DEEP_OVERHEAD`` iterations (at +25 to +238). ``grid(..., deep=False)`` leaves them out, and ``fitting_grid(..., deep=None)`` adds
 # them only when no plan of the other targets fits the budget; each target's plans are made once
 # per problem either way (the first attempt of each target, which decides the misses, is
 # cached too), so a grid with and without its deep targets share them. Leaving them out keeps
@@ -186,8 +194,15 @@ class TargetPlanner(Protocol):
     planner."""
 
     def __call__(
-        self, problem: Problem, target: int, after_round: AfterRound | None = None
-    ) -> Attempt: ...
+        self,
+        problem: Problem,
+        target: int,
+        after_round: AfterRound | None = None,
+        max_extra_ns: int | None = None,
+    ) -> Attempt:
+        """``max_extra_ns``: the planner may give up (``Attempt([], None)``) once its own
+        estimate of the plan's extra time is above it (Note [Deep targets])."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -198,7 +213,11 @@ class PolicyPlanner:
     params: tuple[tuple[str, Any], ...] = ()
 
     def __call__(
-        self, problem: Problem, target: int, after_round: AfterRound | None = None
+        self,
+        problem: Problem,
+        target: int,
+        after_round: AfterRound | None = None,
+        max_extra_ns: int | None = None,  # a policy's plan is made whole: never gives up
     ) -> Attempt:
         from .build import complete_decisions
         from .registry import checked, get_policy
@@ -285,8 +304,9 @@ def _shallow(problem: Problem, planner: TargetPlanner) -> frozenset[int]:
     def make() -> frozenset[int]:
         floor = problem.floor_bytes()
         out = []
+        give_up = DEEP_OVERHEAD * problem.time_ns
         for t in sorted((x for x in grid_targets(problem) if x > floor), reverse=True):
-            a = _attempt(problem, planner, t)
+            a = _attempt(problem, planner, t, give_up)
             if a is None or a.sim is None or a.sim.peak_bytes > t:
                 break
             if a.sim.time_ns - a.sim.baseline_time_ns > DEEP_OVERHEAD * a.sim.baseline_time_ns:
@@ -297,16 +317,28 @@ def _shallow(problem: Problem, planner: TargetPlanner) -> frozenset[int]:
     return cached(problem, ("shallow", planner), make)
 
 
-def _attempt(problem: Problem, planner: TargetPlanner, t: int) -> Attempt | None:
-    """``planner(problem, t)``, once per problem (None: the plan broke an invariant)."""
-
-    def make() -> Attempt | None:
-        try:
-            return planner(problem, t)
-        except PlanError:
-            return None
-
-    return cached(problem, ("attempt", planner, t), make)
+def _attempt(
+    problem: Problem, planner: TargetPlanner, t: int, max_extra_ns: int | None = None
+) -> Attempt | None:
+    """``planner(problem, t)``, once per problem (None: the plan broke an invariant). With
+    ``max_extra_ns``, a probe: the planner may give up (an attempt without a simulation,
+    remembered apart, so that the whole plan is still made when asked for without it)."""
+    per = problem_cache(problem)
+    key = ("attempt", planner, t)
+    if key in per:
+        return per[key]
+    probe = ("probe", planner, t, max_extra_ns)
+    if max_extra_ns is not None and probe in per:
+        return per[probe]
+    try:
+        a = planner(problem, t, max_extra_ns=max_extra_ns)
+    except PlanError:
+        a = None
+    if a is not None and a.sim is None and max_extra_ns is not None:
+        per[probe] = a  # gave up
+    else:
+        per[key] = a
+    return a
 
 
 def _target_plans(

@@ -178,3 +178,26 @@ def test_a_target_whose_plan_costs_too_much_is_deep(resnet32, monkeypatch):
     made = {key[3] for key in search.problem_cache(p) if key[0] == "target"}
     assert made == set(top_down[:k])  # the costly target's plan was made, never pruned
     assert top_down[k] in grid_targets(p)
+
+
+def test_a_probe_gives_up_and_the_whole_plan_is_still_made_when_asked(resnet32):
+    # Note [Deep targets]: _shallow asks for probes; a planner gives up once Algorithm 2's
+    # overheads of its recomputations pass the limit, and that target's whole plan is made
+    # only when asked for without one, the same plan as the planner's own
+    from capuchin.planner import search
+    from capuchin.planner.search import grid_targets
+
+    p = resnet32.restricted()
+    rec = cap.Capuchin("recompute")
+    t = min(x for x in grid_targets(p) if x > p.floor_bytes())
+    whole = rec(p, t)
+    assert whole.sim is not None and whole.sim.recompute_ns > 0
+    search.problem_cache(p).clear()
+    assert search._attempt(p, rec, t, 1) == search.Attempt([], None)  # gave up at once
+    assert ("attempt", rec, t) not in search.problem_cache(p)
+    a = search._attempt(p, rec, t)
+    assert a.sim is not None and a.decisions == whole.decisions
+    # a probe that does not give up is the whole plan, remembered as the attempt
+    search.problem_cache(p).clear()
+    a = search._attempt(p, rec, t, 10**18)
+    assert a.decisions == whole.decisions and search.problem_cache(p)[("attempt", rec, t)] is a

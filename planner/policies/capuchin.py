@@ -208,17 +208,26 @@ class Capuchin:
     max_replay_ops: int = 200
 
     def __call__(
-        self, problem: Problem, target: int, after_round: AfterRound | None = None
+        self,
+        problem: Problem,
+        target: int,
+        after_round: AfterRound | None = None,
+        max_extra_ns: int | None = None,
     ) -> Attempt:
         """The plan of the best round (the first that fits the target, else the lowest peak).
-        ``after_round`` rewrites each round's plan before more is selected."""
+        ``after_round`` rewrites each round's plan before more is selected. ``max_extra_ns``:
+        give up (``Attempt([], None)``) once the recomputations selected have Algorithm 2
+        overheads adding up to more (search Note [Deep targets])."""
         excess = problem.live_bytes.astype(np.int64) - target
         chosen: dict[str, Decision] = {}
         timer = SwapTimer(problem, excess > 0)
         best = Attempt([], None)
         regen: frozenset = frozenset()
+        spent = [0]  # Algorithm 2's overheads of the recomputations selected
         for _ in range(self.max_rounds):
-            added = self._select(problem, excess, chosen, timer)
+            added = self._select(problem, excess, chosen, timer, spent)
+            if max_extra_ns is not None and spent[0] > max_extra_ns:
+                return Attempt([], None)
             ds = list(chosen.values())
             decisions = finish_decisions(problem, ds, excess, self.collective, regen)
             try:
@@ -240,9 +249,18 @@ class Capuchin:
             timer = timer_from(problem, sim, excess > 0)
         return best
 
-    def _select(self, problem: Problem, excess: np.ndarray, chosen: dict, timer: SwapTimer) -> int:
+    def _select(
+        self,
+        problem: Problem,
+        excess: np.ndarray,
+        chosen: dict,
+        timer: SwapTimer,
+        spent: list[int] | None = None,
+    ) -> int:
         """One pass of Algorithm 1; lowers ``excess`` in place and adds to ``chosen``. Returns
-        the number of decisions added."""
+        the number of decisions added; adds the recomputations' Algorithm 2 overheads to
+        ``spent[0]``."""
+        spent = [0] if spent is None else spent
         swapping, recomputing = self.mode != "recompute", self.mode != "swap"
         pairs = _candidates(problem, excess > 0, chosen, timer)
         if not pairs:
@@ -343,6 +361,7 @@ class Capuchin:
             else:  # Recompute(t) and Algorithm 2's update (line 10)
                 g = queue.select(r.storage_id).gap
                 chosen[g.storage_id] = g.decision(Method.RECOMPUTE)
+                spent[0] += r.overhead_ns
                 excess[g.evict_op + 1 : g.back_op] -= g.size_bytes
                 excess[g.back_op] += r.temp_bytes
                 added += 1
