@@ -29,6 +29,7 @@ from .build import run_policy
 from .plan import Method, Plan
 from .problem import Problem
 from .registry import available, get_policy
+from .search import SEARCH_MAX_OPS
 
 DEFAULT_SEARCH_TOLERANCE = 0.005  # of the baseline peak
 
@@ -303,7 +304,7 @@ def format_comparison(result: Comparison) -> str:
     ):
         lines.append(
             "(capuchin, swap and recompute plan a fixed grid of targets once per trace of up "
-            "to 5,000 ops "
+            f"to {SEARCH_MAX_OPS:,} ops "
             "(planner/search.py Note [Targets]): their first budget's solve time "
             "includes it, later budgets reuse it)"
         )

@@ -61,6 +61,20 @@ plan gets faster without its peak rising above the bound it was given.
 # budget only on each side of the lowest peak the other targets reach; the capuchin policy uses
 # it on large problems only (policies/capuchin.py Note [Deep targets on large problems]).
 #
+# Note: [Op limits]
+# ``searched`` plans on the grid up to ``SEARCH_MAX_OPS`` ops and ``descend``s above it: a plan
+# for the budget itself, then for lower targets, cheap (under 2 s on the DTR traces above 5,000
+# ops) but not monotone in the budget. With the capuchin policy's candidates the grid wins by
+# far on the traces measured between 5,000 and 10,000 ops, in 1.4-8 s of CPU per budget: DTR's
+# LSTM at 50/40% +0.00%/+0.65% against descend's +1.56%/+11.72%, TreeLSTM +0.00%/+0.00% against
+# +1.81%/+3.89%, the unrolled GAN +0.00%/+0.01% against +0.87%/+4.48%, a 48-layer GPT-2 at
+# 80/60/40% 11.58/30.09/87.58 ms extra against 45.24/90.12/165.02 ms. The swap and recompute
+# policies alone do better with descend there (LSTM at 40%: swap +25.2% on the grid against
+# +20.0%, recompute +15.0% against +11.8%; TreeLSTM recompute +63.4% against +25.0%): a fixed
+# grid of ten targets leaves more of the budget unused than a plan for the budget itself, and
+# nothing of the capuchin search makes up for it; so they keep ``BASELINE_MAX_OPS``. Above
+# ``SEARCH_MAX_OPS`` the grid costs too much (docs/planner.md, "Speed").
+#
 # Note: [Stalled swaps]
 # Algorithm 1 compares a swap's *estimated* overhead with a recomputation's. The estimate sees
 # the copy channel as the swaps chosen so far occupy it, but the simulation can show a swap
@@ -463,7 +477,8 @@ def descend(problem: Problem, budget: int, planner: TargetPlanner) -> list[Decis
     return best[1] if best else []
 
 
-SEARCH_MAX_OPS = 5000  # problems up to this size get the target grid (Note [Targets])
+SEARCH_MAX_OPS = 10_000  # problems up to this size get the target grid (Note [Op limits])
+BASELINE_MAX_OPS = 5_000  # the same for the swap and recompute policies (Note [Op limits])
 
 
 def searched(
@@ -473,13 +488,15 @@ def searched(
     switching: Switching | None = None,
     deep: bool | None = True,
     hiding: bool = False,
+    max_ops: int | None = None,
 ) -> list[Decision]:
-    """``pick(fitting_grid(...))`` up to ``SEARCH_MAX_OPS`` ops, ``descend`` above; ``[]`` when
-    the problem fits the budget as it is. ``deep``: as ``fitting_grid``'s. ``hiding``: pick
-    among the fitting plans' ``hidden`` variants too (on the grid)."""
+    """``pick(fitting_grid(...))`` up to ``max_ops`` ops (default ``SEARCH_MAX_OPS``),
+    ``descend`` above; ``[]`` when the problem fits the budget as it is. ``deep``: as
+    ``fitting_grid``'s. ``hiding``: pick among the fitting plans' ``hidden`` variants too (on
+    the grid)."""
     if problem.n_ops == 0 or problem.peak_bytes <= budget:
         return []
-    if problem.n_ops > SEARCH_MAX_OPS:
+    if problem.n_ops > (SEARCH_MAX_OPS if max_ops is None else max_ops):
         return descend(problem, budget, planner)
     plans = fitting_grid(problem, planner, budget, switching, deep)
     return pick(plans + hidden(problem, plans, budget) if hiding else plans, budget)

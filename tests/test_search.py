@@ -206,3 +206,42 @@ def test_gc_paused_restores_the_collector_state():
         assert not gc.isenabled()  # a collector paused by the caller stays paused
     finally:
         gc.enable()
+
+
+def test_problems_above_the_op_limit_descend(monkeypatch):
+    # searched: the target grid up to SEARCH_MAX_OPS ops, descend above (not monotone; the
+    # policy records it in the plan's provenance)
+    import capuchin.planner.policies.capuchin as cap
+    from capuchin.planner import search
+
+    p = _transformer()
+    budget = p.peak_bytes // 2
+    hybrid = Capuchin("hybrid")
+    on_grid = search.searched(p, budget, hybrid)
+    assert on_grid == pick(grid(p, hybrid), budget)
+    assert "descend" not in get_policy("capuchin")(p, budget).figures["search"]
+    monkeypatch.setattr(search, "SEARCH_MAX_OPS", p.n_ops - 1)
+    monkeypatch.setattr(cap, "SEARCH_MAX_OPS", p.n_ops - 1)
+    q = _transformer()  # a fresh problem: nothing cached
+    assert search.searched(q, budget, hybrid) == search.descend(q, budget, hybrid)
+    assert get_policy("capuchin")(q, budget).figures["search"].get("descend") is True
+
+
+def test_the_baselines_descend_above_their_own_op_limit(monkeypatch):
+    # Note [Op limits]: swap and recompute descend above BASELINE_MAX_OPS, capuchin keeps the
+    # grid up to SEARCH_MAX_OPS
+    import capuchin.planner.policies.capuchin as cap
+    from capuchin.planner import search
+
+    monkeypatch.setattr(cap, "BASELINE_MAX_OPS", _transformer().n_ops - 1)
+    for name, planner in (
+        ("swap", Capuchin("swap", 12, False, 0)),
+        ("recompute", Capuchin("recompute")),
+    ):
+        q = _transformer()
+        budget = q.peak_bytes // 2
+        r = q.restricted()
+        assert list(get_policy(name)(q, budget).decisions) == search.descend(r, budget, planner)
+        assert not any(k[0] == "grid" for k in search.problem_cache(r))
+    q = _transformer()
+    assert "descend" not in get_policy("capuchin")(q, q.peak_bytes // 2).figures["search"]

@@ -84,6 +84,7 @@ from ..plan import Decision, Method
 from ..problem import Problem
 from ..registry import PolicyResult, register
 from ..search import (
+    BASELINE_MAX_OPS,
     SEARCH_MAX_OPS,
     AfterRound,
     Attempt,
@@ -178,7 +179,8 @@ def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> P
     """Capuchin restricted to swapping: zero-overhead swaps by free time, then the swaps with the
     smallest exposed wait, until the simulated peak fits; on the target grid."""
     swap = Capuchin("swap", max_rounds, False, 0)
-    return PolicyResult.of(searched(problem.restricted(), budget_bytes, swap))
+    p = problem.restricted()
+    return PolicyResult.of(searched(p, budget_bytes, swap, max_ops=BASELINE_MAX_OPS))
 
 
 @register("recompute")
@@ -194,7 +196,8 @@ def recompute_only(
     """Capuchin restricted to recomputation: Algorithm 2 (largest MSPS first, iterative update)
     until the simulated peak fits; on the target grid."""
     planner = Capuchin("recompute", max_rounds, collective, max_replay_ops)
-    return PolicyResult.of(searched(problem.restricted(), budget_bytes, planner))
+    p = problem.restricted()
+    return PolicyResult.of(searched(p, budget_bytes, planner, max_ops=BASELINE_MAX_OPS))
 
 
 @dataclass(frozen=True)
