@@ -365,3 +365,40 @@ def test_kept_resident_binds_and_stays_below_a_plan_that_fits():
     assert lower_bound(problem, budget, time_limit_s=20, cuts=cuts).bound_ns == 200
     assert lower_bound(problem, budget, cpsat=False, cuts=cuts).bound_ns <= 200
     _below_searched_plans(problem, budget, lower_bound(problem, budget, cuts=cuts).bound_ns)
+
+
+def test_a_kept_storage_read_by_a_later_replay_costs_no_replay_of_its_own():
+    """_ilp_model Note [A kept storage is a source]: X's replay (op p) keeps S; W's replay (op
+    w) reads S, resident since. The plan costs p + w = 1,100 ns in the simulator and fits; the
+    model charged p again at W's replay (2,100 ns: a bound above a plan that fits)."""
+    from capuchin.planner.plan import Decision, Method
+    from capuchin.planner.problem import Problem
+
+    ops = [
+        ("p", 1000, ["x"], ["X", "S"]),
+        ("w", 100, ["S"], ["W"]),
+        ("h1", 100, ["x"], ["H1"]),
+        ("h2", 100, ["H1"], ["G1"]),
+        ("useX", 100, ["X", "G1"], ["R1"]),
+        ("useW", 100, ["W"], ["R2"]),
+        ("h3", 100, ["x"], ["H3"]),
+        ("useS", 100, ["S"], ["Z"]),
+    ]
+    sizes = {"x": 1000, "X": 2000, "S": 4000, "W": 2000, "H1": 8000}
+    sizes.update({s: 1000 for s in ("G1", "R1", "R2", "H3", "Z")})
+    problem = Problem.from_lists(
+        ops, sizes, bandwidth_bytes_per_s=1e8, persistent={"x"}
+    ).restricted()
+    budget = 10_000
+    plan = [
+        Decision("X", Method.RECOMPUTE, 2000, 0, 4, replay_ops=(0,), sources=("x",), keep=("S",)),
+        Decision("W", Method.RECOMPUTE, 2000, 1, 5, replay_ops=(1,), sources=("S",)),
+        Decision("S", Method.RECOMPUTE, 4000, 1, 7, replay_ops=(0,), sources=("x",)),
+    ]
+    sim = simulate(problem, plan)
+    assert sim.peak_bytes <= budget and sim.time_ns - problem.time_ns == 1100
+    from capuchin.planner.bound import CUTS, KEPT_RESIDENT, REPLAY_MEMORY, SOURCES_RESTORED
+
+    for cuts in (CUTS, (*CUTS, SOURCES_RESTORED, REPLAY_MEMORY, KEPT_RESIDENT)):
+        b = lower_bound(problem, budget, time_limit_s=20, cuts=cuts)
+        assert 0 < b.bound_ns <= 1100 and b.lp_ns <= 1100
