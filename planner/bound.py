@@ -6,7 +6,8 @@ best plan a local search finds): the optimum lies between them. No torch; needs 
 granularity over *every* candidate (each access gap of an evictable storage that covers an op
 over the budget), with each swap's in-copy free to start any time after its out-copy, adds the
 cuts of Note [Cuts the simulator implies] (``add_cuts``) and, on request, the rows of Note
-[Replays take memory] (its ``tight_memory`` is a default), and returns the larger of two proven
+[Replays take memory] (``tight_memory`` and ``kept_resident`` by default), and returns the
+larger of two proven
 bounds on the optimum of that model:
 
 - ``lp_ns``: the optimum of its linear relaxation (all variables continuous), as the value of a
@@ -108,7 +109,7 @@ optimum, so a policy's plan is at least (its extra - found) / its extra above th
 #   heaviest replayed op allocates its outputs, which the simulated peak covers. Counting op
 #   ``b``'s outputs as allocated then, or a storage due back at ``b`` as restored before the
 #   replays, lifts the bound above brute force (tests/test_bound.py).
-# - ``kept_resident`` (opt-in): a dropped storage kept by a replay at op ``b`` inside its gap
+# - ``kept_resident`` (default): a dropped storage kept by a replay at op ``b`` inside its gap
 #   (the model's ``kept`` literal, which waives its own replay) is in state "in" from then on
 #   and stays on the device up to its back-access (simulator ``_replay``, Note [Simulation
 #   model]): its bytes are added back to the memory rows of ops ``b`` up to its back-access
@@ -126,13 +127,16 @@ optimum, so a policy's plan is at least (its extra - found) / its extra above th
 # On the small generated traces ``tight_memory`` lifts the LP bound (282 -> 506 ns at seed 0,
 # 90%, brute force 1000; 265 -> 1799 at seed 62, 50%, brute force 4000); ``replay_memory`` and
 # ``kept_resident`` bind on hand-made traces (a replay holding a freed input; a kept storage
-# over two ops over the budget) and lift the CP-SAT bound to the optimum there. On DTR's U-Net
-# and ResNet-32 none of the three moves the LP (docs/planner.md, Lower bound). At U-Net 60%
-# (its LP optimum read back): each replay's back-access allocates at least what the replay
-# holds (a convolution's backward writes a gradient as large as its input), the storages the
-# LP keeps are due back one op later, under the budget, capping the rows' sizes at their
-# excess leaves the LP's value as it was, and the optimum's cost is all replays (no stall), with 7 of
-# its 177 swaps fractional (copy channels filled by parts of storages).
+# over two ops over the budget) and lift the CP-SAT bound there to the optimum and to a fitting
+# plan's cost. On DTR's ResNet-32 at 40% ``kept_resident`` lifts the LP from 24.37 to 25.23 ms
+# (+225 rows); in the other four U-Net and ResNet-32 cells none of the three moves it
+# (docs/planner.md, Lower bound). At U-Net 60% (its LP optimum read back): each replay's
+# back-access allocates at least what the replay holds (a convolution's backward writes a
+# gradient as large as its input), the storages the LP keeps are due back one op later, under
+# the budget, capping the rows' sizes at their excess leaves the LP's value as it was, and the
+# optimum's cost is all replays (no stall), with 7 of its 177 swaps fractional (copy channels
+# filled by parts of storages). ``replay_memory`` stays opt-in: it moved no DTR cell and adds
+# 3-10% variables and 10-30% rows.
 #
 # Note: [A bound from any dual]
 # The LP is ``min c x`` over ``row_lo <= A x <= row_hi``, ``lo <= x <= hi`` with every ``lo``
@@ -165,15 +169,22 @@ from ..errors import CapuchinError
 from .coarsen import coarsen
 from .problem import Problem
 
-# add_cuts' defaults (``tight_memory`` acts on the model's own memory rows: ``lower_bound``)
-CUTS = ("one_per_storage", "copies_in_sequence", "swap_outs_in_order", "tight_memory")
+# add_cuts' defaults (``tight_memory`` and ``kept_resident`` act on the model's own memory
+# rows: ``lower_bound``)
+CUTS = (
+    "one_per_storage",
+    "copies_in_sequence",
+    "swap_outs_in_order",
+    "tight_memory",
+    "kept_resident",
+)
 # add_cuts' other family: valid, lifts CP-SAT's bound on small traces, leaves the LP on the DTR
 # traces where it was (and makes it ~4% larger): Note [Cuts the simulator implies]
 SOURCES_RESTORED = "sources_restored"
-# Note [Replays take memory]: a replayed op's outputs are on the device while it runs, and a
-# storage kept by a replay stays there up to its back-access
+# Note [Replays take memory]: a replayed op's outputs are on the device while it runs (opt-in),
+# and a storage kept by a replay stays there up to its back-access
 REPLAY_MEMORY = "replay_memory"
-KEPT_RESIDENT = "kept_resident"
+KEPT_RESIDENT = "kept_resident"  # in CUTS
 TIGHT_MEMORY = "tight_memory"  # Note [Replays take memory]: coefficient tightening, in CUTS
 
 

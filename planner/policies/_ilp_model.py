@@ -175,6 +175,12 @@ def copy_ns(size_bytes: int, bytes_per_s: float) -> int:
 PREFIX_TERMS_MAX = 2_000_000  # above this, prefix-sum variables (see _Model)
 
 
+def kept_ops(b: int, back: int) -> range:
+    """The ops at which a storage kept by a replay before op ``b`` is resident, up to its
+    back-access ``back`` (``kept_resident``; bound.py Note [Replays take memory])."""
+    return range(b, back)
+
+
 def tightened(terms: list, need: int) -> list:
     """A memory row ``sum size * literal >= need`` (``terms``: (name, size, literal); a negative
     size is a kept storage's bytes back on the device) with each positive size capped at
@@ -403,7 +409,7 @@ class _Model:
         for k, kvs in self.kept.items() if kept_resident else ():
             c = self.cands[k]
             for b, kv in kvs:
-                for op in range(b, c.back_op):
+                for op in kept_ops(b, c.back_op):
                     kept_at.setdefault(op, []).append((("k", k, b), -c.size_bytes, kv))
         active: dict[Key, tuple] = {}  # drops whose gap covers the current op (a sweep)
         i_drop = 0
