@@ -149,10 +149,10 @@ optimum, so a policy's plan is at least (its extra - found) / its extra above th
 # and subtracts a bound on the rounding error (each reduced cost a sequential sum of at most k + 1
 # products, k the longest column, each product rounded once; the totals summed by ``math.fsum``)
 # and 1 ns; the LP's data are integers below 2^53, exact in floating point. That is what lets
-# the interior-point solve stop without crossover (the DTR ResNet-32 LP at 40%: 402k columns;
-# HiGHS's barrier about 70 s, GLOP's primal simplex about 230 s; not done: GLOP's dual simplex in
-# 300 s, CLP in 400 s, HiGHS's barrier with crossover in 240 s, PDLP far off after 150 s; one
-# core, load 0.2-2.3), and the value it gives is within 1e-5 of the LP optimum there (24.3677 ms
+# the interior-point solve stop without crossover (the DTR ResNet-32 LP at 40% with the cuts
+# of before Note [Replays take memory]: 402k columns; HiGHS's barrier about 70 s, GLOP's primal
+# simplex about 230 s; not done: GLOP's dual simplex in 300 s, CLP in 400 s, HiGHS's barrier
+# with crossover in 240 s, PDLP far off after 150 s; one core, load 0.2-2.3), and the value it gives is within 1e-5 of the LP optimum there (24.3677 ms
 # against 24.3679). Only an infeasible LP is taken on the solver's word (``math.inf``).
 """
 

@@ -211,8 +211,9 @@ class _Model:
         tighten_memory: bool = False,
     ):
         """``kept_resident``: a storage kept by a replay inside its gap counts as resident in
-        the memory rows from that replay to its back-access (bound.py Note [Replays take
-        memory]); off for the ``ilp`` policy, which stays the model described above."""
+        the memory rows from that replay to its back-access; ``tighten_memory``: each memory
+        row's sizes capped (``tightened``). Both from bound.py Note [Replays take memory], off
+        for the ``ilp`` policy, which stays the model described above."""
         t_build = time.perf_counter()
         self.deadline = deadline
         cp_model = _import_cp_model()
