@@ -3,6 +3,7 @@ fitting plan's extra time, against the capuchin plan, per trace and budget. Prin
 
     python benchmarks/lower_bound.py                      # DTR's U-Net and ResNet-32, 80/60/40%
     python benchmarks/lower_bound.py --traces t.parquet --fractions 0.6 --time-limit 60
+    python benchmarks/lower_bound.py --lp-only --cuts replay_memory,kept_resident  # LP alone
 
 gap = (capuchin's extra - bound) / capuchin's extra: capuchin is at most that fraction of its own
 extra time above the optimum (0: proven optimal). found: the best plan ``search_plans`` found from
@@ -40,9 +41,19 @@ def main(argv=None) -> int:
     ap.add_argument("--fractions", default="0.8,0.6,0.4")
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per bound")
     ap.add_argument("--search-steps", type=int, default=30_000, help="plans search_plans tries")
+    ap.add_argument(
+        "--lp-only",
+        action="store_true",
+        help="only the LP bound per cell (no capuchin plan, search or CP-SAT)",
+    )
+    ap.add_argument(
+        "--cuts",
+        default="",
+        help="cut families added to bound.CUTS, comma-separated (e.g. replay_memory)",
+    )
     args = ap.parse_args(argv)
 
-    from capuchin.planner.bound import lower_bound, search_plans
+    from capuchin.planner.bound import CUTS, lower_bound, search_plans
     from capuchin.planner.problem import Problem
     from capuchin.planner.registry import get_policy
     from capuchin.planner.simulator import simulate
@@ -50,6 +61,7 @@ def main(argv=None) -> int:
     from capuchin.tracer.reader import load_trace
 
     fracs = [float(f) for f in args.fractions.split(",")]
+    cuts = (*CUTS, *(c for c in args.cuts.split(",") if c))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         paths = list(args.traces or [])
@@ -63,6 +75,10 @@ def main(argv=None) -> int:
             name = Path(path).name.replace(".trace.parquet", "")
             for f in fracs:
                 budget = int(problem.peak_bytes * f)
+                if args.lp_only:
+                    rows.append(_lp_row(problem, budget, name, f, cuts, lower_bound))
+                    print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+                    continue
                 c = time.process_time()
                 ds = get_policy("capuchin")(problem, budget).decisions
                 cap_cpu = time.process_time() - c
@@ -72,7 +88,7 @@ def main(argv=None) -> int:
                 ls = ls_sim.time_ns - problem.time_ns if ls_sim.peak_bytes <= budget else None
                 t = time.perf_counter()
                 c = time.process_time()
-                b = lower_bound(problem, budget, time_limit_s=args.time_limit)
+                b = lower_bound(problem, budget, time_limit_s=args.time_limit, cuts=cuts)
                 bound_wall, bound_cpu = time.perf_counter() - t, time.process_time() - c
                 c = time.process_time()
                 found = search_plans(problem, budget, ds, steps=args.search_steps).extra_ns
@@ -118,6 +134,22 @@ def main(argv=None) -> int:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
     print(f"(load average {os.getloadavg()[0]:.1f}; python {sys.version.split()[0]})")
     return 0
+
+
+def _lp_row(problem, budget, name, f, cuts, lower_bound) -> dict:
+    """``--lp-only``: the LP bound of one cell (to 0.1 us), its model's size and solve time."""
+    t = time.perf_counter()
+    b = lower_bound(problem, budget, cpsat=False, cuts=cuts)
+    return dict(
+        trace=name,
+        budget=f"{f:.0%}",
+        lp_ms="-" if b.lp_ns is None else f"{b.lp_ns / 1e6:.4f}",
+        cuts="+".join(c for c in cuts),
+        vars=b.variables,
+        constraints=b.constraints,
+        lp_s=f"{b.lp_s:.1f}",
+        wall_s=f"{time.perf_counter() - t:.1f}",
+    )
 
 
 def _frac(a, b, of) -> str:

@@ -5,7 +5,9 @@ best plan a local search finds): the optimum lies between them. No torch; needs 
 ``lower_bound(problem, budget)`` builds the ``ilp`` policy's model (policies/_ilp_model.py) at op
 granularity over *every* candidate (each access gap of an evictable storage that covers an op
 over the budget), with each swap's in-copy free to start any time after its out-copy, adds the
-cuts of Note [Cuts the simulator implies] (``add_cuts``), and returns the larger of two proven
+cuts of Note [Cuts the simulator implies] (``add_cuts``) and, on request, the rows of Note
+[Replays take memory] (``tight_memory`` and ``kept_resident`` by default), and returns the
+larger of two proven
 bounds on the optimum of that model:
 
 - ``lp_ns``: the optimum of its linear relaxation (all variables continuous), as the value of a
@@ -80,6 +82,62 @@ optimum, so a policy's plan is at least (its extra - found) / its extra above th
 # and ResNet-32 at 80/60/40% it leaves the LP where it was and adds 2-4% variables (ResNet-32
 # 40%: 402k -> 420k, the LP slower), so it is not among the default ``CUTS``.
 #
+# Note: [Replays take memory]
+# Three families for what the model's memory rows leave out (policies/_ilp_model.py Note
+# [Where the ILP and the simulator differ]: replay intermediates and storages kept by
+# collective recomputation take no memory; a fraction of a storage counts off), each true of
+# every plan the simulator accepts, at the model's image of the plan (its drops, swaps,
+# absences and kept storages 0/1, its replays where it replays):
+# - ``replay_memory`` (opt-in): the simulator runs the replays due at op ``b`` before op ``b``'s
+#   own allocations (``_replay``; their events count for op ``b``). While replayed op ``j``
+#   runs, its outputs and scratch are allocated, and every storage it reads is on the device: a
+#   storage the replay made is freed only after its last use in the replay, a source is
+#   resident or restored first (a dropped source is a ``PlanError``). The rest of what is
+#   resident before op ``b`` in the baseline (``live[b]`` less op ``b``'s outputs and scratch)
+#   is there too, except what a decision has off the device at that moment: a storage inside an
+#   access gap ``e < b <= b'`` (due back at ``b`` included: its restore or replay may come
+#   later in the plan's order) or a wrap-around gap. Such a storage counts off by its drop
+#   literal; by ``swap`` for a wrap-around gap; for a swap by a literal ``off <= swap`` with
+#   ``c_out off <= co[b]`` and ``ci[b-1] <= c_in (1 - off)`` (off while op ``b``'s replays run:
+#   out-copy done by the end of op ``b``, in-copy not begun before op ``b``); and as off
+#   outright where the model has no variable for its gap (one covering no op over the budget,
+#   or none at all, ``e = b - 1``: the simulator accepts a decision there). What op ``j`` reads
+#   that is not alive at ``b``, or written since ``j`` read it, is a copy of the replay's own
+#   and adds its bytes; one counted off above comes back as ``size (off + R[b, j] - 1)``
+#   (at most ``size off R[b, j]``, its value at the image). So ``before_b - off_b + M_b <=
+#   budget`` with ``M_b >= `` each replayed op's additions holds at the event where the
+#   heaviest replayed op allocates its outputs, which the simulated peak covers. Counting op
+#   ``b``'s outputs as allocated then, or a storage due back at ``b`` as restored before the
+#   replays, lifts the bound above brute force (tests/test_bound.py).
+# - ``kept_resident`` (default): a dropped storage kept by a replay at op ``b`` inside its gap
+#   (the model's ``kept`` literal, which waives its own replay) is in state "in" from then on
+#   and stays on the device up to its back-access (simulator ``_replay``, Note [Simulation
+#   model]): its bytes are added back to the memory rows of ops ``b`` up to its back-access
+#   (``_Model(kept_resident=True)``), alongside each row as it was (which stays valid: it
+#   counts a kept storage off).
+# - ``tight_memory`` (default): a memory row ``sum size_v x_v >= need`` over 0/1 literals holds
+#   with each positive ``size_v`` capped at ``need`` plus the magnitudes of the row's negative
+#   (kept) terms (``_ilp_model.tightened``): a literal at 1 whose size reaches the cap
+#   satisfies the row whatever the others are, and where none is at 1 the caps change nothing.
+#   So the 0/1 points, the plans' images among them, are the same; the LP's are fewer (a
+#   storage larger than the excess no longer covers it with a fraction). Capped at half the
+#   excess it lifts the bound above brute force (tests/test_bound.py).
+# The time cuts' clock (``add_cuts``) reaches the sum of every stall's upper bound: a plan may
+# stall longer than all replays together (tests/test_bound.py).
+# On the small generated traces ``tight_memory`` lifts the LP bound (282 -> 506 ns at seed 0,
+# 90%, brute force 1000; 265 -> 1799 at seed 62, 50%, brute force 4000); ``replay_memory`` and
+# ``kept_resident`` bind on hand-made traces (a replay holding a freed input; a kept storage
+# over two ops over the budget) and lift the CP-SAT bound there to the optimum and to a fitting
+# plan's cost. On DTR's ResNet-32 at 40% ``kept_resident`` lifts the LP from 24.37 to 25.23 ms
+# (+225 rows); in the other four U-Net and ResNet-32 cells none of the three moves it
+# (docs/planner.md, Lower bound). At U-Net 60% (its LP optimum read back): each replay's
+# back-access allocates at least what the replay holds (a convolution's backward writes a
+# gradient as large as its input), the storages the LP keeps are due back one op later, under
+# the budget, capping the rows' sizes at their excess leaves the LP's value as it was, and the
+# optimum's cost is all replays (no stall), with 7 of its 177 swaps fractional (copy channels
+# filled by parts of storages). ``replay_memory`` stays opt-in: it moved no DTR cell and adds
+# 3-10% variables and 10-30% rows.
+#
 # Note: [A bound from any dual]
 # The LP is ``min c x`` over ``row_lo <= A x <= row_hi``, ``lo <= x <= hi`` with every ``lo``
 # and ``hi`` finite (the model's domains). For any row multipliers ``y`` and every feasible
@@ -91,10 +149,10 @@ optimum, so a policy's plan is at least (its extra - found) / its extra above th
 # and subtracts a bound on the rounding error (each reduced cost a sequential sum of at most k + 1
 # products, k the longest column, each product rounded once; the totals summed by ``math.fsum``)
 # and 1 ns; the LP's data are integers below 2^53, exact in floating point. That is what lets
-# the interior-point solve stop without crossover (the DTR ResNet-32 LP at 40%: 402k columns;
-# HiGHS's barrier about 70 s, GLOP's primal simplex about 230 s; not done: GLOP's dual simplex in
-# 300 s, CLP in 400 s, HiGHS's barrier with crossover in 240 s, PDLP far off after 150 s; one
-# core, load 0.2-2.3), and the value it gives is within 1e-5 of the LP optimum there (24.3677 ms
+# the interior-point solve stop without crossover (the DTR ResNet-32 LP at 40% with the cuts
+# of before Note [Replays take memory]: 402k columns; HiGHS's barrier about 70 s, GLOP's primal
+# simplex about 230 s; not done: GLOP's dual simplex in 300 s, CLP in 400 s, HiGHS's barrier
+# with crossover in 240 s, PDLP far off after 150 s; one core, load 0.2-2.3), and the value it gives is within 1e-5 of the LP optimum there (24.3677 ms
 # against 24.3679). Only an infeasible LP is taken on the solver's word (``math.inf``).
 """
 
@@ -111,10 +169,23 @@ from ..errors import CapuchinError
 from .coarsen import coarsen
 from .problem import Problem
 
-CUTS = ("one_per_storage", "copies_in_sequence", "swap_outs_in_order")  # add_cuts' defaults
+# add_cuts' defaults (``tight_memory`` and ``kept_resident`` act on the model's own memory
+# rows: ``lower_bound``)
+CUTS = (
+    "one_per_storage",
+    "copies_in_sequence",
+    "swap_outs_in_order",
+    "tight_memory",
+    "kept_resident",
+)
 # add_cuts' other family: valid, lifts CP-SAT's bound on small traces, leaves the LP on the DTR
 # traces where it was (and makes it ~4% larger): Note [Cuts the simulator implies]
 SOURCES_RESTORED = "sources_restored"
+# Note [Replays take memory]: a replayed op's outputs are on the device while it runs (opt-in),
+# and a storage kept by a replay stays there up to its back-access
+REPLAY_MEMORY = "replay_memory"
+KEPT_RESIDENT = "kept_resident"  # in CUTS
+TIGHT_MEMORY = "tight_memory"  # Note [Replays take memory]: coefficient tightening, in CUTS
 
 
 @dataclass(frozen=True)
@@ -181,7 +252,15 @@ def lower_bound(
         raise CapuchinError("lower_bound needs the model at op granularity")
     if tick_ns is None:
         tick_ns = max(1, problem.time_ns // DEFAULT_TICKS)
-    model = _Model(problem, stages, budget_bytes, cands, tick_ns)
+    model = _Model(
+        problem,
+        stages,
+        budget_bytes,
+        cands,
+        tick_ns,
+        kept_resident=KEPT_RESIDENT in cuts,
+        tighten_memory=TIGHT_MEMORY in cuts,
+    )
     if cuts:
         add_cuts(model, problem, cuts)
     proto = model.m.proto
@@ -233,9 +312,10 @@ def lower_bound(
 
 def add_cuts(model, problem: Problem, families: Collection[str] = CUTS) -> int:
     """Add to ``model`` (an op-granularity ``_Model``) the ``families`` of inequalities (``CUTS``,
-    ``SOURCES_RESTORED``)
-    that every plan the simulator accepts satisfies (Note [Cuts the simulator implies]); returns
-    how many were added."""
+    ``SOURCES_RESTORED``, ``REPLAY_MEMORY``) that every plan the simulator accepts satisfies
+    (Notes [Cuts the simulator implies], [Replays take memory]); returns how many were added.
+    ``TIGHT_MEMORY`` and ``KEPT_RESIDENT`` act on the model's own memory rows: ``_Model``'s
+    ``tighten_memory`` and ``kept_resident``, which ``lower_bound`` sets from its ``cuts``."""
     m, q = model.m, model.q
     added = 0
     # (1) one decision per storage
@@ -246,6 +326,8 @@ def add_cuts(model, problem: Problem, families: Collection[str] = CUTS) -> int:
             added += 1
     if SOURCES_RESTORED in families:
         added += _sources_restored(model, problem)
+    if REPLAY_MEMORY in families:
+        added += _replay_memory(model, problem)
     if problem.host or not {"copies_in_sequence", "swap_outs_in_order"} & set(families):
         return added  # host work lengthens the real timeline beyond the model's: no time cuts
     swaps = [
@@ -263,7 +345,9 @@ def add_cuts(model, problem: Problem, families: Collection[str] = CUTS) -> int:
     base = [0]
     for d in problem.durations_ns.tolist():
         base.append(base[-1] + -(-int(d) // q))
-    hi = sum(model.m.proto.variables[v.Index()].domain[-1] for v in model.stall.values())
+    # (a protobuf repeated field takes no negative index: ``domain[-1]`` reads 0 there, which
+    # capped the clock at the replays' ticks and so every plan's stalls below that)
+    hi = sum(list(model.m.proto.variables[v.Index()].domain)[-1] for v in model.stall.values())
     hi += sum(-(-problem.ops[j].duration_ns // q) for (_b, j) in model.R)
     clock = []
     for k in range(n):
@@ -336,6 +420,114 @@ def _sources_restored(model, problem: Problem) -> int:
                 m.add(a + rho <= 1)
                 added += 1
     return added
+
+
+def _replay_memory(model, problem: Problem, mutant: str = "") -> int:
+    """Note [Replays take memory]: while op ``j`` is replayed before op ``b``, its outputs and
+    scratch and every storage it reads are on the device, with everything resident before op
+    ``b`` that no decision can have taken off it. One row per such ``b``: ``before_b - off_b +
+    M_b <= budget``, and per replayed ``j`` a row ``M_b >= (what j adds) R[b, j]`` (Note).
+    ``mutant`` (tests only: the cut made stronger than the simulator allows): "op" counts op
+    ``b``'s own outputs and scratch as resident then, "back" takes a storage due back at ``b`` as
+    restored before the replays."""
+    import bisect
+
+    m, st = model.m, problem.storages
+    budget = model.budget_bytes
+    if len(model.pre) != problem.n_ops:  # pragma: no cover - the bound's model is op-level
+        return 0
+    by_back: dict[int, list[tuple[int, object]]] = {}
+    for (b, j), r in model.R.items():
+        by_back.setdefault(b, []).append((j, r))
+    live = problem.live_bytes
+    evictable = [
+        s
+        for s in st.values()
+        if s.size_bytes > 0
+        and s.swappable
+        and (s.evictable or problem.persistent_candidates)
+        and (s.accesses or s.wrap is not None)
+    ]
+    added = 0
+    for b, rs in sorted(by_back.items()):
+        op_b = problem.ops[b]
+        before = int(live[b])
+        if mutant != "op":
+            before -= op_b.scratch_bytes + sum(st[x].size_bytes for x in op_b.allocs)
+        fixed = 0  # bytes of storages a decision the model has no variable for may take off
+        off: dict[str, list] = {}  # storage -> its literals, one of them 1 when it may be off
+        for s in evictable:
+            a = s.accesses
+            i = bisect.bisect_left(a, b)
+            if mutant == "back" and (b in a[i : i + 1] or s.wrap is not None and b == s.wrap[1]):
+                continue
+            gap = None
+            if 0 < i < len(a):
+                gap = (a[i - 1], False)
+            elif s.wrap is not None and (b > s.wrap[0] or b <= s.wrap[1]):
+                gap = (s.wrap[0], True)
+            if gap is None:
+                continue
+            k = (s.storage_id, gap[0])
+            c = model.cands.get(k)
+            if c is None or c.wraps != gap[1]:
+                off[s.storage_id] = []
+                fixed += s.size_bytes
+                continue
+            lits = off[s.storage_id] = []
+            if k in model.drop:
+                lits.append(model.drop[k])
+            if k in model.swap:
+                lits.append(model.swap[k] if c.wraps else _off_before(model, k, b))
+        base = before - fixed - budget
+        rows = []
+        for j, r in rs:
+            op = problem.ops[j]
+            add = sum(st[x].size_bytes for x in op.allocs) + op.scratch_bytes
+            back = []  # (size, literals): read by j, so on the device whatever its literals say
+            for x in dict.fromkeys(op.inputs):
+                xs = st[x]
+                if not xs.alive_at(b) or xs.written_between(j, b):
+                    add += xs.size_bytes  # regenerated by the replay: a copy of its own
+                elif x in off:
+                    if off[x]:
+                        back.append((xs.size_bytes, off[x]))
+                    else:
+                        add += xs.size_bytes  # counted off above, on the device here
+            if base + add + sum(n for n, _l in back) > 0:
+                rows.append((add, back, r))
+        if not rows:
+            continue
+        terms = [(st[x].size_bytes, v) for x, lits in off.items() for v in lits]
+        big = max(add + sum(n for n, _l in back) for add, back, _r in rows)
+        mb = m.new_int_var(0, big, f"replaymem{b}")
+        for add, back, r in rows:
+            # size * (off + R - 1) <= size * off * R: the bytes of a source counted off above
+            m.add(mb >= add * r + sum(n * (sum(lits) + r - 1) for n, lits in back))
+        m.add(sum(size * v for size, v in terms) - mb >= base)
+        added += 1 + len(rows)
+    return added
+
+
+def _off_before(model, k, b: int):
+    """A literal that is 1 when swapped candidate ``k`` is off the device while op ``b``'s
+    replays run: its out-copy done by the end of op ``b``'s stage, its in-copy not begun by the
+    end of the stage before."""
+    got = model.__dict__.setdefault("_off_before", {})
+    if (k, b) in got:
+        return got[(k, b)]
+    m, c = model.m, model.cands[k]
+    st = model.stages
+    co, ci = model.copy_done[k]
+    q = model.q
+    x = m.new_bool_var(f"offbefore{k}@{b}")
+    m.add(x <= model.swap[k])
+    m.add((c.out_ns // q) * x <= co[st.stage_of(b)])
+    prev = st.stage_of(b) - 1
+    if prev in ci:
+        m.add(ci[prev] <= (c.in_ns // q) * (1 - x))
+    got[(k, b)] = x
+    return x
 
 
 def _lp_bound(model) -> float | None:

@@ -111,8 +111,11 @@ def test_cuts_tight_at_the_optimum_stay_below_it(seed, fraction, bandwidth):
 # (seed, fraction): small traces where ``sources_restored`` lifts the full bound (CP-SAT's; not
 # the LP's here): 3400 -> 3800 ns at (62, 0.5), brute force 4000; 6300 -> 9900 at (9, 0.8), the
 # optimum; 2400 -> 3500 at (26, 0.7), brute force 4100. Made to start one op before the replay
-# (or at the gap's start) it lifts (62, 0.5) above brute force (to infinity).
+# (or at the gap's start) it lifts (62, 0.5) above brute force (to infinity). Measured over the
+# three cuts that were the defaults then (the default rows of Note [Replays take memory] reach
+# 3800 at (62, 0.5) by themselves).
 SOURCE_CASES = [(62, 0.5), (9, 0.8), (26, 0.7)]
+THREE_CUTS = ("one_per_storage", "copies_in_sequence", "swap_outs_in_order")
 
 
 @pytest.mark.parametrize(("seed", "fraction"), SOURCE_CASES)
@@ -120,12 +123,14 @@ def test_restored_sources_cut_binds_and_stays_below_every_plan(seed, fraction):
     from capuchin.planner.bound import CUTS, SOURCES_RESTORED
 
     problem, budget, best = _cell(seed, fraction)
-    cuts = (*CUTS, SOURCES_RESTORED)
-    plain = lower_bound(problem, budget, time_limit_s=20)
+    cuts = (*THREE_CUTS, SOURCES_RESTORED)
+    plain = lower_bound(problem, budget, time_limit_s=20, cuts=THREE_CUTS)
     full = lower_bound(problem, budget, time_limit_s=20, cuts=cuts)
     assert plain.bound_ns < full.bound_ns <= best
     assert lower_bound(problem, budget, cpsat=False, cuts=cuts).bound_ns <= best
     _below_searched_plans(problem, budget, full.bound_ns)
+    every = lower_bound(problem, budget, time_limit_s=20, cuts=(*CUTS, SOURCES_RESTORED))
+    assert every.bound_ns <= best
 
 
 def test_search_plans_returns_a_fitting_plan_no_slower_than_its_start():
@@ -207,3 +212,203 @@ def test_dual_value_ignores_a_multiplier_on_a_missing_side():
     for y in (-3.0, -1.0, 0.0, 1.0, 3.0):
         assert _dual_value(lp, np.array([y])) <= -10
     assert _dual_value(lp, np.array([0.0])) >= -11.01
+
+
+def _stall_problem(recomputable: bool = True):
+    """Ops f0 -> A, f1 -> B, a long op, then two ops over the budget that B must be off for,
+    then B's back-access; B's replay (f0, f1) holds A (8 kB) and B (4 kB) over a device that
+    has x (1 kB, persistent) and P (3 kB, persistent) on it: 16 kB, more than op ``use``
+    itself (9 kB). Swapping B instead stalls its whole in-copy (4,000 ns: it cannot start
+    before the peak ops end), dropping it costs the replay (200 ns). Not ``recomputable``: f0
+    reads an input already freed at ``use``, so only the swap remains."""
+    from capuchin.planner.problem import Problem
+
+    src = "x" if recomputable else "inp"
+    ops = [
+        ("f0", 100, [src], ["A"]),
+        ("f1", 100, ["A"], ["B"]),
+        ("mid", 5000, ["x"], ["P"]),
+        ("h1", 100, ["x"], ["H"]),
+        ("h2", 100, ["H"], ["G"]),
+        ("use", 100, ["B"], ["Y"]),
+    ]
+    sizes = {"x": 1000, "inp": 1000, "A": 8000, "B": 4000, "P": 3000, "H": 8000, "G": 2000}
+    sizes["Y"] = 1000
+    return Problem.from_lists(
+        ops, sizes, bandwidth_bytes_per_s=1e9, persistent={"x", "P"}
+    ).restricted()
+
+
+def test_a_plan_that_stalls_longer_than_every_replay_stays_feasible():
+    """The time cuts' clock may reach every stall the model allows: with B not recomputable
+    the only plan that fits swaps it and stalls 4,000 ns, far more than any replay (a clock
+    capped at the replays' ticks made the model infeasible: bound infinite)."""
+    problem = _stall_problem(recomputable=False)
+    budget = 15_000
+    best = brute_force(problem, budget)
+    assert best == 4000
+    b = lower_bound(problem, budget, time_limit_s=20)
+    assert b.bound_ns <= best and b.lp_ns is not None and b.lp_ns <= best
+    assert b.bound_ns > 0
+
+
+def test_replay_memory_binds_and_is_tight():
+    """Note [Replays take memory]: at 15 kB dropping B fits every memory row of the model but
+    not the simulator (its replay holds 16 kB): with ``replay_memory`` the bound reaches the
+    optimum, the swap (4,000 ns; 200 without it). At 16 kB the replay fits exactly and the
+    bound stays at the drop's 200 ns; counting op ``use``'s output as resident during the
+    replay, or B itself as back before its own replay, lifts it above brute force there."""
+    from capuchin.planner import bound
+    from capuchin.planner.bound import CUTS, REPLAY_MEMORY
+
+    problem = _stall_problem()
+    cuts = (*CUTS, REPLAY_MEMORY)
+    assert brute_force(problem, 15_000) == 4000
+    assert lower_bound(problem, 15_000, time_limit_s=20).bound_ns <= 200
+    assert lower_bound(problem, 15_000, time_limit_s=20, cuts=cuts).bound_ns == 4000
+    lp = lower_bound(problem, 15_000, cpsat=False).bound_ns
+    assert lp < lower_bound(problem, 15_000, cpsat=False, cuts=cuts).bound_ns <= 4000
+    assert brute_force(problem, 16_000) == 200
+    assert lower_bound(problem, 16_000, time_limit_s=20, cuts=cuts).bound_ns <= 200
+    real = bound._replay_memory
+    for mutant in ("op", "back"):
+        bound._replay_memory = lambda m, p, mutant=mutant: real(m, p, mutant)
+        try:
+            got = lower_bound(problem, 16_000, time_limit_s=20, cuts=cuts).bound_ns
+        finally:
+            bound._replay_memory = real
+        assert got > 200, mutant
+
+
+# (seed, fraction): small traces where ``tight_memory`` (the memory rows' coefficients capped
+# at the row's excess) lifts the LP bound: 282 -> 506 ns at (0, 0.9), brute force 1000; 370 ->
+# 1599 at (21, 0.8), brute force 1600; 265 -> 1799 at (62, 0.5), brute force 4000; 3 -> 1115
+# at (66, 0.9), brute force 1800. Capped at half the excess it lifts (0, 0.9) above brute force.
+TIGHT_MEMORY_CASES = [(0, 0.9), (21, 0.8), (62, 0.5), (66, 0.9)]
+
+
+@pytest.mark.parametrize(("seed", "fraction"), TIGHT_MEMORY_CASES)
+def test_tight_memory_rows_bind_and_stay_below_every_plan(seed, fraction):
+    from capuchin.planner.bound import CUTS, TIGHT_MEMORY
+
+    problem, budget, best = _cell(seed, fraction)
+    loose = tuple(c for c in CUTS if c != TIGHT_MEMORY)
+    plain = lower_bound(problem, budget, cpsat=False, cuts=loose)
+    tight = lower_bound(problem, budget, cpsat=False)
+    assert plain.bound_ns < tight.bound_ns <= best
+    full = lower_bound(problem, budget, time_limit_s=20)
+    assert full.bound_ns <= best
+    _below_searched_plans(problem, budget, full.bound_ns)
+
+
+def test_tight_memory_capped_below_the_excess_overshoots(monkeypatch):
+    """The cap is the row's excess, no lower: at half of it the bound exceeds brute force."""
+    from capuchin.planner.policies import _ilp_model
+
+    problem, budget, best = _cell(0, 0.9)
+    assert lower_bound(problem, budget, cpsat=False).bound_ns <= best
+    monkeypatch.setattr(
+        _ilp_model,
+        "tightened",
+        lambda terms, need: [(n, min(s, max(1, need // 2)), v) for n, s, v in terms],
+    )
+    assert lower_bound(problem, budget, cpsat=False).bound_ns > best
+
+
+@pytest.mark.parametrize(("seed", "fraction", "kind"), CASES)
+def test_every_cut_family_stays_below_brute_force(seed, fraction, kind):
+    """All of add_cuts' families and the model's opt-in rows together, LP and CP-SAT."""
+    from capuchin.planner.bound import CUTS, REPLAY_MEMORY, SOURCES_RESTORED
+
+    problem = small_problem(seed)
+    budget = int(problem.peak_bytes * fraction)
+    best = brute_force(problem, budget)
+    if best is None:
+        assert kind == "infeasible"
+        return
+    cuts = (*CUTS, SOURCES_RESTORED, REPLAY_MEMORY)
+    full = lower_bound(problem, budget, time_limit_s=10, cuts=cuts)
+    assert full.bound_ns <= best and full.lp_ns is not None and full.lp_ns <= best
+    _below_searched_plans(problem, budget, full.bound_ns)
+
+
+def test_kept_resident_binds_and_is_tight(monkeypatch):
+    """Note [Replays take memory], ``kept_resident`` (a default): X's replay (op p) regenerates
+    S whole, which the model may count kept there for free and still off at the two ops over
+    the budget after X's back-access. At 11 kB the plan that keeps S does not fit (12 kB with
+    S resident there): S is replayed again at its own back-access, 200 ns; the model without
+    the rows says 100. At 12 kB keeping S fits (100 ns) and the bound stays there; counting S
+    resident from the op before the replay that keeps it lifts the bound above that plan."""
+    from capuchin.planner.bound import CUTS, KEPT_RESIDENT
+    from capuchin.planner.plan import Decision, Method
+    from capuchin.planner.policies import _ilp_model
+    from capuchin.planner.problem import Problem
+
+    ops = [
+        ("p", 100, ["x"], ["X", "S"]),
+        ("a", 100, ["X", "S"], ["Q"]),
+        ("h1", 100, ["x"], ["H1"]),
+        ("h2", 100, ["H1"], ["G1"]),
+        ("useX", 100, ["X", "G1"], ["R1"]),
+        ("h3", 100, ["x"], ["H2"]),
+        ("h4", 100, ["H2"], ["G2"]),
+        ("useS", 100, ["S", "G2"], ["Z"]),
+    ]
+    sizes = {"x": 1000, "X": 2000, "S": 4000, "Q": 1000, "H1": 9000, "G1": 1000}
+    sizes.update({"R1": 1000, "H2": 6000, "G2": 1000, "Z": 1000})
+    problem = Problem.from_lists(ops, sizes, persistent={"x"}).restricted()
+    peaks = {}
+    for keep in ((), ("S",)):
+        plan = [
+            Decision("X", Method.RECOMPUTE, 2000, 1, 4, replay_ops=(0,), sources=("x",), keep=keep),
+            Decision("S", Method.RECOMPUTE, 4000, 1, 7, replay_ops=(0,), sources=("x",)),
+        ]
+        sim = simulate(problem, plan)
+        peaks[keep] = (sim.peak_bytes, sim.time_ns - problem.time_ns)
+    assert peaks == {(): (11_000, 200), ("S",): (12_000, 100)}
+    assert KEPT_RESIDENT in CUTS
+    loose = tuple(c for c in CUTS if c != KEPT_RESIDENT)
+    assert lower_bound(problem, 11_000, time_limit_s=20, cuts=loose).bound_ns <= 100
+    assert lower_bound(problem, 11_000, time_limit_s=20).bound_ns == 200
+    assert lower_bound(problem, 11_000, cpsat=False).bound_ns <= 200
+    _below_searched_plans(problem, 11_000, lower_bound(problem, 11_000).bound_ns)
+    assert lower_bound(problem, 12_000, time_limit_s=20).bound_ns <= 100
+    monkeypatch.setattr(_ilp_model, "kept_ops", lambda b, back: range(b - 1, back))
+    assert lower_bound(problem, 12_000, time_limit_s=20).bound_ns > 100
+
+
+def test_a_kept_storage_read_by_a_later_replay_costs_no_replay_of_its_own():
+    """_ilp_model Note [A kept storage is a source]: X's replay (op p) keeps S; W's replay (op
+    w) reads S, resident since. The plan costs p + w = 1,100 ns in the simulator and fits; the
+    model charged p again at W's replay (2,100 ns: a bound above a plan that fits)."""
+    from capuchin.planner.plan import Decision, Method
+    from capuchin.planner.problem import Problem
+
+    ops = [
+        ("p", 1000, ["x"], ["X", "S"]),
+        ("w", 100, ["S"], ["W"]),
+        ("h1", 100, ["x"], ["H1"]),
+        ("h2", 100, ["H1"], ["G1"]),
+        ("useX", 100, ["X", "G1"], ["R1"]),
+        ("useW", 100, ["W"], ["R2"]),
+        ("h3", 100, ["x"], ["H3"]),
+        ("useS", 100, ["S"], ["Z"]),
+    ]
+    sizes = {"x": 1000, "X": 2000, "S": 4000, "W": 2000, "H1": 8000}
+    sizes.update({s: 1000 for s in ("G1", "R1", "R2", "H3", "Z")})
+    problem = Problem.from_lists(
+        ops, sizes, bandwidth_bytes_per_s=1e8, persistent={"x"}
+    ).restricted()
+    budget = 10_000
+    plan = [
+        Decision("X", Method.RECOMPUTE, 2000, 0, 4, replay_ops=(0,), sources=("x",), keep=("S",)),
+        Decision("W", Method.RECOMPUTE, 2000, 1, 5, replay_ops=(1,), sources=("S",)),
+        Decision("S", Method.RECOMPUTE, 4000, 1, 7, replay_ops=(0,), sources=("x",)),
+    ]
+    sim = simulate(problem, plan)
+    assert sim.peak_bytes <= budget and sim.time_ns - problem.time_ns == 1100
+    from capuchin.planner.bound import CUTS, REPLAY_MEMORY, SOURCES_RESTORED
+
+    for cuts in (CUTS, (*CUTS, SOURCES_RESTORED, REPLAY_MEMORY)):
+        b = lower_bound(problem, budget, time_limit_s=20, cuts=cuts)
+        assert 0 < b.bound_ns <= 1100 and b.lp_ns <= 1100

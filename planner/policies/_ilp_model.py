@@ -70,6 +70,16 @@ variables. Stages ``t`` are op ranges (planner/coarsen.py), ``D_t`` a stage's ba
 # ``objective >= simulated extra time`` is enforced at that assignment. The loop stops when the
 # ILP's bound reaches the best simulated plan: at op granularity, that plan is the simulator's
 # optimum over the same choices (what brute force finds; tests/test_ilp_bruteforce.py).
+#
+# Note: [A kept storage is a source]
+# A dropped storage ``x`` regenerated whole and kept by a replay at op ``b2`` inside its gap is
+# in state "in" up to its back-access (simulator ``_replay``): a replay at an op ``b >= b2``
+# that reads it takes it as a resident source, and the plan need not replay ``x``'s chain
+# there. So the dependency "``x``'s chain is replayed before op ``b`` when op ``j`` is and ``x``
+# is dropped" is waived by ``x``'s ``kept`` literals up to ``b``: ``z >= R[b, j] + drop_x - 1 -
+# sum kept_x[b2 <= b]``. Without it the model charged such a plan for a replay it does not run
+# (a small trace: 2,100 ns for a plan the simulator runs in 1,100; tests/test_bound.py), and
+# was no relaxation there.
 """
 
 from __future__ import annotations
@@ -165,6 +175,23 @@ def copy_ns(size_bytes: int, bytes_per_s: float) -> int:
 PREFIX_TERMS_MAX = 2_000_000  # above this, prefix-sum variables (see _Model)
 
 
+def kept_ops(b: int, back: int) -> range:
+    """The ops at which a storage kept by a replay before op ``b`` is resident, up to its
+    back-access ``back`` (``kept_resident``; bound.py Note [Replays take memory])."""
+    return range(b, back)
+
+
+def tightened(terms: list, need: int) -> list:
+    """A memory row ``sum size * literal >= need`` (``terms``: (name, size, literal); a negative
+    size is a kept storage's bytes back on the device) with each positive size capped at
+    ``need`` plus the negative sizes' magnitudes: the same 0/1 points satisfy it (a literal at
+    1 whose size reaches the cap satisfies both; without one no cap applies), but a fraction of
+    a storage larger than the excess covers less of it (bound.py Note [Replays take memory],
+    ``tight_memory``)."""
+    cap = need - sum(size for _n, size, _v in terms if size < 0)
+    return [(n, min(size, cap), v) for n, size, v in terms]
+
+
 class _OutOfTime(Exception):
     """Model building ran past its deadline (caught by the policy, which builds a smaller one)."""
 
@@ -180,19 +207,27 @@ class _Model:
         cands: list[Candidate],
         tick_ns: int = 1,
         deadline: float | None = None,
+        kept_resident: bool = False,
+        tighten_memory: bool = False,
     ):
+        """``kept_resident``: a storage kept by a replay inside its gap counts as resident in
+        the memory rows from that replay to its back-access; ``tighten_memory``: each memory
+        row's sizes capped (``tightened``). Both from bound.py Note [Replays take memory], off
+        for the ``ilp`` policy, which stays the model described above."""
         t_build = time.perf_counter()
         self.deadline = deadline
         cp_model = _import_cp_model()
         self.cp_model = cp_model
         lsum = cp_model.LinearExpr.sum  # one node per sum (Python's sum nests one per term)
         self.problem = problem
+        self.stages, self.budget_bytes = stages, budget_bytes
         m = self.m = cp_model.CpModel()
         st = stages
         n_st = len(st)
         self.drop: dict[Key, Any] = {}
         self.swap: dict[Key, Any] = {}
         self.R: dict[tuple[int, int], Any] = {}  # (back op, replayed op) -> bool
+        self._needs: list = []  # (z, R[b, j], x, b): a dropped source's need (_replay)
         self.why: dict[tuple[int, int], list] = {}  # what asks for R[b, j] (the simulator
         # replays nothing else, so R[b, j] <= sum of them: no replay just to win time)
         self.cands: dict[Key, Candidate] = {}
@@ -229,6 +264,7 @@ class _Model:
         import bisect
 
         r_backs = sorted({b for (b, _j) in self.R})
+        self.kept: dict[Key, list[tuple[int, Any]]] = {}  # (replay's back op, K_v's term)
         for k, d in self.drop.items():
             c = self.cands[k]
             self._check_clock()
@@ -241,8 +277,17 @@ class _Model:
                     for j in c.chain:
                         m.add(kv <= self.R[(b, j)])
                     kept.append(kv)
+                    self.kept.setdefault(k, []).append((b, kv))
             for j in c.chain:
                 m.add(self.R[(c.back_op, j)] + lsum(kept) >= d)
+        for z, r, x, b in self._needs:  # Note [A kept storage is a source]
+            keys = [
+                c.key
+                for c in self.by_storage.get(x, ())
+                if c.evict_op < b <= c.back_op and c.key in self.drop
+            ]
+            kept_x = [kv for k in keys for b2, kv in self.kept.get(k, ()) if b2 <= b]
+            m.add(z >= r + lsum([self.drop[k] for k in keys]) - 1 - lsum(kept_x))
         for key, r in self.R.items():
             m.add(r <= lsum(self.why[key]))
         rc = [[] for _ in range(n_st)]  # replay terms per stage
@@ -274,6 +319,9 @@ class _Model:
         in_load = [[] for _ in range(n_st)]
         in_pre = [[] for _ in range(n_st)]
         self.absent: dict[tuple[Key, int], Any] = {}
+        # per swap candidate: ns of its out- and in-copy done by the end of each stage of its
+        # window and its back-access's (``co``, ``ci`` below)
+        self.copy_done: dict[Key, tuple[dict, dict]] = {}
         over = {t for t in range(n_st) if st.peak_bytes[t] > budget_bytes}
         # Prefix sums spelled out have w²/2 terms for a window of w stages: fine for small
         # models (and CP-SAT searches them better: the bundled transformer at 50%), too slow to
@@ -316,6 +364,7 @@ class _Model:
                     ci[seq[i]] = lsum(ins[: i + 1])
             m.add(co[bs] == c_out * w)
             m.add(ci[bs] == c_in * w)
+            self.copy_done[k] = (co, ci)
             for t in win:
                 out_load[t].append(out_v[t])
                 in_load[t].append(in_v[t])
@@ -357,6 +406,12 @@ class _Model:
         absent_at: dict[int, list] = {}
         for (k, t), a in self.absent.items():
             absent_at.setdefault(t, []).append((("a", k, t), self.cands[k].size_bytes, a))
+        kept_at: dict[int, list] = {}  # op -> kept terms (negative: bytes back on the device)
+        for k, kvs in self.kept.items() if kept_resident else ():
+            c = self.cands[k]
+            for b, kv in kvs:
+                for op in kept_ops(b, c.back_op):
+                    kept_at.setdefault(op, []).append((("k", k, b), -c.size_bytes, kv))
         active: dict[Key, tuple] = {}  # drops whose gap covers the current op (a sweep)
         i_drop = 0
         for op in (int(x) for x in (live > budget_bytes).nonzero()[0]):
@@ -368,21 +423,29 @@ class _Model:
             for k in [k for k, x in active.items() if x[3] <= op]:
                 del active[k]
             t = st.stage_of(op)
-            terms = [x[:3] for x in active.values()] + absent_at.get(t, [])
+            terms = [x[:3] for x in active.values()] + absent_at.get(t, []) + kept_at.get(op, [])
             need = int(live[op]) - budget_bytes
             key = frozenset(x[0] for x in terms)
             if key not in rows or rows[key][0] < need:
                 rows[key] = (need, terms)
         for need, terms in rows.values():
-            if terms:
-                m.add(
-                    cp_model.LinearExpr.weighted_sum(
-                        [v for _n, _s, v in terms], [size for _n, size, _v in terms]
+            versions = [terms]
+            if tighten_memory and any(size < 0 for _n, size, _v in terms):
+                # the row without its kept terms holds too (kept storages counted off), and its
+                # cap is lower: both, so that the kept terms never loosen the relaxation
+                versions.append([x for x in terms if x[1] > 0])
+            for terms in versions:
+                if terms and tighten_memory:
+                    terms = tightened(terms, need)
+                if terms:
+                    m.add(
+                        cp_model.LinearExpr.weighted_sum(
+                            [v for _n, _s, v in terms], [size for _n, size, _v in terms]
+                        )
+                        >= need
                     )
-                    >= need
-                )
-            else:
-                self.hopeless.append(need)
+                else:
+                    self.hopeless.append(need)
         self.objective = cp_model.LinearExpr.weighted_sum(
             list(self.R.values()), [problem.ops[j].duration_ns for (_b, j) in self.R]
         ) + q * lsum(list(self.stall.values()))
@@ -432,11 +495,13 @@ class _Model:
             if chain is None:  # x cannot be regenerated (and cannot be dropped either)
                 m.add(r == 0)  # op j cannot be replayed before op b
                 continue
-            if ev:  # needed only if op j is replayed *and* x is dropped
+            if ev:  # needed only if op j is replayed *and* x is dropped (and not kept)
                 z = m.new_bool_var(f"need{b},{j},{x}")
                 m.add(z <= r)
                 m.add(z <= sum(ev))
-                m.add(z >= r + sum(ev) - 1)
+                # z >= r + drop - 1 - (x kept by a replay up to op b): once the kept literals
+                # exist (Note [A kept storage is a source])
+                self._needs.append((z, r, x, b))
             else:
                 z = r
             for jj in chain:
