@@ -52,7 +52,8 @@ plan gets faster without its peak rising above the bound it was given.
 # ``DEEP_OVERHEAD`` iterations; a target whose probe gave up is deep, and its whole plan is made
 # only when the deep targets are. On the DTR traces, GPT-2 with 12, 24 and 48 layers, for the
 # hybrid, recompute-only and swap-only planners on both problems, the probes gave up exactly
-# where the simulated plan cost more than ``DEEP_OVERHEAD`` iterations (at +25 to +238). ``grid(..., deep=False)`` leaves them out, and ``fitting_grid(..., deep=None)`` adds
+# where the simulated plan cost more than ``DEEP_OVERHEAD`` iterations (at +25 to +238).
+# ``grid(..., deep=False)`` leaves the deep targets out, and ``fitting_grid(..., deep=None)`` adds
 # them only when no plan of the other targets fits the budget; each target's plans are made once
 # per problem either way (the first attempt of each target, which decides the misses, is
 # cached too), so a grid with and without its deep targets share them. Leaving them out keeps

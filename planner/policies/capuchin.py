@@ -38,7 +38,8 @@ it in the generic search of planner/search.py, which is not in the paper.
 # Note: [Deep targets on large problems]
 # On problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, each candidate (the hybrid, recompute-only
 # and swap-only grids, and the recompute-first conversions) plans for its deep targets (search
-# Note [Deep targets]: at and below the floor, and from the first target its plan misses on)
+# Note [Deep targets]: at and below the floor, and from the first target whose plan misses it
+# or costs more than ten baseline iterations extra on)
 # only when none of its other plans fits the budget; on smaller problems,
 # where they cost little (DTR U-Net and ResNet-32 plan in 1.2-3.4 s with them) and win cells
 # where other plans fit (the bundled cnn at 40% and mlp at 50%, U-Net at 40%), always. On the
