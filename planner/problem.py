@@ -159,6 +159,12 @@ class StorageInfo:
         i = bisect_right(self.accesses, op)
         return self.accesses[i] if i < len(self.accesses) else None
 
+    def source_at(self, j: int, b: int) -> bool:
+        """Whether what op ``j`` read of this storage is still here at op ``b``: alive at ``b``
+        and not written in place between them (lineage's source rule, paper §4.3: a replay
+        before op ``b`` of op ``j`` reads it as a source instead of regenerating it)."""
+        return self.alive_at(b) and not self.written_between(j, b)
+
     def written_between(self, lo: int, hi: int) -> bool:
         """Whether an op with index in the open interval (lo, hi) writes this storage in place."""
         i = bisect_right(self.writers, lo)

@@ -487,7 +487,7 @@ class _Model:
             if x in op.writes:
                 continue  # the chain being replayed: its earlier ops come first
             xs = p.storages[x]
-            base_ok = xs.alive_at(b) and not xs.written_between(j, b)
+            base_ok = xs.source_at(j, b)
             ev = self._droppers(x, b) if base_ok else []
             if base_ok and not ev:
                 continue

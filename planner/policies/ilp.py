@@ -169,7 +169,7 @@ def _admitted(
                     if x in op.writes:
                         continue
                     xs = p.storages[x]
-                    base_ok = xs.alive_at(b) and not xs.written_between(j, b)
+                    base_ok = xs.source_at(j, b)
                     ev = base_ok and any(e < b <= bb for e, bb in gaps.get(x, ()))
                     if base_ok and not ev:
                         continue
