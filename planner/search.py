@@ -319,12 +319,11 @@ def _shallow(problem: Problem, planner: TargetPlanner) -> frozenset[int]:
     def make() -> frozenset[int]:
         floor = problem.floor_bytes()
         out = []
-        give_up = DEEP_OVERHEAD * problem.time_ns
+        base = problem.time_ns  # the simulator's baseline too
+        limit = DEEP_OVERHEAD * base
         for t in sorted((x for x in grid_targets(problem) if x > floor), reverse=True):
-            a = _attempt(problem, planner, t, give_up)
-            if a is None or a.sim is None or a.sim.peak_bytes > t:
-                break
-            if a.sim.time_ns - a.sim.baseline_time_ns > DEEP_OVERHEAD * a.sim.baseline_time_ns:
+            a = _attempt(problem, planner, t, limit)  # a probe (Note [Deep targets])
+            if a is None or a.sim is None or a.sim.peak_bytes > t or a.sim.time_ns - base > limit:
                 break
             out.append(t)
         return frozenset(out)
