@@ -144,7 +144,7 @@ def _lp_row(problem, budget, name, f, cuts, lower_bound) -> dict:
         trace=name,
         budget=f"{f:.0%}",
         lp_ms="-" if b.lp_ns is None else f"{b.lp_ns / 1e6:.4f}",
-        cuts="+".join(c for c in cuts),
+        cuts="+".join(cuts),
         vars=b.variables,
         constraints=b.constraints,
         lp_s=f"{b.lp_s:.1f}",
