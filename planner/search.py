@@ -35,7 +35,11 @@ plan gets faster without its peak rising above the bound it was given.
 # it, 102.69 ms from the front alone). On the bundled traces and DTR U-Net and ResNet-32 at
 # 80/60/50/40% that lowers nine cells and raises none (e.g. ResNet-32 6.18 -> 5.28 ms at 80%,
 # 37.79 -> 31.35 ms at 40%; docs/planner.md "Speed" has the cost); on larger problems the grid
-# is most of the policy's time (DTR DenseNet-121: 70%), so they keep the coarse one.
+# is most of the policy's time (DTR DenseNet-121: 70%), so they keep the coarse one. Problems
+# under ``FINEST_GRID_OPS`` ops take 39 steps (a superset again): on the same cells that lowers
+# seven and raises none (ResNet-32 5.28 -> 4.32 ms at 80%, 14.73 -> 11.60 ms at 60%; U-Net
+# 20.52 -> 17.64 ms at 60%; the bundled CNN at 40% +35.5 -> +31.0%), for about twice the
+# policy's time (ResNet-32: 3.5-4 s -> 6.5-7 s per budget, cold).
 #
 # Note: [Deep targets]
 # A planner's *deep* targets are the grid's targets at and below the floor
@@ -275,13 +279,15 @@ def cached(problem: Problem, key, make: Callable[[], Any]):
 
 
 FINE_GRID_OPS = 1000  # smaller problems get the finer grid (Note [Targets])
+FINEST_GRID_OPS = 500  # and smaller still the finest
 
 
 def grid_targets(problem: Problem) -> list[int]:
-    """Note [Targets]: the floor, nine steps up to the peak (19 under ``FINE_GRID_OPS`` ops),
-    and three below the floor."""
+    """Note [Targets]: the floor, nine steps up to the peak (19 under ``FINE_GRID_OPS`` ops,
+    39 under ``FINEST_GRID_OPS``), and three below the floor."""
     floor, peak = problem.floor_bytes(), problem.peak_bytes
-    k = 20 if problem.n_ops < FINE_GRID_OPS else 10
+    n = problem.n_ops
+    k = 40 if n < FINEST_GRID_OPS else 20 if n < FINE_GRID_OPS else 10
     targets = [floor + (peak - floor) * i // k for i in range(k)]
     targets += [floor * 9 // 10, floor * 3 // 4, floor // 2]
     return [x for x in dict.fromkeys(targets) if 0 < x < peak]

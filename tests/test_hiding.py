@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 from capuchin.planner import search
-from capuchin.planner.hiding import hide
+from capuchin.planner import hiding
+from capuchin.planner.hiding import advance, hide
 from capuchin.planner.plan import Method
 from capuchin.planner.policies import capuchin as cap
 from capuchin.planner.problem import Problem
@@ -74,6 +75,57 @@ def test_hide_keeps_to_its_bound():
     sim = simulate(p, ds)
     got, gsim = hide(p, ds, sim, sim.peak_bytes - 1)
     assert got is ds and gsim is sim
+
+
+def _on_demand(p: Problem, frac: float):
+    """The swap-only plan at ``frac`` of the peak with every in-trigger dropped: each swap
+    restored on demand at its back-access, so each stalls."""
+    from capuchin.planner.plan import Decision
+
+    ds = [
+        Decision(d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op)
+        for d in cap.swap_only(p, int(p.peak_bytes * frac)).decisions
+        if d.method == Method.SWAP and not d.wraps
+    ]
+    sim = simulate(p, ds)
+    assert sim.stall_ns > 0
+    return ds, sim
+
+
+def test_advance_moves_stalled_prefetches_earlier_within_the_bound():
+    # Note [Partly hidden swaps]: the stalled swaps' in-triggers move earlier together while
+    # the simulation gets faster within the bound
+    p = _bundled("mlp")
+    ds, sim = _on_demand(p, 0.5)
+    got, gsim = advance(p, ds, sim, sim.peak_bytes)
+    assert gsim.peak_bytes <= sim.peak_bytes and gsim.time_ns < sim.time_ns
+    assert gsim.stall_ns < sim.stall_ns
+    assert simulate(p, got).time_ns == gsim.time_ns
+    moved = [(a, b) for a, b in zip(ds, got, strict=True) if a is not b]
+    assert moved
+    for a, b in moved:  # only the in-trigger changed, to an op inside the gap
+        assert (b.storage_id, b.method, b.evict_op, b.back_op) == (
+            a.storage_id,
+            a.method,
+            a.evict_op,
+            a.back_op,
+        )
+        assert a.trigger_op is None and b.evict_op < b.trigger_op < b.back_op
+    again, asim = advance(p, ds, sim, sim.peak_bytes)
+    assert again == got and asim.time_ns == gsim.time_ns  # deterministic
+    # a bound the moves cannot keep (below the plan's peak): the input back, the same objects
+    same, ssim = advance(p, ds, sim, sim.peak_bytes - 1)
+    assert same is ds and ssim is sim
+
+
+def test_hide_advances_the_swaps_it_leaves_stalled(monkeypatch):
+    # hide ends with advance: without it the stalled swaps' plan is slower
+    p = _bundled("mlp")
+    ds, sim = _on_demand(p, 0.5)
+    with_advance = hide(p, ds, sim, sim.peak_bytes)[1].time_ns
+    monkeypatch.setattr(hiding, "ADVANCE_STEPS", ())
+    without = hide(p, ds, sim, sim.peak_bytes)[1].time_ns
+    assert with_advance < without
 
 
 @pytest.mark.parametrize("name, frac", [("mlp", 0.5), ("transformer", 0.6)])
