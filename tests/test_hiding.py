@@ -7,8 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from capuchin.planner import search
-from capuchin.planner import hiding
+from capuchin.planner import hiding, search
 from capuchin.planner.hiding import advance, hide
 from capuchin.planner.plan import Method
 from capuchin.planner.policies import capuchin as cap
