@@ -197,8 +197,9 @@ def test_capuchin_skips_the_variants_when_its_plan_costs_nothing():
     # candidates]): that plan costs nothing, so the one with them is not made either
     assert "_search_cache" not in p.__dict__
     made = {(k[0], k[1].mode) for k in search.problem_cache(p.restricted())}
-    # the hybrid's grid (and its targets) only: no recompute-only grid, no conversions
-    assert made == {("grid", "hybrid"), ("target", "hybrid"), ("attempt", "hybrid")}
+    # some of the hybrid's targets only (search Note [Free plans first]: not even its whole
+    # grid), no recompute-only grid, no conversions
+    assert made == {("target", "hybrid"), ("attempt", "hybrid")}
 
 
 def test_a_planned_problem_is_freed():
@@ -285,3 +286,48 @@ def test_the_baselines_descend_above_their_own_op_limit(monkeypatch):
         assert not any(k[0] == "grid" for k in search.problem_cache(r))
     q = _transformer()
     assert "descend" not in get_policy("capuchin")(q, q.peak_bytes // 2).figures["search"]
+
+
+def test_a_free_plan_ends_the_search_from_the_top(monkeypatch):
+    # Note [Free plans first]: where a plan of a high target fits the budget at no cost, it is
+    # the answer and the targets below the budget are never made; without the rule all are
+    from capuchin.planner import search
+
+    def targets_made(p: Problem) -> set[int]:
+        return {k[-1] for k in search.problem_cache(p) if isinstance(k, tuple) and k[0] == "target"}
+
+    p = _transformer()
+    planner = Capuchin("hybrid")
+    top = sorted(grid_targets(p), reverse=True)
+    free = [g for t in top[:3] for g in search._target_plans(p, planner, None, t)]
+    free = [g for g in free if g.time_ns <= p.time_ns]
+    assert free, "a high target's plan costs nothing"
+    budget = max(g.peak_bytes for g in free)
+    assert budget < p.peak_bytes
+    q = _transformer()
+    ds = search.searched(q, budget, planner)
+    sim = simulate(q, ds)
+    assert sim.peak_bytes <= budget and sim.time_ns <= q.time_ns
+    below = {t for t in grid_targets(q) if t < budget}
+    assert below and not (targets_made(q) & below)
+    monkeypatch.setattr(search, "_free_from_the_top", lambda *a: None)
+    r = _transformer()
+    assert simulate(r, search.searched(r, budget, planner)).time_ns <= r.time_ns
+    assert below <= targets_made(r)
+
+
+def test_deep_needed_goes_down_only_as_far_as_a_fitting_plan():
+    # the same answer as over the whole grid of the targets above the floor, which it makes
+    # only down to the first plan that fits
+    from capuchin.planner import search
+
+    p = _transformer()
+    planner = Capuchin("recompute")
+    shallow = sorted(search._shallow(p, planner), reverse=True)
+    budget = p.peak_bytes * 3 // 4
+    assert not search.deep_needed(p, planner, budget)
+    made = {k[-1] for k in search.problem_cache(p) if isinstance(k, tuple) and k[0] == "target"}
+    assert made and made < set(shallow)
+    whole = grid(p, planner, deep=False)
+    for b in (budget, p.floor_bytes() // 2):
+        assert search.deep_needed(p, planner, b) == (not any(g.peak_bytes <= b for g in whole))
