@@ -42,10 +42,7 @@ the grid] there).
 # little while the copy ahead of it stays late. DTR U-Net at 40% of its peak: the chosen plan's
 # stalls 37.5 -> 21.5 ms within its own peak, 93.45 -> 77.47 ms extra, in 14 simulations; moving
 # the swaps one at a time (each by the same steps) reached the same plan in 211. Like the
-# switches, the result depends on the plan and the bound alone. ``hide`` advances on problems
-# under ``ADVANCE_MAX_OPS`` ops only: on the larger DTR traces it changed two plan-quality cells
-# by at most 0.01 points (InceptionV4 40%, the unrolled GAN 40%) and cost DenseNet-121 at 40%
-# 11% more time (5.2 -> 5.8 s cold, the same plan).
+# switches, the result depends on the plan and the bound alone.
 """
 
 from __future__ import annotations
@@ -66,7 +63,6 @@ HIDE_ROUNDS = 3  # Note [Hidden swaps]
 HIDE_SIMULATIONS = 4  # per round
 ADVANCE_STEPS = (1, 2, 4, 8, 16, 32, 64)  # ops earlier tried per round (Note [Partly hidden swaps])
 ADVANCE_SIMULATIONS = 28  # per plan: four rounds
-ADVANCE_MAX_OPS = 1000  # larger problems skip it (Note [Partly hidden swaps])
 
 
 def hide(
@@ -100,8 +96,6 @@ def hide(
             n //= 2
         if not improved:
             break
-    if problem.n_ops >= ADVANCE_MAX_OPS:
-        return decisions, sim
     return advance(problem, decisions, sim, bound)
 
 

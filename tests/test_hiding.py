@@ -125,10 +125,6 @@ def test_hide_advances_the_swaps_it_leaves_stalled(monkeypatch):
     monkeypatch.setattr(hiding, "ADVANCE_STEPS", ())
     without = hide(p, ds, sim, sim.peak_bytes)[1].time_ns
     assert with_advance < without
-    # and only under ADVANCE_MAX_OPS ops
-    monkeypatch.undo()
-    monkeypatch.setattr(hiding, "ADVANCE_MAX_OPS", p.n_ops)
-    assert hide(p, ds, sim, sim.peak_bytes)[1].time_ns == without
 
 
 @pytest.mark.parametrize("name, frac", [("mlp", 0.5), ("transformer", 0.6)])
