@@ -109,7 +109,13 @@ plan gets faster without its peak rising above the bound it was given.
 # when it stalled, also a plan switched after every round of selection (the planner's
 # ``after_round``), which changes what is selected next; and every stalled plan switched
 # against the next two grid targets above its peak. The grid only gains plans, so switching
-# never makes a plan worse and stays budget-independent.
+# never makes a plan worse and stays budget-independent. The plan switched after every round
+# is made under ``AFTER_ROUND_MAX_OPS`` ops only: on InceptionV4, DenseNet-121, the DTR
+# Transformer, LSTM, TreeLSTM, the unrolled GAN, GPT-2 with 12, 24 and 48 layers and a
+# generated long-chain transformer at 80/60/50/40% (40 cells, ``benchmarks/capuchin_cells.py
+# --no-search``, 2026-11-25 22:54-22:57 UTC) every plan costs the same without it, in 0.80-1.0x
+# the time (the DTR Transformer 6.3 -> 5.0 s, GPT-2 48 layers 9.1 -> 7.9 s for the four budgets);
+# on DTR U-Net at 40% it makes the chosen plan.
 #
 # Note: [Recompute first]
 # Algorithm 1 takes swaps first and compares methods only for the rest, with *estimated* swap
@@ -327,6 +333,7 @@ def grid(
     )
 
 
+AFTER_ROUND_MAX_OPS = 1000  # Note [Stalled swaps]
 DEEP_OVERHEAD = 10  # a plan costing more than this many baseline iterations extra is deep
 
 
@@ -397,7 +404,8 @@ def _plans(
         sw = switch_stalled(problem, a, t, switching)
         if sw.decisions is not a.decisions:
             variants.append(sw)
-        if a.sim.stall_ns > 0:  # and switched after every round, which changes the path
+        if a.sim.stall_ns > 0 and problem.n_ops < AFTER_ROUND_MAX_OPS:  # and switched after
+            # every round, which changes the path (Note [Stalled swaps])
             try:
                 variants.append(
                     planner(

@@ -331,3 +331,27 @@ def test_deep_needed_goes_down_only_as_far_as_a_fitting_plan():
     whole = grid(p, planner, deep=False)
     for b in (budget, p.floor_bytes() // 2):
         assert search.deep_needed(p, planner, b) == (not any(g.peak_bytes <= b for g in whole))
+
+
+def test_the_plan_switched_after_every_round_only_on_smaller_problems(monkeypatch):
+    # Note [Stalled swaps]: under AFTER_ROUND_MAX_OPS ops a stalled target plan is also made
+    # again with switching after every round; from that size on it is not
+    from capuchin.planner import search
+
+    calls = []
+    real = Capuchin.__call__
+
+    def spy(self, problem, target, **kw):
+        calls.append("after_round" in kw)
+        return real(self, problem, target, **kw)
+
+    monkeypatch.setattr(Capuchin, "__call__", spy)
+    sw = Switching(True, 200)
+    p = _transformer()
+    assert p.n_ops < search.AFTER_ROUND_MAX_OPS
+    grid(p, Capuchin("hybrid"), sw)
+    assert any(calls), "a stalled plan was switched after every round"
+    calls.clear()
+    monkeypatch.setattr(search, "AFTER_ROUND_MAX_OPS", p.n_ops)
+    grid(_transformer(), Capuchin("hybrid"), sw)
+    assert calls and not any(calls)
