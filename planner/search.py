@@ -67,18 +67,18 @@ plan gets faster without its peak rising above the bound it was given.
 # it on large problems only (policies/capuchin.py Note [Deep targets on large problems]).
 #
 # Note: [Op limits]
-# ``searched`` plans on the grid up to ``SEARCH_MAX_OPS`` ops and ``descend``s above it: a plan
-# for the budget itself, then for lower targets, cheap (under 2 s on the DTR traces above 5,000
-# ops) but not monotone in the budget. With the capuchin policy's candidates the grid wins by
-# far on the traces measured between 5,000 and 10,000 ops, in 0.7-7.5 s of CPU per budget
-# (ff55f74): DTR's LSTM at 50/40% +0.00%/+0.65% against descend's +1.56%/+11.72%, TreeLSTM
-# +0.00%/+0.00% against +1.81%/+3.89%, the unrolled GAN +0.00%/+0.01% against +0.87%/+4.48%,
-# a 48-layer GPT-2 at 80/60/40% 11.58/30.09/87.58 ms extra against 45.24/90.12/165.02 ms. The
-# swap and recompute policies alone do better with descend there (LSTM at 40%: swap +25.2% on the grid against
-# +20.0%, recompute +15.0% against +11.8%; TreeLSTM recompute +63.4% against +25.0%): a fixed
-# grid of ten targets leaves more of the budget unused than a plan for the budget itself, and
-# nothing of the capuchin search makes up for it; so they keep ``BASELINE_MAX_OPS``. Above
-# ``SEARCH_MAX_OPS`` the grid costs too much (docs/planner.md, "Speed").
+# ``searched`` plans on the grid up to ``SEARCH_MAX_OPS`` ops and ``descend``s above it: a plan for
+# the budget itself, then for lower targets, cheap (under 2 s on the DTR traces above 5,000 ops) but
+# not monotone in the budget. With the capuchin policy's candidates the grid wins by far on the
+# traces measured between 5,000 and 10,000 ops, in 0.7-7.5 s of CPU per budget (ff55f74): DTR's LSTM
+# at 50/40% +0.00%/+0.65% against descend's +1.56%/+11.72%, TreeLSTM +0.00%/+0.00% against
+# +1.81%/+3.89%, the unrolled GAN +0.00%/+0.01% against +0.87%/+4.48%, a 48-layer GPT-2 at 80/60/40%
+# 11.58/30.09/87.58 ms extra against 45.24/90.12/165.02 ms. The swap and recompute policies alone do
+# better with descend there (LSTM at 40%: swap +25.2% on the grid against +20.0%, recompute +15.0%
+# against +11.8%; TreeLSTM recompute +63.4% against +25.0%): a fixed grid of ten targets leaves more
+# of the budget unused than a plan for the budget itself, and nothing of the capuchin search makes
+# up for it; so they keep ``BASELINE_MAX_OPS``. Above ``SEARCH_MAX_OPS`` the grid costs too much
+# (docs/planner.md, "Speed").
 #
 # Note: [Free plans first]
 # No plan runs faster than the baseline, so a plan that fits the budget at no cost is as good as
