@@ -7,8 +7,7 @@ granularity over *every* candidate (each access gap of an evictable storage that
 over the budget), with each swap's in-copy free to start any time after its out-copy, adds the
 cuts of Note [Cuts the simulator implies] (``add_cuts``) and, on request, the rows of Note
 [Replays take memory] (``tight_memory`` and ``kept_resident`` by default), and returns the
-larger of two proven
-bounds on the optimum of that model:
+larger of two proven bounds on the optimum of that model:
 
 - ``lp_ns``: the optimum of its linear relaxation (all variables continuous), as the value of a
   dual solution (HiGHS's interior point through MathOpt, GLOP where HiGHS gives none; Note [A
@@ -152,8 +151,8 @@ optimum, so a policy's plan is at least (its extra - found) / its extra above th
 # the interior-point solve stop without crossover (the DTR ResNet-32 LP at 40% with the cuts
 # of before Note [Replays take memory]: 402k columns; HiGHS's barrier about 70 s, GLOP's primal
 # simplex about 230 s; not done: GLOP's dual simplex in 300 s, CLP in 400 s, HiGHS's barrier
-# with crossover in 240 s, PDLP far off after 150 s; one core, load 0.2-2.3), and the value it gives is within 1e-5 of the LP optimum there (24.3677 ms
-# against 24.3679). Only an infeasible LP is taken on the solver's word (``math.inf``).
+# with crossover in 240 s, PDLP far off after 150 s; one core, load 0.2-2.3), and the value it
+# gives is within 1e-5 of the LP optimum there (24.3677 ms against 24.3679). Only an infeasible LP is taken on the solver's word (``math.inf``).
 """
 
 from __future__ import annotations
