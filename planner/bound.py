@@ -152,7 +152,8 @@ optimum, so a policy's plan is at least (its extra - found) / its extra above th
 # of before Note [Replays take memory]: 402k columns; HiGHS's barrier about 70 s, GLOP's primal
 # simplex about 230 s; not done: GLOP's dual simplex in 300 s, CLP in 400 s, HiGHS's barrier
 # with crossover in 240 s, PDLP far off after 150 s; one core, load 0.2-2.3), and the value it
-# gives is within 1e-5 of the LP optimum there (24.3677 ms against 24.3679). Only an infeasible LP is taken on the solver's word (``math.inf``).
+# gives is within 1e-5 of the LP optimum there (24.3677 ms against 24.3679). Only an infeasible
+# LP is taken on the solver's word (``math.inf``).
 """
 
 from __future__ import annotations
