@@ -415,8 +415,13 @@ def _bool(v, where):
         raise _Bad(where, f"{v!r} is not true or false")
 
 
+_INT_MAX = 2**63 - 1  # sizes, times and indices are int64 in the trace and the runtime
+
+
 def _int_min(lo: int):
     def check(v, where):
+        if _is_int(v) and v > _INT_MAX:
+            raise _Bad(where, f"an integer of {len(str(v))} digits is too large (at most 2**63-1)")
         if not _is_int(v) or v < lo:
             raise _Bad(where, f"{v!r} is not an integer >= {lo}")
 
@@ -570,6 +575,8 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
         wraps = d.get("wraps", False)
         if wraps and d["method"] != Method.SWAP.value:
             raise _Bad(f"{where}.wraps", "only a swap decision may wrap around the iteration")
+        if d["method"] == Method.RECOMPUTE.value:
+            _check_chain(d, where)
         if not wraps and d["back_op"] <= d["evict_op"]:
             raise _Bad(
                 where,
@@ -598,6 +605,21 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
             raise _Bad(where + "[2]", f"storage {sid!r} has no decision in this plan")
         if methods[sid] != steps[step]:
             raise _Bad(where, f"{step} on {sid!r}, whose decision is {methods[sid]}")
+
+
+def _check_chain(d: dict[str, Any], where: str) -> None:
+    """A recompute decision's ``replay_ops``: op indices in increasing order (replayed in that
+    order), and for an op's output ``k:j``, op ``k`` among them (its producer). Whether the chain
+    also redoes every write the storage received is known only at run time, where the runtime
+    checks it (rule R7 in runtime/recompute.py)."""
+    ops = d.get("replay_ops", [])
+    if not ops:
+        raise _Bad(f"{where}.replay_ops", "a recompute decision needs the ops to replay")
+    if any(b <= a for a, b in zip(ops, ops[1:], strict=False)):
+        raise _Bad(f"{where}.replay_ops", f"{ops} are not in increasing order")
+    k, sep, j = d["storage_id"].partition(":")
+    if sep and k.isdigit() and j.isdigit() and int(k) not in ops:
+        raise _Bad(f"{where}.replay_ops", f"{ops} do not include op {k}, the producer of {k}:{j}")
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

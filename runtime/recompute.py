@@ -16,6 +16,10 @@ Rules from the prototype (reference/runtime-prototype.md §3), each needed for b
   (batch norm's running statistics) are cloned for the replay.
 - R6 unannotated writes: "writes" come from ``tracer.hooks.written_inputs``, which adds the table of
   ops that mutate arguments their schema does not mark (native/cudnn batch norm).
+- R7 complete chains: a plan file is input (stale, edited, from another version), so before a
+  storage is dropped its chain must produce it and redo every write it received since: the
+  storage's own write counter, less its value when the producer allocated it, must equal the
+  writes the chain's recorded ops make to it. Otherwise it is swapped (``check_replayable``).
 Collective recomputation (paper §5.3): a replay also refills the decision's ``keep`` storages that
 are dropped, while memory allows; other intermediates are freed after their last use.
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -103,6 +107,7 @@ class Record:
     written: tuple[int, ...]  # flat slots the op writes (schema + unannotated table)
     out_sids: list[str | None]  # storage id of each flat output it allocated, else None
     rng: tuple | None  # (kind, device/generator, state) for seeded ops (R4)
+    out_writes: dict = field(default_factory=dict)  # sid -> its write counter once allocated (R7)
 
 
 def _capture_rng(func, args, kwargs, flat) -> tuple | None:
@@ -196,6 +201,7 @@ class RecomputeEngine:
                 sid = f"{rec.op_index}:{j}"
                 setattr(t.untyped_storage(), _NAME_ATTR, (self.epoch, sid))
                 rec.out_sids.append(sid)
+                rec.out_writes[sid] = writes(t.untyped_storage())
 
     def source_keys(self, d: Decision) -> set[int]:
         """Keys of the pinned (source) storages the replay of ``d`` reads."""
@@ -208,10 +214,16 @@ class RecomputeEngine:
                         keys.add(storage_key(s.strong))
         return keys
 
-    def check_replayable(self, d: Decision) -> str | None:
-        """Why ``d`` cannot be replayed right now (a missing record or a written source), or
-        None. Checked before dropping: a plan that cannot be replayed is swapped instead."""
+    def check_replayable(
+        self, d: Decision, target: torch.UntypedStorage | None = None
+    ) -> str | None:
+        """Why ``d`` cannot be replayed right now (a missing record, a written source, or, given
+        the ``target`` storage about to be dropped, a chain that does not produce it or misses a
+        write it received: rule R7), or None. Checked before dropping: a plan that cannot be
+        replayed is swapped instead."""
         produced = set()
+        base = None  # target's write counter when its producer allocated it
+        chain_writes = 0  # writes the chain's ops make to the target after that
         for k in d.replay_ops:
             rec = self.records.get(k)
             if rec is None:
@@ -226,7 +238,19 @@ class RecomputeEngine:
                     return f"a source of op {k} was freed"
                 if s.strong is not None and writes(st) != s.writes:
                     return f"a source of op {k} was written since"
+            if base is not None:
+                chain_writes += sum(1 for a in rec.written if rec.slots[a].sid == d.storage_id)
             produced.update(x for x in rec.out_sids if x)
+            if base is None and d.storage_id in rec.out_writes:
+                base = rec.out_writes[d.storage_id]
+        if target is not None:
+            if base is None:
+                return f"its replay ops {list(d.replay_ops)} do not produce it"
+            if writes(target) - base != chain_writes:
+                return (
+                    f"it was written {writes(target) - base} time(s) after its producer and its "
+                    f"replay ops redo {chain_writes}"
+                )
         return None
 
     def release(self, d: Decision, still_needed: set[int]) -> None:

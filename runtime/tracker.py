@@ -576,7 +576,7 @@ class Executor:
             return
         swap = step is Step.EVICT_SWAP
         if not swap:
-            why = self.recompute.check_replayable(d)
+            why = self.recompute.check_replayable(d, st)
             if why is not None:  # never drop what cannot be replayed exactly: swap it instead
                 swap = True
                 self.stats.fallback_swaps += 1

@@ -280,6 +280,17 @@ def _bad_plan(work: Path, change) -> Path:
     return path
 
 
+def _recompute(doc: dict, replay_ops: list, empty: bool) -> None:
+    """Decision 0 of ``doc`` made a recompute of storage ``2:0`` replaying ``replay_ops``."""
+    d = doc["decisions"][0]
+    d.update(storage_id="2:0", method="recompute", evict_op=3, back_op=5, trigger_op=None)
+    if not empty:
+        d["replay_ops"] = replay_ops
+    else:
+        d.pop("replay_ops", None)
+    doc["actions"] = [[3, "evict_drop", "2:0"], [5, "recompute", "2:0"]]
+
+
 @pytest.mark.parametrize(
     "change, says",
     [
@@ -311,6 +322,19 @@ def _bad_plan(work: Path, change) -> Path:
             ),
             "kinds[0].actions[0][2]: storage 'nope' has no decision",
         ),
+        # round 3, K5: integers beyond int64 (float range even) are refused at load
+        (
+            lambda d: d["decisions"][0].__setitem__("size_bytes", 10**400),
+            "decisions[0].size_bytes: an integer of 401 digits is too large",
+        ),
+        (
+            lambda d: d["predictions"].__setitem__("predicted_peak_bytes", 10**400),
+            "predictions.predicted_peak_bytes: an integer of 401 digits is too large",
+        ),
+        # round 3, S1: a recompute chain must hold its producer, in order
+        (lambda d: _recompute(d, [], True), "a recompute decision needs the ops to replay"),
+        (lambda d: _recompute(d, [1], False), "do not include op 2, the producer of 2:0"),
+        (lambda d: _recompute(d, [2, 1], False), "[2, 1] are not in increasing order"),
     ],
 )
 def test_7_plan_contents_are_validated_at_load(work, change, says):
