@@ -40,6 +40,13 @@ policy, verified by a real run.
 # prefetch that arrives late makes the runtime move its in-trigger earlier for the next
 # iteration (runtime/swap.py), which the plan's simulated peak does not include (+5.5% of memory
 # on traces/hf_resnet.py at batch 13, in 2 of 3 runs at load 9).
+
+# Note: [An option that does not change memory]
+# The search assumes that memory grows with the value. A script that ignores the option, or
+# parses with ``parse_known_args`` and so accepts any option without using it, gives the same
+# unmanaged peak, to the byte, at every value: the doubling then runs to ``max_value`` and would
+# report it as the largest value that fits. When every traced value (two at least) has the same
+# peak, the search stops with an error naming the option instead of answering.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
+import math
 import os
 import re
 import statistics
@@ -58,7 +66,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CapuchinError, ScriptError
+from .errors import CapuchinError, ScriptError, Terminated
 from .planner.budget import format_bytes
 
 COMPARISON_POLICIES = ("checkpoint-sqrt", "dtr", "swap", "recompute")
@@ -97,6 +105,7 @@ class PolicyRun:
     time_per_sample_s: float | None
     step_times_s: list[float]
     report: dict | None = None
+    steps: int = 0  # optimizer steps made (fewer than asked when the script stopped first)
 
 
 @dataclass
@@ -118,6 +127,7 @@ class MaxBatchResult:
     unmanaged_time_per_sample_s: float | None
     time_per_sample_ratio: float | None
     verify_steps: int
+    verified_steps: int | None = None  # optimizer steps the verifying run made (script may stop)
     verified: bool | None = None  # the verifying run stayed within VERIFY_TOLERANCE of memory
     planned_max: int | None = None  # the chosen policy's largest value by its plans alone
     rejected: list[dict] = field(default_factory=list)  # values whose verifying run was over
@@ -170,8 +180,14 @@ class MaxBatchResult:
                 "verifying run"
             )
         if self.verified_peak_bytes is not None:
+            n = self.verified_steps if self.verified_steps is not None else self.verify_steps
+            short = (
+                f" (of --steps {self.verify_steps}: the script stopped)"
+                if n < self.verify_steps
+                else ""
+            )
             lines.append(
-                f"verified: {self.verify_steps} steps at {self.arg} {self.chosen} under "
+                f"verified: {n} steps{short} at {self.arg} {self.chosen} under "
                 f"the {self.policy} plan: measured peak {mb(self.verified_peak_bytes)} "
                 f"= {self.verified_peak_bytes / self.memory_bytes:.3f} x memory"
                 + ("" if self.verified else f" (NOT within {VERIFY_TOLERANCE:.0%} of memory)")
@@ -239,13 +255,17 @@ def max_batch(
     if str(memory).strip().endswith("%"):
         raise BudgetError(f"memory {memory}: give a size (8G, 512MiB, bytes), not a percentage")
     memory_bytes = parse_budget(memory)
-    flag = arg if arg.startswith("-") else f"--{arg}"
+    flag = arg.strip() if arg.strip().startswith("-") else f"--{arg.strip()}"
+    if not re.fullmatch(r"--?[A-Za-z0-9][\w.-]*", flag):
+        raise MaxBatchError(f"--arg {arg!r}: expected an option name such as --batch or -b")
     if min_value < 1 or max_value < min_value:
         raise MaxBatchError(f"--min {min_value} / --max {max_value}: need 1 <= min <= max")
     if steps < 2:
         raise MaxBatchError(f"--steps {steps}: the verifying run needs at least 2 steps")
-    if max_overhead is not None and max_overhead < 0:
-        raise MaxBatchError(f"--max-overhead {max_overhead:.0%}: must not be negative")
+    if max_overhead is not None and (math.isnan(max_overhead) or max_overhead < 0):
+        raise MaxBatchError(
+            f"--max-overhead {max_overhead:.0%}: must be a percentage >= 0 (inf: no limit)"
+        )
     get_policy(policy)  # an unknown name fails here, with the list of valid ones
     others = [p for p in (compare or ()) if p != policy]
     for p in others:
@@ -276,6 +296,7 @@ def max_batch(
             )
         best = {policy: search.largest(policy, min_value, max_value)}
         unmanaged = search.largest(UNMANAGED, min_value, max_value)
+        search.check_memory_changes()  # Note [An option that does not change memory]
         if best[policy] == 0 and unmanaged == 0:
             why = search.candidate(min_value).plans.get(policy, {})
             raise MaxBatchError(
@@ -358,6 +379,7 @@ def max_batch(
                 result.predicted_overhead = plan.predictions.predicted_overhead
             result.chosen = best[policy] = chosen
             result.verified = not over
+            result.verified_steps = run.steps
             result.verified_peak_bytes = run.peak_bytes
             result.verified_steady_peak_bytes = run.steady_peak_bytes
             result.time_per_sample_s = run.time_per_sample_s
@@ -504,6 +526,18 @@ class _Search:
             and (run.peak_bytes <= (1 + VERIFY_TOLERANCE) * self.memory_bytes)
         )
 
+    def check_memory_changes(self) -> None:
+        """Note [An option that does not change memory]."""
+        traced = sorted((v, c.peak_bytes) for v, c in self.cache.items() if c.peak_bytes)
+        if len(traced) >= 2 and len({p for _, p in traced}) == 1:
+            values = ", ".join(str(v) for v, _ in traced)
+            raise MaxBatchError(
+                f"{self.script}: {self.flag} does not change the script's memory: its unmanaged "
+                f"peak is {format_bytes(traced[0][1])} at every value traced ({values}); does "
+                f"the script use {self.flag}? (one that parses with parse_known_args accepts any "
+                "option)"
+            )
+
     def largest(self, policy: str, lo_value: int, hi_value: int) -> int:
         """Doubling from ``lo_value`` then bisection (Note [Max-batch search]); 0 if none fits."""
         if not self.fits(lo_value, policy):
@@ -559,6 +593,8 @@ class _Search:
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), tracer:
                 run_as_main(self.script, args)
+        except (KeyboardInterrupt, Terminated):
+            raise  # the user's signal, not the script's failure (exit 130 / 143)
         except BaseException as exc:  # noqa: BLE001 - classified below, re-raised as one line
             if _is_oom(exc):
                 c.fits_device = False
@@ -704,7 +740,7 @@ def run_steps(
             run_as_main(script, args)
     except _Enough:
         pass
-    except CapuchinError:
+    except (CapuchinError, KeyboardInterrupt, Terminated):
         raise
     except BaseException as exc:  # noqa: BLE001
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "(no message)"
@@ -726,7 +762,7 @@ def run_steps(
         peak = max(peaks) if peaks else None
         st = [s.peak_bytes for s in rt.report.steady if s.peak_bytes is not None]
         steady = max(st) if st else None
-    run = PolicyRun(value, peak, steady, tps, times, report)
+    run = PolicyRun(value, peak, steady, tps, times, report, n["steps"])
     if keep_state:
         run.state = _state(optimizers, torch)
     return run
