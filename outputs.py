@@ -22,6 +22,17 @@ never replaced without ``force``. No torch.
 #     trace`` to the same ``-o``) is kept and this command fails with ``OutputExistsError``.
 #     On a file system without hard links the check and the rename are two steps (a window of
 #     microseconds instead of the whole run).
+# A dangling symbolic link counts as an existing file (``os.link`` refuses it too). A name over
+# the file system's limit (255 bytes), or a path over PATH_MAX, is refused up front; the hidden
+# temporary name is shortened so that any legal name can be written.
+
+# Note: [Unwritable at the end]
+# The check before the work cannot promise the final write: a disk fills while a script trains,
+# a quota is reached, a network file system fails. The work (a trace, a run's report) is then
+# not lost: ``write_with_fallback`` writes it to a fresh folder under the system's temporary
+# folder (else the home folder) and the error names both the file that could not be written and
+# where its content went; an exception from the write is one line (``WriteError``), never a
+# traceback.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ import errno
 import os
 import signal
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -43,7 +54,27 @@ __all__ = [
     "check_output",
     "raise_on_sigterm",
     "write_text",
+    "write_with_fallback",
+    "WriteError",
 ]
+
+NAME_MAX = 255  # bytes in one file name (ext4, xfs, btrfs, tmpfs, APFS)
+
+
+class WriteError(CapuchinError):
+    """An output could not be written (full disk, quota, I/O error); names the file and why."""
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def _tmp_prefix(name: str) -> str:
+    """The hidden temporary file's prefix for ``name``: ``.NAME.`` shortened so that the whole
+    temporary name (plus mkstemp's 8 characters and ``.tmp``) stays within ``NAME_MAX``."""
+    raw = os.fsencode(name)[: NAME_MAX - 16]
+    return f".{os.fsdecode(raw).encode('utf-8', 'ignore').decode('utf-8', 'ignore')}."
+
 
 # writers whose format follows the suffix (matplotlib) and the suffixes they can write
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
@@ -70,6 +101,19 @@ def check_output(
     p = Path(path)
     if str(path) == "" or p.name in ("", ".", ".."):
         raise CapuchinError(f"{path!r}: not a file name")
+    long = [part for part in p.parts if len(os.fsencode(part)) > NAME_MAX]
+    if long:
+        raise CapuchinError(
+            f"{_short(p)}: a name of {len(os.fsencode(long[0]))} bytes; file systems allow at "
+            f"most {NAME_MAX} per name"
+        )
+    try:
+        os.lstat(p)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # a path over PATH_MAX, a loop of links, a file where a folder is
+        if exc.errno != errno.ENOTDIR:
+            raise CapuchinError(f"{_short(p)}: cannot use this path ({_reason(exc)})") from None
     if p.is_dir():
         raise CapuchinError(f"{p}: is a folder; give a file name")
     for inp in inputs:
@@ -82,7 +126,7 @@ def check_output(
                 f"{p}: cannot write this format (suffix "
                 f"{p.suffix or '(none)'!r}); use one of {', '.join(allowed)}"
             )
-    if p.exists() and not force:
+    if os.path.lexists(p) and not force:
         raise exists_error(p)
     folder = p.parent
     existing = folder
@@ -93,7 +137,25 @@ def check_output(
     if not existing.is_dir():
         raise CapuchinError(f"{p}: {existing} is not a folder")
     _probe(existing, p)  # the folder, or where the writer will create it
+    _free_space(existing, p)
     return p
+
+
+def _short(p: Path) -> str:
+    """``p`` for a message: whole, or its ends when over 200 characters."""
+    s = str(p)
+    return s if len(s) <= 200 else f"{s[:90]}...{s[-90:]} ({len(s)} characters)"
+
+
+def _free_space(folder: Path, p: Path) -> None:
+    """A file system with no free block at all fails the write after the work: refuse now."""
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):  # no statvfs (Windows), or nothing to ask
+        return
+    free = st.f_bfree if hasattr(os, "geteuid") and os.geteuid() == 0 else st.f_bavail
+    if st.f_blocks and free == 0:
+        raise CapuchinError(f"{_short(p)}: cannot write in {folder} (No space left on device)")
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -105,9 +167,9 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def _probe(folder: Path, p: Path) -> None:
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(p.name), suffix=".tmp", dir=folder)
     except OSError as exc:
-        raise CapuchinError(f"{p}: cannot write in {folder} ({exc.strerror or exc})") from None
+        raise CapuchinError(f"{_short(p)}: cannot write in {folder} ({_reason(exc)})") from None
     os.close(fd)
     os.unlink(tmp)
 
@@ -118,11 +180,11 @@ def atomic_write(path: str | os.PathLike, *, force: bool = True) -> Iterator[Pat
     ``path`` (see Note [Output files]); on any other exit it is removed. Without ``force`` an
     existing ``path`` is never replaced (``OutputExistsError``, the temporary removed)."""
     path = Path(path)
-    if not force and path.exists():
+    if not force and os.path.lexists(path):
         raise exists_error(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, name = tempfile.mkstemp(prefix=_tmp_prefix(path.name), suffix=".tmp", dir=path.parent)
     except OSError as exc:
         raise CapuchinError(
             f"{path}: cannot write in {path.parent} ({exc.strerror or exc})"
@@ -143,6 +205,8 @@ def atomic_write(path: str | os.PathLike, *, force: bool = True) -> Iterator[Pat
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
         raise
+    except OSError as exc:  # Note [Unwritable at the end]
+        raise WriteError(f"{_short(path)}: cannot write ({_reason(exc)})") from None
     finally:
         tmp.unlink(missing_ok=True)
         restore_sigterm(previous)
@@ -189,10 +253,35 @@ def _link_no_clobber(tmp: Path, path: Path) -> None:
 
 
 def write_text(path: str | os.PathLike, text: str, *, force: bool = True) -> Path:
-    """``text`` (UTF-8) to ``path`` through ``atomic_write``."""
-    with atomic_write(path, force=force) as tmp:
-        tmp.write_text(text, encoding="utf-8")
-    return Path(path)
+    """``text`` (UTF-8) to ``path`` through ``write_with_fallback``."""
+    return write_with_fallback(
+        path, lambda tmp: tmp.write_text(text, encoding="utf-8"), force=force
+    )
+
+
+def write_with_fallback(
+    path: str | os.PathLike, write: Callable[[Path], object], *, force: bool = True
+) -> Path:
+    """``write(tmp)`` the content of ``path`` through ``atomic_write``; when that fails (Note
+    [Unwritable at the end]), write it to a fresh fallback folder instead and raise
+    ``WriteError`` naming both places (or only the failure, when no fallback could be written)."""
+    path = Path(path)
+    try:
+        with atomic_write(path, force=force) as tmp:
+            write(tmp)
+        return path
+    except WriteError as exc:
+        failed = exc
+    name = os.fsdecode(os.fsencode(path.name)[:200]) or "output"
+    for base in (tempfile.gettempdir(), Path.home()):
+        try:
+            folder = Path(tempfile.mkdtemp(prefix="capuchin-unsaved-", dir=base))
+            with atomic_write(folder / name) as tmp:
+                write(tmp)
+        except (CapuchinError, OSError):
+            continue
+        raise WriteError(f"{failed}; its content was written to {folder / name} instead")
+    raise failed
 
 
 def _umask() -> int:

@@ -27,7 +27,9 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..distributed import default_warmup, per_rank, say, world
-from ..errors import PlanFormatError
+from ..errors import CapuchinError, PlanFormatError
+from ..outputs import check_output
+from ..planner.budget import BudgetError
 from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
 from .actions import compile_plan
@@ -35,7 +37,7 @@ from .backend import backend_for
 from .dynamic import REMAT, DynamicGuard
 from .passive import BudgetGuard
 from .recompute import RecomputeEngine
-from .report import IterationStats, MemoryMeter, RunReport
+from .report import IterationStats, MemoryMeter, RunReport, short_of
 from .swap import SwapEngine
 from .tracker import Executor
 
@@ -49,6 +51,21 @@ def rank_plan_path(plan: str | os.PathLike) -> str | os.PathLike:
         if mine.is_file() or not os.path.exists(plan):
             return mine
     return plan
+
+
+def _is_path(plan) -> bool:
+    return isinstance(plan, (str, os.PathLike))
+
+
+def _budget(budget_bytes) -> int:
+    """``budget_bytes`` as the integer number of bytes it is, at least 1 (as ``--budget``)."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
+        raise BudgetError(f"budget_bytes {budget_bytes!r}: expected a number of bytes")
+    if budget_bytes != budget_bytes or budget_bytes in (float("inf"), float("-inf")):
+        raise BudgetError(f"budget_bytes {budget_bytes!r}: not a finite number of bytes")
+    if budget_bytes < 1 or int(budget_bytes) != budget_bytes:
+        raise BudgetError(f"budget_bytes {budget_bytes!r}: expected a whole number of bytes >= 1")
+    return int(budget_bytes)
 
 
 def _empty(plan: Plan | None) -> bool:
@@ -103,7 +120,8 @@ class Runtime:
         "recompute" (replay whatever replays exactly), "swap" (never replay).
     measure_memory: measure each iteration's peak with PyTorch's allocator accounting (Note
         [Measured peak] in report.py); costs profiler overhead on CPU.
-    report_path: write the JSON report there on exit.
+    report_path: write the JSON report there on exit; checked now, before any training (Note
+        [Output files] in outputs.py): an existing file is kept unless ``force``.
 
     After the block, ``report`` holds a ``RunReport``.
 
@@ -126,7 +144,13 @@ class Runtime:
         remat: str = "auto",
         measure_memory: bool = True,
         report_path: str | os.PathLike | None = None,
+        force: bool = False,
     ):
+        if budget_bytes is not None:
+            budget_bytes = _budget(budget_bytes)
+        if report_path is not None:
+            check_output(report_path, force=force, inputs=[plan if _is_path(plan) else None])
+        self.force = force
         if isinstance(plan, (str, os.PathLike)):
             plan = rank_plan_path(plan)  # Note [Per-rank files] in distributed.py
             self.plan_source = str(plan)
@@ -166,9 +190,23 @@ class Runtime:
         self._t0 = 0.0
         self._t_step = None
         self._fraction_set = False
+        self._entered = False
 
     # ---- context manager ----------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
+        if self._entered:
+            raise CapuchinError(
+                "this Runtime is already active (entered and not exited): a Runtime manages "
+                "one block at a time; nest another Runtime object instead"
+            )
+        self._entered = True
+        try:
+            return self._enter()
+        except BaseException:
+            self._entered = False
+            raise
+
+    def _enter(self) -> Runtime:
         if _empty(self.plan):
             return self._enter_empty()
         self.backend = backend_for(self.device, self.plan)
@@ -253,9 +291,10 @@ class Runtime:
             self.budget_bytes, str(self.device), self.plan_source, self._iters, ops_checked=False
         )
         if self.report_path is not None and exc_type is None:
-            self.report.save(self.report_path)
+            self.report.save(self.report_path, force=self.force)
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._entered = False
         if self.ex is None:
             return self._exit_empty(exc_type)
         try:
@@ -282,7 +321,7 @@ class Runtime:
             s.peak_bytes = peaks.get(s.iteration)
         short = [s for s in self._iters if s.passive_short_bytes > 0]
         if short and exc_type is None:
-            worst = max(s.passive_short_bytes for s in short)
+            worst = max(short_of(s, self.budget_bytes) for s in short)
             say(
                 f"capuchin: warning: passive mode could not keep {len(short)} iteration(s) "
                 f"{[s.iteration for s in short][:8]} within the budget of "
@@ -299,7 +338,7 @@ class Runtime:
             self.first_checked_iteration,
         )
         if self.report_path is not None and exc_type is None:
-            self.report.save(self.report_path)
+            self.report.save(self.report_path, force=self.force)
 
     # ---- iteration callbacks (from the indexer, inside the first op of an iteration) ----------
     def _iteration_start(self, n: int) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..distributed import per_rank
 from ..errors import InfeasibleBudgetError, ScriptError
-from ..outputs import check_output
+from ..outputs import WriteError, check_output
 from ..planner.budget import format_bytes
 from ..planner.plan import Plan, load_plan
 from ..runmain import run_as_main
@@ -55,7 +55,11 @@ def run_script(
     if rt.report is None:
         raise ScriptError(f"{script}: ended without a report")
     if report_path is not None:
-        rt.report.save(report_path, force=force)
+        try:
+            rt.report.save(report_path, force=force)
+        except WriteError:  # the run is done: its summary first, then where the report went
+            print(rt.report.summary(), flush=True)
+            raise
     return rt.report
 
 

@@ -147,13 +147,24 @@ class RunReport:
             + (f" {div[:8]}" if div else "")
             + f"; passive evictions {sum(s.passive_evictions for s in its)}"
         )
-        short = max((s.passive_short_bytes for s in its), default=0)
+        short = max(
+            (short_of(s, self.budget_bytes) for s in its if s.passive_short_bytes), default=0
+        )
         if short:
             lines.append(
                 f"  budget not reachable: up to {_mb(short)} over it with nothing left "
                 f"to evict (passive_short_bytes in the report)"
             )
         return "\n".join(lines)
+
+
+def short_of(s, budget_bytes: int | None) -> int:
+    """How far iteration ``s``, which passive mode could not keep within the budget, went over
+    it: the estimate's shortfall (``passive_short_bytes``) or, when larger, the measured peak's
+    excess (memory the estimate did not see), so the line agrees with the measured peak."""
+    if s.peak_bytes is None or budget_bytes is None:
+        return s.passive_short_bytes
+    return max(s.passive_short_bytes, s.peak_bytes - budget_bytes)
 
 
 def _mb(n: int | None) -> str:

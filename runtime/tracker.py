@@ -477,6 +477,9 @@ class Executor:
                 if rec is not None:
                     self.recompute.recorded_outputs(rec, out, in_keys)
                 for step, sid in acts.after:
+                    if self._other_size(sid):  # Note [Sizes are checked too]
+                        self._diverge(k, info.name, "sizes", flat)
+                        break
                     self._evict(step, sid)
             if passive:
                 guard.after_op(flatten_outputs(out), in_keys, token)
@@ -552,6 +555,23 @@ class Executor:
                 self.swap.prefetch(e)
         else:  # RESTORE / RECOMPUTE at the back-access
             self.restore(e, planned=step is Step.RESTORE)
+
+    def _other_size(self, sid: str) -> bool:
+        """The live storage planned as ``sid`` has another size than the plan's decision.
+
+        # Note: [Sizes are checked too]
+        # Ops are checked by name and input shapes, which a run with another dtype (a float64 run
+        # of a float32 plan) or another element layout passes: every storage would then be larger
+        # than the plan's sizes, and the plan's peak, scratch and headroom all wrong. Before a
+        # planned eviction the storage's bytes are compared with the decision's ``size_bytes``
+        # (the traced storage's): another size is a divergence, and passive mode keeps the budget.
+        """
+        d = self.table.decisions.get(sid)
+        ref = self.live.get(sid)
+        st = ref() if ref is not None else None
+        if d is None or st is None or st.nbytes() == 0:
+            return False
+        return st.nbytes() != d.size_bytes
 
     def _evict(self, step: Step, sid: str) -> None:
         d = self.table.decisions.get(sid)

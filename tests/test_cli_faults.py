@@ -578,3 +578,127 @@ def test_every_writer_gives_a_new_files_mode_and_leaves_no_temporary(work):
     for path in written:
         assert (path.stat().st_mode & 0o777) == 0o644, path  # as `open(path, "w")` would
     assert sorted(p.name for p in (work / "out").iterdir()) == sorted(p.name for p in written)
+
+
+# ---- round 3 (../shared/reports/faults.md): outputs ---------------------------------------------
+def test_r3_u3_a_dangling_symlink_output_is_refused_before_the_script_runs(work):
+    (work / "dangling.json").symlink_to("nonexistent_target.json")
+    line = one_line_error(
+        cli("run", "--report", "dangling.json", "--budget", "1G", "train.py", "ran.txt")
+    )
+    assert line == "capuchin: error: dangling.json: exists; use --force to overwrite"
+    assert not (work / "ran.txt").exists()
+
+
+def test_r3_k4_names_over_the_file_system_limit_are_one_line(work):
+    long = "y" * 256 + ".json"
+    line = one_line_error(cli("plan", "t.trace.parquet", "--budget", "60%", "-o", long))
+    assert "a name of 261 bytes; file systems allow at most 255 per name" in line
+    deep = "/".join(["d" * 200] * 25) + "/p.json"  # every name legal, the path over PATH_MAX
+    line = one_line_error(cli("plan", "t.trace.parquet", "--budget", "60%", "-o", deep))
+    assert "cannot use this path (File name too long)" in line
+    script = work / ("x" * 250 + ".py")
+    script.write_text(TRAIN)
+    line = one_line_error(cli("trace", script.name, "ran.txt"))  # default output: a longer name
+    assert not (work / "ran.txt").exists()
+    assert "file systems allow at most 255 per name" in line
+
+
+def test_r3_u13_a_legal_255_byte_name_is_written(work):
+    name = "x" * 250 + ".json"
+    r = cli("plan", "t.trace.parquet", "--budget", "60%", "-o", name)
+    assert r.exit_code == 0, r.output
+    assert (work / name).is_file() and [
+        p.name for p in work.iterdir() if p.name.startswith(".")
+    ] == []
+
+
+@pytest.fixture
+def full_folder(work, monkeypatch):
+    """``full/``: every final rename into it fails as on a full disk (the probe's empty file is
+    created, as a full tmpfs allows)."""
+    import errno
+
+    full = work / "full"
+    full.mkdir()
+    link, replace = os.link, os.replace
+
+    def no_space(real):
+        def f(src, dst, *a, **k):
+            if Path(os.path.abspath(dst)).parent == full:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(src, dst, *a, **k)
+
+        return f
+
+    monkeypatch.setattr(os, "link", no_space(link))
+    monkeypatch.setattr(os, "replace", no_space(replace))
+    return full
+
+
+def _fallback(line: str, path: str) -> Path:
+    assert f"{path}: cannot write (No space left on device); its content was written to " in line
+    where = Path(line.split("its content was written to ")[1].removesuffix(" instead"))
+    assert where.is_file()
+    return where
+
+
+def test_r3_k3_a_full_disk_at_the_final_write_keeps_the_report_elsewhere(work, full_folder):
+    r = cli("run", "--budget", "1G", "--no-measure", "--report", "full/r.json", "train.py")
+    line = one_line_error(r)
+    where = _fallback(line, "full/r.json")
+    assert json.loads(where.read_text())["format"] == "capuchin.run-report"
+    assert "capuchin run: " in r.stdout  # the run's summary is printed all the same
+    assert list(full_folder.iterdir()) == []
+    line = one_line_error(cli("plan", "t.trace.parquet", "--budget", "60%", "-o", "full/p.json"))
+    assert json.loads(_fallback(line, "full/p.json").read_text())["format"] == "capuchin.plan"
+    line = one_line_error(cli("show", "p.json", "--chrome", "full/c.json"))
+    _fallback(line, "full/c.json")
+
+
+def test_r3_k3_a_full_disk_at_the_traces_final_write_keeps_the_trace(work, full_folder):
+    line = one_line_error(cli("trace", "-o", "full/t.parquet", "--iterations", "1", "train.py"))
+    assert len(load_trace(_fallback(line, "full/t.parquet")).events) > 0
+
+
+# ---- round 3: the Python API's Runtime -------------------------------------------------------
+def _train_under(rt) -> None:
+    import runpy
+
+    with rt:
+        runpy.run_path("train.py", run_name="__main__")
+
+
+def test_r3_s5_k7_runtime_report_path_is_checked_before_training(work):
+    import capuchin
+
+    (work / "r.json").write_text("PRECIOUS DATA\n")
+    with pytest.raises(capuchin.errors.OutputExistsError, match="r.json: exists"):
+        capuchin.Runtime(budget_bytes=2**30, measure_memory=False, report_path="r.json")
+    assert (work / "r.json").read_text() == "PRECIOUS DATA\n"
+    (work / "h").mkdir()
+    with pytest.raises(CapuchinError, match="h: is a folder"):
+        capuchin.Runtime(budget_bytes=2**30, measure_memory=False, report_path="h")
+    _train_under(
+        capuchin.Runtime(budget_bytes=2**30, measure_memory=False, report_path="r.json", force=True)
+    )
+    assert json.loads((work / "r.json").read_text())["format"] == "capuchin.run-report"
+
+
+def test_r3_k6_the_same_runtime_entered_twice_is_one_clear_error(work):
+    import capuchin
+
+    rt = capuchin.Runtime(budget_bytes=2**30, measure_memory=False)
+    with rt:
+        with pytest.raises(CapuchinError, match="already active"):
+            rt.__enter__()
+    _train_under(rt)  # and it is usable again afterwards
+    assert rt.report.iterations
+
+
+@pytest.mark.parametrize("budget", [0, -5, 0.5, float("nan"), True, "1G"])
+def test_r3_u16_runtime_budget_bytes_is_a_whole_number_of_bytes(budget):
+    import capuchin
+
+    with pytest.raises(CapuchinError, match="budget_bytes"):
+        capuchin.Runtime(budget_bytes=budget)

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import TraceFormatError
-from ..outputs import atomic_write
+from ..outputs import write_with_fallback
 from .schema import ACCESS_ROLES, META_KEY, SCHEMA, SCHEMA_VERSION, Col, Role, TraceMeta
 
 
@@ -30,9 +30,9 @@ def write_trace(
     path = Path(path)
     table = events if isinstance(events, pa.Table) else _to_table(events)
     table = table.replace_schema_metadata({META_KEY: meta.to_bytes()})
-    with atomic_write(path, force=force) as tmp:
-        pq.write_table(table, tmp, compression="zstd")
-    return path
+    return write_with_fallback(
+        path, lambda tmp: pq.write_table(table, tmp, compression="zstd"), force=force
+    )
 
 
 def _to_table(events: pd.DataFrame) -> pa.Table:
