@@ -11,6 +11,7 @@ output with ``outputs.check_output`` before it does any work and writes it with
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -29,8 +30,10 @@ class _Group(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        from . import runmain
         from .outputs import raise_on_sigterm, restore_sigterm
 
+        runmain.os_exit_requested = None
         previous = raise_on_sigterm()
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
@@ -48,7 +51,26 @@ class _Group(click.Group):
             sys.exit(EXIT_TERMINATED)
         finally:
             restore_sigterm(previous)
-        sys.exit(rv if isinstance(rv, int) else 0)
+        code = rv if isinstance(rv, int) else 0
+        _os_exit_if_asked(code)
+        sys.exit(code)
+
+
+def _os_exit_if_asked(code: int) -> None:
+    """Note [os._exit in a script] (runmain.py): the script asked to end with ``os._exit`` and
+    threads it left would keep the process alive: end so, now that the files are written."""
+    import threading
+
+    from . import runmain
+
+    if runmain.os_exit_requested is None:
+        return
+    runmain.os_exit_requested = None
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if others:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _errors_to_exit(fn):
@@ -76,7 +98,7 @@ def main() -> None:
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False),
+    type=click.Path(),  # a folder: check_output's one line
     default=None,
     help="Trace file to write [default: <script stem>.trace.parquet].",
 )
@@ -152,13 +174,13 @@ def trace(output, force, iterations, warmup, device, budget, script, script_args
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option(
     "--plot",
-    type=click.Path(dir_okay=False),
+    type=click.Path(),  # a folder: check_output's one line
     default=None,
     help="Plans: write the memory curve before/after as an image.",
 )
 @click.option(
     "--chrome",
-    type=click.Path(dir_okay=False),
+    type=click.Path(),  # a folder: check_output's one line
     default=None,
     help="Plans: write a Chrome trace (chrome://tracing) of the simulated schedule.",
 )
@@ -239,7 +261,7 @@ def _floor(trace):
     "-o",
     "--output",
     default=None,
-    type=click.Path(dir_okay=False),
+    type=click.Path(),  # a folder: check_output's one line
     help="Plan file to write (default: <trace stem>.plan.json here).",
 )
 @click.option(
@@ -319,7 +341,7 @@ def _print_plan(plan, path, as_json: bool) -> None:
     "-o",
     "--output",
     "output",
-    type=click.Path(dir_okay=False),
+    type=click.Path(),  # a folder: check_output's one line
     default=None,
     help="Trace file to write (default: dtr-<model>-<batch>.trace.parquet here).",
 )
@@ -375,7 +397,7 @@ def import_dtr_cmd(log: str, output: str | None, bandwidth: str | None, force: b
 @click.option(
     "--plot",
     "plot",
-    type=click.Path(dir_okay=False),
+    type=click.Path(),  # a folder: check_output's one line
     default=None,
     help="Also draw every policy's memory curve at the smallest budget into this PNG.",
 )
@@ -448,7 +470,7 @@ def compare_cmd(
 @click.option(
     "--report",
     "report",
-    type=click.Path(dir_okay=False),
+    type=click.Path(),  # a folder: check_output's one line
     default=None,
     help="Write the per-iteration JSON report there.",
 )

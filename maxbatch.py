@@ -249,9 +249,9 @@ def max_batch(
     from .tracer.record import resolve_device
 
     log = log or (lambda line: None)
-    path = Path(script)
-    if not path.is_file():
-        raise ScriptError(f"{script}: no such script")
+    from .runmain import check_script
+
+    path = check_script(script)
     if str(memory).strip().endswith("%"):
         raise BudgetError(f"memory {memory}: give a size (8G, 512MiB, bytes), not a percentage")
     memory_bytes = parse_budget(memory)

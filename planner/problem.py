@@ -225,6 +225,10 @@ class Problem:
                 )
             steady = trace.meta.steady_iteration
             iteration = steady if steady is not None and steady in its else its[-1]
+        if isinstance(iteration, bool) or not isinstance(iteration, int):
+            raise IrregularTraceError(
+                f"{name}: iteration {iteration!r} is not an integer (recorded: {its})"
+            )
         if iteration not in its:
             raise IrregularTraceError(f"{name}: no iteration {iteration} (recorded: {its})")
         ev = trace.events[trace.events[Col.ITERATION] == iteration]

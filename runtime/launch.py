@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from ..distributed import per_rank
 from ..errors import InfeasibleBudgetError, ScriptError
 from ..outputs import WriteError, check_output
 from ..planner.budget import format_bytes
 from ..planner.plan import Plan, load_plan
-from ..runmain import run_as_main
+from ..runmain import check_script, run_as_main
 from .engine import Runtime, rank_plan_path
 from .report import RunReport
 
@@ -35,9 +34,7 @@ def run_script(
     ``budget_bytes`` is below the plan's predicted peak (the plan cannot keep the run within it;
     see docs/errors.md).
     """
-    script = Path(script)
-    if not script.is_file():
-        raise ScriptError(f"{script}: no such script")
+    script = check_script(script)
     if report_path is not None:  # Note [Per-rank files] in distributed.py
         report_path = per_rank(report_path)
         check_output(report_path, force=force, inputs=[script, plan])

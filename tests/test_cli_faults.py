@@ -702,3 +702,79 @@ def test_r3_u16_runtime_budget_bytes_is_a_whole_number_of_bytes(budget):
 
     with pytest.raises(CapuchinError, match="budget_bytes"):
         capuchin.Runtime(budget_bytes=budget)
+
+
+# ---- round 3: the training script's exits and odd inputs ----------------------------------------
+def test_r3_u1_os_exit_0_in_the_script_ends_it_and_the_files_are_written(work):
+    """os._exit(0) after the last step: the process ended with status 0, no file and no word."""
+    # 3 steps: one warm-up and the 2 traced iterations, then os._exit(0)
+    (work / "osexit.py").write_text(
+        TRAIN.replace("range(6)", "range(3)") + "import os\nos._exit(0)\n"
+    )
+    r = cli_process("trace", "-o", "t5.parquet", "--iterations", "2", "osexit.py", cwd=work)
+    assert r.returncode == 0, r.stderr
+    assert len(load_trace(work / "t5.parquet").events) > 0
+    r = cli_process(
+        "run", "--budget", "1G", "--no-measure", "--report", "r.json", "osexit.py", cwd=work
+    )
+    assert r.returncode == 0 and "capuchin run: " in r.stdout, r.stderr
+    assert json.loads((work / "r.json").read_text())["iterations"]
+
+
+def test_r3_u1_os_exit_with_a_status_is_one_line(work):
+    (work / "osexit5.py").write_text("import os\nos._exit(5)\n" + TRAIN)
+    r = cli_process("trace", "-o", "t.parquet", "osexit5.py", cwd=work)  # (os._exit ended pytest)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        "capuchin: error: osexit5.py: the script called os._exit(5); no trace written"
+    ), r.stderr
+
+
+def test_r3_u6_sys_exit_with_a_message_is_not_a_status(work):
+    (work / "msg.py").write_text("import sys\nsys.exit('fatal: dataset shard missing')\n")
+    r = cli("trace", "-o", "t.parquet", "msg.py")
+    line = one_line_error(r)
+    assert line == (
+        "capuchin: error: msg.py: the script exited with status 1 and the message above; "
+        "no trace written"
+    )
+    assert "fatal: dataset shard missing" in r.stderr.splitlines()[-2]
+
+
+@pytest.mark.parametrize(
+    "content", [b"def broken(:\n    pass\n", b"PAR1\x00\x01\x02 binary", b"#!/bin/sh\necho hi\n"]
+)
+def test_r3_u7_a_script_that_does_not_compile_shows_no_capuchin_or_runpy_frames(work, content):
+    (work / "bad.py").write_bytes(content)
+    r = cli("trace", "-o", "t.parquet", "bad.py")
+    line = one_line_error(r)
+    assert line.startswith("capuchin: error: bad.py raised SyntaxError: ")
+    assert "runpy" not in r.stderr and "runmain.py" not in r.stderr
+
+
+def test_r3_u8_module_mode_is_named(work):
+    line = one_line_error(cli("trace", "-m", "json.tool"))
+    assert "-m: module mode (python -m MODULE) is not supported" in line
+
+
+def test_r3_u12_a_folder_as_output_is_one_line_and_exit_1(work):
+    (work / "outdir").mkdir()
+    for args in (
+        ["plan", "t.trace.parquet", "--budget", "60%", "-o", "outdir"],
+        ["trace", "-o", "outdir", "train.py"],
+        ["run", "--budget", "1G", "--report", "outdir", "train.py"],
+        ["show", "p.json", "--chrome", "outdir"],
+    ):
+        r = cli(*args)
+        assert r.exit_code == 1 and one_line_error(r).endswith(
+            "outdir: is a folder; give a file name"
+        )
+
+
+def test_r3_u14_import_dtr_of_a_device_says_what_it_is(work):
+    line = one_line_error(cli("import-dtr", "/dev/null", "-o", "n.parquet"))
+    assert "/dev/null: not a regular file" in line
+
+
+def test_r3_u15_make_plan_iteration_must_be_an_integer(work):
+    with pytest.raises(CapuchinError, match=r"iteration '1' is not an integer \(recorded: "):
+        make_plan("t.trace.parquet", "60%", iteration="1")

@@ -441,6 +441,9 @@ def read_dtr_log_lines(log: str | os.PathLike) -> tuple[list[str], str]:
 
 
 def _split_zip_path(path: Path) -> tuple[Path, str]:
+    if path.exists() and not path.is_file():
+        what = "a folder" if path.is_dir() else "not a regular file (a device, a pipe?)"
+        raise DtrLogError(f"{path}: {what}; give a DTR log file (or a path inside a zip of logs)")
     for parent in [path, *path.parents]:
         if parent.is_file():
             if not zipfile.is_zipfile(parent):

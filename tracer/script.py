@@ -10,8 +10,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..errors import ScriptError
-from ..runmain import run_as_main
+from ..runmain import check_script, run_as_main
 from .schema import FILE_SUFFIX
 
 
@@ -41,9 +40,7 @@ def trace_script(
     """
     from .record import Tracer
 
-    path = Path(script)
-    if not path.is_file():
-        raise ScriptError(f"{script}: no such script")
+    path = check_script(script)
     out = Path(output) if output is not None else default_output(path)
     kwargs = {"log": log} if log is not None else {}
     tracer = Tracer(
