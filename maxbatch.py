@@ -244,7 +244,7 @@ def max_batch(
     ``min_value`` fits neither unmanaged nor under ``policy``, or when the script fails for its
     own reasons at some value. See Note [Max-batch search].
     """
-    from .planner.budget import BudgetError, parse_budget
+    from .planner.budget import BudgetError, parse_size
     from .planner.registry import get_policy
     from .tracer.record import resolve_device
 
@@ -254,7 +254,9 @@ def max_batch(
     path = check_script(script)
     if str(memory).strip().endswith("%"):
         raise BudgetError(f"memory {memory}: give a size (8G, 512MiB, bytes), not a percentage")
-    memory_bytes = parse_budget(memory)
+    memory_bytes = parse_size(memory, what="memory")
+    if memory_bytes < 1:
+        raise BudgetError(f"memory {memory!r}: must be at least 1 byte")
     flag = arg.strip() if arg.strip().startswith("-") else f"--{arg.strip()}"
     if not re.fullmatch(r"--?[A-Za-z0-9][\w.-]*", flag):
         raise MaxBatchError(f"--arg {arg!r}: expected an option name such as --batch or -b")

@@ -22,9 +22,10 @@ _LETTERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]?)(ib|b)?\s*$", re.I)
 
 
-def parse_size(text: str | int | float, *, what: str = "size") -> int:
+def parse_size(text: str | int | float, *, what: str = "size", percent: bool = False) -> int:
     """Bytes from ``text`` (see Note [Size units]); numbers are bytes. The one reader of sizes:
-    finite, not negative, rounded to whole bytes. Raises ``BudgetError`` naming ``what``."""
+    finite, not negative, rounded to whole bytes. Raises ``BudgetError`` naming ``what``;
+    ``percent``: the caller also takes a percentage, which the message then offers."""
     if isinstance(text, bool):
         raise BudgetError(f"{what} {text!r}: not a size")
     if isinstance(text, int):
@@ -34,15 +35,19 @@ def parse_size(text: str | int | float, *, what: str = "size") -> int:
         num, base = text, 1
     else:
         m = _SIZE.match(str(text))
+        if not m and _SIZE.match(str(text).strip().removeprefix("-")):
+            raise BudgetError(f"{what} {text!r}: must not be negative")
         if not m:
             raise BudgetError(
                 f"{what} {text!r}: expected bytes or a size like 8G, 8GiB, 8GB, "
-                f"512M, 1e9 (or a percentage like 60%)"
+                f"512M, 1e9" + (" (or a percentage like 60%)" if percent else "")
             )
         letter, suffix = m.group(2).lower(), (m.group(3) or "").lower()
         num = float(m.group(1))
         base = (1000 if suffix == "b" else 1024) ** _LETTERS[letter]
     value = num * base
+    if math.isnan(value):
+        raise BudgetError(f"{what} {text!r}: not a number of bytes")
     if not math.isfinite(value) or value >= 2**63:
         raise BudgetError(f"{what} {text!r}: too large (not a finite number of bytes)")
     if value < 0:
@@ -74,7 +79,9 @@ def parse_budget(text: str | int | float, peak_bytes: int | None = None) -> int:
         if pct > 1e6:
             raise BudgetError(f"budget {text!r}: too large")
         return _at_least_one_byte(int(peak_bytes * pct / 100), text, "budget")
-    return _at_least_one_byte(parse_size(text, what="budget"), text, "budget")
+    return _at_least_one_byte(
+        parse_size(text, what="budget", percent=peak_bytes is not None), text, "budget"
+    )
 
 
 def parse_rate(text: str | int | float) -> float:

@@ -778,3 +778,31 @@ def test_r3_u14_import_dtr_of_a_device_says_what_it_is(work):
 def test_r3_u15_make_plan_iteration_must_be_an_integer(work):
     with pytest.raises(CapuchinError, match=r"iteration '1' is not an integer \(recorded: "):
         make_plan("t.trace.parquet", "60%", iteration="1")
+
+
+# ---- round 3: size messages ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["trace", "--budget", "-5M", "train.py"], "budget '-5M': must not be negative"),
+        (["trace", "--budget", "lots", "train.py"], "budget 'lots': expected bytes or a size"),
+        (["run", "--budget", "lots", "train.py"], "budget 'lots': expected bytes or a size"),
+        (["max-batch", "--memory", "-1", "--arg", "--batch", "train.py"], "memory '-1': must not"),
+        (["max-batch", "--memory", "", "--arg", "--batch", "train.py"], "memory '': expected"),
+        (
+            ["max-batch", "--memory", "nan", "--arg", "--batch", "train.py"],
+            "memory 'nan': expected bytes",
+        ),
+    ],
+)
+def test_r3_u9_size_messages_offer_only_what_the_command_takes(work, args, says):
+    line = one_line_error(cli(*args))
+    assert says in line and "percentage" not in line, line
+
+
+def test_r3_u9_plan_offers_a_percentage_and_nan_is_not_a_number(work):
+    assert "(or a percentage like 60%)" in one_line_error(
+        cli("plan", "t.trace.parquet", "--budget", "lots")
+    )
+    with pytest.raises(CapuchinError, match="budget nan: not a number of bytes"):
+        make_plan("t.trace.parquet", float("nan"))
