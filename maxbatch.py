@@ -638,6 +638,14 @@ class _Search:
                 f"{self.script}: the script does not accept {self.flag} "
                 f"(its own error: {unknown[-1].strip()})"
             )
+        from .tracer.record import TooFewStepsError
+
+        if isinstance(exc, TooFewStepsError):
+            return MaxBatchError(
+                f"{self.script}: at {self.flag} {value} the script made {exc.steps} optimizer "
+                "step(s), too few to trace one after its warm-up step: does "
+                f"{self.flag} set the number of steps rather than a size?"
+            )
         if isinstance(exc, ScriptError):
             # runmain's "SCRIPT raised TYPE: message" (or "exited with status N"): name the value
             msg = str(exc)

@@ -138,3 +138,13 @@ def test_a_signal_during_the_search_is_the_users_not_the_scripts(tmp_path, sig, 
     assert proc.returncode == code, err
     assert err.strip().splitlines()[-1] == says, err
     assert "raised" not in err
+
+
+def test_an_option_that_sets_the_steps_is_named_without_tracer_options(tmp_path):
+    """U10: `--arg --steps` made the script stop after 1 step; the message advised --warmup,
+    an option max-batch does not have."""
+    script = tmp_path / "uses.py"
+    script.write_text(USES)
+    line = _one_line_error(["--memory", "64M", "--arg", "--steps", "--compare", "", script])
+    assert "at --steps 1 the script made 1 optimizer step(s), too few to trace" in line
+    assert "--warmup" not in line

@@ -41,6 +41,14 @@ except ImportError:  # pragma: no cover - older torch
     from torch.autograd.profiler import record_function as _Marker
 
 
+class TooFewStepsError(ScriptError):
+    """The script ended within the warm-up: nothing recorded. ``steps``: the steps it made."""
+
+    def __init__(self, steps: int, message: str):
+        super().__init__(message)
+        self.steps = steps
+
+
 class StopScript(BaseException):
     """Raised inside the traced code at the first op after the last recorded iteration, to stop
     the script cleanly; ``Tracer.__exit__`` swallows it. A BaseException so that a script's
@@ -457,10 +465,11 @@ class Tracer:
                     f"{self.script}: no iteration: the script never called optimizer.step() "
                     "(torch.optim) nor capuchin.step(), so there is nothing to delimit and record"
                 )
-            raise ScriptError(
+            raise TooFewStepsError(
+                self.indexer.steps_seen,
                 f"{self.script}: the script ended after {self.indexer.steps_seen} optimizer "
                 f"step(s), all within the {self.warmup} warm-up iteration(s); nothing was "
-                "recorded (lower --warmup or let it train longer)"
+                "recorded (lower --warmup or let it train longer)",
             )
         if len(self.recorded) < requested:
             self.log(
