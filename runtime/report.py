@@ -24,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..outputs import write_text
+from ..tracer.timing import profiler_quiet, start_profiler_quietly
 
 REPORT_FORMAT = "capuchin.run-report"
 REPORT_VERSION = 1
@@ -191,7 +192,7 @@ class MemoryMeter:
             record_shapes=False,
             with_stack=False,
         )
-        self.prof.__enter__()
+        start_profiler_quietly(self.prof.__enter__)  # Note [Profiler noise] in tracer/timing.py
 
     def iteration_start(self, n: int) -> None:
         with _disable_current_modes():
@@ -215,7 +216,7 @@ class MemoryMeter:
         if self.prof is None:
             return {}
         prof, self.prof = self.prof, None
-        with _disable_current_modes():
+        with _disable_current_modes(), profiler_quiet():
             prof.__exit__(None, None, None)
         return cpu_peaks(prof)
 

@@ -705,6 +705,7 @@ def test_r3_u16_runtime_budget_bytes_is_a_whole_number_of_bytes(budget):
 
 
 # ---- round 3: the training script's exits and odd inputs ----------------------------------------
+@pytest.mark.slow
 def test_r3_u1_os_exit_0_in_the_script_ends_it_and_the_files_are_written(work):
     """os._exit(0) after the last step: the process ended with status 0, no file and no word."""
     # 3 steps: one warm-up and the 2 traced iterations, then os._exit(0)
@@ -806,3 +807,21 @@ def test_r3_u9_plan_offers_a_percentage_and_nan_is_not_a_number(work):
     )
     with pytest.raises(CapuchinError, match="budget nan: not a number of bytes"):
         make_plan("t.trace.parquet", float("nan"))
+
+
+# ---- round 3: capuchin's own output is clean ----------------------------------------------------
+@pytest.mark.slow
+def test_r3_noise_no_profiler_lines_in_the_users_output(work):
+    """The profiler's USDT start/stop lines and the allocator's warning were printed into every
+    trace and measured run; the script's own stderr still comes through."""
+    (work / "talk.py").write_text(
+        TRAIN.replace("opt.step()\n", "opt.step()\n    print('script says hi', file=sys.stderr)\n")
+    )
+    for args in (
+        ["trace", "-o", "t.parquet", "--force", "--iterations", "2", "talk.py"],
+        ["run", "--budget", "1G", "talk.py"],
+    ):
+        r = cli_process(*args, cwd=work)
+        assert r.returncode == 0, r.stderr
+        assert "script says hi" in r.stderr
+        assert "USDT" not in r.stderr and "CPUAllocator" not in r.stderr, r.stderr

@@ -33,7 +33,7 @@ from .bandwidth import measure_bandwidth
 from .hooks import OpEvent, OpIndexer, describe_args, flatten_tensors
 from .reader import write_trace
 from .schema import COLUMNS, Col, Kind, Phase, Role, TraceMeta, scratch_id, shape_signature
-from .timing import marker_name, parse_profile
+from .timing import marker_name, parse_profile, profiler_quiet, start_profiler_quietly
 
 try:
     from torch._C._profiler import _RecordFunctionFast as _Marker
@@ -395,7 +395,7 @@ class Tracer:
         if self.device == "cuda":  # pragma: no cover - needs a GPU
             activities.append(ProfilerActivity.CUDA)
         self.profiler = profile(activities=activities, profile_memory=True)
-        self.profiler.start()
+        start_profiler_quietly(self.profiler.start)  # Note [Profiler noise] in timing.py
         self._profiling = True
 
     def _stop_profiler(self) -> None:
@@ -403,7 +403,8 @@ class Tracer:
             self._profiling = False
             if self.device == "cuda":  # pragma: no cover - needs a GPU
                 torch.cuda.synchronize()
-            self.profiler.stop()
+            with profiler_quiet():
+                self.profiler.stop()
 
     # ---- per-op recording -------------------------------------------------------------------
     def _record_op(self, op: OpEvent) -> None:

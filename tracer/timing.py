@@ -18,9 +18,63 @@ order is not (the prototype report, §2: autograd-internal ops have no profiler 
 from __future__ import annotations
 
 import bisect
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 MARKER_PREFIX = "capuchin#"
+
+# Note: [Profiler noise]
+# Starting and stopping torch.profiler prints ``USDT:... profiler_start`` / ``profiler_stop``
+# lines from native code straight to file descriptor 2, into the user's output on every trace
+# and every measured run. ``profiler_quiet`` runs a start or a stop with descriptor 2 sent to a
+# temporary file and writes back whatever else arrived there. Only capuchin's own calls run in
+# between, never the script. The CPU allocator warns once per process ("Memory block of unknown
+# size was allocated before the profiling started") when a block allocated before the profiler
+# started is freed while it runs, which the script's ops would do at some point of the run; the
+# start frees such a block itself, inside the quiet section, so the one warning is spent there.
+_PROFILER_NOISE = re.compile(
+    r"^(USDT:.*\] profiler_(start|stop)|\[W.*CPUAllocator\.cpp:\d+\] Memory block of unknown size)"
+)
+
+
+def start_profiler_quietly(start) -> None:
+    """Call ``start()`` (a profiler's) under ``profiler_quiet``, with the allocator's one-time
+    warning spent (Note [Profiler noise])."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with profiler_quiet(), _disable_current_modes():  # not an op of the script
+        block = torch.empty(64)  # allocated before the start ...
+        start()
+        del block  # ... freed after it: the warning, now
+
+
+@contextmanager
+def profiler_quiet() -> Iterator[None]:
+    """Note [Profiler noise]."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().decode("utf-8", "replace").splitlines(keepends=True)
+            rest = "".join(ln for ln in lines if not _PROFILER_NOISE.match(ln))
+            if rest:
+                os.write(2, rest.encode("utf-8"))
 
 
 def marker_name(iteration: int, op_index: int) -> str:
