@@ -825,3 +825,35 @@ def test_r3_noise_no_profiler_lines_in_the_users_output(work):
         assert r.returncode == 0, r.stderr
         assert "script says hi" in r.stderr
         assert "USDT" not in r.stderr and "CPUAllocator" not in r.stderr, r.stderr
+
+
+MP_SPAWN = textwrap.dedent("""
+    import multiprocessing as mp
+    import torch
+
+    def worker(q):
+        q.put(1)
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        torch.manual_seed(0)
+        m = torch.nn.Linear(8, 2)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for step in range(6):
+            ctx.Process(target=worker, args=(q,)).start()
+            opt.zero_grad()
+            m(torch.randn(4, 8)).sum().backward()
+            opt.step()
+""")
+
+
+@pytest.mark.slow
+def test_r3_u11_children_of_a_stopped_script_print_nothing_after_wrote(work):
+    """U11: spawn-context children outlived the stopped script and printed FileNotFoundError
+    tracebacks after `capuchin: wrote`."""
+    (work / "mp_spawn.py").write_text(MP_SPAWN)
+    r = cli_process("trace", "--iterations", "2", "-o", "mp.parquet", "mp_spawn.py", cwd=work)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "capuchin: wrote mp.parquet", r.stderr
+    assert "Traceback" not in r.stderr

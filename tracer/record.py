@@ -49,6 +49,20 @@ class TooFewStepsError(ScriptError):
         self.steps = steps
 
 
+def _end_children() -> None:
+    """The script was stopped after its last recorded iteration: end the processes it started
+    through multiprocessing (workers, spawned helpers), which would otherwise outlive it and
+    fail with tracebacks after capuchin's last line (their parent's queues and semaphores are
+    gone). Only this process's multiprocessing children; the trace does not need them."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for p in children:
+        p.terminate()
+    for p in children:
+        p.join(timeout=5)
+
+
 class StopScript(BaseException):
     """Raised inside the traced code at the first op after the last recorded iteration, to stop
     the script cleanly; ``Tracer.__exit__`` swallows it. A BaseException so that a script's
@@ -299,6 +313,8 @@ class Tracer:
             self.indexer.uninstall()
             self._stop_profiler()
         self._params_seen.clear()  # do not keep the script's parameters alive
+        if stopped:
+            _end_children()
         if exc_type is not None and not stopped:
             return False  # the script failed: nothing is written
         self._write()
