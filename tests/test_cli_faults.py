@@ -857,3 +857,20 @@ def test_r3_u11_children_of_a_stopped_script_print_nothing_after_wrote(work):
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().splitlines()[-1] == "capuchin: wrote mp.parquet", r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_r3_k3_a_file_system_with_no_free_block_is_refused_before_the_work(work, monkeypatch):
+    """The probe's empty file is created even on a full tmpfs, so the whole job ran first."""
+    real = os.statvfs
+    full = os.statvfs_result((4096, 4096, 16, 0, 0, 16, 0, 0, 0, 255))
+
+    def statvfs(path):
+        return full if Path(os.path.abspath(path)).name == "full" else real(path)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    (work / "full").mkdir()
+    line = one_line_error(
+        cli("run", "--budget", "1G", "--report", "full/r.json", "train.py", "ran.txt")
+    )
+    assert line.endswith("full/r.json: cannot write in full (No space left on device)")
+    assert not (work / "ran.txt").exists()
