@@ -115,6 +115,10 @@ _NAME_ATTR = "_capuchin_dtr_name"
 _COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 REMAT = ("auto", "recompute", "swap")
 _NO_KEYS: frozenset = frozenset()
+# The clock behind every cost dynamic mode measures (op times, copy times, replays). A module
+# name looked up at each call, so that a test can put a clock of its own in its place and make
+# dynamic mode's choices independent of how busy the machine is.
+seconds = time.perf_counter
 _rank = operator.itemgetter(0, 1)  # h, then the least recently used first
 _REPLAYABLE: dict = {}  # op -> not a collective (its namespace, looked up once)
 _MARKERS = tuple(_Marker(i) for i in range(256))  # shared: a marker is never changed
@@ -589,11 +593,11 @@ class DynamicGuard(BudgetGuard):
         if not recording:
             return pkey, None, 0.0
         pending = tr.prepare(func, args, kwargs, flat, keys, written, info.seeded)
-        return pkey, pending, time.perf_counter()
+        return pkey, pending, seconds()
 
     def after_op(self, outs: list, in_keys: set, token) -> None:
         pkey, pending, t0 = token
-        dt = time.perf_counter() - t0 if pending is not None else 0.0
+        dt = seconds() - t0 if pending is not None else 0.0
         self.tracker.track_outputs(outs, in_keys, pkey)
         if pending is not None:
             self.tracker.recorded(pending, dt, outs, in_keys)
@@ -781,11 +785,11 @@ class DynamicGuard(BudgetGuard):
 
     def _swap(self, key: int, st, n: int) -> None:
         ex = self.ex
-        t0 = time.perf_counter()
+        t0 = seconds()
         e = self._entry(key, st, n, True, None)
         ex.stats.stall_s += self.swap.evict_now(e)
         self.tracker.evicted(key)
-        self.copy_out.add(n, time.perf_counter() - t0)
+        self.copy_out.add(n, seconds() - t0)
         ex.stats.passive_evictions += 1
         ex.stats.dynamic_swaps += 1
 
@@ -828,10 +832,10 @@ class DynamicGuard(BudgetGuard):
             if not e.swap:
                 need = max(need, e.extra.get("own_out", 0)) + e.extra.get("transient", 0)
             self.enforce(protect, need)
-            t0 = time.perf_counter()
+            t0 = seconds()
             ex.restore(e)
             if e.swap:
-                self.copy_in.add(e.nbytes, time.perf_counter() - t0)
+                self.copy_in.add(e.nbytes, seconds() - t0)
 
     def replay(self, e: Entry) -> None:
         """Regenerate dropped ``e`` (the executor's restore of a DYNAMIC entry)."""
@@ -859,11 +863,11 @@ class DynamicGuard(BudgetGuard):
             tr.engine.records[r.op_index] = r
         tr.engine.stats = ex.stats
         tr.engine.ensure_resident = ex.ensure_resident
-        t0 = time.perf_counter()
+        t0 = seconds()
         tr.engine.replay(e.decision, st, e.nbytes, {})
         ops = e.extra.get("recs", ())
         if ops:  # what a replay costs beyond the ops' measured times (smoothed)
-            extra = (time.perf_counter() - t0 - e.extra.get("cost_s", 0.0)) / len(ops)
+            extra = (seconds() - t0 - e.extra.get("cost_s", 0.0)) / len(ops)
             self.replay_op_s = max(0.0, 0.8 * self.replay_op_s + 0.2 * extra)
         if self.budget_bytes is not None:  # unbudgeted paths (step end) count what they cost
             self.short(self.resident_bytes() + e.nbytes - self.budget_bytes)
