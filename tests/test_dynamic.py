@@ -14,11 +14,11 @@ import torch
 from capuchin.errors import PlanFormatError, RecomputeError
 from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
+from capuchin.runtime.snapshot import state_of
 from capuchin.runtime.state import storage_key
 from capuchin.testing.training import (
     TRACES,
     state_mismatches,
-    state_of,
     train_mismatches,
     train_tiny_bert,
 )
