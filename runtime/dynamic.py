@@ -100,6 +100,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..errors import RecomputeError
 from ..planner.plan import Decision, Method
 from ..tracer.hooks import op_info, written_inputs
+from ..tracer.schema import is_collective
 from .backend import byte_view
 from .passive import BudgetGuard, PassiveTracker
 from .recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
@@ -112,7 +113,6 @@ SAMPLE = 64
 PROBE_EVERY = 8  # Note [Recording only while replay pays]
 RECORD_OP_S = 15e-6  # recording's cost per op (10 ms per step of the transformer's 640 ops)
 _NAME_ATTR = "_capuchin_dtr_name"
-_COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 REMAT = ("auto", "recompute", "swap")
 _NO_KEYS: frozenset = frozenset()
 # The clock behind every cost dynamic mode measures (op times, copy times, replays). A module
@@ -385,7 +385,7 @@ class DynamicTracker(PassiveTracker):
         )
         replayable = _REPLAYABLE.get(func)
         if replayable is None:
-            replayable = _REPLAYABLE[func] = func.namespace not in _COLLECTIVES
+            replayable = _REPLAYABLE[func] = not is_collective(func.namespace + ".")
         for a in written:  # the write counts the op left (the executor bumped them)
             st = slots[a].weak()
             if st is not None:
