@@ -27,7 +27,7 @@ done
 failed=0
 for i in $(seq 1 "$runs"); do
     start=$(date +%s)
-    if python3 -m pytest -q -p no:cacheprovider "${marker[@]}" "$@" >"/tmp/capuchin-stress-$i.log" 2>&1; then
+    if python3 -m pytest -q -p no:cacheprovider -n "${CAPUCHIN_TEST_WORKERS:-2}" "${marker[@]}" "$@" >"/tmp/capuchin-stress-$i.log" 2>&1; then
         status=passed
     else
         status=FAILED
