@@ -236,14 +236,14 @@ class Problem:
 
     @classmethod
     def from_lists(cls, ops: Sequence, sizes: Mapping[str, int], **kwargs) -> Problem:
-        """A problem from a hand-written op list; arguments as ``testing.synthetic.trace_from_ops``.
+        """A problem from a hand-written op list; arguments as ``tracer.synthetic.trace_from_ops``.
 
         Example: a chain A -> B -> C whose backward reads A and B again::
 
             Problem.from_lists([("f1", 10, ["X"], ["A"]), ("f2", 10, ["A"], ["B"]),
                                 ("b2", 10, ["B", "A"], ["C"])], {"X": 4, "A": 8, "B": 8, "C": 4})
         """
-        from ..testing.synthetic import trace_from_ops
+        from ..tracer.synthetic import trace_from_ops
 
         return cls.from_trace(trace_from_ops(ops, sizes, **kwargs))
 

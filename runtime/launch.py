@@ -9,9 +9,9 @@ from pathlib import Path
 from ..distributed import per_rank
 from ..errors import InfeasibleBudgetError, ScriptError
 from ..outputs import check_output
-from ..planner.budget import format_bytes
 from ..planner.plan import Plan, load_plan
 from ..runmain import run_as_main
+from ..units import format_bytes
 from .engine import Runtime, rank_plan_path
 from .report import RunReport
 
