@@ -50,11 +50,9 @@ room made under the budget, so nothing recurses deeply).
 # staleness alone: many small victims where one larger one frees the same room. So each way
 # (``DynamicGuard.copy_out``: the swap-out from the entry's creation on; ``copy_in``: the
 # restore) is fitted as ``fixed + bytes / bandwidth`` by least squares to this run's swaps
-# (``_CopyTime``). On the CPU host (2 cores, shared; 2026-11-25, load average 3-5) the fits read
-# off the guard after 6 steps of the transformer and GPT-2 at 80% and 50% gave 15-60 µs fixed
-# each way and 7-11 GB/s. Ranked by bytes alone the transformer at 80% evicted 19 storages per
-# step (LRU's choice), with the fixed part 8 for 7.1 MiB against LRU's 9.0
-# (``benchmarks/dynamic.py --steps 5 --repeats 2`` at 3e24e43, docs/dynamic.md).
+# (``_CopyTime``), so that a storage's h counts what evicting it costs beyond its bytes, and one
+# larger victim is preferred to several small ones that free the same room. The fitted values and
+# the victims they save are measured by ``benchmarks/dynamic.py`` (docs/dynamic.md).
 
 # Note: [Recording only while replay pays]
 # Recording is most of dynamic mode's cost per op (measured: 10 ms per step of the bundled
