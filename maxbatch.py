@@ -715,19 +715,17 @@ def run_steps(
     or ``lru``, Note [Runtime modes]) under ``budget_bytes``, or plain. Step times are the wall
     time between consecutive optimizer steps (the script's own data preparation included, as a
     user sees it). The script's stdout is discarded."""
-    import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from .runmain import run_as_main
     from .runtime.engine import Runtime
+    from .runtime.snapshot import Watch
 
     stamps: list[float] = []
-    optimizers: list = []
     n = {"steps": 0}
+    watch = Watch()
 
     def hook(opt, a, k):
-        if opt not in optimizers:
-            optimizers.append(opt)
         stamps.append(time.perf_counter())
         n["steps"] += 1
         if n["steps"] >= steps:
@@ -745,6 +743,7 @@ def run_steps(
             contextlib.redirect_stdout(io.StringIO()),
             contextlib.redirect_stderr(err),
             rt if rt is not None else contextlib.nullcontext(),
+            watch,
         ):
             handle = register_optimizer_step_post_hook(hook)  # after the runtime's own hook
             run_as_main(script, args)
@@ -774,24 +773,8 @@ def run_steps(
         steady = max(st) if st else None
     run = PolicyRun(value, peak, steady, tps, times, report, n["steps"])
     if keep_state:
-        run.state = _state(optimizers, torch)
+        run.state = watch.state()  # parameters, gradients, optimizer state and module buffers
     return run
-
-
-def _state(optimizers: list, torch) -> dict:
-    """Every parameter, gradient and optimizer state tensor of the optimizers that stepped."""
-    out = {}
-    for i, opt in enumerate(optimizers):
-        for gi, group in enumerate(opt.param_groups):
-            for pi, p in enumerate(group["params"]):
-                name = f"opt{i}.g{gi}.p{pi}"
-                out[name] = p.detach().clone()
-                if p.grad is not None:
-                    out[name + ".grad"] = p.grad.detach().clone()
-                for k, v in opt.state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor):
-                        out[f"{name}.state.{k}"] = v.detach().clone()
-    return out
 
 
 __all__ = [

@@ -122,8 +122,8 @@ def main(argv=None) -> int:
                 )
         cells = [(n, p, b) for n, p in paths for b in args.fractions.split(",")]
         if args.synthetic:
-            from capuchin.testing.synthetic import trace_from_ops, transformer_ops
             from capuchin.tracer.reader import write_trace
+            from capuchin.tracer.synthetic import trace_from_ops, transformer_ops
 
             ops, sizes, persistent = transformer_ops(24, 2000, hidden_bytes=1 << 16)
             tr = trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=12e9)

@@ -79,21 +79,17 @@ class RuntimeCosts:
     #                                measured bandwidth (fresh pages after a resize, thread handoff)
 
 
-# hot/guarded/slow: the per-op lines of benchmarks/runtime.py (hot: passthrough mode minus no mode,
-# 5.35 - 1.99 µs; slow: its "runtime slow path" line, a plan's action op, minus the hot path,
-# 8.54 - 5.51 µs; guarded: the argument check, 1.1 µs at load 10, scaled by the 3x the other
-# figures fell from there), measured 2026-11-23 20:49-20:56 UTC (commit 6e8fac5, best of 3
-# rounds at load average 1.5-3.5 on the 2-core host; docs/runtime.md, Measured): to be rerun on
-# a quiet host. swap_action_ns: the same benchmark's "implied swap cost per direction" line
-# (what the capuchin rows leave unexplained, per swap and direction): 85-95 µs on cnn and
-# transformer at load 1.7-2.4 (2026-11-23 21:03 UTC, commit 175aeab), 89-163 µs on the four
-# examples at load 4.5-4.9 (21:12 UTC, commit ed5cbaa). The 64 KiB "swap cycle" line alone
-# (25 µs per direction since swap-outs up to 1 MiB copy on the calling thread, Note [Inline
-# copies on CPU] in runtime/backend.py) misses the copy thread's wake-up and interpreter-lock
-# handoff while compute runs. copy_ns_per_byte: the 2-8 MiB swap-cycle lines (0.045-0.075 ns
-# per byte). replay_op_ns has no line of its own: 40 µs, about passive mode's per-op line
-# (every op inspected, its outputs tracked), taken as an upper bound of a replayed op's
-# bookkeeping until measured.
+# Where each figure comes from (benchmarks/runtime.py; its table and the host it ran on are in
+# docs/runtime.md, "Measured"; rerun it on a quiet host, one intra-op thread, to refresh them):
+# hot_op_ns: the passthrough-mode line minus the no-mode line; slow_op_ns: the "runtime slow path"
+# line (a plan's action op) minus the hot path; guarded_op_ns: the argument check;
+# swap_action_ns: the "implied swap cost per direction" line, what the capuchin rows leave
+# unexplained per swap and direction. The 64 KiB "swap cycle" line alone misses it: swap-outs up
+# to 1 MiB copy on the calling thread (Note [Inline copies on CPU] in runtime/backend.py), and it
+# leaves out the copy thread's wake-up and interpreter-lock handoff while compute runs.
+# copy_ns_per_byte: the 2-8 MiB swap-cycle lines. replay_op_ns has no line of its own: about
+# passive mode's per-op line (every op inspected, its outputs tracked), an upper bound of a
+# replayed op's bookkeeping.
 CPU = RuntimeCosts(
     hot_op_ns=3_400,
     guarded_op_ns=400,

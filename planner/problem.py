@@ -44,7 +44,16 @@ import pandas as pd
 
 from ..errors import CapuchinError
 from ..tracer.reader import Trace
-from ..tracer.schema import PERSISTENT_KINDS, Col, Kind, Phase, Role, shape_signature
+from ..tracer.schema import (  # noqa: F401 (is_collective: planner modules import it from here)
+    COLLECTIVE_NAMESPACES,
+    PERSISTENT_KINDS,
+    Col,
+    Kind,
+    Phase,
+    Role,
+    is_collective,
+    shape_signature,
+)
 from .costs import NO_HOST_COST, HostCost, host_cost
 
 
@@ -66,13 +75,7 @@ class IrregularTraceError(CapuchinError):
 # evicted nor read by a replay: a replay whose source is such a storage is refused (a layer's
 # weight under FSDP2; measured: a replayed ``addmm`` read a resharded, 0-byte weight and the
 # process crashed), which leaves swapping for the activations of FSDP2 layers.
-COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")
 COMMUNICATION_NAMESPACES = (*COLLECTIVE_NAMESPACES, "fsdp.")
-
-
-def is_collective(op_name: str) -> bool:
-    """The op communicates with other ranks (Note [Collectives])."""
-    return op_name.startswith(COLLECTIVE_NAMESPACES)
 
 
 @dataclass(frozen=True)
@@ -237,14 +240,14 @@ class Problem:
 
     @classmethod
     def from_lists(cls, ops: Sequence, sizes: Mapping[str, int], **kwargs) -> Problem:
-        """A problem from a hand-written op list; arguments as ``testing.synthetic.trace_from_ops``.
+        """A problem from a hand-written op list; arguments as ``tracer.synthetic.trace_from_ops``.
 
         Example: a chain A -> B -> C whose backward reads A and B again::
 
             Problem.from_lists([("f1", 10, ["X"], ["A"]), ("f2", 10, ["A"], ["B"]),
                                 ("b2", 10, ["B", "A"], ["C"])], {"X": 4, "A": 8, "B": 8, "C": 4})
         """
-        from ..testing.synthetic import trace_from_ops
+        from ..tracer.synthetic import trace_from_ops
 
         return cls.from_trace(trace_from_ops(ops, sizes, **kwargs))
 

@@ -50,11 +50,9 @@ room made under the budget, so nothing recurses deeply).
 # staleness alone: many small victims where one larger one frees the same room. So each way
 # (``DynamicGuard.copy_out``: the swap-out from the entry's creation on; ``copy_in``: the
 # restore) is fitted as ``fixed + bytes / bandwidth`` by least squares to this run's swaps
-# (``_CopyTime``). On the CPU host (2 cores, shared; 2026-11-25, load average 3-5) the fits read
-# off the guard after 6 steps of the transformer and GPT-2 at 80% and 50% gave 15-60 µs fixed
-# each way and 7-11 GB/s. Ranked by bytes alone the transformer at 80% evicted 19 storages per
-# step (LRU's choice), with the fixed part 8 for 7.1 MiB against LRU's 9.0
-# (``benchmarks/dynamic.py --steps 5 --repeats 2`` at 3e24e43, docs/dynamic.md).
+# (``_CopyTime``), so that a storage's h counts what evicting it costs beyond its bytes, and one
+# larger victim is preferred to several small ones that free the same room. The fitted values and
+# the victims they save are measured by ``benchmarks/dynamic.py`` (docs/dynamic.md).
 
 # Note: [Recording only while replay pays]
 # Recording is most of dynamic mode's cost per op (measured: 10 ms per step of the bundled
@@ -100,6 +98,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..errors import RecomputeError
 from ..planner.plan import Decision, Method
 from ..tracer.hooks import op_info, written_inputs
+from ..tracer.schema import is_collective
 from .backend import byte_view
 from .passive import BudgetGuard, PassiveTracker
 from .recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
@@ -112,9 +111,12 @@ SAMPLE = 64
 PROBE_EVERY = 8  # Note [Recording only while replay pays]
 RECORD_OP_S = 15e-6  # recording's cost per op (10 ms per step of the transformer's 640 ops)
 _NAME_ATTR = "_capuchin_dtr_name"
-_COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 REMAT = ("auto", "recompute", "swap")
 _NO_KEYS: frozenset = frozenset()
+# The clock behind every cost dynamic mode measures (op times, copy times, replays). A module
+# name looked up at each call, so that a test can put a clock of its own in its place and make
+# dynamic mode's choices independent of how busy the machine is.
+seconds = time.perf_counter
 _rank = operator.itemgetter(0, 1)  # h, then the least recently used first
 _REPLAYABLE: dict = {}  # op -> not a collective (its namespace, looked up once)
 _MARKERS = tuple(_Marker(i) for i in range(256))  # shared: a marker is never changed
@@ -381,7 +383,7 @@ class DynamicTracker(PassiveTracker):
         )
         replayable = _REPLAYABLE.get(func)
         if replayable is None:
-            replayable = _REPLAYABLE[func] = func.namespace not in _COLLECTIVES
+            replayable = _REPLAYABLE[func] = not is_collective(func.namespace + ".")
         for a in written:  # the write counts the op left (the executor bumped them)
             st = slots[a].weak()
             if st is not None:
@@ -589,11 +591,11 @@ class DynamicGuard(BudgetGuard):
         if not recording:
             return pkey, None, 0.0
         pending = tr.prepare(func, args, kwargs, flat, keys, written, info.seeded)
-        return pkey, pending, time.perf_counter()
+        return pkey, pending, seconds()
 
     def after_op(self, outs: list, in_keys: set, token) -> None:
         pkey, pending, t0 = token
-        dt = time.perf_counter() - t0 if pending is not None else 0.0
+        dt = seconds() - t0 if pending is not None else 0.0
         self.tracker.track_outputs(outs, in_keys, pkey)
         if pending is not None:
             self.tracker.recorded(pending, dt, outs, in_keys)
@@ -781,11 +783,11 @@ class DynamicGuard(BudgetGuard):
 
     def _swap(self, key: int, st, n: int) -> None:
         ex = self.ex
-        t0 = time.perf_counter()
+        t0 = seconds()
         e = self._entry(key, st, n, True, None)
         ex.stats.stall_s += self.swap.evict_now(e)
         self.tracker.evicted(key)
-        self.copy_out.add(n, time.perf_counter() - t0)
+        self.copy_out.add(n, seconds() - t0)
         ex.stats.passive_evictions += 1
         ex.stats.dynamic_swaps += 1
 
@@ -828,10 +830,10 @@ class DynamicGuard(BudgetGuard):
             if not e.swap:
                 need = max(need, e.extra.get("own_out", 0)) + e.extra.get("transient", 0)
             self.enforce(protect, need)
-            t0 = time.perf_counter()
+            t0 = seconds()
             ex.restore(e)
             if e.swap:
-                self.copy_in.add(e.nbytes, time.perf_counter() - t0)
+                self.copy_in.add(e.nbytes, seconds() - t0)
 
     def replay(self, e: Entry) -> None:
         """Regenerate dropped ``e`` (the executor's restore of a DYNAMIC entry)."""
@@ -859,11 +861,11 @@ class DynamicGuard(BudgetGuard):
             tr.engine.records[r.op_index] = r
         tr.engine.stats = ex.stats
         tr.engine.ensure_resident = ex.ensure_resident
-        t0 = time.perf_counter()
+        t0 = seconds()
         tr.engine.replay(e.decision, st, e.nbytes, {})
         ops = e.extra.get("recs", ())
         if ops:  # what a replay costs beyond the ops' measured times (smoothed)
-            extra = (time.perf_counter() - t0 - e.extra.get("cost_s", 0.0)) / len(ops)
+            extra = (seconds() - t0 - e.extra.get("cost_s", 0.0)) / len(ops)
             self.replay_op_s = max(0.0, 0.8 * self.replay_op_s + 0.2 * extra)
         if self.budget_bytes is not None:  # unbudgeted paths (step end) count what they cost
             self.short(self.resident_bytes() + e.nbytes - self.budget_bytes)

@@ -29,9 +29,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..distributed import default_warmup, per_rank, say, world
 from ..errors import CapuchinError, PlanFormatError
 from ..outputs import check_output
-from ..planner.budget import BudgetError
 from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
+from ..units import BudgetError
 from .actions import compile_plan
 from .backend import backend_for
 from .dynamic import REMAT, DynamicGuard

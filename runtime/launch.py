@@ -8,9 +8,9 @@ import os
 from ..distributed import per_rank
 from ..errors import InfeasibleBudgetError, ScriptError
 from ..outputs import WriteError, check_output
-from ..planner.budget import format_bytes
 from ..planner.plan import Plan, load_plan
 from ..runmain import check_script, run_as_main
+from ..units import format_bytes
 from .engine import Runtime, rank_plan_path
 from .report import RunReport
 

@@ -35,8 +35,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import RecomputeError
 from ..planner.plan import Decision
-from ..planner.problem import is_collective
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
+from ..tracer.schema import is_collective
 from .state import fill_from, storage_key, writes
 
 _NAME_ATTR = "_capuchin_replay_name"

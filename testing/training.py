@@ -20,6 +20,7 @@ from ..planner.build import build_plan
 from ..planner.plan import Decision, Method, Plan
 from ..planner.problem import Problem
 from ..runmain import run_as_main
+from ..runtime.snapshot import Watch
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
@@ -31,49 +32,10 @@ def run_example(script: str | Path, args: list[str], context=None) -> dict[str, 
     and buffers: batch norm's running statistics) of every model that ran a forward, found by a
     global forward hook (the outermost modules that ran, in the order they first ran) or left
     in the script's globals. Deterministic scripts (they seed) give comparable dicts."""
-    optimizers: list = []
-    ran: dict[int, torch.nn.Module] = {}  # modules that ran a forward, in first-run order
-    from torch.nn.modules.module import register_module_forward_hook
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    def hook(opt, a, k):
-        if opt not in optimizers:
-            optimizers.append(opt)
-
-    def forward_hook(m, inputs, output):
-        ran.setdefault(id(m), m)
-
-    h = register_optimizer_step_post_hook(hook)
-    hf = register_module_forward_hook(forward_hook)
-    try:
+    with Watch() as watch:
         with contextlib.redirect_stdout(io.StringIO()), context or contextlib.nullcontext():
             g = run_as_main(script, args)
-    finally:
-        h.remove()
-        hf.remove()
-    return state_of(optimizers, _models(list(ran.values()), g))
-
-
-def state_of(optimizers, models) -> dict[str, torch.Tensor]:
-    """Copies of every parameter, gradient and optimizer state tensor of ``optimizers`` (named by
-    position: ``opt{i}.g{group}.p{param}``) and of the ``state_dict()`` of each ``(name, module)``
-    in ``models`` (``{name}.state_dict.{key}``)."""
-    captured: dict[str, torch.Tensor] = {}
-    for i, opt in enumerate(optimizers):
-        for gi, group in enumerate(opt.param_groups):
-            for pi, p in enumerate(group["params"]):
-                name = f"opt{i}.g{gi}.p{pi}"
-                captured[name] = p.detach().clone()
-                if p.grad is not None:
-                    captured[name + ".grad"] = p.grad.detach().clone()
-                for k, v in opt.state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor):
-                        captured[f"{name}.state.{k}"] = v.detach().clone()
-    for mname, m in models:
-        for k, v in m.state_dict(keep_vars=True).items():
-            if isinstance(v, torch.Tensor):
-                captured[f"{mname}.state_dict.{k}"] = v.detach().clone()
-    return captured
+    return watch.state(g)
 
 
 def train_tiny_bert(steps: int, batch: int = 8, seq: int = 64):
@@ -103,21 +65,6 @@ def train_tiny_bert(steps: int, batch: int = 8, seq: int = 64):
         out.loss.backward()
         opt.step()
     return model, opt
-
-
-def _models(ran: list, g: dict):
-    """The outermost modules among ``ran`` (not a submodule of another), then the modules in the
-    script's globals not found that way; each named once."""
-    inner = {id(sub) for m in ran for sub in m.modules() if sub is not m}
-    seen = set()
-    for m in ran:
-        if id(m) not in inner and id(m) not in seen:
-            yield f"model{len(seen)}", m
-            seen.add(id(m))
-    for name, v in g.items():
-        if isinstance(v, torch.nn.Module) and id(v) not in seen and id(v) not in inner:
-            seen.add(id(v))
-            yield name, v
 
 
 STEPS = ("--steps", "3")  # the tests' training length for a bundled example

@@ -13,8 +13,8 @@ from capuchin.planner.policies import capuchin as cap
 from capuchin.planner.problem import Problem
 from capuchin.planner.search import Switching, grid, pick
 from capuchin.planner.simulator import simulate
-from capuchin.testing.synthetic import random_ops, trace_from_ops, transformer_ops
 from capuchin.tracer.dtr_import import dtr_logs_path
+from capuchin.tracer.synthetic import random_ops, trace_from_ops, transformer_ops
 
 DTR_ZIP = dtr_logs_path()
 

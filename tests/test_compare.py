@@ -10,8 +10,8 @@ from capuchin.planner.build import build_plan
 from capuchin.planner.compare import compare_policies, evaluate, format_comparison, records_to_json
 from capuchin.planner.problem import Problem
 from capuchin.planner.registry import available, get_policy
-from capuchin.testing.synthetic import trace_from_ops, transformer_ops
 from capuchin.tracer.reader import write_trace
+from capuchin.tracer.synthetic import trace_from_ops, transformer_ops
 from click.testing import CliRunner
 
 CHEAP = ["capuchin", "dtr", "checkpoint-sqrt", "vdnn"]

@@ -14,11 +14,11 @@ import torch
 from capuchin.errors import PlanFormatError, RecomputeError
 from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
+from capuchin.runtime.snapshot import state_of
 from capuchin.runtime.state import storage_key
 from capuchin.testing.training import (
     TRACES,
     state_mismatches,
-    state_of,
     train_mismatches,
     train_tiny_bert,
 )
@@ -300,14 +300,24 @@ def test_an_iteration_records_only_after_one_that_dropped(monkeypatch):
     assert not all(calls.get(i) for i in range(2, 6)), "the CNN drops nothing: some skip"
 
 
+def ticking_clock(step_s: float):
+    """A clock that advances ``step_s`` at each reading: every op, copy and replay dynamic mode
+    times lasts one step, whatever the machine is doing."""
+    now = [0.0]
+
+    def seconds() -> float:
+        now[0] += step_s
+        return now[0]
+
+    return seconds
+
+
 def test_drops_that_save_less_than_recording_costs_stop_the_recording(monkeypatch):
     """Note [Recording only while replay pays]: the transformer at 80% drops a few storages in
-    its first step, saving less than a millisecond of swapping, against ~10 ms of recording:
-    later iterations record only to probe, and swap; training stays bitwise. Recording's cost
-    per op is set to 1 ms here: the saving is estimated from measured op times, and on the
-    2-core host loaded by two planner runs the probe's drops paid once, so that iteration 5
-    recorded too. (The premise, drops in the first step, also rests on measured times: under
-    that load it failed 2 runs in 6.)"""
+    its first step, saving less than its recording costs: later iterations record only to probe,
+    and swap; training stays bitwise. Costs come from a ticking clock (every op, copy and replay
+    takes 0.1 ms), so a replay is cheaper than the swap's two copies and the first step drops,
+    and each drop saves about 0.1 ms against 1 ms of recording per op."""
     from capuchin.runtime import dynamic
 
     calls: dict[int, int] = {}
@@ -318,6 +328,7 @@ def test_drops_that_save_less_than_recording_costs_stop_the_recording(monkeypatc
         return real(self, pending, dt, outs, in_keys)
 
     monkeypatch.setattr(dynamic.DynamicTracker, "recorded", counting)
+    monkeypatch.setattr(dynamic, "seconds", ticking_clock(1e-4))
     monkeypatch.setattr(dynamic, "PROBE_EVERY", 4)
     monkeypatch.setattr(dynamic, "RECORD_OP_S", 1e-3)
     rt = Runtime(budget_bytes=int(peak("transformer") * 0.8), measure_memory=False)

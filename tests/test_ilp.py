@@ -64,7 +64,7 @@ ortools = pytest.importorskip("ortools")
 from capuchin.planner.build import build_plan  # noqa: E402
 from capuchin.planner.policies import ilp  # noqa: E402
 from capuchin.planner.problem import Problem  # noqa: E402
-from capuchin.testing.synthetic import trace_from_ops, transformer_ops  # noqa: E402
+from capuchin.tracer.synthetic import trace_from_ops, transformer_ops  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_ilp_bruteforce import small_problem  # noqa: E402

@@ -19,8 +19,8 @@ from capuchin.planner.api import make_plan  # noqa: E402
 from capuchin.planner.build import build_plan  # noqa: E402
 from capuchin.planner.policies import ilp  # noqa: E402
 from capuchin.planner.problem import Problem  # noqa: E402
-from capuchin.testing.synthetic import OpSpec  # noqa: E402
 from capuchin.tracer.schema import Kind, Phase  # noqa: E402
+from capuchin.tracer.synthetic import OpSpec  # noqa: E402
 
 
 def small_problem(seed: int, n_fwd: int = 6) -> Problem:

@@ -14,7 +14,7 @@ from capuchin.planner.build import build_plan  # noqa: E402
 from capuchin.planner.coarsen import coarsen  # noqa: E402
 from capuchin.planner.policies import ilp  # noqa: E402
 from capuchin.planner.problem import Problem  # noqa: E402
-from capuchin.testing.synthetic import trace_from_ops, transformer_ops  # noqa: E402
+from capuchin.tracer.synthetic import trace_from_ops, transformer_ops  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -226,7 +226,7 @@ def test_a_storage_written_after_the_version_a_replay_regenerates_is_not_kept():
     # regenerates x as it was then (op 0 only), so x, dropped over t's back-access, is not kept
     # (its chain up to its evicted-access 3 holds the write, op 2): ``lim``
     from capuchin.planner.plan import Decision
-    from capuchin.testing.synthetic import trace_from_ops
+    from capuchin.tracer.synthetic import trace_from_ops
 
     ops = [
         ("mk", 10, (), ("x",)),

@@ -7,7 +7,7 @@ from capuchin.planner.gaps import AccessGap
 from capuchin.planner.lineage import EvictionWindows
 from capuchin.planner.msps import MspsQueue, temp_cap
 from capuchin.planner.problem import Problem
-from capuchin.testing.synthetic import trace_from_ops
+from capuchin.tracer.synthetic import trace_from_ops
 
 MB = 1 << 20
 

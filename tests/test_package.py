@@ -40,3 +40,17 @@ def test_planner_imports_no_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True
     ).stdout.strip()
     assert out == "False"
+
+
+def test_the_runtime_loads_neither_pandas_nor_the_planners_problem():
+    """The runtime reads the plan format alone (STYLE D.30): importing it loads no pandas, no
+    trace reader and no planning problem."""
+    code = (
+        "import sys, capuchin.runtime.engine, capuchin.runtime.dynamic\n"
+        "print(sorted(m for m in ('pandas', 'capuchin.planner.problem', 'capuchin.tracer.reader')"
+        " if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True
+    ).stdout.strip()
+    assert out == "[]"

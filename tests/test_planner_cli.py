@@ -10,8 +10,8 @@ import pytest
 from capuchin.cli import main
 from capuchin.planner.plan import load_plan
 from capuchin.planner.simulator import simulate_plan
-from capuchin.testing.synthetic import trace_from_ops, transformer_ops
 from capuchin.tracer.reader import write_trace
+from capuchin.tracer.synthetic import trace_from_ops, transformer_ops
 from click.testing import CliRunner
 
 

@@ -13,8 +13,8 @@ from capuchin.planner.plan import Decision, Method, load_plan
 from capuchin.planner.problem import Problem
 from capuchin.planner.registry import PolicyResult
 from capuchin.planner.simulator import simulate
-from capuchin.testing.synthetic import trace_from_ops, transformer_ops
 from capuchin.tracer.reader import write_trace
+from capuchin.tracer.synthetic import trace_from_ops, transformer_ops
 from click.testing import CliRunner
 
 # ---- two recompute decisions brought back at the same op (lineage.resolve_recompute) ----------

@@ -11,7 +11,7 @@ from capuchin.planner.api import make_plan
 from capuchin.planner.costs import NO_HOST_COST, HostCost
 from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
-from capuchin.testing.synthetic import random_ops, trace_from_ops
+from capuchin.tracer.synthetic import random_ops, trace_from_ops
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 

@@ -15,9 +15,9 @@ from capuchin.planner.plan import Method
 from capuchin.planner.problem import Problem
 from capuchin.planner.registry import UnknownPolicyError, available, get_policy
 from capuchin.planner.simulator import simulate_plan
-from capuchin.testing.synthetic import trace_from_ops, transformer_ops
 from capuchin.tracer.dtr_import import dtr_logs_path
 from capuchin.tracer.schema import Phase
+from capuchin.tracer.synthetic import trace_from_ops, transformer_ops
 
 DTR_ZIP = dtr_logs_path()
 POLICIES = available()

@@ -21,7 +21,7 @@ from capuchin.planner.search import (
     switch_stalled,
 )
 from capuchin.planner.simulator import simulate
-from capuchin.testing.synthetic import random_ops, trace_from_ops, transformer_ops
+from capuchin.tracer.synthetic import random_ops, trace_from_ops, transformer_ops
 
 
 def _transformer() -> Problem:

@@ -6,7 +6,7 @@ import pytest
 from capuchin.planner.api import make_plan
 from capuchin.planner.problem import Problem
 from capuchin.planner.views import memory_curves, plans_frame, plot_plans
-from capuchin.testing.synthetic import trace_from_ops, transformer_ops
+from capuchin.tracer.synthetic import trace_from_ops, transformer_ops
 
 
 @pytest.fixture(scope="module")

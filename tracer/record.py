@@ -28,7 +28,7 @@ from .. import __version__
 from ..distributed import default_warmup, per_rank, say
 from ..errors import CapuchinError, ScriptError
 from ..outputs import check_output
-from ..planner.budget import format_bytes
+from ..units import format_bytes
 from .bandwidth import measure_bandwidth
 from .hooks import OpEvent, OpIndexer, describe_args, flatten_tensors
 from .reader import write_trace

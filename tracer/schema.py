@@ -214,6 +214,16 @@ class TraceMeta:
         return cls(**known)
 
 
+# Ops that communicate with other ranks, by namespace (Note [Collectives] in planner/problem.py):
+# never replayed, since a replay on one rank alone would hang or pair with another call.
+COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")
+
+
+def is_collective(op_name: str) -> bool:
+    """The op (its qualified name, ``namespace.op.overload``) communicates with other ranks."""
+    return op_name.startswith(COLLECTIVE_NAMESPACES)
+
+
 def shape_signature(input_shapes) -> str:
     """The shape part of an op's signature: its tensor inputs' shapes in flattened-argument order.
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
-from ..planner.budget import format_bytes
+from ..units import format_bytes
 from .reader import Trace
 from .schema import Col, Kind, Phase, Role
 

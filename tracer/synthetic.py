@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..tracer.reader import Trace
-from ..tracer.schema import COLUMNS, Col, Kind, Phase, Role, TraceMeta
+from .reader import Trace
+from .schema import COLUMNS, Col, Kind, Phase, Role, TraceMeta
 
 
 @dataclass(frozen=True)
