@@ -277,8 +277,8 @@ class Switching:
 
 def problem_cache(problem: Problem, name: str = "_search_cache") -> dict:
     """A dict kept on the problem itself. Not a weak-keyed dict: what is cached (attempts with
-    their simulations, which run the reference pass on their problem on first use of their
-    memory curve) refers to the problem, and a weak key whose value refers to it is never
+    their simulations, which run the simulator's pass again on their problem on first use of
+    their memory curve) refers to the problem, and a weak key whose value refers to it is never
     freed; as an attribute the two form a cycle the garbage collector frees. ``capuchin
     max-batch`` plans a new problem per value it tries (tests/test_search.py checks a planned
     problem is freed)."""
