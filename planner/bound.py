@@ -741,8 +741,10 @@ def search_plans(
     simulated (the tests check the bound against each). Deterministic for a ``seed``."""
     import random
 
+    from .build import complete_decisions
+    from .improve import accept
     from .plan import Decision, Method
-    from .policies.ilp import candidates, simulated_extra_ns
+    from .policies.ilp import candidates
 
     rng = random.Random(seed)
     cands = [c for c in candidates(problem, budget_bytes) if not c.wraps]
@@ -760,15 +762,30 @@ def search_plans(
             )
         return Decision(d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op)
 
-    def evaluate(ds):
-        v = simulated_extra_ns(problem, budget_bytes, ds)
-        if v is not None and visit is not None:
-            visit(ds, v)
-        return v
+    fitting = 0
+
+    def evaluate(ds, best_ns: float) -> int | None:
+        """improve Note [The accept rule], sideways: the extra ns of ``ds`` (completed by the
+        builder's lineage) when it fits and is no slower than ``best_ns`` extra, else None."""
+
+        def seen(_, sim):
+            nonlocal fitting
+            fitting += 1
+            if visit is not None:
+                visit(ds, int(sim.time_ns - problem.time_ns))
+
+        got = accept(
+            problem,
+            lambda: complete_decisions(problem, ds),
+            problem.time_ns + best_ns,
+            budget_bytes,
+            ties=True,
+            seen=seen,
+        )
+        return None if got is None else int(got[1].time_ns - problem.time_ns)
 
     best_ds = [fresh(d) for d in start]
-    best = evaluate(best_ds)
-    fitting = int(best is not None)
+    best = evaluate(best_ds, math.inf)
     for _ in range(steps):
         ds = list(best_ds)
         move = rng.random()
@@ -801,10 +818,7 @@ def search_plans(
                 ds.append(
                     c.decision(Method.SWAP, trigger_op=rng.randint(c.evict_op + 1, c.back_op))
                 )
-        v = evaluate(ds)
-        if v is None:
-            continue
-        fitting += 1
-        if best is None or v <= best:
+        v = evaluate(ds, math.inf if best is None else best)
+        if v is not None:
             best, best_ds = v, ds
     return Found(best, tuple(best_ds) if best is not None else (), steps, fitting)

@@ -177,6 +177,7 @@ import numpy as np
 
 from ..errors import PlanError
 from .hiding import hide
+from .improve import accept, rank
 from .lineage import (
     EvictionWindows,
     finish_decisions,
@@ -460,18 +461,17 @@ def deep_needed(
 def pick(plans: Iterable[GridPlan], budget: int) -> list[Decision]:
     """The fastest plan whose simulated peak fits ``budget`` (ties: the higher peak, then the
     earlier); when none fits, the one with the lowest peak; ``[]`` when there is none."""
-    plans = list(plans)
-    fitting = [(p.time_ns, -p.peak_bytes, i) for i, p in enumerate(plans) if p.peak_bytes <= budget]
-    if fitting:
-        return plans[min(fitting)[2]].decisions
-    return min(plans, key=lambda p: p.peak_bytes).decisions if plans else []
+    plans = list(plans)  # improve Note [One selector]
+    return (
+        min(plans, key=lambda p: rank(p.peak_bytes, p.time_ns, budget)).decisions if plans else []
+    )
 
 
 def best_of(
     problem: Problem, budget: int, candidates: Iterable[Callable[[], list[Decision]]]
 ) -> list[Decision]:
-    """Note [Best of variants]: the fastest fitting plan among ``candidates`` (made lazily, in
-    order); when none fits, the lowest peak; ties keep the earlier."""
+    """Note [Best of variants]: the best plan among ``candidates`` (made lazily, in order) by
+    improve Note [One selector]: the fastest fitting, when none fits the lowest peak."""
     best = None
     for make in candidates:
         decisions = make()
@@ -479,10 +479,10 @@ def best_of(
             sim = simulate(problem, decisions)
         except PlanError:
             continue
-        key = (sim.peak_bytes > budget, sim.time_ns if sim.peak_bytes <= budget else sim.peak_bytes)
+        key = rank(sim.peak_bytes, sim.time_ns, budget)
         if best is None or key < best[0]:
             best = (key, decisions)
-        if not key[0] and sim.time_ns <= sim.baseline_time_ns:
+        if key[0] == 0 and sim.time_ns <= sim.baseline_time_ns:
             return decisions  # fits at no cost: nothing can beat it
     return best[1] if best else []
 
@@ -789,13 +789,14 @@ def _switch_stalled(
             trial = [new.get(d.storage_id, d) for d in decisions]
             more = regen | {g[1] for g in batch if g[3]}
             excess = sim.op_peak_bytes.astype(np.int64) - bound
-            try:
-                trial = finish_decisions(problem, trial, excess, collective, more)
-                tsim = simulate(problem, trial)
-            except PlanError:
-                continue
-            if tsim.peak_bytes <= cap and tsim.time_ns < sim.time_ns:
-                decisions, sim, improved, regen = trial, tsim, True, frozenset(more)
+            got = accept(  # improve Note [The accept rule]
+                problem,
+                lambda t=trial, e=excess, m=more: finish_decisions(problem, t, e, collective, m),
+                sim.time_ns,
+                cap,
+            )
+            if got is not None:
+                (decisions, sim), improved, regen = got, True, frozenset(more)
                 break
         if not improved:
             break
@@ -843,15 +844,16 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
             hi = int(np.searchsorted(sim.op_end_ns, back, side="right"))
             if hi > lo and excess[lo:hi].max() + d.size_bytes > 0:
                 continue
-        try:
-            trial = _without(problem, current, d, regen)
-            tsim = simulate(problem, trial) if trial is not None else None
-        except PlanError:
-            continue
-        if tsim is None:
-            continue
-        if tsim.peak_bytes <= budget and tsim.time_ns <= sim.time_ns:
-            current, sim = trial, tsim
+        # improve Note [The accept rule], sideways: a plan without d at the same time is kept
+        got = accept(
+            problem,
+            lambda c=current, d=d: _without(problem, c, d, regen),
+            sim.time_ns,
+            budget,
+            ties=True,
+        )
+        if got is not None:
+            current, sim = got
             excess = sim.op_peak_bytes.astype(np.int64) - budget
     live = {x.storage_id for x in current}
     rest = [d for d in order[max_exact:] if d.storage_id in live]
@@ -870,14 +872,14 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
     if not removed:
         return current
     kept = [d for d in current if d.storage_id not in removed]
-    try:
-        pruned = finish_decisions(problem, kept, peak - budget, collective=True, regen=regen)
-        psim = simulate(problem, pruned)
-        if psim.peak_bytes <= budget and psim.time_ns <= sim.time_ns:
-            return pruned
-    except PlanError:
-        pass
-    return current
+    got = accept(
+        problem,
+        lambda: finish_decisions(problem, kept, peak - budget, collective=True, regen=regen),
+        sim.time_ns,
+        budget,
+        ties=True,
+    )
+    return got[0] if got is not None else current
 
 
 def _without(
