@@ -2,7 +2,7 @@
 
 # Note: [The accept rule]
 # Every local improvement of a plan (search.prune, search.switch_stalled and through it the
-# recompute-first conversions, hiding.hide and hiding.advance, bound.search_plans behind
+# recompute-first conversions, hiding.hide and hiding.advance, search_plans below, behind
 # ``capuchin-ls``) proposes trial plans and keeps one by the same rule, ``accept``: the trial is
 # made and simulated; it is kept when it breaks no invariant (``PlanError`` while making or
 # simulating it rejects it), its simulated peak is at most the bound, and it is faster than the
@@ -10,6 +10,9 @@
 # dropping a decision that costs nothing (fewer decisions at the same time) and for the seeded
 # local search (which walks across plateaus). Each move bounds the peak by the plan's own
 # bound, so an improved plan stays where the grid put it (search Note [Targets]).
+#
+# The seeded local search ``search_plans`` (behind ``capuchin-ls`` and the lower bound's upper
+# bound) is this rule with random single-decision moves.
 #
 # Note: [One selector]
 # Among finished plans, ``rank`` orders by: fits the budget first; among those the fastest, then
@@ -20,10 +23,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ..errors import PlanError
-from .plan import Decision
+from .plan import Decision, Method
 from .problem import Problem
 from .simulator import SimResult, simulate
 
@@ -90,3 +95,115 @@ def bisect_monotone(
         else:
             lo = mid
     return hi
+
+
+@dataclass(frozen=True)
+class Found:
+    """The best plan ``search_plans`` found: ``extra_ns`` its simulated extra time (None: no
+    fitting plan seen), ``decisions`` its decisions; ``steps`` plans simulated, ``fitting`` how
+    many of them fit the budget."""
+
+    extra_ns: int | None
+    decisions: tuple
+    steps: int
+    fitting: int
+
+
+def search_plans(
+    problem: Problem,
+    budget_bytes: int,
+    start,
+    *,
+    steps: int = 20_000,
+    seed: int = 0,
+    visit=None,
+) -> Found:
+    """An upper bound on the optimum: a seeded local search over plans from the decisions
+    ``start`` (e.g. the capuchin plan's). Each step changes one decision (to a swap with a
+    random in-trigger, or a swap to a recomputation), removes one, or adds one on a random
+    candidate gap (``ilp.candidates``; replacing that storage's decision), simulates the plan
+    (``ilp.simulated_extra_ns``) and keeps it when it fits the budget and is no slower. Every
+    plan is judged by the simulator, so ``extra_ns`` is the extra time of a plan that fits:
+    the optimum is at most that. ``visit(decisions, extra_ns)`` is called for every fitting plan
+    simulated (the tests check the bound against each). Deterministic for a ``seed``."""
+    import random
+
+    from .build import complete_decisions
+    from .policies.ilp import candidates
+
+    rng = random.Random(seed)
+    cands = [c for c in candidates(problem, budget_bytes) if not c.wraps]
+
+    def fresh(d):
+        if d.method == Method.SWAP:
+            return Decision(
+                d.storage_id,
+                Method.SWAP,
+                d.size_bytes,
+                d.evict_op,
+                d.back_op,
+                trigger_op=d.trigger_op,
+                wraps=d.wraps,
+            )
+        return Decision(d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op)
+
+    fitting = 0
+
+    def evaluate(ds, best_ns: float) -> int | None:
+        """improve Note [The accept rule], sideways: the extra ns of ``ds`` (completed by the
+        builder's lineage) when it fits and is no slower than ``best_ns`` extra, else None."""
+
+        def seen(_, sim):
+            nonlocal fitting
+            fitting += 1
+            if visit is not None:
+                visit(ds, int(sim.time_ns - problem.time_ns))
+
+        got = accept(
+            problem,
+            lambda: complete_decisions(problem, ds),
+            problem.time_ns + best_ns,
+            budget_bytes,
+            ties=True,
+            seen=seen,
+        )
+        return None if got is None else int(got[1].time_ns - problem.time_ns)
+
+    best_ds = [fresh(d) for d in start]
+    best = evaluate(best_ds, math.inf)
+    for _ in range(steps):
+        ds = list(best_ds)
+        move = rng.random()
+        if move < 0.35 and ds:  # change how one comes back
+            i = rng.randrange(len(ds))
+            d = ds[i]
+            if d.wraps:
+                continue
+            if (
+                d.method == Method.SWAP
+                and rng.random() < 0.5
+                and problem.storages[d.storage_id].evictable
+            ):
+                ds[i] = Decision(
+                    d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op
+                )
+            else:
+                trig = rng.randint(d.evict_op + 1, d.back_op)
+                ds[i] = Decision(
+                    d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op, trigger_op=trig
+                )
+        elif move < 0.55 and ds:  # keep one resident
+            ds.pop(rng.randrange(len(ds)))
+        elif cands:  # evict in another gap
+            c = rng.choice(cands)
+            ds = [d for d in ds if d.storage_id != c.storage_id]
+            if c.chain is not None and rng.random() < 0.4:
+                ds.append(c.decision(Method.RECOMPUTE))
+            else:
+                ds.append(
+                    c.decision(Method.SWAP, trigger_op=rng.randint(c.evict_op + 1, c.back_op))
+                )
+        v = evaluate(ds, math.inf if best is None else best)
+        if v is not None:
+            best, best_ds = v, ds
+    return Found(best, tuple(best_ds) if best is not None else (), steps, fitting)

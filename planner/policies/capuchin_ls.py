@@ -1,7 +1,7 @@
 """The ``capuchin-ls`` policy: the ``capuchin`` plan, then a seeded local search around it.
 
 # Note: [Local search after the plan]
-# On DTR's U-Net and ResNet-32 (planner/bound.py's ``search_plans``, docs/planner.md "Lower
+# On DTR's U-Net and ResNet-32 (planner/improve.py's ``search_plans``, docs/planner.md "Lower
 # bound"), a local search from capuchin's plan finds simulated plans 26-66% cheaper in five of
 # six cells: greedy selection on the grid leaves time on the table that single-decision moves
 # (another in-trigger, swap <-> recompute, one decision dropped, another gap evicted) recover.
@@ -17,9 +17,8 @@
 
 from __future__ import annotations
 
-from ..bound import search_plans
 from ..build import complete_decisions
-from ..improve import accept
+from ..improve import accept, search_plans
 from ..problem import Problem
 from ..registry import PolicyResult, register
 from ..search import gc_paused
