@@ -186,12 +186,11 @@ class SimResult:
 def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
     """Static invariants of a plan; raises ``PlanError`` on the first broken one."""
     n = problem.n_ops
-    checked = _CHECKED.get(problem)
-    if checked is None:
-        checked = _CHECKED[problem] = set()
-    seen = _CHECKED_OBJECTS.get(problem)
-    if seen is None or len(seen) > 50_000:
-        seen = _CHECKED_OBJECTS[problem] = {}
+    per = _ops_of(problem)
+    checked = per.checked
+    if len(per.checked_objects) > 50_000:
+        per.checked_objects = {}
+    seen = per.checked_objects
     for d in decisions:
         # every check below depends on the decision and the problem only; a decision object
         # checked before is found by identity, without hashing its fields
@@ -264,10 +263,6 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
                 f"storage {sid}: {len(ds)} decisions evict it (after ops "
                 f"{sorted(d.evict_op for d in ds)}); a plan has one per storage"
             )
-
-
-_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decisions that passed
-_CHECKED_OBJECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # id -> such a decision
 
 
 def _check_replay(problem: Problem, d: Decision, where: str) -> None:
@@ -405,8 +400,8 @@ _FREE, _ALLOC, _MARK = 0, 1, 2
 
 
 class _Ops:
-    """Per problem: baseline op times, every op's own memory events in program order, and the
-    replays' event templates (Note [Only the ops of decisions])."""
+    """Per problem: baseline op times, every op's own memory events in program order, the
+    replays' event templates (Note [Only the ops of decisions]) and the decisions checked."""
 
     def __init__(self, problem: Problem):
         st = problem.storages
@@ -443,6 +438,8 @@ class _Ops:
         self._copies: dict[tuple[float, float], tuple[dict, dict]] = {}
         self.replays: dict = {}  # (storage, replay ops, keeps out) -> _replay_template
         self.replay_arrays: dict = {}  # the same key -> its times, deltas and kinds as arrays
+        self.checked: set[Decision] = set()  # decisions that passed ``check_decisions``
+        self.checked_objects: dict[int, Decision] = {}  # id -> such a decision object
 
     def copy_ns(self, bw_out: float, bw_in: float) -> tuple[dict, dict]:
         """Per storage, its swap-out and swap-in copy times at these bandwidths (ns, rounded
