@@ -16,8 +16,6 @@ combinators here only read decisions and simulations, never a policy's internals
   hides (hiding.py; Note [Hidden swaps, on the grid]).
 - ``best_of``: the fastest fitting plan among several (Note [Best of variants]).
 - ``searched``: ``grid`` and ``pick``, or ``descend`` on problems too large for the grid.
-- ``restricted_first``: a policy on ``Problem.restricted()`` and on the full problem, the
-  better plan (Note [Restricted first]).
 
 All plans are judged by the one simulator; a combinator keeps a change only when the simulated
 plan gets faster without its peak rising above the bound it was given.
@@ -149,7 +147,7 @@ plan gets faster without its peak rising above the bound it was given.
 #
 # Note: [Restricted first]
 # More candidates can end in a costlier greedy plan (selection is not monotone in its
-# candidates). ``restricted_first`` plans on ``Problem.restricted()`` (without the persistent
+# candidates). The ``capuchin`` policy plans on ``Problem.restricted()`` (without the persistent
 # candidates, problem.py Note [Wrap-around gaps]) and on the full problem and returns the better
 # under the simulator, ties to the restricted plan, so the persistent candidates never make a
 # plan worse. When the restricted plan fits at no cost the other is not made: fewer swaps, and
@@ -597,19 +595,6 @@ def _front(plans: list[GridPlan]) -> set[int]:
             out.add(id(g))
             best = g.time_ns
     return out
-
-
-def restricted_first(
-    problem: Problem, budget: int, plan: Callable[[Problem], list[Decision]]
-) -> list[Decision]:
-    """Note [Restricted first]: ``plan(problem.restricted())`` and, unless that fits at no cost,
-    ``plan(problem)``; the better under the simulator (ties: the former)."""
-    if problem.n_ops == 0 or problem.peak_bytes <= budget:
-        return []
-    base = problem.restricted()
-    if base is problem:
-        return plan(problem)
-    return best_of(problem, budget, [lambda: plan(base), lambda: plan(problem)])
 
 
 RECOMPUTE_FIRST_PASSES = 60  # switches tried one after another (Note [Recompute first])

@@ -95,7 +95,6 @@ from ..search import (
     gc_paused,
     hidden,
     recompute_first,
-    restricted_first,
     searched,
     timer_from,
 )
@@ -127,51 +126,71 @@ def capuchin(
     hybrid = Capuchin("hybrid", max_rounds, collective, max_replay_ops)
     rec = Capuchin("recompute", max_rounds, collective, max_replay_ops)
     swap = Capuchin("swap", max_rounds, False, 0)
-    sw = Switching(collective, max_replay_ops)
-
-    restricted_fits: list[bool] = []
+    planners = (hybrid, rec, swap, Switching(collective, max_replay_ops))
     # Note [The search, in the plan's provenance]
-    made = {"persistent": "none", "deep": []}
+    made: dict = {"persistent": "none", "deep": []}
+    result = lambda ds: PolicyResult(tuple(ds), figures={"search": made})  # noqa: E731
+    if problem.n_ops == 0 or problem.peak_bytes <= budget_bytes:
+        return result([])
+    # search Note [Restricted first]: without the persistent candidates, then with them unless
+    # that fits at no cost; the better under the simulator (ties: the former)
+    base = problem.restricted()
+    restricted = _plan(base, budget_bytes, planners, made, "restricted", light=False)
+    if base is problem or _costs_nothing(problem, restricted, budget_bytes):
+        return result(restricted)
+    # Note [The search with persistent candidates]: lighter where the restricted plan fits
+    fits = simulate(base, restricted).peak_bytes <= budget_bytes
+    made["persistent"] = "light" if fits else "full"
+    full = _plan(problem, budget_bytes, planners, made, "full", light=fits)
+    return result(best_of(problem, budget_bytes, [lambda: restricted, lambda: full]))
 
-    def plan(p: Problem) -> list[Decision]:
-        name = "restricted" if p is problem.restricted() else "full"
-        if p is not problem.restricted():
-            made["persistent"] = "light" if restricted_fits == [True] else "full"
-        if p.n_ops > SEARCH_MAX_OPS:
-            made["descend"] = True
-            return searched(p, budget_bytes, hybrid)
-        # Note [The search with persistent candidates]: lighter where the restricted plan fits
-        light = made["persistent"] == "light"
-        # Note [Deep targets on large problems]: when needed, from DEEP_WHEN_NEEDED_OPS ops
-        deep = None if p.n_ops >= DEEP_WHEN_NEEDED_OPS else True
 
-        def search(planner: Capuchin, switching: Switching | None = None):
-            def run() -> list[Decision]:
-                hiding = planner.mode != "swap"  # search Note [Hidden swaps, on the grid]
-                ds = searched(p, budget_bytes, planner, switching, deep=deep, hiding=hiding)
-                if deep is None and deep_needed(p, planner, budget_bytes, switching):
-                    made["deep"].append(f"{name} {planner.mode}")
-                return ds
+def _costs_nothing(problem: Problem, decisions: list[Decision], budget_bytes: int) -> bool:
+    """Whether ``decisions`` fit ``budget_bytes`` at no extra time (as simulated): no plan can
+    beat them (False when they break an invariant)."""
+    try:
+        sim = simulate(problem, decisions)
+    except PlanError:
+        return False
+    return sim.peak_bytes <= budget_bytes and sim.time_ns <= sim.baseline_time_ns
 
-            return run
 
-        def variants():  # a generator: best_of stops early at a plan that costs nothing
-            if not light:
-                yield search(hybrid, sw)
-            yield search(rec)
-            if not light:
-                yield search(swap)
-            converted = recompute_first(p, rec, budget_bytes, sw, deep=deep)
-            for g in converted + hidden(p, converted, budget_bytes):
-                yield lambda g=g: g.decisions
+def _plan(
+    p: Problem, budget_bytes: int, planners: tuple, made: dict, name: str, light: bool
+) -> list[Decision]:
+    """The best (search Note [Best of variants]) of the hybrid on the target grid with
+    stalled-swap switching, the recompute-only and swap-only plans (not with ``light``), and
+    the recompute-only plans' recompute-first conversions and their hidden variants; above
+    ``SEARCH_MAX_OPS`` ops the hybrid alone, searched downwards. Records the deep targets
+    planned and the descent in ``made``."""
+    hybrid, rec, swap, sw = planners
+    if p.n_ops > SEARCH_MAX_OPS:
+        made["descend"] = True
+        return searched(p, budget_bytes, hybrid)
+    # Note [Deep targets on large problems]: when needed, from DEEP_WHEN_NEEDED_OPS ops
+    deep = None if p.n_ops >= DEEP_WHEN_NEEDED_OPS else True
 
-        decisions = best_of(p, budget_bytes, variants())
-        if p is not problem:
-            restricted_fits.append(simulate(p, decisions).peak_bytes <= budget_bytes)
-        return decisions
+    def search(planner: Capuchin, switching: Switching | None = None):
+        def run() -> list[Decision]:
+            hiding = planner.mode != "swap"  # search Note [Hidden swaps, on the grid]
+            ds = searched(p, budget_bytes, planner, switching, deep=deep, hiding=hiding)
+            if deep is None and deep_needed(p, planner, budget_bytes, switching):
+                made["deep"].append(f"{name} {planner.mode}")
+            return ds
 
-    decisions = restricted_first(problem, budget_bytes, plan)
-    return PolicyResult(tuple(decisions), figures={"search": made})
+        return run
+
+    def variants():  # a generator: best_of stops early at a plan that costs nothing
+        if not light:
+            yield search(hybrid, sw)
+        yield search(rec)
+        if not light:
+            yield search(swap)
+        converted = recompute_first(p, rec, budget_bytes, sw, deep=deep)
+        for g in converted + hidden(p, converted, budget_bytes):
+            yield lambda g=g: g.decisions
+
+    return best_of(p, budget_bytes, variants())
 
 
 @register("swap")
