@@ -121,8 +121,8 @@ def search_plans(
     """An upper bound on the optimum: a seeded local search over plans from the decisions
     ``start`` (e.g. the capuchin plan's). Each step changes one decision (to a swap with a
     random in-trigger, or a swap to a recomputation), removes one, or adds one on a random
-    candidate gap (``ilp.candidates``; replacing that storage's decision), simulates the plan
-    (``ilp.simulated_extra_ns``) and keeps it when it fits the budget and is no slower. Every
+    candidate gap (``ilp.candidates``; replacing that storage's decision), completes its
+    lineage and keeps it by ``accept`` (fits the budget, no slower: sideways moves). Every
     plan is judged by the simulator, so ``extra_ns`` is the extra time of a plan that fits:
     the optimum is at most that. ``visit(decisions, extra_ns)`` is called for every fitting plan
     simulated (the tests check the bound against each). Deterministic for a ``seed``."""
