@@ -570,7 +570,7 @@ def hidden(problem: Problem, plans: list[GridPlan], budget: int) -> list[GridPla
     for g in fitting:
         if front is not None and id(g) not in front:
             continue
-        i = id(g)  # grid plans live in the problem's cache: their ids are stable
+        i = _plan_key(g)
         if i not in done:
             done[i] = None
             try:
@@ -584,6 +584,12 @@ def hidden(problem: Problem, plans: list[GridPlan], budget: int) -> list[GridPla
         if done[i] is not None:
             out.append(done[i])
     return out
+
+
+def _plan_key(g: GridPlan) -> tuple:
+    """A grid plan's identity for the per-problem memos: its values (what a variant made from it
+    depends on), not the object."""
+    return (tuple(g.decisions), g.peak_bytes, g.time_ns, g.regen)
 
 
 def _front(plans: list[GridPlan]) -> set[int]:
@@ -619,7 +625,7 @@ def recompute_first(
         ds, peak, t = g.decisions, g.peak_bytes, g.time_ns
         if peak > budget:
             continue
-        i = id(g)  # grid plans live in the problem's cache: their ids are stable
+        i = _plan_key(g)
         if i not in done:
             done[i] = None
             try:
