@@ -297,6 +297,10 @@ def format_comparison(result: Comparison) -> str:
             ]
         )
     lines += _table(header, rows)
+    lines.append(
+        "(overhead: the simulated plan's extra time alone; `capuchin plan` adds the runtime's "
+        "per-op cost to its predicted overhead, planner/costs.py)"
+    )
     if (
         any(r.policy in ("capuchin", "swap", "recompute") for r in result.records)
         and len({r.budget_bytes for r in result.records}) > 1
