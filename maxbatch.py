@@ -553,12 +553,9 @@ class _Search:
                 lo = nxt
             else:
                 hi = nxt
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.fits(mid, policy):
-                lo = mid
-            else:
-                hi = mid
+        from .planner.improve import bisect_monotone
+
+        lo = bisect_monotone(lambda v: not self.fits(v, policy), lo, hi) - 1  # tol 1: hi - lo == 1
         self.log(f"max-batch: {policy}: largest {self.flag} {lo}")
         return lo
 

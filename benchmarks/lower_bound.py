@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
 
-    from capuchin.planner.bound import CUTS, lower_bound, search_plans
+    from capuchin.planner.bound import CUTS, lower_bound
+    from capuchin.planner.improve import search_plans
     from capuchin.planner.problem import Problem
     from capuchin.planner.registry import get_policy
     from capuchin.planner.simulator import simulate

@@ -1,13 +1,13 @@
-"""The simulator's speed: the fast pass against the reference pass, and cold planning before and
-after a change, with the plans compared.
+"""The simulator's speed: its pass against the oracle (tests/oracle_simulator.py, the model as
+one loop over every op), and cold planning before and after a change, with the plans compared.
 
     python benchmarks/simulator_speed.py passes --traces unet resnet32 --fraction 60%
     python benchmarks/simulator_speed.py cold --before 1dbea38 --traces unet resnet32 \\
         inceptionv4 --fraction 60% --repeats 2
 
 ``passes``: records every plan the capuchin policy's search simulates on a trace (each pass,
-with its carry), then times the reference pass (``simulator._simulate``) and the fast pass
-(``simfast.fast_pass``) on those plans, interleaved, in this process: CPU ms per pass.
+with its carry), then times the oracle (``oracle_simulator.oracle_pass``) and the simulator's
+pass (``simulator._pass``) on those plans, interleaved, in this process: CPU ms per pass.
 
 ``cold``: the capuchin policy, cold, one fresh process per (tree, trace, repeat), interleaved:
 the working tree's code and the code of git revision ``--before`` (exported to a temporary
@@ -106,35 +106,38 @@ def cold(args, traces: list[tuple[str, Path]]) -> None:
 
 
 def passes(args, traces: list[tuple[str, Path]]) -> None:
-    from capuchin.planner import simfast, simulator
+    from capuchin.planner import simulator
     from capuchin.planner.budget import parse_budget
     from capuchin.planner.problem import Problem
     from capuchin.planner.registry import get_policy
     from capuchin.tracer.reader import load_trace
 
+    sys.path.insert(0, str(ROOT / "tests"))
+    from oracle_simulator import oracle_pass
+
     print(
-        "| trace @ budget | ops | passes | decisions per pass | reference (ms/pass) | "
-        "fast (ms/pass) | ratio |"
+        "| trace @ budget | ops | passes | decisions per pass | oracle (ms/pass) | "
+        "simulator (ms/pass) | ratio |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, path in traces:
         problem = Problem.from_trace(load_trace(path))
         seen = []
-        fast = simulator._fast_pass
+        fast = simulator._pass
 
-        def record(p, ds, bo, bi, carry=None, fast=fast, seen=seen):
+        def record(p, ds, bo, bi, carry=None, fast=fast, seen=seen, **kw):
             seen.append((p, tuple(ds), bo, bi, carry))
-            return fast(p, ds, bo, bi, carry)
+            return fast(p, ds, bo, bi, carry, **kw)
 
-        simulator._fast_pass = record
+        simulator._pass = record
         try:
             get_policy("capuchin")(problem, parse_budget(args.fraction, problem.peak_bytes))
         finally:
-            simulator._fast_pass = fast
+            simulator._pass = fast
         tr = tf = 0.0
         for rep in range(args.repeats):
             for which in ("ref", "fast") if rep % 2 == 0 else ("fast", "ref"):
-                fn = simulator._simulate if which == "ref" else simfast.fast_pass
+                fn = oracle_pass if which == "ref" else simulator._pass
                 t = time.process_time()
                 for a in seen:
                     fn(*a)

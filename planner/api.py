@@ -19,6 +19,7 @@ from ..tracer.schema import FILE_SUFFIX
 from ..tracer.summary import iteration_kinds
 from .budget import format_bytes, parse_budget, parse_rate
 from .build import build_plan, run_policy
+from .improve import bisect_monotone
 from .plan import Plan
 from .problem import Problem
 from .registry import get_policy
@@ -239,16 +240,13 @@ def smallest_feasible_budget(
     hi = problem.peak_bytes
     if start_bytes < hi and peak_at(start_bytes) is not None:
         return start_bytes
-    lo = start_bytes
-    for _ in range(steps):
-        if hi - lo <= max(1, hi // 1000):
-            break
-        mid = (lo + hi) // 2
-        if peak_at(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    return bisect_monotone(
+        lambda b: peak_at(b) is not None,
+        start_bytes,
+        hi,
+        tol=lambda h: max(1, h // 1000),
+        max_steps=steps,
+    )
 
 
 def default_plan_path(trace_path: str | os.PathLike) -> Path:

@@ -1,6 +1,6 @@
-"""A proven lower bound on the extra time of every plan for a budget, and an upper bound (the
-best plan a local search finds): the optimum lies between them. No torch; needs OR-Tools
-(MathOpt's HiGHS or GLOP, and CP-SAT).
+"""A proven lower bound on the extra time of every plan for a budget; with an upper bound (the
+best plan ``improve.search_plans`` finds), the optimum lies between them. No torch; needs
+OR-Tools (MathOpt's HiGHS or GLOP, and CP-SAT).
 
 ``lower_bound(problem, budget)`` builds the ``ilp`` policy's model (policies/_ilp_model.py) at op
 granularity over *every* candidate (each access gap of an evictable storage that covers an op
@@ -14,9 +14,10 @@ larger of two proven bounds on the optimum of that model:
   bound from any dual]);
 - ``cpsat_ns``: CP-SAT's best objective bound after ``time_limit_s`` of search.
 
-``search_plans(problem, budget, start)`` is a seeded local search over plans from ``start`` (e.g.
-capuchin's), every one judged by the simulator: the best that fits is an upper bound on the
-optimum, so a policy's plan is at least (its extra - found) / its extra above the optimum.
+``improve.search_plans(problem, budget, start)`` is a seeded local search over plans from
+``start`` (e.g. capuchin's), every one judged by the simulator: the best that fits is an upper
+bound on the optimum, so a policy's plan is at least (its extra - found) / its extra above the
+optimum.
 
 # Note: [Why the bound holds for every plan]
 # At op granularity the model is a relaxation of the simulator (policies/_ilp_model.py Note
@@ -708,103 +709,3 @@ def _dual_value(lp: _Relaxation, y: np.ndarray) -> float:
         + (mag_d * np.maximum(np.abs(lp.lo), np.abs(lp.hi))).sum()
     )
     return float(math.fsum(row_terms.tolist()) + math.fsum(var_terms.tolist()) - 2 * err - 1.0)
-
-
-@dataclass(frozen=True)
-class Found:
-    """The best plan ``search_plans`` found: ``extra_ns`` its simulated extra time (None: no
-    fitting plan seen), ``decisions`` its decisions; ``steps`` plans simulated, ``fitting`` how
-    many of them fit the budget."""
-
-    extra_ns: int | None
-    decisions: tuple
-    steps: int
-    fitting: int
-
-
-def search_plans(
-    problem: Problem,
-    budget_bytes: int,
-    start,
-    *,
-    steps: int = 20_000,
-    seed: int = 0,
-    visit=None,
-) -> Found:
-    """An upper bound on the optimum: a seeded local search over plans from the decisions
-    ``start`` (e.g. the capuchin plan's). Each step changes one decision (to a swap with a
-    random in-trigger, or a swap to a recomputation), removes one, or adds one on a random
-    candidate gap (``ilp.candidates``; replacing that storage's decision), simulates the plan
-    (``ilp.simulated_extra_ns``) and keeps it when it fits the budget and is no slower. Every
-    plan is judged by the simulator, so ``extra_ns`` is the extra time of a plan that fits:
-    the optimum is at most that. ``visit(decisions, extra_ns)`` is called for every fitting plan
-    simulated (the tests check the bound against each). Deterministic for a ``seed``."""
-    import random
-
-    from .plan import Decision, Method
-    from .policies.ilp import candidates, simulated_extra_ns
-
-    rng = random.Random(seed)
-    cands = [c for c in candidates(problem, budget_bytes) if not c.wraps]
-
-    def fresh(d):
-        if d.method == Method.SWAP:
-            return Decision(
-                d.storage_id,
-                Method.SWAP,
-                d.size_bytes,
-                d.evict_op,
-                d.back_op,
-                trigger_op=d.trigger_op,
-                wraps=d.wraps,
-            )
-        return Decision(d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op)
-
-    def evaluate(ds):
-        v = simulated_extra_ns(problem, budget_bytes, ds)
-        if v is not None and visit is not None:
-            visit(ds, v)
-        return v
-
-    best_ds = [fresh(d) for d in start]
-    best = evaluate(best_ds)
-    fitting = int(best is not None)
-    for _ in range(steps):
-        ds = list(best_ds)
-        move = rng.random()
-        if move < 0.35 and ds:  # change how one comes back
-            i = rng.randrange(len(ds))
-            d = ds[i]
-            if d.wraps:
-                continue
-            if (
-                d.method == Method.SWAP
-                and rng.random() < 0.5
-                and problem.storages[d.storage_id].evictable
-            ):
-                ds[i] = Decision(
-                    d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op
-                )
-            else:
-                trig = rng.randint(d.evict_op + 1, d.back_op)
-                ds[i] = Decision(
-                    d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op, trigger_op=trig
-                )
-        elif move < 0.55 and ds:  # keep one resident
-            ds.pop(rng.randrange(len(ds)))
-        elif cands:  # evict in another gap
-            c = rng.choice(cands)
-            ds = [d for d in ds if d.storage_id != c.storage_id]
-            if c.chain is not None and rng.random() < 0.4:
-                ds.append(c.decision(Method.RECOMPUTE))
-            else:
-                ds.append(
-                    c.decision(Method.SWAP, trigger_op=rng.randint(c.evict_op + 1, c.back_op))
-                )
-        v = evaluate(ds)
-        if v is None:
-            continue
-        fitting += 1
-        if best is None or v <= best:
-            best, best_ds = v, ds
-    return Found(best, tuple(best_ds) if best is not None else (), steps, fitting)

@@ -26,6 +26,7 @@ from typing import Any
 from ..errors import CapuchinError
 from .budget import format_bytes, parse_budget
 from .build import run_policy
+from .improve import bisect_monotone
 from .plan import Method, Plan
 from .problem import Problem
 from .registry import available, get_policy
@@ -159,14 +160,12 @@ def smallest_feasible_budget(
         if evaluate(problem, policy, floor, params)[0].feasible:
             return floor
         lo = floor
-    step = max(1, int(tolerance * peak))
-    while hi - lo > step:
-        mid = (lo + hi) // 2
-        if evaluate(problem, policy, mid, params)[0].feasible:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return bisect_monotone(
+        lambda b: evaluate(problem, policy, b, params)[0].feasible,
+        lo,
+        hi,
+        tol=max(1, int(tolerance * peak)),
+    )
 
 
 def compare_policies(
@@ -298,6 +297,10 @@ def format_comparison(result: Comparison) -> str:
             ]
         )
     lines += _table(header, rows)
+    lines.append(
+        "(overhead: the simulated plan's extra time alone; `capuchin plan` adds the runtime's "
+        "per-op cost to its predicted overhead, planner/costs.py)"
+    )
     if (
         any(r.policy in ("capuchin", "swap", "recompute") for r in result.records)
         and len({r.budget_bytes for r in result.records}) > 1

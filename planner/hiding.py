@@ -55,11 +55,11 @@ from collections import Counter
 
 import numpy as np
 
-from ..errors import PlanError
+from .improve import accept
 from .lineage import reresolved
 from .plan import Decision, Method
 from .problem import Problem
-from .simulator import SimResult, simulate
+from .simulator import SimResult
 from .swapping import Channel
 
 HIDE_ROUNDS = 3  # Note [Hidden swaps]
@@ -87,12 +87,9 @@ def hide(
         improved = False
         for _ in range(HIDE_SIMULATIONS):
             trial = _switched(problem, decisions, dict(switches[:n]), regen)
-            try:
-                tsim = simulate(problem, trial) if trial is not None else None
-            except PlanError:
-                tsim = None
-            if tsim is not None and tsim.peak_bytes <= bound and tsim.time_ns < sim.time_ns:
-                decisions, sim, improved = trial, tsim, True
+            got = accept(problem, trial, sim.time_ns, bound)  # improve Note [The accept rule]
+            if got is not None:
+                (decisions, sim), improved = got, True
                 break
             if n == 1:
                 break
@@ -128,12 +125,9 @@ def advance(
                 trial[i] = Decision(
                     d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op, trigger_op=k
                 )
-            try:
-                tsim = simulate(problem, trial)
-            except PlanError:
-                continue
-            if tsim.peak_bytes <= bound and tsim.time_ns < (best or (0, sim))[1].time_ns:
-                best = (trial, tsim)
+            got = accept(problem, trial, (best or (None, sim))[1].time_ns, bound)
+            if got is not None:  # improve Note [The accept rule]
+                best = got
         if best is None:
             break
         decisions, sim = best

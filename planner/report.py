@@ -17,6 +17,20 @@ from .problem import Problem
 from .simulator import SimResult, simulate_plan
 
 
+def _runtime_part(plan: Plan) -> str:
+    """What of the predicted time is the runtime's own per-op cost (planner/costs.py), which
+    ``capuchin compare`` leaves out: its overhead is the simulated plan's alone."""
+    p = plan.predictions
+    if not p.runtime_cost_ns or not p.baseline_time_ns:
+        return ""
+    sim_ns = p.predicted_time_ns - p.runtime_cost_ns
+    return (
+        f"  = the simulated plan {100 * (sim_ns / p.baseline_time_ns - 1):+.2f}% (what `capuchin "
+        f"compare` shows) + the runtime's per-op cost {p.runtime_cost_ns / 1e6:.3f} ms "
+        f"({100 * p.runtime_cost_ns / p.baseline_time_ns:+.2f}%)"
+    )
+
+
 def format_summary(plan: Plan, output: str | os.PathLike | None = None) -> str:
     """A few lines: baseline peak -> predicted peak vs budget, overhead, swaps, recomputations,
     bytes swapped, solve time (and where the plan was written)."""
@@ -34,6 +48,8 @@ def format_summary(plan: Plan, output: str | os.PathLike | None = None) -> str:
         f"{s['recompute_count']} recomputations ({format_bytes(s['recomputed_bytes'])}, "
         f"{s['replayed_ops']} replayed ops); solved in {s['solve_time_s']:.2f} s",
     ]
+    if _runtime_part(plan):
+        lines.insert(3, _runtime_part(plan))
     wraps = [d for d in plan.decisions if d.wraps]
     if wraps:
         lines.append(

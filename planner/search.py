@@ -16,8 +16,6 @@ combinators here only read decisions and simulations, never a policy's internals
   hides (hiding.py; Note [Hidden swaps, on the grid]).
 - ``best_of``: the fastest fitting plan among several (Note [Best of variants]).
 - ``searched``: ``grid`` and ``pick``, or ``descend`` on problems too large for the grid.
-- ``restricted_first``: a policy on ``Problem.restricted()`` and on the full problem, the
-  better plan (Note [Restricted first]).
 
 All plans are judged by the one simulator; a combinator keeps a change only when the simulated
 plan gets faster without its peak rising above the bound it was given.
@@ -149,7 +147,7 @@ plan gets faster without its peak rising above the bound it was given.
 #
 # Note: [Restricted first]
 # More candidates can end in a costlier greedy plan (selection is not monotone in its
-# candidates). ``restricted_first`` plans on ``Problem.restricted()`` (without the persistent
+# candidates). The ``capuchin`` policy plans on ``Problem.restricted()`` (without the persistent
 # candidates, problem.py Note [Wrap-around gaps]) and on the full problem and returns the better
 # under the simulator, ties to the restricted plan, so the persistent candidates never make a
 # plan worse. When the restricted plan fits at no cost the other is not made: fewer swaps, and
@@ -177,6 +175,7 @@ import numpy as np
 
 from ..errors import PlanError
 from .hiding import hide
+from .improve import accept, rank
 from .lineage import (
     EvictionWindows,
     finish_decisions,
@@ -277,8 +276,8 @@ class Switching:
 
 def problem_cache(problem: Problem, name: str = "_search_cache") -> dict:
     """A dict kept on the problem itself. Not a weak-keyed dict: what is cached (attempts with
-    their simulations, which run the reference pass on their problem on first use of their
-    memory curve) refers to the problem, and a weak key whose value refers to it is never
+    their simulations, which run the simulator's pass again on their problem on first use of
+    their memory curve) refers to the problem, and a weak key whose value refers to it is never
     freed; as an attribute the two form a cycle the garbage collector frees. ``capuchin
     max-batch`` plans a new problem per value it tries (tests/test_search.py checks a planned
     problem is freed)."""
@@ -460,18 +459,17 @@ def deep_needed(
 def pick(plans: Iterable[GridPlan], budget: int) -> list[Decision]:
     """The fastest plan whose simulated peak fits ``budget`` (ties: the higher peak, then the
     earlier); when none fits, the one with the lowest peak; ``[]`` when there is none."""
-    plans = list(plans)
-    fitting = [(p.time_ns, -p.peak_bytes, i) for i, p in enumerate(plans) if p.peak_bytes <= budget]
-    if fitting:
-        return plans[min(fitting)[2]].decisions
-    return min(plans, key=lambda p: p.peak_bytes).decisions if plans else []
+    plans = list(plans)  # improve Note [One selector]
+    return (
+        min(plans, key=lambda p: rank(p.peak_bytes, p.time_ns, budget)).decisions if plans else []
+    )
 
 
 def best_of(
     problem: Problem, budget: int, candidates: Iterable[Callable[[], list[Decision]]]
 ) -> list[Decision]:
-    """Note [Best of variants]: the fastest fitting plan among ``candidates`` (made lazily, in
-    order); when none fits, the lowest peak; ties keep the earlier."""
+    """Note [Best of variants]: the best plan among ``candidates`` (made lazily, in order) by
+    improve Note [One selector]: the fastest fitting, when none fits the lowest peak."""
     best = None
     for make in candidates:
         decisions = make()
@@ -479,10 +477,10 @@ def best_of(
             sim = simulate(problem, decisions)
         except PlanError:
             continue
-        key = (sim.peak_bytes > budget, sim.time_ns if sim.peak_bytes <= budget else sim.peak_bytes)
+        key = rank(sim.peak_bytes, sim.time_ns, budget)
         if best is None or key < best[0]:
             best = (key, decisions)
-        if not key[0] and sim.time_ns <= sim.baseline_time_ns:
+        if key[0] == 0 and sim.time_ns <= sim.baseline_time_ns:
             return decisions  # fits at no cost: nothing can beat it
     return best[1] if best else []
 
@@ -572,7 +570,7 @@ def hidden(problem: Problem, plans: list[GridPlan], budget: int) -> list[GridPla
     for g in fitting:
         if front is not None and id(g) not in front:
             continue
-        i = id(g)  # grid plans live in the problem's cache: their ids are stable
+        i = _plan_key(g)
         if i not in done:
             done[i] = None
             try:
@@ -588,6 +586,12 @@ def hidden(problem: Problem, plans: list[GridPlan], budget: int) -> list[GridPla
     return out
 
 
+def _plan_key(g: GridPlan) -> tuple:
+    """A grid plan's identity for the per-problem memos: its values (what a variant made from it
+    depends on), not the object."""
+    return (tuple(g.decisions), g.peak_bytes, g.time_ns, g.regen)
+
+
 def _front(plans: list[GridPlan]) -> set[int]:
     """The ids of the plans no other plan beats in both peak and time (ties: the earlier)."""
     out: set[int] = set()
@@ -597,19 +601,6 @@ def _front(plans: list[GridPlan]) -> set[int]:
             out.add(id(g))
             best = g.time_ns
     return out
-
-
-def restricted_first(
-    problem: Problem, budget: int, plan: Callable[[Problem], list[Decision]]
-) -> list[Decision]:
-    """Note [Restricted first]: ``plan(problem.restricted())`` and, unless that fits at no cost,
-    ``plan(problem)``; the better under the simulator (ties: the former)."""
-    if problem.n_ops == 0 or problem.peak_bytes <= budget:
-        return []
-    base = problem.restricted()
-    if base is problem:
-        return plan(problem)
-    return best_of(problem, budget, [lambda: plan(base), lambda: plan(problem)])
 
 
 RECOMPUTE_FIRST_PASSES = 60  # switches tried one after another (Note [Recompute first])
@@ -634,7 +625,7 @@ def recompute_first(
         ds, peak, t = g.decisions, g.peak_bytes, g.time_ns
         if peak > budget:
             continue
-        i = id(g)  # grid plans live in the problem's cache: their ids are stable
+        i = _plan_key(g)
         if i not in done:
             done[i] = None
             try:
@@ -789,13 +780,14 @@ def _switch_stalled(
             trial = [new.get(d.storage_id, d) for d in decisions]
             more = regen | {g[1] for g in batch if g[3]}
             excess = sim.op_peak_bytes.astype(np.int64) - bound
-            try:
-                trial = finish_decisions(problem, trial, excess, collective, more)
-                tsim = simulate(problem, trial)
-            except PlanError:
-                continue
-            if tsim.peak_bytes <= cap and tsim.time_ns < sim.time_ns:
-                decisions, sim, improved, regen = trial, tsim, True, frozenset(more)
+            got = accept(  # improve Note [The accept rule]
+                problem,
+                lambda t=trial, e=excess, m=more: finish_decisions(problem, t, e, collective, m),
+                sim.time_ns,
+                cap,
+            )
+            if got is not None:
+                (decisions, sim), improved, regen = got, True, frozenset(more)
                 break
         if not improved:
             break
@@ -843,15 +835,16 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
             hi = int(np.searchsorted(sim.op_end_ns, back, side="right"))
             if hi > lo and excess[lo:hi].max() + d.size_bytes > 0:
                 continue
-        try:
-            trial = _without(problem, current, d, regen)
-            tsim = simulate(problem, trial) if trial is not None else None
-        except PlanError:
-            continue
-        if tsim is None:
-            continue
-        if tsim.peak_bytes <= budget and tsim.time_ns <= sim.time_ns:
-            current, sim = trial, tsim
+        # improve Note [The accept rule], sideways: a plan without d at the same time is kept
+        got = accept(
+            problem,
+            lambda c=current, d=d: _without(problem, c, d, regen),
+            sim.time_ns,
+            budget,
+            ties=True,
+        )
+        if got is not None:
+            current, sim = got
             excess = sim.op_peak_bytes.astype(np.int64) - budget
     live = {x.storage_id for x in current}
     rest = [d for d in order[max_exact:] if d.storage_id in live]
@@ -870,14 +863,14 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
     if not removed:
         return current
     kept = [d for d in current if d.storage_id not in removed]
-    try:
-        pruned = finish_decisions(problem, kept, peak - budget, collective=True, regen=regen)
-        psim = simulate(problem, pruned)
-        if psim.peak_bytes <= budget and psim.time_ns <= sim.time_ns:
-            return pruned
-    except PlanError:
-        pass
-    return current
+    got = accept(
+        problem,
+        lambda: finish_decisions(problem, kept, peak - budget, collective=True, regen=regen),
+        sim.time_ns,
+        budget,
+        ties=True,
+    )
+    return got[0] if got is not None else current
 
 
 def _without(

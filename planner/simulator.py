@@ -4,9 +4,7 @@
 decision and the broken rule) and returns a ``SimResult``: the memory curve, the predicted peak,
 the predicted iteration time and overhead, and per decision its stall or recompute time. It is
 independent of the policy that made the decisions; every policy's output goes through it.
-``_simulate`` below is the reference pass, the definition of the model; ``simulate`` runs the
-fast pass of simfast.py on checked plans, equal to it field by field (simfast.py Note [The fast
-pass]).
+What it models is Note [Simulation model]; how it runs fast, Note [Only the ops of decisions].
 
 # Note: [Simulation model]
 # - One compute stream runs the ops in order, back to back (Note [Baseline timeline]).
@@ -37,6 +35,22 @@ pass]).
 #   before each op with an action, ``swap_ns`` after each swap-out's evicted-access (before its
 #   copy starts) and at each swap-in's start, ``replay_op_ns`` per replayed op.
 #
+# Note: [Only the ops of decisions]
+# The pass visits only the ops where a decision evicts, prefetches or brings back. Every other
+# op starts at its baseline start plus the host time of the action ops up to it (a cumulative
+# sum) plus the stall, replay and host time the visited ops before it added; its own memory
+# events (its start mark, its allocations and scratch, its frees) come from per-problem arrays
+# (``_Ops``) and are timed in bulk from the per-op start, allocation and end times. The visited
+# ops' own events (replays, drops) are merged with those by order key (5 * op + phase: 0 the
+# mark, 1 the replays, 2 the op's allocations, 3 its frees, 4 the drops), which is program
+# order; the copies' events come in issue order, and ``_curve`` puts each at its time. Nothing
+# is built for reports during a search: the storage ids of the memory events and the spans are
+# made on first use of ``SimResult.memory``/``.spans`` by the same pass with ``detail``, from
+# the same input carry. Without the static checks (``check=False``) the pass visits every op,
+# to find an op that accesses a storage while it is out (which the static checks rule out).
+# ``tests/oracle_simulator.py`` is the model written as one loop over every op, the oracle that
+# ``tests/test_simulator_fast.py`` holds this pass equal to, field by field.
+#
 # Note: [Steady state across iterations]
 # The simulated iteration is one of a steady run, so what a wrap-around swap leaves running at
 # the end carries into the start: a swap-out still copying holds its memory until the copy ends
@@ -65,9 +79,10 @@ pass]).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -110,47 +125,45 @@ class SimResult:
     time_ns: int
     baseline_time_ns: int
     baseline_peak_bytes: int
-    # the outcomes, or a function that makes them: the fast pass leaves them to first use, as
-    # most of the plans a search simulates are judged by their peak and time alone
-    _outcomes: tuple[DecisionOutcome, ...] | Callable[[], tuple[DecisionOutcome, ...]] = field(
-        repr=False
-    )
+    stall_ns: int  # summed over the decisions
+    recompute_ns: int
     op_peak_bytes: np.ndarray = field(repr=False)
     op_start_ns: np.ndarray = field(repr=False)
     op_end_ns: np.ndarray = field(repr=False)
-    _memory: dict | None = field(repr=False)  # column arrays; DataFrames are built on first use
-    _spans: list | None = field(repr=False)
-    _carry: dict = field(default_factory=dict, repr=False)  # Note [Steady state across iterations]
-    # the fast pass (simfast.py) leaves _memory and _spans to the reference pass, run on first use
-    _reference: Callable[[], SimResult] | None = field(default=None, repr=False)
-    _totals: tuple[int, int] | None = field(default=None, repr=False)  # stall_ns, recompute_ns
+    _carry: dict = field(repr=False)  # Note [Steady state across iterations]
+    _decisions: tuple[Decision, ...] = field(repr=False)
+    # per decision: stall, replay time and the outcome's times (None: none happened)
+    _per_decision: tuple[list[int], list[int], list[dict | None]] = field(repr=False)
+    # Note [Only the ops of decisions]: the events and spans for reports, made by the same pass
+    # with ``detail`` on first use (``_again``: its arguments); most results of a search are
+    # judged by their peak and time alone
+    _memory: dict | None = field(default=None, repr=False)
+    _spans: list | None = field(default=None, repr=False)
+    _again: tuple | None = field(default=None, repr=False)
 
     @cached_property
     def outcomes(self) -> tuple[DecisionOutcome, ...]:
         """One ``DecisionOutcome`` per decision, in the plan's order."""
-        o = self._outcomes
-        return o if isinstance(o, tuple) else o()
+        stall, recomp, info = self._per_decision
+        return tuple(
+            DecisionOutcome(d.storage_id, d.method, stall[i], recomp[i], **(info[i] or _TIMES))
+            for i, d in enumerate(self._decisions)
+        )
 
     @cached_property
     def _full(self) -> SimResult:
-        return self if self._memory is not None else self._reference()
+        if self._memory is not None:
+            return self
+        problem, bw_out, bw_in, carry = self._again
+        return _pass(problem, self._decisions, bw_out, bw_in, carry, detail=True)
 
     @cached_property
     def memory(self) -> pd.DataFrame:
         """One row per memory event: time_ns, live_bytes, op_index, delta_bytes, what,
         storage_id (what: "op" marks an op's start, then "alloc"/"free")."""
         m = dict(self._full._memory)
-        csid, asid, order, kind = m.pop("_lazy")  # the object columns, built on first use
-        m["what"] = np.array(["free", "alloc", "op"], dtype=object)[kind]
-        m["storage_id"] = np.concatenate(
-            [np.asarray(csid, dtype=object), np.asarray(asid, dtype=object)]
-        )[order]
-        return pd.DataFrame(
-            {
-                k: m[k]
-                for k in ("time_ns", "live_bytes", "op_index", "delta_bytes", "what", "storage_id")
-            }
-        )
+        m["what"] = np.array(["free", "alloc", "op"], dtype=object)[m["what"]]
+        return pd.DataFrame(m)
 
     @cached_property
     def spans(self) -> pd.DataFrame:
@@ -166,34 +179,18 @@ class SimResult:
         """Predicted slowdown as a fraction of the baseline time (0.05 = 5%)."""
         return self.time_ns / self.baseline_time_ns - 1.0 if self.baseline_time_ns > 0 else 0.0
 
-    @property
-    def stall_ns(self) -> int:
-        if self._totals is not None:
-            return self._totals[0]
-        return sum(o.stall_ns for o in self.outcomes)
-
-    @property
-    def recompute_ns(self) -> int:
-        if self._totals is not None:
-            return self._totals[1]
-        return sum(o.recompute_ns for o in self.outcomes)
-
     def outcomes_frame(self) -> pd.DataFrame:
         return pd.DataFrame([{**o.__dict__, "method": o.method.value} for o in self.outcomes])
-
-
-_FREE, _ALLOC, _MARK = 0, 1, 2
 
 
 def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
     """Static invariants of a plan; raises ``PlanError`` on the first broken one."""
     n = problem.n_ops
-    checked = _CHECKED.get(problem)
-    if checked is None:
-        checked = _CHECKED[problem] = set()
-    seen = _CHECKED_OBJECTS.get(problem)
-    if seen is None or len(seen) > 50_000:
-        seen = _CHECKED_OBJECTS[problem] = {}
+    per = _ops_of(problem)
+    checked = per.checked
+    if len(per.checked_objects) > 50_000:
+        per.checked_objects = {}
+    seen = per.checked_objects
     for d in decisions:
         # every check below depends on the decision and the problem only; a decision object
         # checked before is found by identity, without hashing its fields
@@ -268,10 +265,6 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
             )
 
 
-_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decisions that passed
-_CHECKED_OBJECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # id -> such a decision
-
-
 def _check_replay(problem: Problem, d: Decision, where: str) -> None:
     s = problem.storages[d.storage_id]
     ops = d.replay_ops
@@ -327,7 +320,9 @@ def simulate(
     invariant: unknown or non-evictable storage, wrong size, evict/back not consecutive accesses,
     more than one decision on one storage, a trigger outside (evict, back], replay ops missing
     the producer or an in-place write, sources not matching what the replay reads, a source not
-    alive or written since it was read, or an access to a storage that is out.
+    alive or written since it was read, or an access to a storage that is out. ``check=False``
+    skips the static checks (``check_decisions``); the pass then visits every op to find an
+    access to a storage that is out.
     """
     bw_out = float(bandwidth_d2h_bytes_per_s or problem.bandwidth_d2h_bytes_per_s)
     bw_in = float(bandwidth_h2d_bytes_per_s or problem.bandwidth_h2d_bytes_per_s)
@@ -335,9 +330,9 @@ def simulate(
     # last one): results are remembered per problem, the most recent first, as many as
     # _MEMO_EVENTS op-slots allow (a result's arrays grow with the number of ops)
     key = (tuple(decisions), bw_out, bw_in, check)
-    # kept on the problem itself: a result of the fast pass refers to its problem (for the
-    # reference pass it runs on first use of .memory/.spans), so a weak-keyed memo would keep
-    # every problem alive; as an attribute the two form a cycle the garbage collector frees
+    # kept on the problem itself: a result refers to its problem (to make its memory events on
+    # first use), so a weak-keyed memo would keep every problem alive; as an attribute the two
+    # form a cycle the garbage collector frees
     memo = problem.__dict__.get("_simulation_memo")
     if memo is None:
         memo = OrderedDict()
@@ -348,53 +343,25 @@ def simulate(
         return res
     if check:
         check_decisions(problem, decisions)
-    # Note [The fast pass] (simfast.py): the same result, visiting only the ops of decisions
-    res = _steady(problem, decisions, bw_out, bw_in, _fast_pass if check and FAST else _simulate)
+    res = _steady(problem, tuple(decisions), bw_out, bw_in, _pass, check_access=not check)
     memo[key] = res
     while len(memo) > max(2, _MEMO_EVENTS // max(1, problem.n_ops)):
         memo.popitem(last=False)
     return res
 
 
-def _steady(problem, decisions, bw_out, bw_in, one_pass) -> SimResult:
+def _steady(problem, decisions, bw_out, bw_in, one_pass, **kw) -> SimResult:
     """Passes of ``one_pass`` until the carry settles (Note [Steady state across iterations])."""
-    res = one_pass(problem, decisions, bw_out, bw_in)
+    res = one_pass(problem, decisions, bw_out, bw_in, **kw)
     prev: dict = {}
     for _ in range(3):
         if all(v == (0, 0) for v in res._carry.values()) and not any(prev.values()):
             break  # nothing carried over: the first pass was the steady state already
         prev = res._carry
-        res = one_pass(problem, decisions, bw_out, bw_in, prev)
+        res = one_pass(problem, decisions, bw_out, bw_in, prev, **kw)
         if res._carry == prev:
             break
     return res
-
-
-FAST = True  # Note [The fast pass]; False: every plan takes the reference pass (tests)
-
-
-def _fast_pass(problem, decisions, bw_out, bw_in, carry=None) -> SimResult:
-    from .simfast import fast_pass
-
-    try:
-        return fast_pass(problem, decisions, bw_out, bw_in, carry)
-    except PlanError:  # the reference pass raises the error, worded
-        return _simulate(problem, decisions, bw_out, bw_in, carry)
-
-
-def simulate_reference(
-    problem: Problem,
-    decisions: Sequence[Decision],
-    *,
-    bandwidth_d2h_bytes_per_s: float | None = None,
-    bandwidth_h2d_bytes_per_s: float | None = None,
-) -> SimResult:
-    """``simulate`` by the reference pass alone, nothing remembered (for tests of the fast
-    pass, Note [The fast pass])."""
-    bw_out = float(bandwidth_d2h_bytes_per_s or problem.bandwidth_d2h_bytes_per_s)
-    bw_in = float(bandwidth_h2d_bytes_per_s or problem.bandwidth_h2d_bytes_per_s)
-    check_decisions(problem, decisions)
-    return _steady(problem, decisions, bw_out, bw_in, _simulate)
 
 
 def simulate_plan(plan: Plan, trace=None) -> SimResult:
@@ -429,18 +396,89 @@ def simulate_plan(plan: Plan, trace=None) -> SimResult:
 
 
 _MEMO_EVENTS = 200_000
+_FREE, _ALLOC, _MARK = 0, 1, 2
 
 
-def _simulate(
+class _Ops:
+    """Per problem: baseline op times, every op's own memory events in program order, the
+    replays' event templates (Note [Only the ops of decisions]) and the decisions checked."""
+
+    def __init__(self, problem: Problem):
+        st = problem.storages
+        key, opx, where, delta, kind, sids = [], [], [], [], [], []
+
+        def add(k, phase, d, kd, sid):
+            key.append(5 * k + phase), opx.append(k), where.append((phase + 1) // 2)
+            delta.append(d), kind.append(kd), sids.append(sid)
+
+        for op in problem.ops:
+            k = op.index
+            add(k, 0, 0, _MARK, "")
+            for s in op.allocs:
+                add(k, 2, st[s].size_bytes, _ALLOC, s)
+            if op.scratch_bytes:
+                add(k, 2, op.scratch_bytes, _ALLOC, scratch_id(k))
+                add(k, 3, -op.scratch_bytes, _FREE, scratch_id(k))
+            for s in op.frees:
+                add(k, 3, -st[s].size_bytes, _FREE, s)
+        self.dur = np.array([op.duration_ns for op in problem.ops], dtype=np.int64)
+        end = np.cumsum(self.dur)
+        self.start = end - self.dur
+        self.start_l = self.start.tolist()
+        self.dur_l = self.dur.tolist()
+        self.key = np.array(key, dtype=np.int64)
+        self.op = np.array(opx, dtype=np.int64)
+        self.where = np.array(where, dtype=np.int64)  # 0: op start, 1: after stalls, 2: op end
+        self.delta = np.array(delta, dtype=np.int64)
+        self.kind = np.array(kind, dtype=np.int8)
+        self.sids = sids  # the events' storage ids (for reports)
+        self.time_ns = problem.time_ns
+        self.peak_bytes = problem.peak_bytes
+        self._sizes = {sid: s.size_bytes for sid, s in st.items()}
+        self._copies: dict[tuple[float, float], tuple[dict, dict]] = {}
+        self.replays: dict = {}  # (storage, replay ops, keeps out) -> _replay_template
+        self.replay_arrays: dict = {}  # the same key -> its times, deltas and kinds as arrays
+        self.checked: set[Decision] = set()  # decisions that passed ``check_decisions``
+        self.checked_objects: dict[int, Decision] = {}  # id -> such a decision object
+
+    def copy_ns(self, bw_out: float, bw_in: float) -> tuple[dict, dict]:
+        """Per storage, its swap-out and swap-in copy times at these bandwidths (ns, rounded
+        to the nearest ns)."""
+        got = self._copies.get((bw_out, bw_in))
+        if got is None:
+            got = self._copies[(bw_out, bw_in)] = (
+                {sid: int(round(b / bw_out * 1e9)) for sid, b in self._sizes.items()},
+                {sid: int(round(b / bw_in * 1e9)) for sid, b in self._sizes.items()},
+            )
+        return got
+
+
+_OPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _ops_of(problem: Problem) -> _Ops:
+    got = _OPS.get(problem)
+    if got is None:
+        got = _OPS[problem] = _Ops(problem)
+    return got
+
+
+def _pass(
     problem: Problem,
-    decisions: Sequence[Decision],
+    decisions: tuple[Decision, ...],
     bw_out: float,
     bw_in: float,
     carry: dict | None = None,
+    *,
+    detail: bool = False,
+    check_access: bool = False,
 ) -> SimResult:
+    """One pass over the iteration (Note [Simulation model], Note [Only the ops of decisions]).
+    ``detail``: also the memory events' storage ids and the spans, for reports.
+    ``check_access``: visit every op and raise when one accesses a storage that is out."""
     n = problem.n_ops
-    ops = problem.ops
     st = problem.storages
+    P = _ops_of(problem)
     evict_at: dict[int, list[int]] = {}
     trig_at: dict[int, list[int]] = {}
     back_at: dict[int, list[int]] = {}
@@ -456,31 +494,33 @@ def _simulate(
     for lst in trig_at.values():
         lst.sort(key=lambda i: (decisions[i].back_op, i))
 
-    # compute-stream memory events, in program order: (time, delta, kind, op, storage)
-    ct: list[int] = []
-    cd: list[int] = []
-    ck: list[int] = []
-    cop: list[int] = []
-    csid: list[str] = []
-    # asynchronous events (copy start / copy end): (time, delta, kind, storage)
+    # dynamic compute events (replays at phase 1, drops at phase 4), as chunks in program
+    # order: key, start time, (times from the start, deltas, kinds), and with ``detail`` their
+    # storage ids
+    dk: list[int] = []
+    dt: list[int] = []
+    dev: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    dsid: list[tuple[str, ...]] = []
+    # asynchronous events (copy start / copy end), in issue order
     at: list[int] = []
     ad: list[int] = []
     ak: list[int] = []
     asid: list[str] = []
-    spans: list[tuple[str, str, int, int, int, str]] = []
+    # with ``detail``: (op, phase, span) of what the visited ops add (phase 1 before the op,
+    # 3 after it); the ops' own spans are added at the end (0: host work, 2: the op)
+    spans: list[tuple[int, int, tuple]] = []
 
     state: dict[str, str] = {}  # storage -> "out" | "swapping_in" | "in" (only decided ones)
+    away: set[str] = set()  # the storages whose state is "out" or "swapping_in"
     active: dict[str, int] = {}  # storage -> index of the decision currently evicting it
     out_end: dict[str, int] = {}
     in_end: dict[str, int] = {}
-    stall = [0] * len(decisions)
-    recomp = [0] * len(decisions)
-    info = [dict() for _ in decisions]
+    m_ = len(decisions)
+    stall = [0] * m_
+    recomp = [0] * m_
+    info: list[dict | None] = [None] * m_  # per decision: its outcome's times, once one happens
     h2d_free = 0
     d2h_free = 0
-    t = 0
-    op_start = np.zeros(n, dtype=np.int64)
-    op_end = np.zeros(n, dtype=np.int64)
     resident = problem.resident_bytes
     carry = carry or {}
     for i, d in enumerate(decisions):  # Note [Steady state across iterations]
@@ -488,6 +528,7 @@ def _simulate(
             continue
         sid = d.storage_id
         active[sid] = i
+        away.add(sid)
         c_out, c_in = carry.get(sid, (0, 0))
         if d.trigger_op is not None and d.trigger_op > d.evict_op:
             state[sid] = "swapping_in"  # prefetched late in the previous iteration
@@ -503,115 +544,173 @@ def _simulate(
                 resident -= d.size_bytes
 
     host = problem.host  # Note [Simulation model]: the runtime's host work on compute
-    acts = action_ops(decisions) if host.action_op_ns else ()
+    swap_ns, replay_op_ns = host.swap_ns, host.replay_op_ns
+    if host.action_op_ns:
+        A = np.zeros(n, dtype=np.int64)
+        acts = [k for k in action_ops(decisions) if 0 <= k < n]
+        A[acts] = host.action_op_ns
+        cA = np.cumsum(A).tolist()  # host time of the action ops up to and including op k
+    else:
+        A = None
+        cA = None
+    start_l, dur_l = P.start_l, P.dur_l
+    replays, replay_arrays = P.replays, P.replay_arrays
+    D: dict[int, int] = {}  # visited op -> time added between its start and its allocations
+    E: dict[int, int] = {}  # visited op -> time added after it ends (swap-out calls)
+    shift = 0
+    t = 0
+    out_ns, in_ns = P.copy_ns(bw_out, bw_in)  # storage -> copy time
 
-    def start_swap_in(sid: str, size: int, now: int) -> int:
-        nonlocal h2d_free, t
-        if host.swap_ns:
-            spans.append(("compute", f"swap-in call {sid}", t, t + host.swap_ns, -1, sid))
-            t += host.swap_ns
-            now = max(now, t)
-        begin = max(now, h2d_free, out_end.get(sid, 0))
-        end = begin + int(round(size / bw_in * 1e9))
+    def swap_in(i: int, sid: str, k: int) -> None:
+        """Start decision i's swap-in of ``sid`` at time t (after the host call)."""
+        nonlocal t, h2d_free
+        if swap_ns:
+            if detail:
+                spans.append((k, 1, ("compute", f"swap-in call {sid}", t, t + swap_ns, -1, sid)))
+            t += swap_ns
+        begin = max(t, h2d_free, out_end.get(sid, 0))
+        end = begin + in_ns[sid]
         h2d_free = end
-        at.append(begin), ad.append(size), ak.append(_ALLOC), asid.append(sid)
+        at.append(begin), ad.append(st[sid].size_bytes), ak.append(_ALLOC), asid.append(sid)
         in_end[sid] = end
         state[sid] = "swapping_in"
-        i = active[sid]
-        info[i]["in_start_ns"], info[i]["in_end_ns"] = begin, end
-        spans.append(("h2d", f"swap-in {sid}", begin, end, -1, sid))
-        return end
+        inf = info[i]
+        if inf is None:
+            inf = info[i] = dict(_TIMES)
+        inf["in_start_ns"], inf["in_end_ns"] = begin, end
+        if detail:
+            spans.append((k, 1, ("h2d", f"swap-in {sid}", begin, end, -1, sid)))
 
-    def restore(sid: str, k: int, charge: int) -> None:
-        """Make a swapped storage resident before op k (waiting if needed)."""
-        nonlocal t
-        if state.get(sid) == "out":
-            start_swap_in(sid, st[sid].size_bytes, t)
-        if state.get(sid) == "swapping_in":
-            wait = max(0, in_end[sid] - t)
-            if wait:
-                spans.append(("compute", f"stall {sid}", t, t + wait, k, sid))
-            stall[charge] += wait
-            t += wait
-            state[sid] = "in"
-            info[active[sid]]["back_ns"] = t
-
-    accessed, pre, post = _op_events(problem)
-    for k in range(n):
-        op = ops[k]
-        if k in acts:
-            spans.append(("compute", "slow path", t, t + host.action_op_ns, k, ""))
-            t += host.action_op_ns
-        op_start[k] = t
-        ct.append(t), cd.append(0), ck.append(_MARK), cop.append(k), csid.append("")
+    visit = range(n) if check_access else sorted({*evict_at, *back_at, *trig_at})
+    for k in visit:
+        t = t0 = start_l[k] + (cA[k] if cA is not None else 0) + shift
         for i in trig_at.get(k, ()):
             sid = decisions[i].storage_id
             if state.get(sid) == "out" and active.get(sid) == i:
-                start_swap_in(sid, decisions[i].size_bytes, t)
+                swap_in(i, sid, k)
         for i in back_at.get(k, ()):
             d = decisions[i]
             sid = d.storage_id
             if active.get(sid) != i:
                 raise PlanError(f"decision {sid}: back-access op {k} but it was never evicted")
             if d.method == Method.SWAP:
-                restore(sid, k, i)
+                restore = (sid,)
             elif state.get(sid) != "in":  # not kept by an earlier collective recomputation
-                for x in d.sources:
-                    if state.get(x) in ("out", "swapping_in"):
+                restore = []
+                for x in d.sources if not away.isdisjoint(d.sources) else ():
+                    if x in away:
                         if decisions[active[x]].method != Method.SWAP:
                             raise PlanError(f"decision {sid}: source {x} is dropped at op {k}")
-                        restore(x, k, i)
+                        restore.append(x)
+            else:
+                restore = ()
+            for x in restore:  # made resident before op k, waiting if needed; charged to i
+                j = active[x]
+                if state.get(x) == "out":
+                    swap_in(j, x, k)
+                if state.get(x) == "swapping_in":
+                    wait = in_end[x] - t
+                    if wait > 0:
+                        if detail:
+                            spans.append((k, 1, ("compute", f"stall {x}", t, t + wait, k, x)))
+                        stall[i] += wait
+                        t += wait
+                    state[x] = "in"
+                    away.discard(x)
+                    inf = info[j]
+                    if inf is None:
+                        inf = info[j] = dict(_TIMES)
+                    inf["back_ns"] = t
+            if d.method != Method.SWAP and state.get(sid) != "in":
                 t1 = t
-                t = _replay(
-                    problem, d, t, k, state, decisions, active, ct, cd, ck, cop, csid, spans
+                # the keeps that are out come back with the replay (collective recomputation);
+                # the replay's events depend only on them: one template per such set
+                keep = tuple(
+                    sorted(
+                        x
+                        for x in d.keep
+                        if state.get(x) == "out"
+                        and x in active
+                        and decisions[active[x]].method == Method.RECOMPUTE
+                    )
                 )
-                t += len(d.replay_ops) * host.replay_op_ns
+                rkey = (d.storage_id, d.replay_ops, keep)
+                tpl = replays.get(rkey)
+                if tpl is None:
+                    tpl = replays[rkey] = _replay_template(problem, d, set(keep))
+                dts, deltas, kinds, sids, dur = tpl
+                if dts:
+                    arr = replay_arrays.get(rkey)
+                    if arr is None:
+                        arr = replay_arrays[rkey] = (
+                            np.asarray(dts, dtype=np.int64),
+                            np.asarray(deltas, dtype=np.int64),
+                            np.asarray(kinds, dtype=np.int8),
+                        )
+                    dk.append(5 * k + 1), dt.append(t), dev.append(arr)
+                    if detail:
+                        dsid.append(sids)
+                for x in keep:  # back early: its own RECOMPUTE will find it resident
+                    state[x] = "in"
+                    away.discard(x)
+                if detail:
+                    spans.append((k, 1, ("compute", f"recompute {sid}", t, t + dur, k, sid)))
+                t += dur
+                t += len(d.replay_ops) * replay_op_ns
                 recomp[i] = t - t1
-                info[i]["back_ns"] = t
+                inf = info[i]
+                if inf is None:
+                    inf = info[i] = dict(_TIMES)
+                inf["back_ns"] = t
             state[sid] = "in"
+            away.discard(sid)
             del active[sid]
-        if active and not active.keys().isdisjoint(accessed[k]):
-            x = next(x for x in accessed[k] if x in active)
-            raise PlanError(
-                f"op {k} ({op.name}) accesses storage {x}, which the plan "
-                f"evicted after op {decisions[active[x]].evict_op} and brings "
-                f"back at op {decisions[active[x]].back_op}"
-            )
-        pd_, pk, ps = pre[k]  # the op's allocations (and scratch) at its start
-        if pd_:
-            m = len(pd_)
-            ct.extend([t] * m), cd.extend(pd_), ck.extend(pk), cop.extend([k] * m)
-            csid.extend(ps)
-        t_end = t + op.duration_ns
-        if op.duration_ns:
-            spans.append(("compute", op.name, t, t_end, k, ""))
-        t = t_end
-        op_end[k] = t
-        pd_, pk, ps = post[k]  # its scratch and the storages freed after it, at its end
-        if pd_:
-            m = len(pd_)
-            ct.extend([t] * m), cd.extend(pd_), ck.extend(pk), cop.extend([k] * m)
-            csid.extend(ps)
+        if check_access and active:
+            x = next((x for x in problem.ops[k].accessed if x in active), None)
+            if x is not None:
+                d = decisions[active[x]]
+                raise PlanError(
+                    f"op {k} ({problem.ops[k].name}) accesses storage {x}, which the plan "
+                    f"evicted after op {d.evict_op} and brings back at op {d.back_op}"
+                )
+        if t != t0:
+            D[k] = t - t0
+        t += dur_l[k]
+        t_end = t
         for i in evict_at.get(k, ()):
             d = decisions[i]
             sid = d.storage_id
             active[sid] = i
             state[sid] = "out"
+            away.add(sid)
+            inf = info[i]
+            if inf is None:
+                inf = info[i] = dict(_TIMES)
             if d.method == Method.SWAP:
-                if host.swap_ns:
-                    spans.append(("compute", f"swap-out call {sid}", t, t + host.swap_ns, k, sid))
-                    t += host.swap_ns
+                if swap_ns:
+                    if detail:
+                        spans.append(
+                            (k, 3, ("compute", f"swap-out call {sid}", t, t + swap_ns, k, sid))
+                        )
+                    t += swap_ns
                 begin = max(t, d2h_free)
-                end = begin + int(round(d.size_bytes / bw_out * 1e9))
+                end = begin + out_ns[sid]
                 d2h_free = end
                 out_end[sid] = end
                 at.append(end), ad.append(-d.size_bytes), ak.append(_FREE), asid.append(sid)
-                info[i].update(out_start_ns=begin, out_end_ns=end, freed_ns=end)
-                spans.append(("d2h", f"swap-out {sid}", begin, end, -1, sid))
+                inf["out_start_ns"], inf["out_end_ns"], inf["freed_ns"] = begin, end, end
+                if detail:
+                    spans.append((k, 3, ("d2h", f"swap-out {sid}", begin, end, -1, sid)))
             else:
-                ct.append(t), cd.append(-d.size_bytes), ck.append(_FREE), cop.append(k)
-                csid.append(sid)
-                info[i]["freed_ns"] = t
+                dk.append(5 * k + 4), dt.append(t), dev.append(_drop_event(d.size_bytes))
+                if detail:
+                    dsid.append((sid,))
+                inf["freed_ns"] = t
+        if t != t_end:
+            E[k] = t - t_end
+        shift += t - t0 - dur_l[k]
+    # the time after the last op: its baseline end plus every delay before it
+    t = (int(P.start[-1] + P.dur[-1]) + (cA[-1] if cA is not None else 0) + shift) if n else 0
     left = [sid for sid, i in active.items() if not decisions[i].wraps]
     if left:
         raise PlanError(f"decision {left[0]}: still evicted at the end of the iteration")
@@ -626,91 +725,89 @@ def _simulate(
                 else 0,
             )
 
-    memory, op_peak = _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid, resident)
-    outcomes = tuple(
-        DecisionOutcome(d.storage_id, d.method, int(stall[i]), int(recomp[i]), **info[i])
-        for i, d in enumerate(decisions)
-    )
-    live = memory["live_bytes"]
+    # every op's start, allocation and end time
+    Dv = np.zeros(n, dtype=np.int64)
+    Ev = np.zeros(n, dtype=np.int64)
+    if D:
+        Dv[list(D)] = list(D.values())
+    if E:
+        Ev[list(E)] = list(E.values())
+    tot = Dv + Ev
+    if A is not None:
+        tot += A
+    excl = np.cumsum(tot) - tot
+    op_start = P.start + excl
+    if A is not None:
+        op_start += A
+    alloc_t = op_start + Dv
+    op_end = alloc_t + P.dur
+
+    # the compute stream's events: each op's own, timed, merged with the dynamic ones by key
+    times = np.stack([op_start, alloc_t, op_end])[P.where, P.op]
+    idx = None
+    if dk:
+        m = len(P.key)
+        lens = np.fromiter((len(e[0]) for e in dev), dtype=np.int64, count=len(dev))
+        dk_a = np.repeat(np.asarray(dk, dtype=np.int64), lens)
+        dt_a = np.concatenate([e[0] for e in dev]) + np.repeat(np.asarray(dt, dtype=np.int64), lens)
+        pos = np.searchsorted(P.key, dk_a, side="right")
+        idx = np.insert(np.arange(m), pos, m + np.arange(len(dk_a)))
+        ct_a = np.concatenate([times, dt_a])[idx]
+        cd_a = np.concatenate([P.delta, *(e[1] for e in dev)])[idx]
+        ck_a = np.concatenate([P.kind, *(e[2] for e in dev)])[idx]
+    else:
+        ct_a, cd_a, ck_a = times, P.delta, P.kind
+    live, time, op_of, delta, kind, order = _curve(ct_a, cd_a, ck_a, at, ad, ak, resident)
+    op_peak = np.zeros(n, dtype=np.int64)
     if len(live):
+        np.maximum.at(op_peak, op_of, live)
         j = int(live.argmax())
-        peak, peak_t = int(live[j]), int(memory["time_ns"][j])
-        peak_op = int(memory["op_index"][j])
+        peak, peak_t, peak_op = int(live[j]), int(time[j]), int(op_of[j])
     else:
         peak, peak_t, peak_op = problem.resident_bytes, 0, -1
+
+    memory = report_spans = None
+    if detail:
+        csid = np.asarray(P.sids + [s for c in dsid for s in c], dtype=object)
+        if idx is not None:
+            csid = csid[idx]
+        sid_all = np.concatenate([csid, np.asarray(asid, dtype=object)])
+        memory = {
+            "time_ns": time,
+            "live_bytes": live,
+            "op_index": op_of,
+            "delta_bytes": delta,
+            "what": kind,
+            "storage_id": sid_all if order is None else sid_all[order],
+        }
+        for k, op in enumerate(problem.ops):
+            if A is not None and A[k]:
+                a = int(op_start[k])
+                spans.append((k, 0, ("compute", "slow path", a - int(A[k]), a, k, "")))
+            if op.duration_ns:
+                span = ("compute", op.name, int(alloc_t[k]), int(op_end[k]), k, "")
+                spans.append((k, 2, span))
+        spans.sort(key=lambda s: (s[0], s[1]))  # stable: a visited op's spans in their order
+        report_spans = [s for _, _, s in spans]
     return SimResult(
         peak,
         peak_op,
         peak_t,
         int(t),
-        problem.time_ns,
-        problem.peak_bytes,
-        outcomes,
+        P.time_ns,
+        P.peak_bytes,
+        sum(stall),
+        sum(recomp),
         op_peak,
         op_start,
         op_end,
-        memory,
-        spans,
         new_carry,
+        decisions,
+        (stall, recomp, info),
+        memory,
+        report_spans,
+        (problem, bw_out, bw_in, carry or None),
     )
-
-
-def _op_events(problem: Problem):
-    """Per op, once per problem: the storages it touches, and the memory events of its own
-    allocations and scratch at its start and of its scratch and frees at its end, each as
-    (deltas, kinds, storage ids)."""
-    got = _OP_EVENTS.get(problem)
-    if got is not None:
-        return got
-    st = problem.storages
-    accessed, pre, post = [], [], []
-    for op in problem.ops:
-        accessed.append(frozenset(op.accessed))
-        a = [(st[s].size_bytes, _ALLOC, s) for s in op.allocs]
-        f = [(-st[s].size_bytes, _FREE, s) for s in op.frees]
-        if op.scratch_bytes:
-            a.append((op.scratch_bytes, _ALLOC, scratch_id(op.index)))
-            f.insert(0, (-op.scratch_bytes, _FREE, scratch_id(op.index)))
-        pre.append(tuple(tuple(c) for c in zip(*a, strict=True)) if a else ((), (), ()))
-        post.append(tuple(tuple(c) for c in zip(*f, strict=True)) if f else ((), (), ()))
-    got = _OP_EVENTS[problem] = (accessed, pre, post)
-    return got
-
-
-_OP_EVENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_REPLAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # replay event templates
-
-
-def _replay(
-    problem, d: Decision, t: int, k: int, state, decisions, active, ct, cd, ck, cop, csid, spans
-) -> int:
-    """Run a recompute decision's replay on the compute stream; returns the new time. The
-    replay's events relative to its start depend only on the decision and which of its
-    ``keep`` storages are out: made once per problem (``_replay_template``)."""
-    keep = tuple(
-        sorted(
-            x
-            for x in d.keep
-            if state.get(x) == "out"
-            and x in active
-            and decisions[active[x]].method == Method.RECOMPUTE
-        )
-    )
-    memo = _REPLAYS.get(problem)
-    if memo is None:
-        memo = _REPLAYS[problem] = {}
-    key = (d.storage_id, d.replay_ops, keep)
-    tpl = memo.get(key)
-    if tpl is None:
-        tpl = memo[key] = _replay_template(problem, d, set(keep))
-    dts, deltas, kinds, sids, dur = tpl
-    m = len(dts)
-    ct.extend([t + x for x in dts]), cd.extend(deltas), ck.extend(kinds)
-    cop.extend([k] * m), csid.extend(sids)
-    for x in keep:  # back early: its own RECOMPUTE will find it resident
-        state[x] = "in"
-    spans.append(("compute", f"recompute {d.storage_id}", t, t + dur, k, d.storage_id))
-    return t + dur
 
 
 def _replay_template(problem, d: Decision, keep: set):
@@ -745,38 +842,45 @@ def _replay_template(problem, d: Decision, keep: set):
     return tuple(ct), tuple(cd), tuple(ck), tuple(csid), t
 
 
-def _curve(problem, ct, cd, ck, cop, csid, at, ad, ak, asid, resident):
-    n = problem.n_ops
-    ct_a = np.asarray(ct, dtype=np.int64)
+@functools.lru_cache(maxsize=4096)
+def _drop_event(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A dropped storage's one event, as a chunk of the pass's dynamic events."""
+    return (
+        np.zeros(1, dtype=np.int64),
+        np.full(1, -size, dtype=np.int64),
+        np.full(1, _FREE, dtype=np.int8),
+    )
+
+
+_TIMES = dict(  # DecisionOutcome's times, in field order, as when they did not happen
+    out_start_ns=-1, out_end_ns=-1, in_start_ns=-1, in_end_ns=-1, freed_ns=-1, back_ns=-1
+)
+
+
+def _curve(ct_a, cd_a, ck_a, at, ad, ak, resident):
+    """The memory curve from the compute stream's events (program order) and the copies'
+    (issue order): live bytes, time, op, delta and kind of every event in time order, and the
+    order that sorted them (None: no copies, program order). Each copy event goes at its time
+    among the compute events; see Note [Simulation model] for ties (frees first)."""
     at_a = np.asarray(at, dtype=np.int64)
     ak_a = np.asarray(ak, dtype=np.int8)
-    # position of each async event among the compute events: frees before compute events at the
-    # same instant, allocations after them. See Note [Simulation model].
-    pos = np.where(
-        ak_a == _FREE,
-        np.searchsorted(ct_a, at_a, side="left"),
-        np.searchsorted(ct_a, at_a, side="right"),
-    )
-    key = np.concatenate([2 * np.arange(len(ct_a)) + 1, 2 * pos])
-    tie = np.concatenate([np.zeros(len(ct_a), dtype=np.int64), at_a])
-    order = np.lexsort((tie, key))
-    time = np.concatenate([ct_a, at_a])[order]
-    delta = np.concatenate([np.asarray(cd, dtype=np.int64), np.asarray(ad, dtype=np.int64)])[order]
-    kind = np.concatenate([np.asarray(ck, dtype=np.int8), ak_a])[order]
+    order = None
+    if len(at_a):
+        pos = np.where(
+            ak_a == _FREE,
+            np.searchsorted(ct_a, at_a, side="left"),
+            np.searchsorted(ct_a, at_a, side="right"),
+        )
+        key = np.concatenate([2 * np.arange(len(ct_a)) + 1, 2 * pos])
+        tie = np.concatenate([np.zeros(len(ct_a), dtype=np.int64), at_a])
+        order = np.lexsort((tie, key))
+        time = np.concatenate([ct_a, at_a])[order]
+        delta = np.concatenate([cd_a, np.asarray(ad, dtype=np.int64)])[order]
+        kind = np.concatenate([ck_a, ak_a])[order]
+    else:
+        time, delta, kind = ct_a, cd_a, ck_a
     live = resident + np.cumsum(delta)
-    # op of each event: the last compute mark at or before it
-    is_mark = kind == _MARK
-    op_of = np.cumsum(is_mark) - 1
-    if len(op_of) and op_of[0] < 0:  # async events before op 0 cannot exist (copies follow ops)
+    op_of = np.cumsum(kind == _MARK) - 1  # op of each event: the last op start at or before it
+    if len(op_of) and op_of[0] < 0:  # copies cannot come before op 0 (they follow ops)
         op_of = np.maximum(op_of, 0)
-    op_peak = np.zeros(n, dtype=np.int64)
-    if len(live):
-        np.maximum.at(op_peak, op_of, live)
-    memory = {
-        "time_ns": time,
-        "live_bytes": live,
-        "op_index": op_of,
-        "delta_bytes": delta,
-        "_lazy": (csid, asid, order, kind),
-    }
-    return memory, op_peak
+    return live, time, op_of, delta, kind, order

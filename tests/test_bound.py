@@ -17,7 +17,8 @@ import pytest
 
 pytest.importorskip("ortools")
 
-from capuchin.planner.bound import lower_bound, search_plans  # noqa: E402
+from capuchin.planner.bound import lower_bound  # noqa: E402
+from capuchin.planner.improve import search_plans  # noqa: E402
 from capuchin.planner.registry import get_policy  # noqa: E402
 from capuchin.planner.simulator import simulate  # noqa: E402
 

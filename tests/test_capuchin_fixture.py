@@ -1,10 +1,9 @@
 """The plans of the ``capuchin``, ``swap`` and ``recompute`` policies on every bundled trace at
 80/60/50% of its peak, compared decision by decision with a recorded fixture.
 
-The fixture (``tests/data/capuchin_plans.json``) holds the decisions the policies made before
-the policy module was split into the paper's algorithm (policies/capuchin.py) and the search
-around it (planner/search.py), and before the speed work on that search. It is a regression
-guard, not a statement of optimality: a change that alters a plan on purpose regenerates it
+The fixture (``tests/data/capuchin_plans.json``) holds the decisions of the last regeneration.
+It is a change detector, not a statement of optimality nor a test of the paper's choices (those
+are tests/test_capuchin_algorithm.py): a change that alters a plan on purpose regenerates it
 with ``python tests/test_capuchin_fixture.py --write`` and says why in its commit.
 """
 

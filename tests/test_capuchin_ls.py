@@ -58,7 +58,7 @@ def test_local_search_plans_train_bitwise_within_the_budget(name):
 
 
 def test_a_found_plan_that_does_not_fit_or_is_slower_is_not_taken(monkeypatch):
-    from capuchin.planner.bound import Found
+    from capuchin.planner.improve import Found
     from capuchin.planner.policies import capuchin_ls
 
     p = Problem.from_trace(load_trace(TRACES / "transformer.trace.parquet"))

@@ -160,3 +160,28 @@ def test_cli_compare_plot_draws_every_policy_at_the_smallest_budget(trace_file, 
     assert r.exit_code == 0, r.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote {png}" in r.output
+
+
+def test_plan_summary_names_the_overhead_compare_shows():
+    # `plan` predicts the simulated time plus the runtime's per-op cost (planner/costs.py);
+    # `compare` shows the simulated plan alone. The summary splits the one into the other.
+    from pathlib import Path
+
+    from capuchin.planner.build import run_policy
+    from capuchin.planner.report import format_summary
+    from capuchin.tracer.reader import load_trace
+
+    path = Path(__file__).resolve().parent.parent / "traces" / "transformer.trace.parquet"
+    p = Problem.from_trace(load_trace(path))
+    budget = p.peak_bytes // 2
+    plan, _, _ = run_policy(p, "capuchin", budget)
+    cost = plan.predictions.runtime_cost_ns
+    assert cost > 0  # a CPU trace: the runtime's per-op cost is charged
+    (rec,) = compare_policies(p, [budget], policies=["capuchin"], search_smallest=False).records
+    lines = format_summary(plan).splitlines()
+    assert f"{100 * plan.predictions.predicted_overhead:.2f}%" in lines[2]
+    assert lines[3].startswith(f"  = the simulated plan {100 * rec.predicted_overhead:+.2f}%")
+    assert f"per-op cost {cost / 1e6:.3f} ms" in lines[3]
+    assert "the simulated plan's extra time alone" in format_comparison(
+        compare_policies(p, [budget], policies=["capuchin"], search_smallest=False)
+    )

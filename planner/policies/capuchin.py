@@ -95,7 +95,6 @@ from ..search import (
     gc_paused,
     hidden,
     recompute_first,
-    restricted_first,
     searched,
     timer_from,
 )
@@ -127,51 +126,71 @@ def capuchin(
     hybrid = Capuchin("hybrid", max_rounds, collective, max_replay_ops)
     rec = Capuchin("recompute", max_rounds, collective, max_replay_ops)
     swap = Capuchin("swap", max_rounds, False, 0)
-    sw = Switching(collective, max_replay_ops)
-
-    restricted_fits: list[bool] = []
+    planners = (hybrid, rec, swap, Switching(collective, max_replay_ops))
     # Note [The search, in the plan's provenance]
-    made = {"persistent": "none", "deep": []}
+    made: dict = {"persistent": "none", "deep": []}
+    result = lambda ds: PolicyResult(tuple(ds), figures={"search": made})  # noqa: E731
+    if problem.n_ops == 0 or problem.peak_bytes <= budget_bytes:
+        return result([])
+    # search Note [Restricted first]: without the persistent candidates, then with them unless
+    # that fits at no cost; the better under the simulator (ties: the former)
+    base = problem.restricted()
+    restricted = _plan(base, budget_bytes, planners, made, "restricted", light=False)
+    if base is problem or _costs_nothing(problem, restricted, budget_bytes):
+        return result(restricted)
+    # Note [The search with persistent candidates]: lighter where the restricted plan fits
+    fits = simulate(base, restricted).peak_bytes <= budget_bytes
+    made["persistent"] = "light" if fits else "full"
+    full = _plan(problem, budget_bytes, planners, made, "full", light=fits)
+    return result(best_of(problem, budget_bytes, [lambda: restricted, lambda: full]))
 
-    def plan(p: Problem) -> list[Decision]:
-        name = "restricted" if p is problem.restricted() else "full"
-        if p is not problem.restricted():
-            made["persistent"] = "light" if restricted_fits == [True] else "full"
-        if p.n_ops > SEARCH_MAX_OPS:
-            made["descend"] = True
-            return searched(p, budget_bytes, hybrid)
-        # Note [The search with persistent candidates]: lighter where the restricted plan fits
-        light = made["persistent"] == "light"
-        # Note [Deep targets on large problems]: when needed, from DEEP_WHEN_NEEDED_OPS ops
-        deep = None if p.n_ops >= DEEP_WHEN_NEEDED_OPS else True
 
-        def search(planner: Capuchin, switching: Switching | None = None):
-            def run() -> list[Decision]:
-                hiding = planner.mode != "swap"  # search Note [Hidden swaps, on the grid]
-                ds = searched(p, budget_bytes, planner, switching, deep=deep, hiding=hiding)
-                if deep is None and deep_needed(p, planner, budget_bytes, switching):
-                    made["deep"].append(f"{name} {planner.mode}")
-                return ds
+def _costs_nothing(problem: Problem, decisions: list[Decision], budget_bytes: int) -> bool:
+    """Whether ``decisions`` fit ``budget_bytes`` at no extra time (as simulated): no plan can
+    beat them (False when they break an invariant)."""
+    try:
+        sim = simulate(problem, decisions)
+    except PlanError:
+        return False
+    return sim.peak_bytes <= budget_bytes and sim.time_ns <= sim.baseline_time_ns
 
-            return run
 
-        def variants():  # a generator: best_of stops early at a plan that costs nothing
-            if not light:
-                yield search(hybrid, sw)
-            yield search(rec)
-            if not light:
-                yield search(swap)
-            converted = recompute_first(p, rec, budget_bytes, sw, deep=deep)
-            for g in converted + hidden(p, converted, budget_bytes):
-                yield lambda g=g: g.decisions
+def _plan(
+    p: Problem, budget_bytes: int, planners: tuple, made: dict, name: str, light: bool
+) -> list[Decision]:
+    """The best (search Note [Best of variants]) of the hybrid on the target grid with
+    stalled-swap switching, the recompute-only and swap-only plans (not with ``light``), and
+    the recompute-only plans' recompute-first conversions and their hidden variants; above
+    ``SEARCH_MAX_OPS`` ops the hybrid alone, searched downwards. Records the deep targets
+    planned and the descent in ``made``."""
+    hybrid, rec, swap, sw = planners
+    if p.n_ops > SEARCH_MAX_OPS:
+        made["descend"] = True
+        return searched(p, budget_bytes, hybrid)
+    # Note [Deep targets on large problems]: when needed, from DEEP_WHEN_NEEDED_OPS ops
+    deep = None if p.n_ops >= DEEP_WHEN_NEEDED_OPS else True
 
-        decisions = best_of(p, budget_bytes, variants())
-        if p is not problem:
-            restricted_fits.append(simulate(p, decisions).peak_bytes <= budget_bytes)
-        return decisions
+    def search(planner: Capuchin, switching: Switching | None = None):
+        def run() -> list[Decision]:
+            hiding = planner.mode != "swap"  # search Note [Hidden swaps, on the grid]
+            ds = searched(p, budget_bytes, planner, switching, deep=deep, hiding=hiding)
+            if deep is None and deep_needed(p, planner, budget_bytes, switching):
+                made["deep"].append(f"{name} {planner.mode}")
+            return ds
 
-    decisions = restricted_first(problem, budget_bytes, plan)
-    return PolicyResult(tuple(decisions), figures={"search": made})
+        return run
+
+    def variants():  # a generator: best_of stops early at a plan that costs nothing
+        if not light:
+            yield search(hybrid, sw)
+        yield search(rec)
+        if not light:
+            yield search(swap)
+        converted = recompute_first(p, rec, budget_bytes, sw, deep=deep)
+        for g in converted + hidden(p, converted, budget_bytes):
+            yield lambda g=g: g.decisions
+
+    return best_of(p, budget_bytes, variants())
 
 
 @register("swap")
@@ -264,56 +283,92 @@ class Capuchin:
         """One pass of Algorithm 1; lowers ``excess`` in place and adds to ``chosen``. Returns
         the number of decisions added; adds the recomputations' Algorithm 2 overheads to
         ``spent[0]``."""
-        spent = [0] if spent is None else spent
-        swapping, recomputing = self.mode != "recompute", self.mode != "swap"
-        pairs = _candidates(problem, excess > 0, chosen, timer)
+        sel = _Selection(problem, excess, chosen, timer, self.max_replay_ops)
+        sel.run(swapping=self.mode != "recompute", recomputing=self.mode != "swap")
+        if spent is not None:
+            spent[0] += sel.spent_ns
+        return sel.added
+
+
+class _Selection:
+    """The state of one pass of Algorithm 1 (``Capuchin._select``): the per-op ``excess`` over
+    the target (lowered in place), the decisions ``chosen`` so far (added to), the swap timer's
+    channels, and Algorithm 2's queue once the hybrid phase starts."""
+
+    def __init__(
+        self,
+        problem: Problem,
+        excess: np.ndarray,
+        chosen: dict,
+        timer: SwapTimer,
+        max_replay_ops: int,
+    ):
+        self.problem = problem
+        self.excess = excess
+        self.chosen = chosen
+        self.timer = timer
+        self.max_replay_ops = max_replay_ops
+        self.queue: MspsQueue | None = None  # Algorithm 2's candidates, in the hybrid phase
+        self.added = 0  # decisions added
+        self.spent_ns = 0  # Algorithm 2's overheads of the recomputations selected
+
+    def useful(self, lo: int, hi: int) -> bool:
+        """Whether covering ops lo..hi lowers an op still over the target."""
+        # the ufunc's reduce: ndarray.any/max go through Python wrappers, and this runs for
+        # every option of every estimate (DenseNet-121 at 60%: 480,000 calls)
+        return hi >= lo and _max(self.excess[lo : hi + 1], initial=0) > 0
+
+    def estimate(self, p: AccessGap):  # ChooseSwapIntrigger and SwapOverhead (lines 3-4)
+        fn = estimate_wrap if p.wraps else SwapTimer.estimate
+        return fn(self.timer, p.size_bytes, p.evict_op, p.back_op, self.useful)
+
+    @staticmethod
+    def covers(e) -> list[tuple[int, int]]:
+        return list(e.cover) if isinstance(e, WrapEstimate) else [(e.cover_lo, e.cover_hi)]
+
+    def helps(self, e) -> bool:
+        return any(self.useful(lo, hi) for lo, hi in self.covers(e))
+
+    def cost(self, p: AccessGap, e) -> int:  # SwapOverhead, with the chosen replays that read p
+        return e.overhead_ns + (self.queue.swap_penalty(p) if self.queue is not None else 0)
+
+    def take_swap(self, p: AccessGap, e) -> None:  # Swap(t), mem_saving -= t.mem (lines 7, 12)
+        self.chosen[p.storage_id] = p.decision(Method.SWAP, trigger_op=e.trigger_op)
+        (reserve_wrap if p.wraps else SwapTimer.reserve)(self.timer, e)
+        for lo, hi in self.covers(e):
+            self.excess[lo : hi + 1] -= p.size_bytes
+        if self.queue is not None:
+            self.queue.swapped(p)
+        self.added += 1
+
+    def take_recompute(self, r) -> None:  # Recompute(t) and Algorithm 2's update (line 10)
+        g = self.queue.select(r.storage_id).gap
+        self.chosen[g.storage_id] = g.decision(Method.RECOMPUTE)
+        self.spent_ns += r.overhead_ns
+        self.excess[g.evict_op + 1 : g.back_op] -= g.size_bytes
+        self.excess[g.back_op] += r.temp_bytes
+        self.added += 1
+
+    def run(self, swapping: bool, recomputing: bool) -> None:
+        problem, excess, chosen = self.problem, self.excess, self.chosen
+        pairs = _candidates(problem, excess > 0, chosen, self.timer)
         if not pairs:
-            return 0
-        added = 0
-
-        def useful(lo: int, hi: int) -> bool:
-            # the ufunc's reduce: ndarray.any/max go through Python wrappers, and this runs for
-            # every option of every estimate (DenseNet-121 at 60%: 480,000 calls)
-            return hi >= lo and _max(excess[lo : hi + 1], initial=0) > 0
-
-        def estimate(p: AccessGap):  # ChooseSwapIntrigger and SwapOverhead (lines 3-4)
-            fn = estimate_wrap if p.wraps else SwapTimer.estimate
-            return fn(timer, p.size_bytes, p.evict_op, p.back_op, useful)
-
-        def covers(e) -> list[tuple[int, int]]:
-            return list(e.cover) if isinstance(e, WrapEstimate) else [(e.cover_lo, e.cover_hi)]
-
-        def helps(e) -> bool:
-            return any(useful(lo, hi) for lo, hi in covers(e))
-
-        def cost(p: AccessGap, e) -> int:  # SwapOverhead, with the chosen replays that read p
-            return e.overhead_ns + (queue.swap_penalty(p) if queue is not None else 0)
-
-        def take_swap(p: AccessGap, e) -> None:  # Swap(t), mem_saving -= t.mem (lines 7, 12)
-            nonlocal added
-            chosen[p.storage_id] = p.decision(Method.SWAP, trigger_op=e.trigger_op)
-            (reserve_wrap if p.wraps else SwapTimer.reserve)(timer, e)
-            for lo, hi in covers(e):
-                excess[lo : hi + 1] -= p.size_bytes
-            if queue is not None:
-                queue.swapped(p)
-            added += 1
+            return
 
         # -- swap first, while a swap costs nothing (§4.5; §1.8 step 3) --------------------------
-        queue = None
         if swapping:
             for ft, p in pairs:
                 if p.storage_id in chosen:
                     continue
                 if ft < 0:
                     break  # ranked by free time: no later pair can hide either
-                if not p.wraps and timer.least_overhead(p.size_bytes, p.evict_op, p.back_op):
+                if not p.wraps and self.timer.least_overhead(p.size_bytes, p.evict_op, p.back_op):
                     continue  # no in-trigger hides it: the estimate would say so
-                e = estimate(p)
-                if e.overhead_ns == 0 and helps(e):
-                    take_swap(p, e)
+                e = self.estimate(p)
+                if e.overhead_ns == 0 and self.helps(e):
+                    self.take_swap(p, e)
                     if _max(excess) <= 0:
-                        return added
+                        return
 
         # -- the hybrid phase: the cheaper of the best swap and the best recomputation -----------
         best_pair: dict[str, AccessGap] = {}  # one pair per remaining candidate: longest FT
@@ -321,10 +376,11 @@ class Capuchin:
             if p.storage_id not in chosen:
                 best_pair.setdefault(p.storage_id, p)
         ranked = enumerate(best_pair.items()) if swapping else ()
-        swaps = [(estimate(p).overhead_ns, i, sid) for i, (sid, p) in ranked]
+        swaps = [(self.estimate(p).overhead_ns, i, sid) for i, (sid, p) in ranked]
         heapq.heapify(swaps)
         if recomputing:  # Algorithm 2's candidates; persistent storages are swapped only
             queue = MspsQueue(problem, EvictionWindows(chosen.values()), self.max_replay_ops)
+            self.queue = queue
             for p in best_pair.values():
                 if problem.storages[p.storage_id].evictable:
                     queue.add(p)
@@ -332,8 +388,8 @@ class Capuchin:
         def next_swap():  # UpdateCandidates: overheads re-estimated on the channels as filled
             while swaps:
                 ov, i, sid = swaps[0]
-                e = None if sid in chosen else estimate(best_pair[sid])
-                if e is None or not helps(e):
+                e = None if sid in chosen else self.estimate(best_pair[sid])
+                if e is None or not self.helps(e):
                     heapq.heappop(swaps)
                 elif e.overhead_ns > ov:
                     heapq.heapreplace(swaps, (e.overhead_ns, i, sid))
@@ -343,33 +399,27 @@ class Capuchin:
 
         def rec_useful(c) -> bool:  # with swaps at hand, no replay whose temporaries overflow
             g = c.gap
-            ok = g.storage_id not in chosen and useful(g.evict_op + 1, g.back_op - 1)
+            ok = g.storage_id not in chosen and self.useful(g.evict_op + 1, g.back_op - 1)
             return ok and (not swapping or excess[g.back_op] + c.temp_bytes <= 0)
 
         while _max(excess) > 0:  # lines 13-14: until the required reduction is met
             s = next_swap() if swapping else None
-            r = queue.peek(rec_useful) if recomputing else None
+            r = self.queue.peek(rec_useful) if recomputing else None
             if s is None and r is None:
                 break
             if s is not None:
-                s_cost = cost(*s)
+                s_cost = self.cost(*s)
             if r is not None and swapping and (s is None or s_cost > r.overhead_ns):
                 # lines 4-6 compare swapping and recomputing the *same* tensor: the tensor with
                 # the best MSPS is swapped instead when that costs less than its recomputation
                 rp = best_pair[r.storage_id]
-                e = estimate(rp)
-                if helps(e) and (c := cost(rp, e)) <= r.overhead_ns:
+                e = self.estimate(rp)
+                if self.helps(e) and (c := self.cost(rp, e)) <= r.overhead_ns:
                     s, s_cost = (rp, e), c
             if r is None or (s is not None and s_cost <= r.overhead_ns):
-                take_swap(*s)  # line 7
-            else:  # Recompute(t) and Algorithm 2's update (line 10)
-                g = queue.select(r.storage_id).gap
-                chosen[g.storage_id] = g.decision(Method.RECOMPUTE)
-                spent[0] += r.overhead_ns
-                excess[g.evict_op + 1 : g.back_op] -= g.size_bytes
-                excess[g.back_op] += r.temp_bytes
-                added += 1
-        return added
+                self.take_swap(*s)  # line 7
+            else:
+                self.take_recompute(r)
 
 
 def _candidates(

@@ -1,7 +1,7 @@
 """The ``capuchin-ls`` policy: the ``capuchin`` plan, then a seeded local search around it.
 
 # Note: [Local search after the plan]
-# On DTR's U-Net and ResNet-32 (planner/bound.py's ``search_plans``, docs/planner.md "Lower
+# On DTR's U-Net and ResNet-32 (planner/improve.py's ``search_plans``, docs/planner.md "Lower
 # bound"), a local search from capuchin's plan finds simulated plans 26-66% cheaper in five of
 # six cells: greedy selection on the grid leaves time on the table that single-decision moves
 # (another in-trigger, swap <-> recompute, one decision dropped, another gap evicted) recover.
@@ -17,8 +17,8 @@
 
 from __future__ import annotations
 
-from ..bound import search_plans
 from ..build import complete_decisions
+from ..improve import accept, search_plans
 from ..problem import Problem
 from ..registry import PolicyResult, register
 from ..search import gc_paused
@@ -52,12 +52,13 @@ def capuchin_ls(
     n = steps_for(problem) if steps is None else steps
     found = search_plans(problem, budget_bytes, base.decisions, steps=n, seed=seed)
     figures = {"local_search_steps": n, "local_search_fitting": found.fitting}
-    if found.extra_ns is not None:
-        ds = complete_decisions(problem, list(found.decisions))
-        fsim = simulate(problem, ds)
-        if fsim.peak_bytes <= budget_bytes and fsim.time_ns < sim.time_ns:
+    if found.extra_ns is not None:  # improve Note [The accept rule]
+        ds = list(found.decisions)
+        got = accept(problem, lambda: complete_decisions(problem, ds), sim.time_ns, budget_bytes)
+        if got is not None:
+            fsim = got[1]
             return PolicyResult(
-                ds,
+                got[0],
                 notes=(
                     f"local search ({n} steps) from the capuchin plan: "
                     f"{(sim.time_ns - sim.baseline_time_ns) / 1e6:.2f} -> "
