@@ -9,7 +9,7 @@ load the trace, build the problem, the policy's decisions, the plan (lineage, si
 action table) and its JSON. ``cpu_s`` is that process's CPU time for those stages (the machine
 may be shared; CPU time is what the planner costs). The eight DTR traces are imported from
 ``--dtr-zip`` (tracer/dtr_import.py, as ``capuchin import-dtr``). ``--synthetic`` adds
-testing/synthetic.py's 24-layer transformer (~100k ops) at 50%.
+tracer/synthetic.py's 24-layer transformer (~100k ops) at 50%.
 """
 
 from __future__ import annotations

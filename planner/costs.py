@@ -41,7 +41,7 @@ adds ``runtime_cost_ns`` to the simulated iteration for the plan's predicted tim
 # (``Problem.host``), the same at every budget, so a policy that is monotone in the simulated
 # time stays so. On CUDA the host runs ahead of the device (kernel launches are asynchronous), so
 # its work overlaps the device's and nothing is charged (``NO_HOST_COST``); synthetic traces
-# (testing/synthetic.py) model no runtime and charge nothing either.
+# (tracer/synthetic.py) model no runtime and charge nothing either.
 # Sources: ``python benchmarks/runtime.py`` prints the per-op figures (its "per-op cost" lines:
 # a 16-float ``aten.add`` without a mode, through a passthrough mode, on the runtime's hot path and
 # on its slow path; a swap cycle through the CPU backend) and the table whose "measured /
