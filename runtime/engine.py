@@ -12,9 +12,10 @@ trace is loaded at run time.
 # ``torch.save`` (a checkpoint, often written after the last step, where passive mode may have
 # evicted what it saves) is the common case: the runtime replaces ``torch.save`` while it runs
 # with one that restores every evicted storage first (without it, the state a torchrun job saved
-# after its last step held 0-byte storages and failed to load). Others (``Tensor.numpy()``
-# views, ``data_ptr()`` handed to an extension) are not covered: between steps, after the
-# step-end restore, nothing is evicted until the next op runs.
+# after its last step held 0-byte storages and failed to load). The other raw reads
+# (``Tensor.numpy()``, ``tolist()``, ``data_ptr()``, ...) restore what they read themselves,
+# at any time (Note [Raw reads] in rawreads.py): wrap-around swaps and dynamic mode keep
+# storages out between steps.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..distributed import default_warmup, per_rank, say, world
 from ..errors import PlanFormatError
 from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
+from . import rawreads
 from .actions import compile_plan
 from .backend import backend_for
 from .dynamic import REMAT, DynamicGuard
@@ -207,6 +209,7 @@ class Runtime:
             self.meter.start()
         self.indexer.install()
         self._patch_save()
+        rawreads.install(self.ex)
         self.ex.mode.__enter__()
         return self
 
@@ -226,7 +229,8 @@ class Runtime:
         def capuchin_save(*args, **kwargs):
             with _disable_current_modes(), torch.no_grad():
                 self.ex.restore_all(wrapping=True)
-            return save(*args, **kwargs)
+            with rawreads.quiet():
+                return save(*args, **kwargs)
 
         torch.save = capuchin_save
 
@@ -272,6 +276,7 @@ class Runtime:
                 raise  # otherwise the script's own error is the one to report
         finally:
             self.ex.mode.__exit__(exc_type, exc, tb)
+            rawreads.uninstall(self.ex)
             torch.save = self._save
             self.indexer.uninstall()
             peaks = self.meter.finish() if self.meter is not None else {}

@@ -103,7 +103,7 @@ from ..planner.plan import Step
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
 from ..tracer.schema import IdKind, TensorId, id_kind, shape_signature
 from .backend import byte_view
-from .state import Entry, Reason, Residency, bump_writes, resize, storage_key
+from .state import Entry, Reason, Residency, bump_writes, evictable, resize, storage_key
 
 # Note [Resync after an unexpected op]
 RESYNC_LOOKAHEAD = 4  # ops after a skipped one that must match the plan by name and shapes
@@ -562,7 +562,7 @@ class Executor:
         kind = id_kind(sid)
         if (
             not (kind is IdKind.OUTPUT or (kind is IdKind.INPUT and d.method.value == "swap"))
-            or not st.resizable()
+            or not evictable(st)
             or st.nbytes() == 0
             or st.device.type != self.backend.device.type
         ):
@@ -618,6 +618,14 @@ class Executor:
         e = self.entries.get(storage_key(st))
         if e is not None:
             self.restore(e)
+
+    def restore_for_read(self, key: int) -> None:
+        """A raw read of storage ``key`` (Note [Raw reads] in rawreads.py): back first, also
+        from a swap-out still in flight (its end would free the bytes)."""
+        e = self.entries.get(key)
+        if e is not None:
+            self.restore(e)
+            self._update_fast()
 
     def restore(self, e: Entry, planned: bool = False) -> None:
         if e.swap:  # copies of plain storages (Note [Runtime-internal ops] in state.py)
