@@ -378,6 +378,7 @@ class DynamicTracker(PassiveTracker):
             written,
             [None] * len(outs),
             rng,
+            torch.is_grad_enabled(),  # R7 in recompute.py
         )
         replayable = _REPLAYABLE.get(func)
         if replayable is None:

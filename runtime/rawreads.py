@@ -1,7 +1,8 @@
 """Reads of a tensor's bytes that pass through no op: ``Tensor.numpy()`` (and ``__array__``,
-``np.asarray``), ``tolist()``, ``data_ptr()``, ``__dlpack__()``, ``untyped_storage()`` and the
-storage's own ``data_ptr()`` / ``tolist()``. While a ``Runtime`` is entered they bring an
-evicted storage back first; those that hand out the address of the bytes also expose the storage.
+``np.asarray``), ``tolist()``, ``data_ptr()``, ``__dlpack__()`` and, on the storage that
+``untyped_storage()`` returns, ``data_ptr()`` and ``tolist()``. While a ``Runtime`` is entered
+they bring an evicted storage back first; those that hand out the address of the bytes also
+expose the storage.
 
 # Note: [Raw reads]
 # An evicted storage comes back when an op reads it (the tracker sees every op). A raw read sees
@@ -12,8 +13,9 @@ evicted storage back first; those that hand out the address of the bytes also ex
 # which the script may keep and read later (``numpy()``'s array shares them, ``data_ptr()``,
 # ``__dlpack__()``, the storage's ``data_ptr()``), also *expose* it: an exposed storage is never
 # evicted again (``evictable`` in state.py), since eviction frees the bytes and a restore puts
-# them at a new address. A copy (``tolist()``) restores only, and so does ``untyped_storage()``:
-# the storage object is a handle; reading bytes through it takes one of the methods above.
+# them at a new address. A copy (``tolist()``) restores only. ``untyped_storage()`` itself
+# restores nothing: the storage object is a handle (an evicted one's ``nbytes()`` is 0); the
+# bytes are read through its ``data_ptr()`` or ``tolist()``.
 # Only calls from the script's code count: with the runtime's dispatch mode on the calling
 # thread's stack (the runtime's own calls run with the modes off: Note [Runtime-internal ops]
 # in state.py). ``torch.save`` restores everything itself (Note [Reads outside ops] in
@@ -34,7 +36,6 @@ _TENSOR_METHODS = {  # name -> exposes the storage
     "data_ptr": True,
     "__dlpack__": True,
     "tolist": False,
-    "untyped_storage": False,
 }
 _STORAGE_METHODS = {"data_ptr": True, "tolist": False}
 

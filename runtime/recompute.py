@@ -16,6 +16,15 @@ Rules from the prototype (reference/runtime-prototype.md §3), each needed for b
   (batch norm's running statistics) are cloned for the replay.
 - R6 unannotated writes: "writes" come from ``tracer.hooks.written_inputs``, which adds the table of
   ops that mutate arguments their schema does not mark (native/cudnn batch norm).
+- R7 grad mode: each op replays under the grad mode it ran in (Note [Replay grad mode]).
+# Note: [Replay grad mode]
+# Some ops return other outputs with grad mode off: ``aten.mkldnn_rnn_layer`` (nn.LSTM on CPU)
+# returns no training workspace (its fourth output) under ``no_grad``, so a replay under
+# ``no_grad`` could not regenerate a dropped workspace ("the replayed ops do not produce it",
+# after the bytes were gone). A record keeps the grad mode its op ran in and the replay runs the
+# op under it. The replayed arguments are fresh views of the storages (``_Slot.view``), which
+# require no grad, so no autograd graph is built either way.
+
 Collective recomputation (paper §5.3): a replay also refills the decision's ``keep`` storages that
 are dropped, while memory allows; other intermediates are freed after their last use.
 """
@@ -103,6 +112,7 @@ class Record:
     written: tuple[int, ...]  # flat slots the op writes (schema + unannotated table)
     out_sids: list[str | None]  # storage id of each flat output it allocated, else None
     rng: tuple | None  # (kind, device/generator, state) for seeded ops (R4)
+    grad: bool = False  # the grad mode it ran in (R7)
 
 
 def _capture_rng(func, args, kwargs, flat) -> tuple | None:
@@ -177,6 +187,7 @@ class RecomputeEngine:
             written,
             [],
             _capture_rng(func, args, kwargs, flat) if seeded else None,
+            torch.is_grad_enabled(),
         )
         self.records[k] = rec
         return rec
@@ -227,6 +238,8 @@ class RecomputeEngine:
                 if s.strong is not None and writes(st) != s.writes:
                     return f"a source of op {k} was written since"
             produced.update(x for x in rec.out_sids if x)
+        if d.storage_id not in produced:  # never drop what no recorded op made (no bytes back)
+            return "the recorded ops did not produce it"
         return None
 
     def release(self, d: Decision, still_needed: set[int]) -> None:
@@ -285,11 +298,12 @@ class RecomputeEngine:
                 tensors.append(s.view(st))
             args = _fill(rec.args, tensors)
             kwargs = _fill(rec.kwargs, tensors)
-            out = (
-                _run_with_rng(rec, args, kwargs)
-                if rec.rng is not None
-                else rec.func(*args, **kwargs)
-            )
+            with torch.set_grad_enabled(rec.grad):  # R7
+                out = (
+                    _run_with_rng(rec, args, kwargs)
+                    if rec.rng is not None
+                    else rec.func(*args, **kwargs)
+                )
             for sid, t in zip(rec.out_sids, flatten_outputs(out), strict=False):
                 if sid is not None:
                     env[sid] = t.untyped_storage()
