@@ -21,6 +21,7 @@ trace is loaded at run time.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from ..distributed import default_warmup, per_rank, say, world
 from ..errors import PlanFormatError
 from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
-from . import rawreads
+from . import rawreads, threads
 from .actions import compile_plan
 from .backend import backend_for
 from .dynamic import REMAT, DynamicGuard
@@ -84,6 +85,10 @@ class _Indexer(OpIndexer):
     def __init__(self, runtime: Runtime, **kw):
         super().__init__(**kw)
         self._rt = runtime
+
+    def _pre_step(self, *args, **kwargs):
+        threads.refuse_step(self._rt)  # Note [Other threads] in threads.py
+        return super()._pre_step(*args, **kwargs)
 
     def mark_step(self, *args, **kwargs) -> None:
         super().mark_step(*args, **kwargs)
@@ -210,6 +215,9 @@ class Runtime:
         self.indexer.install()
         self._patch_save()
         rawreads.install(self.ex)
+        self.thread_id = threading.get_ident()
+        self.refusal = None
+        threads.install(self, self.ex)
         self.ex.mode.__enter__()
         return self
 
@@ -277,12 +285,15 @@ class Runtime:
         finally:
             self.ex.mode.__exit__(exc_type, exc, tb)
             rawreads.uninstall(self.ex)
+            threads.uninstall(self)
             torch.save = self._save
             self.indexer.uninstall()
             peaks = self.meter.finish() if self.meter is not None else {}
             if self._fraction_set:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.device)
             self.backend.close()
+        if self.refusal is not None and exc_type is None:
+            raise self.refusal
         for s in self._iters:
             s.peak_bytes = peaks.get(s.iteration)
         short = [s for s in self._iters if s.passive_short_bytes > 0]

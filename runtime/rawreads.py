@@ -16,8 +16,9 @@ expose the storage.
 # them at a new address. A copy (``tolist()``) restores only. ``untyped_storage()`` itself
 # restores nothing: the storage object is a handle (an evicted one's ``nbytes()`` is 0); the
 # bytes are read through its ``data_ptr()`` or ``tolist()``.
-# Only calls from the script's code count: with the runtime's dispatch mode on the calling
-# thread's stack (the runtime's own calls run with the modes off: Note [Runtime-internal ops]
+# Only calls from the script's code count: with a dispatch mode on the calling thread's stack
+# (the runtime's, or ``ForeignMode`` in another thread of the script: Note [Other threads] in
+# threads.py) (the runtime's own calls run with the modes off: Note [Runtime-internal ops]
 # in state.py). ``torch.save`` restores everything itself (Note [Reads outside ops] in
 # engine.py) and exposes nothing: it copies the bytes and keeps no address.
 """
@@ -30,6 +31,7 @@ import threading
 import torch
 
 from .state import expose
+from .threads import LOCK
 
 _TENSOR_METHODS = {  # name -> exposes the storage
     "numpy": True,
@@ -59,14 +61,15 @@ def _before_read(st, exposes: bool) -> None:
 
 def _tensor_wrapper(name: str, orig, exposes: bool):
     def method(self, *args, **kwargs):
-        if _script_call():
-            try:
-                st = _storage_of(self)
-            except (RuntimeError, NotImplementedError, TypeError):
-                st = None
-            if st is not None:
-                _before_read(st, exposes)
-        return orig(self, *args, **kwargs)
+        if not _script_call():
+            return orig(self, *args, **kwargs)
+        try:
+            st = _storage_of(self)
+        except (RuntimeError, NotImplementedError, TypeError):
+            return orig(self, *args, **kwargs)
+        with LOCK:  # no eviction between the restore and the read (Note [Other threads])
+            _before_read(st, exposes)
+            return orig(self, *args, **kwargs)
 
     method.__name__ = name
     method.__doc__ = orig.__doc__
@@ -75,9 +78,11 @@ def _tensor_wrapper(name: str, orig, exposes: bool):
 
 def _storage_wrapper(name: str, orig, exposes: bool):
     def method(self, *args, **kwargs):
-        if _script_call():
+        if not _script_call():
+            return orig(self, *args, **kwargs)
+        with LOCK:
             _before_read(self, exposes)
-        return orig(self, *args, **kwargs)
+            return orig(self, *args, **kwargs)
 
     method.__name__ = name
     method.__doc__ = orig.__doc__

@@ -104,6 +104,7 @@ from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_in
 from ..tracer.schema import IdKind, TensorId, id_kind, shape_signature
 from .backend import byte_view
 from .state import Entry, Reason, Residency, bump_writes, evictable, resize, storage_key
+from .threads import LOCK
 
 # Note [Resync after an unexpected op]
 RESYNC_LOOKAHEAD = 4  # ops after a skipped one that must match the plan by name and shapes
@@ -143,7 +144,8 @@ class TrackerMode(TorchDispatchMode):
                     return func(*args, **kwargs) if kwargs else func(*args)
             except IndexError:
                 pass
-        return self.ex.slow_op(func, args, kwargs or {})
+        with LOCK:  # Note [Other threads] in threads.py
+            return self.ex.slow_op(func, args, kwargs or {})
 
 
 def _reads(args, kwargs, evicted: dict) -> bool:
@@ -348,6 +350,10 @@ class Executor:
         self.live.clear()
 
     def restore_all(self, wrapping: bool = False) -> None:
+        with LOCK:  # Note [Other threads] in threads.py
+            self._restore_all(wrapping)
+
+    def _restore_all(self, wrapping: bool) -> None:
         """Iteration end (or step end): every evicted storage comes back, except those of
         wrap-around decisions (``Decision.wraps``: they stay out across the iteration boundary
         until their back-access in the next iteration or any access) unless ``wrapping``
@@ -374,6 +380,32 @@ class Executor:
         else:  # Note [Hot path]: guarded while anything is evicted, in flight or recorded
             mode.fast = self.table.guarded
             mode.evicted = self.entries if self.entries else _ANY
+
+    # ---- ops of other threads (Note [Other threads] in threads.py) -------------------------------
+    def foreign_op(self, func, args, kwargs) -> None:
+        """Before an op of a thread that does not train runs (``LOCK`` held): its evicted inputs
+        come back, and the storages it writes count the write (copy-on-write first, R3)."""
+        info = op_info(func)
+        if info.ignored:
+            return
+        flat = flatten_tensors(args, kwargs)
+        if self.entries:
+            for key in _keys(flat):
+                e = self.entries.get(key)
+                if e is not None:
+                    self.restore(e)
+            self._update_fast()
+        for a in written_inputs(info, args, kwargs, flat):
+            try:
+                st = flat[a].untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            for sid in list(self.dependents.get(storage_key(st), ())):
+                e = self.by_sid.get(sid)
+                if e is not None and e.state is Residency.OUT and not e.swap:
+                    self.restore(e)
+                    self.stats.cow_restores += 1
+            bump_writes(st)
 
     # ---- the slow path ------------------------------------------------------------------------------
     def slow_op(self, func, args, kwargs):
@@ -622,10 +654,11 @@ class Executor:
     def restore_for_read(self, key: int) -> None:
         """A raw read of storage ``key`` (Note [Raw reads] in rawreads.py): back first, also
         from a swap-out still in flight (its end would free the bytes)."""
-        e = self.entries.get(key)
-        if e is not None:
-            self.restore(e)
-            self._update_fast()
+        with LOCK:
+            e = self.entries.get(key)
+            if e is not None:
+                self.restore(e)
+                self._update_fast()
 
     def restore(self, e: Entry, planned: bool = False) -> None:
         if e.swap:  # copies of plain storages (Note [Runtime-internal ops] in state.py)
