@@ -296,6 +296,7 @@ class Runtime:
             raise self.refusal
         for s in self._iters:
             s.peak_bytes = peaks.get(s.iteration)
+        self._warn_over(exc_type)
         short = [s for s in self._iters if s.passive_short_bytes > 0]
         if short and exc_type is None:
             worst = max(s.passive_short_bytes for s in short)
@@ -316,6 +317,31 @@ class Runtime:
         )
         if self.report_path is not None and exc_type is None:
             self.report.save(self.report_path)
+
+    def _warn_over(self, exc_type) -> None:
+        """Name every checked, complete iteration whose measured peak is over the budget that
+        passive mode's shortfall warning does not name (a planned iteration above all: memory
+        the plan did not see, such as tensors the script keeps from an iteration that diverged)."""
+        over = [
+            s
+            for s in self._iters
+            if s.complete
+            and s.iteration >= self.first_checked_iteration
+            and s.peak_bytes is not None
+            and s.peak_bytes > self.budget_bytes
+            and s.passive_short_bytes == 0
+        ]
+        if not over or exc_type is not None:
+            return
+        worst = max(over, key=lambda s: s.peak_bytes)
+        say(
+            f"capuchin: warning: {len(over)} iteration(s) {[s.iteration for s in over][:8]} "
+            f"measured over the budget of {self.budget_bytes / 2**20:.1f} MiB with no shortfall "
+            f"of passive mode: up to {worst.peak_bytes / self.budget_bytes:.3f}x it (iteration "
+            f"{worst.iteration}{', planned' if not worst.diverged else ''}); memory the plan does "
+            "not know was resident (tensors the script keeps across iterations); see peak_bytes "
+            "in the report"
+        )
 
     # ---- iteration callbacks (from the indexer, inside the first op of an iteration) ----------
     def _iteration_start(self, n: int) -> None:

@@ -22,14 +22,15 @@
 # iteration to its first access ``f`` in the next; its id ``x{f}:{a}`` binds it to a live
 # storage only at op ``f``. The first planned iteration would so start with all of them resident
 # (optimizer state above all: iteration 0 creates it and follows no plan), over the budget by
-# their bytes (BERT-MLM: 1.18x). So iteration 0, which follows no plan, keeps the ops of its
-# tail (OpOverload, shapes, weak references to the arguments' storages), and at its end, when
-# that tail matches the end of the plan's op list (same ops, same shapes: the optimizer step),
-# each wrap-around storage whose ``f`` lies in the matched part is named from it and swapped out
-# as if the plan's evicted-access had just run. Not after a checked iteration that diverged:
-# the next one usually diverges too (Note [Watched iterations]). A wrong binding (same ops and
-# shapes, other tensors) costs an extra swap, never a wrong value: any access restores it, and
-# op ``f`` names the right storage.
+# their bytes (BERT-MLM: 1.18x). So an iteration that ends without following the plan (iteration
+# 0, and a checked iteration that diverged: the next planned iteration after it started over the
+# budget by the same bytes, MoE 1.64x) keeps the ops of its tail (OpOverload, shapes, weak
+# references to the arguments' storages) from where it stopped following the plan, and at its
+# end, when that tail matches the end of the plan's op list (same ops, same shapes: the
+# optimizer step), each wrap-around storage whose ``f`` lies in the matched part is named from
+# it and swapped out as if the plan's evicted-access had just run. A wrong binding (same ops and
+# shapes, other tensors), or a next iteration that diverges too, costs an extra swap, never a
+# wrong value: any access restores it, and op ``f`` names the right storage.
 
 # Note: [Watched iterations]
 # Passive mode can only count and evict storages it saw allocated (Note [Passive budget on CPU] in
@@ -321,7 +322,7 @@ class Executor:
             st is not None and st.diverged and st.iteration >= self.rt.first_checked_iteration
         )
         if self._tail:
-            if not self.guided and not self.last_diverged:  # iteration 0 (Note [Watched ...])
+            if not self.guided:  # Note [Wrap-around storages before the first planned ...]
                 with _disable_current_modes(), torch.no_grad():
                     self._prebind_wraps()
             self._tail.clear()
