@@ -41,7 +41,12 @@
 # name and shapes (so a shape divergence is caught at its first op, not at the first op with an
 # action), and its new storages are tracked while the plan is followed. An iteration that ends
 # without diverging turns watching off again (the hot path returns). Iteration 0 always diverges
-# (it builds the model) and predicts nothing, so it does not start watching. In the first
+# (it builds the model) and predicts nothing, so it does not start watching. Other shapes at an
+# op with no planned action whose outputs all alias its arguments by its schema (a view, a
+# ``copy_`` into a slice: a collate function padding samples of other lengths into a batch of
+# the planned shape) are no divergence: such an op allocates nothing, and an unwatched
+# iteration would not have checked it either; the plan's actions still check their own ops'
+# shapes, so a batch of another shape still diverges at its first op that allocates. In the first
 # diverged iteration, unwatched, ``BudgetGuard.discover`` (passive.py) counts what the ops
 # before the divergence left resident through the autograd graph (the tensors of a live graph
 # and what they saved): at a divergence at op 100 of the transformer the measured peak went
@@ -168,6 +173,19 @@ def _reads(args, kwargs, evicted: dict) -> bool:
                     except (RuntimeError, NotImplementedError):
                         return True
     return False
+
+
+_ALIASING: dict = {}
+
+
+def _allocates_nothing(func) -> bool:
+    """Whether every output of ``func`` aliases an argument by its schema (a view, an in-place
+    write such as ``copy_`` into a slice): it allocates no storage whatever its shapes."""
+    got = _ALIASING.get(func)
+    if got is None:
+        rets = getattr(getattr(func, "_schema", None), "returns", None)
+        got = _ALIASING[func] = bool(rets) and all(r.alias_info is not None for r in rets)
+    return got
 
 
 def _keys(flat: list) -> list:
@@ -439,6 +457,8 @@ class Executor:
                 if check and not tbl.shapes_match(k, flat):
                     if self._switch_kind(k, func, flat):
                         acts = self.table.ops.get(k)
+                    elif acts is None and not self.resync_left and _allocates_nothing(func):
+                        pass  # Note [Watched iterations]: other shapes that allocate nothing
                     else:
                         self._diverge(k, info.name, "shapes", flat)
                         acts = None

@@ -66,3 +66,33 @@ def test_a_planned_iteration_over_the_budget_is_named(plan, capsys):
     named = re.search(r"(\[[0-9, ]*\]) measured over the budget", err)
     assert named, err
     assert set(planned) <= set(json.loads(named.group(1))), (planned, err)
+
+
+PAD = Path(__file__).resolve().parent / "frameworks" / "dynamic_pad.py"
+
+
+@pytest.fixture(scope="module")
+def pad_plan(tmp_path_factory):
+    # traced iteration 1: a batch padded to 24 (the even steps pad to 20)
+    trace = trace_script(
+        PAD,
+        ["--steps", "3"],
+        output=tmp_path_factory.mktemp("pad") / "t.parquet",
+        iterations=1,
+        log=lambda m: None,
+    )
+    return make_plan(trace, "60%", policy="capuchin")
+
+
+def test_dynamic_padding_follows_the_plan_at_every_batch_of_its_shape(pad_plan):
+    """Note [Watched iterations]: the collate function's copies of samples of other lengths into
+    the padded batch (other shapes, nothing allocated) are no divergence in the watched
+    iteration after a batch of another shape."""
+    args = ["--steps", "7"]
+    rt = Runtime(pad_plan, measure_memory=True)
+    got = run_example(PAD, args, rt)
+    assert state_mismatches(run_example(PAD, args), got) == []
+    its = {s.iteration: s for s in rt.report.iterations if s.complete and s.iteration >= 1}
+    assert [i for i, s in its.items() if s.diverged] == [2, 4, 6]
+    for i in (1, 3, 5):
+        assert its[i].evictions > 0 and its[i].peak_bytes <= pad_plan.budget_bytes, i
