@@ -106,10 +106,21 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..distributed import say
 from ..errors import PlanFormatError, RecomputeError
 from ..planner.plan import Step
+from ..planner.problem import COMMUNICATION_NAMESPACES
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
 from ..tracer.schema import IdKind, TensorId, id_kind, shape_signature
 from .backend import byte_view
-from .state import Entry, Reason, Residency, bump_writes, evictable, resize, storage_key
+from .state import (
+    Entry,
+    Reason,
+    Residency,
+    bump_writes,
+    evictable,
+    expose,
+    resize,
+    storage_key,
+    storages,
+)
 from .threads import LOCK
 
 # Note [Resync after an unexpected op]
@@ -176,6 +187,18 @@ def _reads(args, kwargs, evicted: dict) -> bool:
 
 
 _ALIASING: dict = {}
+_COMMUNICATES: dict = {}
+
+
+def _communicates(func) -> bool:
+    """Whether ``func`` is a collective or an FSDP op (Note [Collectives] in planner/problem.py):
+    the communication backend may read or write its buffers after it returns (an async
+    all-reduce of DDP's gradient bucket), outside any op, so passive and dynamic mode never
+    evict them either (``expose``: the planner already never plans them)."""
+    got = _COMMUNICATES.get(func)
+    if got is None:
+        got = _COMMUNICATES[func] = str(func).startswith(COMMUNICATION_NAMESPACES)
+    return got
 
 
 def _allocates_nothing(func) -> bool:
@@ -438,6 +461,9 @@ class Executor:
         k = ix.op_index
         self.op_time[k] = time.perf_counter()
         flat = flatten_tensors(args, kwargs)
+        if _communicates(func):  # Note [Collectives] in planner/problem.py
+            for _key, st in storages(flat):
+                expose(st)
         acts = None
         extra = False  # Note [Resync after an unexpected op]
         if self.guided:
