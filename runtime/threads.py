@@ -41,6 +41,8 @@ class ForeignMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not any(e is self.ex for _, e in _active):  # the runtime exited: nothing is evicted
+            return func(*args, **kwargs)
         with LOCK:
             self.ex.foreign_op(func, args, kwargs)
             return func(*args, **kwargs)
