@@ -13,13 +13,14 @@
 # reads loses its bytes while the op runs. A foreign op is no op of the iteration: it takes no
 # op index, follows no plan, and what it allocates is not counted; what it brought back stays
 # resident until the training thread evicts it again. Threads started before the runtime was
-# entered are not seen.
+# entered are not seen, nor threads of a forked process (a DataLoader worker).
 # Training in another thread (its optimizer step) is refused with one line at the step
 # (``refuse_step``): the runtime follows one thread's op sequence, the one that entered it.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,6 +30,7 @@ from ..errors import ScriptError
 LOCK = threading.RLock()
 _active: list = []  # (runtime, executor) of the entered runtimes
 _orig_bootstrap = None
+_pid = 0  # the process that installed it (a forked DataLoader worker inherits the patch)
 _INTERNAL = ("capuchin-",)  # thread names of capuchin's own threads (runtime/backend.py)
 
 
@@ -53,7 +55,7 @@ class ForeignTraining(ScriptError):
 
 
 def _bootstrap_inner(self):
-    if not _active or self.name.startswith(_INTERNAL):
+    if not _active or self.name.startswith(_INTERNAL) or os.getpid() != _pid:
         return _orig_bootstrap(self)
     rt, ex = _active[-1]
     mode = ForeignMode(ex)
@@ -71,8 +73,9 @@ def _bootstrap_inner(self):
 
 
 def install(runtime, executor) -> None:
-    global _orig_bootstrap
+    global _orig_bootstrap, _pid
     if _orig_bootstrap is None:
+        _pid = os.getpid()
         _orig_bootstrap = threading.Thread._bootstrap_inner
         threading.Thread._bootstrap_inner = _bootstrap_inner
     _active.append((runtime, executor))
@@ -84,6 +87,7 @@ def uninstall(runtime) -> None:
     if not _active and _orig_bootstrap is not None:
         threading.Thread._bootstrap_inner = _orig_bootstrap
         _orig_bootstrap = None
+_pid = 0  # the process that installed it (a forked DataLoader worker inherits the patch)
 
 
 def refuse_step(runtime) -> None:
