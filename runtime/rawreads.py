@@ -26,6 +26,7 @@ expose the storage.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -45,10 +46,11 @@ _active: list = []  # executors of the entered runtimes
 _orig: dict = {}
 _quiet = threading.local()  # inside torch.save: restore, never expose
 _storage_of = torch._C.TensorBase.untyped_storage
+_pid = 0  # the process that installed them (a forked DataLoader worker inherits the patch)
 
 
 def _script_call() -> bool:
-    return bool(_active) and torch._C._len_torch_dispatch_stack() > 0
+    return bool(_active) and torch._C._len_torch_dispatch_stack() > 0 and os.getpid() == _pid
 
 
 def _before_read(st, exposes: bool) -> None:
@@ -91,7 +93,9 @@ def _storage_wrapper(name: str, orig, exposes: bool):
 
 def install(executor) -> None:
     """Route raw reads through ``executor`` (Note [Raw reads]) until ``uninstall``."""
+    global _pid
     if not _orig:
+        _pid = os.getpid()
         for name, exposes in _TENSOR_METHODS.items():
             orig = torch.Tensor.__dict__.get(name)
             _orig[(torch.Tensor, name)] = orig

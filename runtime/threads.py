@@ -27,7 +27,28 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ScriptError
 
-LOCK = threading.RLock()
+
+class _Lock:
+    """A re-entrant lock that a forked child gets anew, free: a DataLoader worker forked while
+    another thread held it would otherwise wait for it forever (its dispatch mode, inherited with
+    the forking thread's state, takes it on its slow path)."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+
+    def __enter__(self):
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+    def reset(self) -> None:
+        self._lock = threading.RLock()
+
+
+LOCK = _Lock()
+os.register_at_fork(after_in_child=LOCK.reset)
 _active: list = []  # (runtime, executor) of the entered runtimes
 _orig_bootstrap = None
 _pid = 0  # the process that installed it (a forked DataLoader worker inherits the patch)
@@ -87,6 +108,8 @@ def uninstall(runtime) -> None:
     if not _active and _orig_bootstrap is not None:
         threading.Thread._bootstrap_inner = _orig_bootstrap
         _orig_bootstrap = None
+
+
 _pid = 0  # the process that installed it (a forked DataLoader worker inherits the patch)
 
 
