@@ -64,3 +64,32 @@ def test_training_in_another_thread_is_refused(plan):
         run_example(
             SCRIPT, ["--steps", "4", "--mode", "train"], Runtime(plan, measure_memory=False)
         )
+
+
+def test_a_forked_child_gets_the_lock_free():
+    """A DataLoader worker forked while another thread holds the runtime's lock would wait for
+    it forever on its first op."""
+    import os
+    import threading
+
+    from capuchin.runtime.threads import LOCK
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with LOCK:
+            held.set()
+            release.wait()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 if the lock is free there
+            os._exit(0 if LOCK._lock.acquire(timeout=5) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        t.join()
