@@ -338,9 +338,10 @@ class Runtime:
             f"capuchin: warning: {len(over)} iteration(s) {[s.iteration for s in over][:8]} "
             f"measured over the budget of {self.budget_bytes / 2**20:.1f} MiB with no shortfall "
             f"of passive mode: up to {worst.peak_bytes / self.budget_bytes:.3f}x it (iteration "
-            f"{worst.iteration}{', planned' if not worst.diverged else ''}); memory the plan does "
-            "not know was resident (tensors the script keeps across iterations); see peak_bytes "
-            "in the report"
+            f"{worst.iteration}{', planned' if not worst.diverged else ''}); memory the plan did "
+            "not foresee was resident (tensors the script keeps across iterations, or what the "
+            "plan keeps out across the step, resident in the first planned iteration); see "
+            "peak_bytes in the report"
         )
 
     # ---- iteration callbacks (from the indexer, inside the first op of an iteration) ----------
