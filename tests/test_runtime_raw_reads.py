@@ -43,7 +43,20 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("rawreads")
 
 
-@pytest.mark.parametrize("read", ["numpy", "array", "tolist", "data_ptr", "dlpack", "storage"])
+SLOW = pytest.mark.slow  # one trace each: the fast tier keeps three of the six
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        "numpy",
+        "tolist",
+        "data_ptr",
+        pytest.param("array", marks=SLOW),
+        pytest.param("dlpack", marks=SLOW),
+        pytest.param("storage", marks=SLOW),
+    ],
+)
 def test_raw_reads_between_steps_under_wrap_around_swaps(tmp, read):
     args = ["--steps", "4", "--read", read]
     rt = Runtime(_plan(tmp, read), measure_memory=False)
