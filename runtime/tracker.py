@@ -854,6 +854,10 @@ class Executor:
                 f"iteration {self.ix.iteration} is {name}, the plan expects {exp_name}"
             )
         if not self.warned and self.ix.iteration >= self.rt.first_checked_iteration:
+            if what == "shapes" and k < tbl.n_ops:  # the shapes themselves, input by input
+                got = shape_signature(x.shape for x in flat) or "-"
+                name = f"{name} [{got}]"
+                exp_name = f"{exp_name} [{tbl.signatures[k] or '-'}]"
             self.warning = (
                 f"capuchin: warning: iteration {self.ix.iteration} diverges from the plan at op "
                 f"{k} ({what}: got {name}, expected {exp_name}); planned actions stop for the "

@@ -96,3 +96,12 @@ def test_dynamic_padding_follows_the_plan_at_every_batch_of_its_shape(pad_plan):
     assert [i for i, s in its.items() if s.diverged] == [2, 4, 6]
     for i in (1, 3, 5):
         assert its[i].evictions > 0 and its[i].peak_bytes <= pad_plan.budget_bytes, i
+
+
+def test_a_shape_divergence_warning_names_the_shapes(plan, capsys):
+    _run(plan, "--other", "2")
+    err = capsys.readouterr().err
+    m = re.search(r"iteration 2 .* \(shapes: got (\S+) \[(\S*)\], expected (\S+) \[(\S*)\]\)", err)
+    assert m, err
+    name, got, expected_name, expected = m.groups()
+    assert name == expected_name and "160" in got and "160" not in expected, m.group(0)
