@@ -159,8 +159,14 @@ def _plan_kinds(
     budget_bytes = parse_budget(budget, max(p.peak_bytes for p in problems))
     kw.pop("bandwidth", None)
     plans = []
-    for (kind, _its), problem in zip(kinds, problems, strict=True):
-        plan = make_plan(problem, budget_bytes, policy, **kw)
+    for (kind, its), problem in zip(kinds, problems, strict=True):
+        try:
+            plan = make_plan(problem, budget_bytes, policy, **kw)
+        except InfeasibleBudgetError as exc:  # say which kind cannot meet it
+            raise InfeasibleBudgetError(
+                f"iteration kind {kind!r} (iteration {its[-1]}): {exc}",
+                smallest_feasible_bytes=exc.smallest_feasible_bytes,
+            ) from exc
         plan.kind = kind
         plans.append(plan)
     main, *others = plans

@@ -102,7 +102,7 @@ from ..tracer.schema import is_collective
 from .backend import byte_view
 from .passive import BudgetGuard, PassiveTracker
 from .recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
-from .state import Entry, Reason, Residency, resize, storage_key, writes
+from .state import Entry, Reason, Residency, evictable, resize, storage_key, writes
 
 MAX_CHAIN = 64  # ops in one storage's chain (producer + in-place writes); longer: swap only
 # candidates ranked per eviction: more are sampled (at random, DTR's sqrt(n) sampling, at least
@@ -380,6 +380,7 @@ class DynamicTracker(PassiveTracker):
             written,
             [None] * len(outs),
             rng,
+            torch.is_grad_enabled(),  # R8 in recompute.py
         )
         replayable = _REPLAYABLE.get(func)
         if replayable is None:
@@ -687,7 +688,7 @@ class DynamicGuard(BudgetGuard):
                 st is None
                 or key in entries
                 or st.nbytes() == 0
-                or not st.resizable()
+                or not evictable(st)
                 or st.device.type != dev
             ):
                 continue

@@ -12,14 +12,16 @@ trace is loaded at run time.
 # ``torch.save`` (a checkpoint, often written after the last step, where passive mode may have
 # evicted what it saves) is the common case: the runtime replaces ``torch.save`` while it runs
 # with one that restores every evicted storage first (without it, the state a torchrun job saved
-# after its last step held 0-byte storages and failed to load). Others (``Tensor.numpy()``
-# views, ``data_ptr()`` handed to an extension) are not covered: between steps, after the
-# step-end restore, nothing is evicted until the next op runs.
+# after its last step held 0-byte storages and failed to load). The other raw reads
+# (``Tensor.numpy()``, ``tolist()``, ``data_ptr()``, ...) restore what they read themselves,
+# at any time (Note [Raw reads] in rawreads.py): wrap-around swaps and dynamic mode keep
+# storages out between steps.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from ..outputs import check_output
 from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
 from ..units import BudgetError
+from . import rawreads, threads
 from .actions import compile_plan
 from .backend import backend_for
 from .dynamic import REMAT, DynamicGuard
@@ -99,6 +102,10 @@ class _Indexer(OpIndexer):
     def __init__(self, runtime: Runtime, **kw):
         super().__init__(**kw)
         self._rt = runtime
+
+    def _pre_step(self, *args, **kwargs):
+        threads.refuse_step(self._rt)  # Note [Other threads] in threads.py
+        return super()._pre_step(*args, **kwargs)
 
     def mark_step(self, *args, **kwargs) -> None:
         super().mark_step(*args, **kwargs)
@@ -245,6 +252,10 @@ class Runtime:
             self.meter.start()
         self.indexer.install()
         self._patch_save()
+        rawreads.install(self.ex)
+        self.thread_id = threading.get_ident()
+        self.refusal = None
+        threads.install(self, self.ex)
         self.ex.mode.__enter__()
         return self
 
@@ -264,7 +275,8 @@ class Runtime:
         def capuchin_save(*args, **kwargs):
             with _disable_current_modes(), torch.no_grad():
                 self.ex.restore_all(wrapping=True)
-            return save(*args, **kwargs)
+            with rawreads.quiet():
+                return save(*args, **kwargs)
 
         torch.save = capuchin_save
 
@@ -311,14 +323,19 @@ class Runtime:
                 raise  # otherwise the script's own error is the one to report
         finally:
             self.ex.mode.__exit__(exc_type, exc, tb)
+            rawreads.uninstall(self.ex)
+            threads.uninstall(self)
             torch.save = self._save
             self.indexer.uninstall()
             peaks = self.meter.finish() if self.meter is not None else {}
             if self._fraction_set:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.device)
             self.backend.close()
+        if self.refusal is not None and exc_type is None:
+            raise self.refusal
         for s in self._iters:
             s.peak_bytes = peaks.get(s.iteration)
+        self._warn_over(exc_type)
         short = [s for s in self._iters if s.passive_short_bytes > 0]
         if short and exc_type is None:
             worst = max(short_of(s, self.budget_bytes) for s in short)
@@ -339,6 +356,32 @@ class Runtime:
         )
         if self.report_path is not None and exc_type is None:
             self.report.save(self.report_path, force=self.force)
+
+    def _warn_over(self, exc_type) -> None:
+        """Name every checked, complete iteration whose measured peak is over the budget that
+        passive mode's shortfall warning does not name (a planned iteration above all: memory
+        the plan did not see, such as tensors the script keeps from an iteration that diverged)."""
+        over = [
+            s
+            for s in self._iters
+            if s.complete
+            and s.iteration >= self.first_checked_iteration
+            and s.peak_bytes is not None
+            and s.peak_bytes > self.budget_bytes
+            and s.passive_short_bytes == 0
+        ]
+        if not over or exc_type is not None:
+            return
+        worst = max(over, key=lambda s: s.peak_bytes)
+        say(
+            f"capuchin: warning: {len(over)} iteration(s) {[s.iteration for s in over][:8]} "
+            f"measured over the budget of {self.budget_bytes / 2**20:.1f} MiB with no shortfall "
+            f"of passive mode: up to {worst.peak_bytes / self.budget_bytes:.3f}x it (iteration "
+            f"{worst.iteration}{', planned' if not worst.diverged else ''}); memory the plan did "
+            "not foresee was resident (tensors the script keeps across iterations, or what the "
+            "plan keeps out across the step, resident in the first planned iteration); see "
+            "peak_bytes in the report"
+        )
 
     # ---- iteration callbacks (from the indexer, inside the first op of an iteration) ----------
     def _iteration_start(self, n: int) -> None:

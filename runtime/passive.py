@@ -47,7 +47,7 @@ import weakref
 import torch
 
 from .memory import DeviceMemory, memory_for
-from .state import Entry, Reason, storage_key, storages
+from .state import Entry, Reason, evictable, storage_key, storages
 
 
 class PassiveTracker:
@@ -152,7 +152,7 @@ class PassiveTracker:
             if n == 0 or key in protect or key not in self.in_iteration:
                 continue
             st = ref()
-            if st is None or st.nbytes() == 0 or not st.resizable():
+            if st is None or st.nbytes() == 0 or not evictable(st):
                 continue
             got += n
             yield key, st, n

@@ -20,6 +20,15 @@ Rules from the prototype (reference/runtime-prototype.md §3), each needed for b
   storage is dropped its chain must produce it and redo every write it received since: the
   storage's own write counter, less its value when the producer allocated it, must equal the
   writes the chain's recorded ops make to it. Otherwise it is swapped (``check_replayable``).
+- R8 grad mode: each op replays under the grad mode it ran in (Note [Replay grad mode]).
+# Note: [Replay grad mode]
+# Some ops return other outputs with grad mode off: ``aten.mkldnn_rnn_layer`` (nn.LSTM on CPU)
+# returns no training workspace (its fourth output) under ``no_grad``, so a replay under
+# ``no_grad`` could not regenerate a dropped workspace ("the replayed ops do not produce it",
+# after the bytes were gone). A record keeps the grad mode its op ran in and the replay runs the
+# op under it. The replayed arguments are fresh views of the storages (``_Slot.view``), which
+# require no grad, so no autograd graph is built either way.
+
 Collective recomputation (paper §5.3): a replay also refills the decision's ``keep`` storages that
 are dropped, while memory allows; other intermediates are freed after their last use.
 """
@@ -108,6 +117,7 @@ class Record:
     out_sids: list[str | None]  # storage id of each flat output it allocated, else None
     rng: tuple | None  # (kind, device/generator, state) for seeded ops (R4)
     out_writes: dict = field(default_factory=dict)  # sid -> its write counter once allocated (R7)
+    grad: bool = False  # the grad mode it ran in (R8)
 
 
 def _capture_rng(func, args, kwargs, flat) -> tuple | None:
@@ -182,6 +192,7 @@ class RecomputeEngine:
             written,
             [],
             _capture_rng(func, args, kwargs, flat) if seeded else None,
+            torch.is_grad_enabled(),
         )
         self.records[k] = rec
         return rec
@@ -243,6 +254,8 @@ class RecomputeEngine:
             produced.update(x for x in rec.out_sids if x)
             if base is None and d.storage_id in rec.out_writes:
                 base = rec.out_writes[d.storage_id]
+        if d.storage_id not in produced:  # never drop what no recorded op made (no bytes back)
+            return "the recorded ops did not produce it"
         if target is not None:
             if base is None:
                 return f"its replay ops {list(d.replay_ops)} do not produce it"
@@ -309,11 +322,12 @@ class RecomputeEngine:
                 tensors.append(s.view(st))
             args = _fill(rec.args, tensors)
             kwargs = _fill(rec.kwargs, tensors)
-            out = (
-                _run_with_rng(rec, args, kwargs)
-                if rec.rng is not None
-                else rec.func(*args, **kwargs)
-            )
+            with torch.set_grad_enabled(rec.grad):  # R8
+                out = (
+                    _run_with_rng(rec, args, kwargs)
+                    if rec.rng is not None
+                    else rec.func(*args, **kwargs)
+                )
             for sid, t in zip(rec.out_sids, flatten_outputs(out), strict=False):
                 if sid is not None:
                     env[sid] = t.untyped_storage()

@@ -124,3 +124,17 @@ def writes(st: torch.UntypedStorage) -> int:
 
 def bump_writes(st: torch.UntypedStorage) -> None:
     setattr(st, _WRITES_ATTR, getattr(st, _WRITES_ATTR, 0) + 1)
+
+
+# Note [Raw reads] in rawreads.py: a storage whose address the script was given is never evicted.
+_EXPOSED_ATTR = "_capuchin_exposed"
+
+
+def expose(st: torch.UntypedStorage) -> None:
+    setattr(st, _EXPOSED_ATTR, True)
+
+
+def evictable(st: torch.UntypedStorage) -> bool:
+    """Whether freeing ``st``'s bytes is safe: resizable (``numpy()`` makes a storage not) and
+    not exposed by a raw read (Note [Raw reads] in rawreads.py)."""
+    return st.resizable() and not getattr(st, _EXPOSED_ATTR, False)

@@ -22,14 +22,15 @@
 # iteration to its first access ``f`` in the next; its id ``x{f}:{a}`` binds it to a live
 # storage only at op ``f``. The first planned iteration would so start with all of them resident
 # (optimizer state above all: iteration 0 creates it and follows no plan), over the budget by
-# their bytes (BERT-MLM: 1.18x). So iteration 0, which follows no plan, keeps the ops of its
-# tail (OpOverload, shapes, weak references to the arguments' storages), and at its end, when
-# that tail matches the end of the plan's op list (same ops, same shapes: the optimizer step),
-# each wrap-around storage whose ``f`` lies in the matched part is named from it and swapped out
-# as if the plan's evicted-access had just run. Not after a checked iteration that diverged:
-# the next one usually diverges too (Note [Watched iterations]). A wrong binding (same ops and
-# shapes, other tensors) costs an extra swap, never a wrong value: any access restores it, and
-# op ``f`` names the right storage.
+# their bytes (BERT-MLM: 1.18x). So an iteration that ends without following the plan (iteration
+# 0, and a checked iteration that diverged: the next planned iteration after it started over the
+# budget by the same bytes, MoE 1.64x) keeps the ops of its tail (OpOverload, shapes, weak
+# references to the arguments' storages) from where it stopped following the plan, and at its
+# end, when that tail matches the end of the plan's op list (same ops, same shapes: the
+# optimizer step), each wrap-around storage whose ``f`` lies in the matched part is named from
+# it and swapped out as if the plan's evicted-access had just run. A wrong binding (same ops and
+# shapes, other tensors), or a next iteration that diverges too, costs an extra swap, never a
+# wrong value: any access restores it, and op ``f`` names the right storage.
 
 # Note: [Watched iterations]
 # Passive mode can only count and evict storages it saw allocated (Note [Passive budget on CPU] in
@@ -40,7 +41,12 @@
 # name and shapes (so a shape divergence is caught at its first op, not at the first op with an
 # action), and its new storages are tracked while the plan is followed. An iteration that ends
 # without diverging turns watching off again (the hot path returns). Iteration 0 always diverges
-# (it builds the model) and predicts nothing, so it does not start watching. In the first
+# (it builds the model) and predicts nothing, so it does not start watching. Other shapes at an
+# op with no planned action whose outputs all alias its arguments by its schema (a view, a
+# ``copy_`` into a slice: a collate function padding samples of other lengths into a batch of
+# the planned shape) are no divergence: such an op allocates nothing, and an unwatched
+# iteration would not have checked it either; the plan's actions still check their own ops'
+# shapes, so a batch of another shape still diverges at its first op that allocates. In the first
 # diverged iteration, unwatched, ``BudgetGuard.discover`` (passive.py) counts what the ops
 # before the divergence left resident through the autograd graph (the tensors of a live graph
 # and what they saved): at a divergence at op 100 of the transformer the measured peak went
@@ -100,10 +106,22 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..distributed import say
 from ..errors import PlanFormatError, RecomputeError
 from ..planner.plan import Step
+from ..planner.problem import COMMUNICATION_NAMESPACES
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
 from ..tracer.schema import IdKind, TensorId, id_kind, shape_signature
 from .backend import byte_view
-from .state import Entry, Reason, Residency, bump_writes, resize, storage_key
+from .state import (
+    Entry,
+    Reason,
+    Residency,
+    bump_writes,
+    evictable,
+    expose,
+    resize,
+    storage_key,
+    storages,
+)
+from .threads import LOCK
 
 # Note [Resync after an unexpected op]
 RESYNC_LOOKAHEAD = 4  # ops after a skipped one that must match the plan by name and shapes
@@ -143,7 +161,8 @@ class TrackerMode(TorchDispatchMode):
                     return func(*args, **kwargs) if kwargs else func(*args)
             except IndexError:
                 pass
-        return self.ex.slow_op(func, args, kwargs or {})
+        with LOCK:  # Note [Other threads] in threads.py
+            return self.ex.slow_op(func, args, kwargs or {})
 
 
 def _reads(args, kwargs, evicted: dict) -> bool:
@@ -165,6 +184,31 @@ def _reads(args, kwargs, evicted: dict) -> bool:
                     except (RuntimeError, NotImplementedError):
                         return True
     return False
+
+
+_ALIASING: dict = {}
+_COMMUNICATES: dict = {}
+
+
+def _communicates(func) -> bool:
+    """Whether ``func`` is a collective or an FSDP op (Note [Collectives] in planner/problem.py):
+    the communication backend may read or write its buffers after it returns (an async
+    all-reduce of DDP's gradient bucket), outside any op, so passive and dynamic mode never
+    evict them either (``expose``: the planner already never plans them)."""
+    got = _COMMUNICATES.get(func)
+    if got is None:
+        got = _COMMUNICATES[func] = str(func).startswith(COMMUNICATION_NAMESPACES)
+    return got
+
+
+def _allocates_nothing(func) -> bool:
+    """Whether every output of ``func`` aliases an argument by its schema (a view, an in-place
+    write such as ``copy_`` into a slice): it allocates no storage whatever its shapes."""
+    got = _ALIASING.get(func)
+    if got is None:
+        rets = getattr(getattr(func, "_schema", None), "returns", None)
+        got = _ALIASING[func] = bool(rets) and all(r.alias_info is not None for r in rets)
+    return got
 
 
 def _keys(flat: list) -> list:
@@ -319,7 +363,7 @@ class Executor:
             st is not None and st.diverged and st.iteration >= self.rt.first_checked_iteration
         )
         if self._tail:
-            if not self.guided and not self.last_diverged:  # iteration 0 (Note [Watched ...])
+            if not self.guided:  # Note [Wrap-around storages before the first planned ...]
                 with _disable_current_modes(), torch.no_grad():
                     self._prebind_wraps()
             self._tail.clear()
@@ -348,6 +392,10 @@ class Executor:
         self.live.clear()
 
     def restore_all(self, wrapping: bool = False) -> None:
+        with LOCK:  # Note [Other threads] in threads.py
+            self._restore_all(wrapping)
+
+    def _restore_all(self, wrapping: bool) -> None:
         """Iteration end (or step end): every evicted storage comes back, except those of
         wrap-around decisions (``Decision.wraps``: they stay out across the iteration boundary
         until their back-access in the next iteration or any access) unless ``wrapping``
@@ -375,6 +423,32 @@ class Executor:
             mode.fast = self.table.guarded
             mode.evicted = self.entries if self.entries else _ANY
 
+    # ---- ops of other threads (Note [Other threads] in threads.py) -------------------------------
+    def foreign_op(self, func, args, kwargs) -> None:
+        """Before an op of a thread that does not train runs (``LOCK`` held): its evicted inputs
+        come back, and the storages it writes count the write (copy-on-write first, R3)."""
+        info = op_info(func)
+        if info.ignored:
+            return
+        flat = flatten_tensors(args, kwargs)
+        if self.entries:
+            for key in _keys(flat):
+                e = self.entries.get(key)
+                if e is not None:
+                    self.restore(e)
+            self._update_fast()
+        for a in written_inputs(info, args, kwargs, flat):
+            try:
+                st = flat[a].untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            for sid in list(self.dependents.get(storage_key(st), ())):
+                e = self.by_sid.get(sid)
+                if e is not None and e.state is Residency.OUT and not e.swap:
+                    self.restore(e)
+                    self.stats.cow_restores += 1
+            bump_writes(st)
+
     # ---- the slow path ------------------------------------------------------------------------------
     def slow_op(self, func, args, kwargs):
         info = op_info(func)
@@ -387,6 +461,9 @@ class Executor:
         k = ix.op_index
         self.op_time[k] = time.perf_counter()
         flat = flatten_tensors(args, kwargs)
+        if _communicates(func):  # Note [Collectives] in planner/problem.py
+            for _key, st in storages(flat):
+                expose(st)
         acts = None
         extra = False  # Note [Resync after an unexpected op]
         if self.guided:
@@ -406,6 +483,8 @@ class Executor:
                 if check and not tbl.shapes_match(k, flat):
                     if self._switch_kind(k, func, flat):
                         acts = self.table.ops.get(k)
+                    elif acts is None and not self.resync_left and _allocates_nothing(func):
+                        pass  # Note [Watched iterations]: other shapes that allocate nothing
                     else:
                         self._diverge(k, info.name, "shapes", flat)
                         acts = None
@@ -582,7 +661,7 @@ class Executor:
         kind = id_kind(sid)
         if (
             not (kind is IdKind.OUTPUT or (kind is IdKind.INPUT and d.method.value == "swap"))
-            or not st.resizable()
+            or not evictable(st)
             or st.nbytes() == 0
             or st.device.type != self.backend.device.type
         ):
@@ -638,6 +717,15 @@ class Executor:
         e = self.entries.get(storage_key(st))
         if e is not None:
             self.restore(e)
+
+    def restore_for_read(self, key: int) -> None:
+        """A raw read of storage ``key`` (Note [Raw reads] in rawreads.py): back first, also
+        from a swap-out still in flight (its end would free the bytes)."""
+        with LOCK:
+            e = self.entries.get(key)
+            if e is not None:
+                self.restore(e)
+                self._update_fast()
 
     def restore(self, e: Entry, planned: bool = False) -> None:
         if e.swap:  # copies of plain storages (Note [Runtime-internal ops] in state.py)
@@ -786,6 +874,10 @@ class Executor:
                 f"iteration {self.ix.iteration} is {name}, the plan expects {exp_name}"
             )
         if not self.warned and self.ix.iteration >= self.rt.first_checked_iteration:
+            if what == "shapes" and k < tbl.n_ops:  # the shapes themselves, input by input
+                got = shape_signature(x.shape for x in flat) or "-"
+                name = f"{name} [{got}]"
+                exp_name = f"{exp_name} [{tbl.signatures[k] or '-'}]"
             self.warning = (
                 f"capuchin: warning: iteration {self.ix.iteration} diverges from the plan at op "
                 f"{k} ({what}: got {name}, expected {exp_name}); planned actions stop for the "

@@ -162,3 +162,18 @@ def test_fsdp2_two_gloo_ranks(tmp_path):
     """FSDP2 (fully_shard) runs on CPU with gloo in torch 2.13; its layers' activations can only
     be swapped (a replay would read an FSDP-managed weight)."""
     _job(tmp_path, ["--fsdp"], "75%")
+
+
+@pytest.mark.slow
+def test_ddp_two_gloo_ranks_under_cpu_load(tmp_path):
+    """The DDP job three times while a process spins on the CPU: a rank once died of SIGSEGV on a
+    busy host, likely dynamic mode evicting a gradient bucket that gloo's asynchronous all-reduce
+    still read (now never: tests/test_runtime_collectives.py)."""
+    burn = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        for i in range(3):
+            (tmp_path / str(i)).mkdir()
+            _job(tmp_path / str(i), [], "70%")
+    finally:
+        burn.kill()
+        burn.wait()

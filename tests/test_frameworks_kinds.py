@@ -96,3 +96,14 @@ def test_hugging_face_trainer_with_evaluation_steps(tmp_path):
         [s.peak_bytes for s in its],
         plan.budget_bytes,
     )
+
+
+def test_a_budget_one_kind_cannot_meet_names_the_kind(tmp_path):
+    from capuchin.errors import InfeasibleBudgetError
+
+    script = HERE / "eval_loop.py"
+    trace = trace_script(
+        script, ["--steps", "8"], output=tmp_path / "t.parquet", log=lambda m: None
+    )
+    with pytest.raises(InfeasibleBudgetError, match=r"^iteration kind 'train' \(iteration 3\): "):
+        make_plan(trace, "10%")

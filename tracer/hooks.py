@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import materialize
 from .compiled import CompileGuard
 from .schema import Phase, input_id, output_id, resident_id
 
@@ -421,6 +422,7 @@ class OpIndexer:
                 register_optimizer_step_post_hook(self._post_step),
             ]
             _ACTIVE.append(self)
+            materialize.install()  # Note [Batches from workers] in materialize.py
             if self.guards_compile:
                 CompileGuard.install()  # Note [torch.compile] in tracer/compiled.py
         return self
@@ -428,6 +430,8 @@ class OpIndexer:
     def uninstall(self) -> None:
         if self._handles and self.guards_compile:
             CompileGuard.uninstall()
+        if self._handles:
+            materialize.uninstall()
         for h in self._handles:
             h.remove()
         self._handles = []

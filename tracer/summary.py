@@ -188,10 +188,18 @@ def format_summary(s: TraceSummary) -> str:
             f"{d.get('op_index')}: expected {d.get('expected')}, got {d.get('got')}"
         )
     if s.kinds and len(s.kinds) > 1:
+        # what planner/api.py make_plan does (Note [Iteration kinds] there): kinds are planned
+        # only when the most frequent one was recorded at least twice
+        first = next(iter(s.kinds.values()))
         lines.append(
             "kinds      "
             + "; ".join(f"{k}: iterations {its}" for k, its in s.kinds.items())
-            + " (capuchin plan plans each kind)"
+            + (
+                " (capuchin plan plans each kind)"
+                if len(first) > 1
+                else " (each recorded once: capuchin plan needs --iteration N, or a trace of "
+                "more iterations with --iterations)"
+            )
         )
     lines += [
         f"ops        {s.ops_per_iteration} per iteration ({phases})",
