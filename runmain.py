@@ -13,7 +13,10 @@ current directory.
 # its files), another status a ``ScriptError``. ``os_exit_requested`` keeps the status, so that
 # the command, once its files are written, ends with ``os._exit`` as the script asked when
 # non-daemon threads would otherwise keep the process alive. Called from another thread it is
-# the real ``os._exit``, after one line on stderr saying that nothing was written.
+# the real ``os._exit``, after one line on stderr saying that nothing was written. In a process
+# forked from the script's (DataLoader workers, which end with ``os._exit``), it is the real one:
+# raising there would unwind the child into capuchin's own code (or a test runner's) and run it
+# a second time.
 """
 
 from __future__ import annotations
@@ -45,8 +48,11 @@ class _OsExit(BaseException):
 def _catch_os_exit(script):
     real = os._exit
     main = threading.main_thread()
+    pid = os.getpid()
 
     def script_os_exit(status):
+        if os.getpid() != pid:  # a forked child (DataLoader workers end with os._exit)
+            real(status)
         if threading.current_thread() is main:
             raise _OsExit(int(status))
         sys.stderr.write(

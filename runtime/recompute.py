@@ -116,8 +116,8 @@ class Record:
     written: tuple[int, ...]  # flat slots the op writes (schema + unannotated table)
     out_sids: list[str | None]  # storage id of each flat output it allocated, else None
     rng: tuple | None  # (kind, device/generator, state) for seeded ops (R4)
-    out_writes: dict = field(default_factory=dict)  # sid -> its write counter once allocated (R7)
     grad: bool = False  # the grad mode it ran in (R8)
+    out_writes: dict = field(default_factory=dict)  # sid -> its write counter once allocated (R7)
 
 
 def _capture_rng(func, args, kwargs, flat) -> tuple | None:
