@@ -100,7 +100,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..distributed import say
 from ..errors import PlanFormatError, RecomputeError
 from ..planner.plan import Step
-from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
+from ..tracer.hooks import (
+    SPLIT_SPECS,
+    flatten_outputs,
+    flatten_tensors,
+    join_outputs,
+    op_info,
+    split_calls,
+    written_inputs,
+)
 from ..tracer.schema import IdKind, TensorId, id_kind, shape_signature
 from .backend import byte_view
 from .state import Entry, Reason, Residency, bump_writes, resize, storage_key
@@ -130,6 +138,10 @@ class TrackerMode(TorchDispatchMode):
         self.evicted = _NONE  # the executor's entries while the hot path is guarded
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if SPLIT_SPECS.get(func, 0) is not None:  # Note [Multi-tensor op split] in hooks.py
+            calls = split_calls(func, args, kwargs or {})
+            if calls is not None:
+                return join_outputs([self.__torch_dispatch__(func, types, a, k) for a, k in calls])
         ix = self.ix
         if not ix.step_pending:
             k = ix.op_index + 1
