@@ -648,7 +648,12 @@ class DynamicGuard(BudgetGuard):
         lru, entries, last, clock = tr.lru, self.ex.entries, tr.last_access, tr.clock
         chain = tr.chain if self.remat != "swap" else {}
         auto = self.remat == "auto"
-        keys = [k for k in tr.in_iteration if k not in protect and k not in entries]
+        persistent = tr.persistent  # swap only (Note [Persistent state under the guard])
+        keys = [
+            k
+            for k in (tr.in_iteration | persistent if persistent else tr.in_iteration)
+            if k not in protect and k not in entries
+        ]
         if len(keys) > SAMPLE:  # DTR's approximation: rank a random sample, not all
             keys = self._rng.sample(keys, max(SAMPLE, math.isqrt(len(keys))))
         # ranked on what the tracker knows (bytes, staleness, the chain's own cost: a lower
@@ -662,7 +667,7 @@ class DynamicGuard(BudgetGuard):
             n = item[1]
             c_swap = swap_fixed_s + n * swap_s_per_byte
             cost = c_swap
-            drop = key in chain
+            drop = key in chain and key not in persistent
             if drop:
                 c_drop = (
                     tr.cost_s[key] + self.replay_op_s * len(chain[key]) + tr.neighbourhood_s(key)

@@ -354,9 +354,17 @@ class Executor:
             a = TensorId.parse(sid).position  # an "x{k}:{a}" id: the a-th argument
             refs = tail[len(tail) - (n - d.back_op)][2]
             st = refs[a]() if a < len(refs) and refs[a] is not None else None
-            if st is not None:
-                self.live[sid] = weakref.ref(st)
-                self._evict(Step.EVICT_SWAP, sid)
+            if st is None:
+                continue
+            e = self.entries.get(storage_key(st))
+            if e is not None:  # the guard swapped it: the plan's decision takes the entry over
+                if e.swap and e.decision is None and sid not in self.by_sid:
+                    self.by_sid.pop(e.sid, None)  # Note [Persistent state under the guard]
+                    e.sid, e.reason, e.decision = sid, Reason.PLANNED, d
+                    self.by_sid[sid] = e
+                continue
+            self.live[sid] = weakref.ref(st)
+            self._evict(Step.EVICT_SWAP, sid)
         self.live.clear()
 
     def restore_all(self, wrapping: bool = False) -> None:
@@ -365,8 +373,12 @@ class Executor:
         until their back-access in the next iteration or any access) unless ``wrapping``
         (the end of the run)."""
         restored = False
+        if not wrapping:  # Note [Persistent state under the guard] in passive.py
+            self.guard.adopt_persistent()
         for e in list(self.entries.values()):
             if not wrapping and e.decision is not None and e.decision.wraps and self.guided:
+                continue
+            if not wrapping and self.guard.keeps_out(e):
                 continue
             if e.storage is not None and not self.guard.stays_out(e):
                 self.restore(e)
