@@ -5,9 +5,9 @@
 # An op with no action while nothing is evicted, in flight or recorded costs one dict lookup (is
 # it a multi-tensor op to run in groups: Note [Multi-tensor op split] in tracer/hooks.py), one
 # attribute test, one list index and one identity comparison: ``func is fast[k]`` where
-# ``fast`` is the compiled table of expected OpOverloads (runtime/actions.py). Everything else (iteration boundaries,
-# profiler ops, a mismatching op, actions, on-demand restores, passive mode, watched iterations)
-# takes ``Executor.slow_op``. While storages are evicted, in flight or recorded for a replay, the
+# ``fast`` is the compiled table of expected OpOverloads (runtime/actions.py). Everything else
+# (iteration boundaries, profiler ops, a mismatching op, actions, on-demand restores, passive
+# mode, watched iterations) takes ``Executor.slow_op``. While storages are evicted, in flight or recorded for a replay, the
 # hot path is *guarded*: ``fast`` is the ``guarded`` table (no op that writes an argument in
 # place: those bump write counters and trigger copy-on-write on the slow path, rules R2/R3), and
 # an op passes only if none of its tensor arguments lives in an evicted storage (one storage-key
