@@ -2,21 +2,21 @@
 (tracer/hooks.py) and carries out the plan's actions at their ops.
 
 # Note: [Hot path]
-# An op with no action while nothing is evicted, in flight or recorded costs one dict lookup (is
-# it a multi-tensor op to run in groups: Note [Multi-tensor op split] in tracer/hooks.py), one
-# attribute test, one list index and one identity comparison: ``func is fast[k]`` where
-# ``fast`` is the compiled table of expected OpOverloads (runtime/actions.py). Everything else
-# (iteration boundaries, profiler ops, a mismatching op, actions, on-demand restores, passive
-# mode, watched iterations) takes ``Executor.slow_op``. While storages are evicted, in flight or recorded for a replay, the
-# hot path is *guarded*: ``fast`` is the ``guarded`` table (no op that writes an argument in
-# place: those bump write counters and trigger copy-on-write on the slow path, rules R2/R3), and
-# an op passes only if none of its tensor arguments lives in an evicted storage (one storage-key
-# lookup per tensor argument): a kernel never reads an evicted storage (Note [Storage-level
-# eviction] in state.py), whatever the script does. By the trace, an evicted storage is touched
-# by no op before its back-access (an action op), so in a run that follows the trace only the
-# plan's action ops and the in-place ops inside eviction windows take the slow path. The shape
-# check (the ``shape_signature`` of the trace) runs on ops with actions, so a run that diverges
-# only in shapes (another batch size) is caught before any of its planned actions runs.
+# An op with no action while nothing is evicted, in flight or recorded costs one dict lookup (is it
+# a multi-tensor op to run in groups: Note [Multi-tensor op split] in tracer/hooks.py), one
+# attribute test, one list index and one identity comparison: ``func is fast[k]`` where ``fast`` is
+# the compiled table of expected OpOverloads (runtime/actions.py). Everything else (iteration
+# boundaries, profiler ops, a mismatching op, actions, on-demand restores, passive mode, watched
+# iterations) takes ``Executor.slow_op``. While storages are evicted, in flight or recorded for a
+# replay, the hot path is *guarded*: ``fast`` is the ``guarded`` table (no op that writes an
+# argument in place: those bump write counters and trigger copy-on-write on the slow path, rules
+# R2/R3), and an op passes only if none of its tensor arguments lives in an evicted storage (one
+# storage-key lookup per tensor argument): a kernel never reads an evicted storage (Note
+# [Storage-level eviction] in state.py), whatever the script does. By the trace, an evicted storage
+# is touched by no op before its back-access (an action op), so in a run that follows the trace only
+# the plan's action ops and the in-place ops inside eviction windows take the slow path. The shape
+# check (the ``shape_signature`` of the trace) runs on ops with actions, so a run that diverges only
+# in shapes (another batch size) is caught before any of its planned actions runs.
 
 # Note: [Wrap-around storages before the first planned iteration]
 # A wrap-around decision (``Decision.wraps``) keeps a storage out from its last access in one
