@@ -335,6 +335,7 @@ class Executor:
             if not self.guided and not self.last_diverged:  # iteration 0 (Note [Watched ...])
                 with _disable_current_modes(), torch.no_grad():
                     self._prebind_wraps()
+                    self.guard.swap_out_persistent()  # Note [Persistent state under the guard]
             self._tail.clear()
 
     def _prebind_wraps(self) -> None:
