@@ -478,3 +478,35 @@ def test_state_larger_than_the_budget_from_the_first_step(optim, tmp_path):
             assert s.peak_bytes <= 1.05 * b, (rt.eviction, s.iteration, s.peak_bytes, b)
         if rt.plan is not None:
             assert not any(s.diverged for s in its[1:])
+
+
+@pytest.mark.slow
+def test_first_planned_iteration_starts_with_the_optimizers_state_out(tmp_path):
+    """Hugging Face ResNet-34 at batch 23 in 29.1 MiB (max-batch's case), planned with the
+    persistent candidates: the parameters the plan swaps over the iteration boundary are named
+    only at their first access, so left resident at iteration 0's end they started the first
+    planned iteration at 1.13x the budget; swapped out there (passive.py Note [Persistent state
+    under the guard]) it keeps the budget, and training is bitwise identical. Iteration 0 is
+    not asserted: dynamic mode measures 1.06-1.09x there (docs/persistent-state.md)."""
+    pytest.importorskip("transformers")
+    import capuchin
+    from capuchin.planner.api import make_plan
+
+    memory = 30547886
+    args = ["--batch", "23", "--steps", "3"]
+    trace = tmp_path / "hf_resnet.trace.parquet"
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        capuchin.Tracer(trace, iterations=1, warmup=1, device="cpu", log=None, budget_bytes=memory),
+    ):
+        run_as_main(TRACES / "hf_resnet.py", args)
+    plan = make_plan(trace, budget=str(memory), policy="capuchin")
+    assert any(d.wraps for d in plan.decisions)
+    ref = _state_dicts(TRACES / "hf_resnet.py", args)
+    rt = Runtime(plan, measure_memory=True)
+    got = _state_dicts(TRACES / "hf_resnet.py", args, rt)
+    assert state_mismatches(ref, got) == []
+    its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+    assert len(its) == 2 and not any(s.diverged for s in its)
+    for s in its:
+        assert s.peak_bytes <= 1.05 * memory, (s.iteration, s.peak_bytes / memory)
