@@ -638,9 +638,10 @@ class DynamicGuard(BudgetGuard):
         return roots
 
     # ---- eviction -------------------------------------------------------------------------------
-    def evict(self, need: int, protect: set) -> int:
+    def evict(self, need: int, protect: set, sample: bool = True) -> int:
         """Evict resident storages of this iteration, lowest h first, until ``need`` bytes are
-        freed. Returns the bytes freed."""
+        freed. Returns the bytes freed. A sample (``sample``) that frees too little is followed
+        by a pass over every candidate: the sample may miss the few storages that would do."""
         tr = self.tracker
         dev = self.device_type
         swap_fixed_s = self.copy_out.fixed_s + self.copy_in.fixed_s  # Note [What a swap costs]
@@ -654,7 +655,8 @@ class DynamicGuard(BudgetGuard):
             for k in (tr.in_iteration | persistent if persistent else tr.in_iteration)
             if k not in protect and k not in entries
         ]
-        if len(keys) > SAMPLE:  # DTR's approximation: rank a random sample, not all
+        sampled = sample and len(keys) > SAMPLE
+        if sampled:  # DTR's approximation: rank a random sample, not all
             keys = self._rng.sample(keys, max(SAMPLE, math.isqrt(len(keys))))
         # ranked on what the tracker knows (bytes, staleness, the chain's own cost: a lower
         # bound, regenerated dead sources add to it); the storage itself, and whether and at
@@ -708,6 +710,8 @@ class DynamicGuard(BudgetGuard):
             else:
                 self._swap(key, st, n)
             got += n
+        if got < need and sampled:
+            got += self.evict(need - got, protect, sample=False)
         return got
 
     def drop_plan(self, key: int):
