@@ -608,11 +608,10 @@ class _Search:
         finally:
             del tracer
         trace = load_trace(out)
-        # Without the persistent candidates (parameters, gradients, optimizer state): iteration
-        # 0, which builds the optimizer state and follows no plan, cannot yet reach a budget
-        # that only their swaps reach, so the verifying run would measure over the memory
-        # (docs/persistent-state.md, known limits).
-        problem = Problem.from_trace(trace).restricted()
+        # With the persistent candidates (parameters, gradients, optimizer state): iteration 0,
+        # which follows no plan, keeps the budget by swapping them too (Note [Persistent state
+        # under the guard] in runtime/passive.py).
+        problem = Problem.from_trace(trace)
         self.problems[value] = problem
         c.peak_bytes = int(problem.peak_bytes)
         c.floor_bytes = int(problem.floor_bytes())

@@ -7,6 +7,7 @@ sequence 128, AdamW), measured and compared bitwise with training without capuch
     python benchmarks/persistent_state.py --no-run         # the table only
     python benchmarks/persistent_state.py --traces a.trace.parquet --no-bert
     python benchmarks/persistent_state.py --bert-budget 500084744   # the BERT run only
+    python benchmarks/persistent_state.py --optimizers     # mlp: AdamW loop / foreach / fused
 
 "Before" is the same planner with ``Problem.persistent_candidates`` off (``restricted()``:
 activations and inputs only, as planning was before); "after" with them. The smallest feasible
@@ -15,6 +16,12 @@ peak, 10 steps), verified by the simulator. The BERT run uses the plan at the "a
 reports the steady iterations' measured peak (PyTorch's allocator accounting, runtime/report.py)
 against the budget, and whether every parameter, gradient, optimizer state and module buffer
 (``state_dict()``) is ``torch.equal`` to training without capuchin.
+
+``--optimizers`` traces traces/mlp.py with AdamW in its three forms (``foreach=False``, the
+per-tensor loop; ``foreach=True``; ``fused=True``; ``--clip`` adds ``clip_grad_norm_``), finds
+each one's smallest feasible budget and floor, and trains ``--steps`` steps under the plan at
+that budget, compared bitwise with plain training, with every iteration's measured peak against
+the budget (iteration 0 follows no plan: passive.py Note [Persistent state under the guard]).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BERT = ROOT / "benchmarks" / "bert_mlm.py"
+MLP = ROOT / "traces" / "mlp.py"
 
 
 def _state(path: Path, args: list[str], context=None) -> dict:
@@ -79,8 +87,13 @@ def main(argv=None) -> int:
         default=None,
         help="run BERT at this budget (bytes) and skip the table",
     )
+    ap.add_argument("--optimizers", action="store_true", help="the mlp's AdamW forms only")
+    ap.add_argument("--batch", type=int, default=512, help="--optimizers: the mlp's batch")
+    ap.add_argument("--clip", action="store_true", help="--optimizers: with clip_grad_norm_")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.optimizers:
+        return optimizers(args.out, args.steps, args.batch, args.clip)
 
     import capuchin
     from capuchin.planner.api import smallest_feasible_budget
@@ -180,6 +193,63 @@ def main(argv=None) -> int:
         f"  wall: plain {t_ref:.1f} s, under the plan {t_run:.1f} s (load {os.getloadavg()[0]:.1f})"
     )
     return 1 if bad else 0
+
+
+def optimizers(out: Path, steps: int, batch: int, clip: bool) -> int:
+    """The mlp with AdamW as a per-tensor loop, foreach and fused (module docstring)."""
+    import capuchin
+    import torch
+    from capuchin.planner.api import make_plan, smallest_feasible_budget
+    from capuchin.planner.budget import format_bytes
+    from capuchin.planner.problem import Problem
+    from capuchin.planner.registry import get_policy
+    from capuchin.runmain import run_as_main
+    from capuchin.runtime.engine import Runtime
+    from capuchin.tracer.reader import load_trace
+
+    out.mkdir(parents=True, exist_ok=True)
+    fn = get_policy("capuchin")
+    print(f"load: {os.getloadavg()[0]:.1f}; mlp batch {batch}{', clip_grad_norm_' if clip else ''}")
+    print(
+        "| optimizer | ops | peak | floor (op: working set) | smallest feasible | plan "
+        "| tensors differ | measured peak / budget, iterations 0.. |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    bad_any = 0
+    for optim in ("adamw", "adamw-foreach", "adamw-fused"):
+        sargs = ["--batch", str(batch), "--optim", optim, *(["--clip", "1.0"] if clip else [])]
+        trace = out / f"mlp-{optim}.trace.parquet"
+        with (
+            contextlib.redirect_stdout(io.StringIO()),
+            capuchin.Tracer(trace, iterations=1, warmup=1, device="cpu", log=None),
+        ):
+            run_as_main(MLP, [*sargs, "--steps", "3"])
+        p = Problem.from_trace(load_trace(trace))
+        floor = p.floor_bytes()
+        best = smallest_feasible_budget(p, fn, {}, start_bytes=floor, steps=10)
+        b = p.floor_breakdown()
+        plan = make_plan(trace, budget=str(best), policy="capuchin")
+        run = [*sargs, "--steps", str(steps)]
+        ref = _state(MLP, run)
+        rt = Runtime(plan, measure_memory=True)
+        got = _state(MLP, run, rt)
+        bad = [k for k in ref if k not in got or not torch.equal(ref[k], got[k])]
+        bad += [k for k in got if k not in ref]
+        bad_any += len(bad)
+        peaks = ", ".join(
+            f"{(s.peak_bytes or 0) / best:.3f}" for s in rt.report.iterations if s.complete
+        )
+        pk = p.peak_bytes
+        wraps = sum(d.wraps for d in plan.decisions)
+        print(
+            f"| {optim} | {p.n_ops} | {format_bytes(pk)} | {format_bytes(floor)} "
+            f"({floor / pk:.1%}; op {b['floor_op']} {p.ops[b['floor_op']].name}: "
+            f"{format_bytes(b['working_set_bytes'])}) | {format_bytes(best)} ({best / pk:.1%}) "
+            f"| {len(plan.decisions)} decisions, {wraps} wrap-around | {len(bad)} of {len(ref)} "
+            f"| {peaks} |",
+            flush=True,
+        )
+    return 1 if bad_any else 0
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from ..errors import CapuchinError
 from ..tracer.reader import Trace
 from ..tracer.schema import (  # noqa: F401 (is_collective: planner modules import it from here)
     COLLECTIVE_NAMESPACES,
+    COMMUNICATION_NAMESPACES,
     PERSISTENT_KINDS,
     Col,
     Kind,
@@ -75,9 +76,6 @@ class IrregularTraceError(CapuchinError):
 # evicted nor read by a replay: a replay whose source is such a storage is refused (a layer's
 # weight under FSDP2; measured: a replayed ``addmm`` read a resharded, 0-byte weight and the
 # process crashed), which leaves swapping for the activations of FSDP2 layers.
-COMMUNICATION_NAMESPACES = (*COLLECTIVE_NAMESPACES, "fsdp.")
-
-
 @dataclass(frozen=True)
 class OpInfo:
     """One op of the planned iteration. Storage ids, never tensor ids (see module docstring)."""

@@ -641,9 +641,10 @@ class DynamicGuard(BudgetGuard):
         return roots
 
     # ---- eviction -------------------------------------------------------------------------------
-    def evict(self, need: int, protect: set) -> int:
+    def evict(self, need: int, protect: set, sample: bool = True) -> int:
         """Evict resident storages of this iteration, lowest h first, until ``need`` bytes are
-        freed. Returns the bytes freed."""
+        freed. Returns the bytes freed. A sample (``sample``) that frees too little is followed
+        by a pass over every candidate: the sample may miss the few storages that would do."""
         tr = self.tracker
         dev = self.device_type
         swap_fixed_s = self.copy_out.fixed_s + self.copy_in.fixed_s  # Note [What a swap costs]
@@ -651,8 +652,14 @@ class DynamicGuard(BudgetGuard):
         lru, entries, last, clock = tr.lru, self.ex.entries, tr.last_access, tr.clock
         chain = tr.chain if self.remat != "swap" else {}
         auto = self.remat == "auto"
-        keys = [k for k in tr.in_iteration if k not in protect and k not in entries]
-        if len(keys) > SAMPLE:  # DTR's approximation: rank a random sample, not all
+        persistent = tr.persistent  # swap only (Note [Persistent state under the guard])
+        keys = [
+            k
+            for k in (tr.in_iteration | persistent if persistent else tr.in_iteration)
+            if k not in protect and k not in entries
+        ]
+        sampled = sample and len(keys) > SAMPLE
+        if sampled:  # DTR's approximation: rank a random sample, not all
             keys = self._rng.sample(keys, max(SAMPLE, math.isqrt(len(keys))))
         # ranked on what the tracker knows (bytes, staleness, the chain's own cost: a lower
         # bound, regenerated dead sources add to it); the storage itself, and whether and at
@@ -665,7 +672,7 @@ class DynamicGuard(BudgetGuard):
             n = item[1]
             c_swap = swap_fixed_s + n * swap_s_per_byte
             cost = c_swap
-            drop = key in chain
+            drop = key in chain and key not in persistent
             if drop:
                 c_drop = (
                     tr.cost_s[key] + self.replay_op_s * len(chain[key]) + tr.neighbourhood_s(key)
@@ -706,6 +713,8 @@ class DynamicGuard(BudgetGuard):
             else:
                 self._swap(key, st, n)
             got += n
+        if got < need and sampled:
+            got += self.evict(need - got, protect, sample=False)
         return got
 
     def drop_plan(self, key: int):

@@ -316,8 +316,15 @@ class Runtime:
                 self._cur.diverged, self._cur.diverged_at = False, None
                 self.ex.warning = self.ex.foreign = None
                 self._iteration_end(self._cur.iteration, self.indexer.op_index)
+            # the user's state is whole after the run, outside the budget: what the guard or
+            # the plan keeps out across steps (parameters, optimizer state) may outweigh it
+            # (Note [Persistent state under the guard] in passive.py)
+            self.ex.guard.stop()
+            if self._fraction_set:
+                torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+                self._fraction_set = False
             with _disable_current_modes(), torch.no_grad():
-                self.ex.restore_all(wrapping=True)  # the user's state is whole after the run
+                self.ex.restore_all(wrapping=True)
         except Exception:
             if exc_type is None:
                 raise  # otherwise the script's own error is the one to report
@@ -343,8 +350,7 @@ class Runtime:
                 f"capuchin: warning: passive mode could not keep {len(short)} iteration(s) "
                 f"{[s.iteration for s in short][:8]} within the budget of "
                 f"{self.budget_bytes / 2**20:.1f} MiB: up to {worst / 2**20:.1f} MiB over it "
-                "with nothing left to evict (parameters, gradients and optimizer state of "
-                "earlier iterations, and an op's own inputs and outputs stay resident); see "
+                "with nothing left to evict (an op's own inputs and outputs stay resident); see "
                 "passive_short_bytes in the report"
             )
         self.report = RunReport(

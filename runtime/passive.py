@@ -34,9 +34,30 @@ will allocate, what is resident) is the backend's ``memory`` (runtime/memory.py)
 # when a diverged iteration switches to passive mode; at a first divergence in an unwatched
 # iteration the tensors autograd saved so far are found through the graph and counted
 # (``BudgetGuard.discover``, Note [Watched iterations] in tracker.py).
-# What passive eviction cannot reach (parameters, gradients and optimizer state allocated in an
-# earlier iteration, the op's own inputs and outputs) is counted: ``short_bytes`` is the most the
-# estimate stayed over the budget with nothing left to evict, reported per iteration.
+# What passive eviction cannot reach (the op's own inputs and outputs, storages neither made in
+# this iteration nor the optimizers') is counted: ``short_bytes`` is the most the estimate stayed
+# over the budget with nothing left to evict, reported per iteration.
+
+# Note: [Persistent state under the guard]
+# Where no plan applies (iteration 0, which builds the model and the optimizer state; a run with
+# a budget and no plan; a diverged iteration) the guard may evict the optimizers' storages
+# (parameters, gradients, optimizer state: ``BudgetGuard.adopt_persistent`` tracks them, also
+# when an earlier iteration made them), by swap only, never by drop: no op of the iteration makes
+# them from scratch, so a replay could not be exact. Such a storage stays out across the step end
+# and the iteration end (``BudgetGuard.keeps_out``; restoring them all at the step end measured
+# 1.78x the budget in iteration 0 of the mlp with fused AdamW): any op that reads it restores it
+# on demand, ``torch.save`` and the end of the run restore everything. When a plan takes over
+# (iteration 1), one that the plan swaps across the iteration boundary becomes that decision's
+# entry (``Executor._prebind_wraps``: its prefetch and restore are the plan's); the others come
+# back when first read, which only lowers the plan's curve. So at the end of iteration 0 under a
+# plan with wrap-around decisions every other resident storage of the optimizers is swapped out
+# too (``swap_out_persistent``): a parameter the plan swaps over the boundary is named only at
+# its first access in the next iteration (``x{f}:{a}``), and left resident it started the first
+# planned iteration over the plan's curve (Hugging Face ResNet-34 at batch 23: 1.13x the
+# budget). Each comes back at its first read, where the plan has it resident; the cost is one
+# swap-out and one on-demand swap-in of each, once. A read of such a storage through no
+# op (``.numpy()``, ``data_ptr()``) between steps is not seen, as for the plan's own wrap-around
+# decisions (docs/persistent-state.md).
 """
 
 from __future__ import annotations
@@ -61,6 +82,8 @@ class PassiveTracker:
         self.memory = memory if memory is not None else memory_for(device)
         self.lru: collections.OrderedDict[int, tuple[weakref.ref, int]] = collections.OrderedDict()
         self.in_iteration: set[int] = set()  # keys allocated in the current iteration
+        # the optimizers' storages (Note [Persistent state under the guard]): swap-only victims
+        self.persistent: set[int] = set()
         self.tracked_bytes = 0  # tracked and resident
         self.base_bytes = 0
         self.active = False
@@ -124,6 +147,7 @@ class PassiveTracker:
         def cb(_ref, self=self, key=key):
             item = self.lru.pop(key, None)
             self.in_iteration.discard(key)
+            self.persistent.discard(key)
             if item is not None:
                 self.tracked_bytes -= item[1]
 
@@ -143,13 +167,15 @@ class PassiveTracker:
             self.lru.move_to_end(key)
 
     def victims(self, need_bytes: int, protect: set[int]):
-        """Least recently used resident storages allocated in this iteration, until ``need_bytes``
-        are covered. Yields (key, storage, nbytes)."""
+        """Least recently used resident storages allocated in this iteration or of the
+        optimizers, until ``need_bytes`` are covered. Yields (key, storage, nbytes)."""
         got = 0
         for key, (ref, n) in list(self.lru.items()):
             if got >= need_bytes:
                 return
-            if n == 0 or key in protect or key not in self.in_iteration:
+            if n == 0 or key in protect:
+                continue
+            if key not in self.in_iteration and key not in self.persistent:
                 continue
             st = ref()
             if st is None or st.nbytes() == 0 or not evictable(st):
@@ -193,9 +219,53 @@ class BudgetGuard:
     # ---- lifecycle -------------------------------------------------------------------------------
     def new_iteration(self) -> None:
         self.tracker.new_iteration()
+        self.adopt_persistent()
 
     def start(self) -> None:
         self.tracker.start(self._base_bytes())
+        self.adopt_persistent()
+
+    def adopt_persistent(self) -> None:
+        """Track the optimizers' storages as swap-only victims (Note [Persistent state under the
+        guard]); the bytes of those newly tracked leave ``base_bytes`` (CPU accounting)."""
+        tr = self.tracker
+        if not tr.active:
+            return
+        for key, st in self._optimizer_storages():
+            if key not in tr.lru:
+                n = st.nbytes()
+                tr.count(st)
+                tr.base_bytes -= n
+            tr.persistent.add(key)
+
+    def swap_out_persistent(self) -> None:
+        """Swap out every resident storage of the optimizers (Note [Persistent state under the
+        guard]: the end of iteration 0 under a plan with wrap-around decisions)."""
+        if not self.tracker.active:
+            return
+        self.adopt_persistent()
+        ex = self.ex
+        for key, st in list(self._optimizer_storages()):
+            if key in ex.entries or st.nbytes() == 0 or not st.resizable():
+                continue
+            e = Entry(
+                f"passive:{key}", weakref.ref(st, ex.died(key)), st.nbytes(), True, Reason.PASSIVE
+            )
+            ex.adopt(key, e)
+            ex.stats.stall_s += self.swap.evict_now(e)
+            self.tracker.evicted(key)
+            ex.stats.passive_evictions += 1
+
+    def keeps_out(self, e: Entry) -> bool:
+        """Whether the step end and the iteration end leave evicted ``e`` out: a storage of the
+        optimizers the guard swapped (Note [Persistent state under the guard])."""
+        st = e.storage
+        return (
+            e.swap
+            and e.reason is not Reason.PLANNED
+            and st is not None
+            and storage_key(st) in self.tracker.persistent
+        )
 
     def stop(self) -> None:
         self.tracker.active = False

@@ -2,20 +2,21 @@
 (tracer/hooks.py) and carries out the plan's actions at their ops.
 
 # Note: [Hot path]
-# An op with no action while nothing is evicted, in flight or recorded costs one attribute test,
-# one list index and one identity comparison: ``func is fast[k]`` where ``fast`` is the compiled
-# table of expected OpOverloads (runtime/actions.py). Everything else (iteration boundaries,
-# profiler ops, a mismatching op, actions, on-demand restores, passive mode, watched iterations)
-# takes ``Executor.slow_op``. While storages are evicted, in flight or recorded for a replay, the
-# hot path is *guarded*: ``fast`` is the ``guarded`` table (no op that writes an argument in
-# place: those bump write counters and trigger copy-on-write on the slow path, rules R2/R3), and
-# an op passes only if none of its tensor arguments lives in an evicted storage (one storage-key
-# lookup per tensor argument): a kernel never reads an evicted storage (Note [Storage-level
-# eviction] in state.py), whatever the script does. By the trace, an evicted storage is touched
-# by no op before its back-access (an action op), so in a run that follows the trace only the
-# plan's action ops and the in-place ops inside eviction windows take the slow path. The shape
-# check (the ``shape_signature`` of the trace) runs on ops with actions, so a run that diverges
-# only in shapes (another batch size) is caught before any of its planned actions runs.
+# An op with no action while nothing is evicted, in flight or recorded costs one dict lookup (is it
+# a multi-tensor op to run in groups: Note [Multi-tensor op split] in tracer/hooks.py), one
+# attribute test, one list index and one identity comparison: ``func is fast[k]`` where ``fast`` is
+# the compiled table of expected OpOverloads (runtime/actions.py). Everything else (iteration
+# boundaries, profiler ops, a mismatching op, actions, on-demand restores, passive mode, watched
+# iterations) takes ``Executor.slow_op``. While storages are evicted, in flight or recorded for a
+# replay, the hot path is *guarded*: ``fast`` is the ``guarded`` table (no op that writes an
+# argument in place: those bump write counters and trigger copy-on-write on the slow path, rules
+# R2/R3), and an op passes only if none of its tensor arguments lives in an evicted storage (one
+# storage-key lookup per tensor argument): a kernel never reads an evicted storage (Note
+# [Storage-level eviction] in state.py), whatever the script does. By the trace, an evicted storage
+# is touched by no op before its back-access (an action op), so in a run that follows the trace only
+# the plan's action ops and the in-place ops inside eviction windows take the slow path. The shape
+# check (the ``shape_signature`` of the trace) runs on ops with actions, so a run that diverges only
+# in shapes (another batch size) is caught before any of its planned actions runs.
 
 # Note: [Wrap-around storages before the first planned iteration]
 # A wrap-around decision (``Decision.wraps``) keeps a storage out from its last access in one
@@ -106,9 +107,22 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..distributed import say
 from ..errors import PlanFormatError, RecomputeError
 from ..planner.plan import Step
-from ..planner.problem import COMMUNICATION_NAMESPACES
-from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
-from ..tracer.schema import IdKind, TensorId, id_kind, shape_signature
+from ..tracer.hooks import (
+    SPLIT_SPECS,
+    flatten_outputs,
+    flatten_tensors,
+    join_outputs,
+    op_info,
+    split_calls,
+    written_inputs,
+)
+from ..tracer.schema import (
+    COMMUNICATION_NAMESPACES,
+    IdKind,
+    TensorId,
+    id_kind,
+    shape_signature,
+)
 from .backend import byte_view
 from .state import (
     Entry,
@@ -148,6 +162,10 @@ class TrackerMode(TorchDispatchMode):
         self.evicted = _NONE  # the executor's entries while the hot path is guarded
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if SPLIT_SPECS.get(func, 0) is not None:  # Note [Multi-tensor op split] in hooks.py
+            calls = split_calls(func, args, kwargs or {})
+            if calls is not None:
+                return join_outputs([self.__torch_dispatch__(func, types, a, k) for a, k in calls])
         ix = self.ix
         if not ix.step_pending:
             k = ix.op_index + 1
@@ -366,6 +384,7 @@ class Executor:
             if not self.guided:  # Note [Wrap-around storages before the first planned ...]
                 with _disable_current_modes(), torch.no_grad():
                     self._prebind_wraps()
+                    self.guard.swap_out_persistent()  # Note [Persistent state under the guard]
             self._tail.clear()
 
     def _prebind_wraps(self) -> None:
@@ -386,9 +405,17 @@ class Executor:
             a = TensorId.parse(sid).position  # an "x{k}:{a}" id: the a-th argument
             refs = tail[len(tail) - (n - d.back_op)][2]
             st = refs[a]() if a < len(refs) and refs[a] is not None else None
-            if st is not None:
-                self.live[sid] = weakref.ref(st)
-                self._evict(Step.EVICT_SWAP, sid)
+            if st is None:
+                continue
+            e = self.entries.get(storage_key(st))
+            if e is not None:  # the guard swapped it: the plan's decision takes the entry over
+                if e.swap and e.decision is None and sid not in self.by_sid:
+                    self.by_sid.pop(e.sid, None)  # Note [Persistent state under the guard]
+                    e.sid, e.reason, e.decision = sid, Reason.PLANNED, d
+                    self.by_sid[sid] = e
+                continue
+            self.live[sid] = weakref.ref(st)
+            self._evict(Step.EVICT_SWAP, sid)
         self.live.clear()
 
     def restore_all(self, wrapping: bool = False) -> None:
@@ -401,8 +428,12 @@ class Executor:
         until their back-access in the next iteration or any access) unless ``wrapping``
         (the end of the run)."""
         restored = False
+        if not wrapping:  # Note [Persistent state under the guard] in passive.py
+            self.guard.adopt_persistent()
         for e in list(self.entries.values()):
             if not wrapping and e.decision is not None and e.decision.wraps and self.guided:
+                continue
+            if not wrapping and self.guard.keeps_out(e):
                 continue
             if e.storage is not None and not self.guard.stays_out(e):
                 self.restore(e)

@@ -565,9 +565,9 @@ def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, sl
     speed) over it."""
 
     script, trace = _ckpt_trace(tmp_path_factory.mktemp("ckpt"))
-    # planned without persistent candidates (Problem.restricted): a budget reachable only by
-    # swapping parameters and optimizer state is out of reach of iteration 0, which follows no
-    # plan and whose passive guard does not evict them (docs/persistent-state.md, known limits)
+    # planned without persistent candidates (Problem.restricted): this test is about late
+    # prefetches of activations; tests/test_persistent.py covers budgets only swapping
+    # parameters and optimizer state reaches
     from capuchin.planner.api import smallest_feasible_budget
     from capuchin.planner.registry import get_policy
 

@@ -261,6 +261,143 @@ def describe_args(args: tuple, kwargs: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Multi-tensor ops split into groups
+
+# Note: [Multi-tensor op split]
+# A multi-tensor op (``aten._foreach_*``, ``aten._fused_adam(w)_``, ``_fused_sgd_``,
+# ``_fused_adagrad_``, ``aten._amp_foreach_non_finite_check_and_unscale_``) applies one per-element
+# computation to each element of its list arguments: element i of the result depends only on
+# element i of every list and on the arguments that are not lists (a scalar, ``lr`` as a tensor,
+# ``found_inf``, ``grad_scale``, the one tensor of ``_foreach_mul_.Tensor``), which every element
+# reads unchanged. Run whole, one op reads every parameter's optimizer state at once (AdamW with
+# ``foreach=True``, ``fused=True``, ``clip_grad_norm_``'s ``_foreach_norm``): its working set is
+# all of them, and no plan can swap any of it across that op. So the tracer and the runtime both
+# run such an op as calls of the same kernel on consecutive sub-lists (``split_calls``), each
+# indexed as its own op of the trace with its own working set, and join their results
+# (``join_outputs``); the trace and plan formats do not change (a group is an op of the same
+# name with shorter lists). The rule depends only on the arguments' shapes and dtypes, never on
+# residency (an evicted storage has 0 bytes), so the tracer and the runtime split alike, and it
+# is idempotent (a group splits into itself), so stacked modes (tracing under a budget) agree:
+# elements are taken in order into a group while its tensors' bytes stay within
+# ``SPLIT_GROUP_BYTES``; an element larger than that is a group of its own. Results are
+# bit-identical: each element's computation is the same kernel on the same values
+# (tests/test_multi_tensor_split.py compares split and whole per op family with torch.equal).
+# Kept whole (``split_calls`` returns None): ops outside the allow-list, ``.out`` overloads, an
+# op with a per-element tensor that is not a list (``_foreach_addcdiv_.Tensor``'s ``scalars``
+# holds one value per element), lists of unequal lengths (an empty list, ``max_exp_avg_sqs``
+# without amsgrad, goes to every group as it is), and an op that fits in one group.
+SPLIT_GROUP_BYTES = 64 * 1024
+
+# name prefixes (``schema.name``) of the multi-tensor families whose elements are independent
+_SPLIT_FAMILIES = (
+    "aten::_foreach_",
+    "aten::_fused_adam",  # _fused_adam_, _fused_adamw_, their functional forms and tensor_lr
+    "aten::_fused_sgd",
+    "aten::_fused_adagrad",
+    "aten::_amp_foreach_non_finite_check_and_unscale",
+)
+# non-list tensor arguments that hold one value per list element: the op is kept whole
+_PER_ELEMENT_TENSOR_ARGS = frozenset({"scalars"})
+
+SPLIT_SPECS: dict = {}  # OpOverload -> tuple of (position, name, tensor list) or None
+
+
+def split_spec(func):
+    """The list arguments of a splittable multi-tensor op (``(schema position, name, holds
+    tensors)``), or None where the op is kept whole (Note [Multi-tensor op split]). Cached."""
+    try:
+        return SPLIT_SPECS[func]
+    except KeyError:
+        pass
+    spec = None
+    schema = getattr(func, "_schema", None)
+    if (
+        schema is not None
+        and schema.name.startswith(_SPLIT_FAMILIES)
+        and "out" not in schema.overload_name
+    ):
+        lists = []
+        for i, arg in enumerate(schema.arguments):
+            if isinstance(arg.type, torch.ListType):
+                lists.append((i, arg.name, str(arg.type.getElementType()) == "Tensor"))
+            elif arg.name in _PER_ELEMENT_TENSOR_ARGS and "Tensor" in str(arg.type):
+                lists = []
+                break
+        if any(t for _, _, t in lists):
+            spec = tuple(lists)
+    SPLIT_SPECS[func] = spec
+    return spec
+
+
+def split_calls(func, args: tuple, kwargs: dict, cap: int = SPLIT_GROUP_BYTES):
+    """The calls ``[(args, kwargs), ...]`` that run ``func`` in groups of consecutive list
+    elements, or None to run it whole (Note [Multi-tensor op split])."""
+    spec = SPLIT_SPECS.get(func, 0)
+    if spec == 0:
+        spec = split_spec(func)
+    if spec is None:
+        return None
+    found = []
+    n = -1
+    for pos, name, tensors in spec:
+        positional = pos < len(args)
+        v = args[pos] if positional else kwargs.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, (list, tuple)):
+            return None
+        if len(v) == 0:
+            continue  # an empty list (max_exp_avg_sqs without amsgrad) goes to every group
+        if n < 0:
+            n = len(v)
+        elif len(v) != n:
+            return None
+        found.append((pos if positional else name, v, tensors))
+    if n <= 1:
+        return None
+    sizes = [0] * n
+    for _, v, tensors in found:
+        if tensors:
+            for i, t in enumerate(v):
+                if isinstance(t, torch.Tensor):
+                    sizes[i] += t.numel() * t.element_size()
+    bounds = []
+    lo = 0
+    total = 0
+    for i, b in enumerate(sizes):
+        if i > lo and total + b > cap:
+            bounds.append((lo, i))
+            lo, total = i, 0
+        total += b
+    bounds.append((lo, n))
+    if len(bounds) == 1:
+        return None
+    calls = []
+    for lo, hi in bounds:
+        a = list(args)
+        kw = dict(kwargs)
+        for where, v, _ in found:
+            part = list(v[lo:hi])
+            if isinstance(where, int):
+                a[where] = part
+            else:
+                kw[where] = part
+        calls.append((tuple(a), kw))
+    return calls
+
+
+def join_outputs(outs: list):
+    """The result of the whole op from its groups' results (``split_calls``): lists concatenated
+    in order, a tuple of lists position by position; ``None`` / ``()`` as they are."""
+    first = outs[0]
+    if isinstance(first, list):
+        return [t for o in outs for t in o]
+    if isinstance(first, tuple) and first and isinstance(first[0], list):
+        return tuple([t for o in outs for t in o[j]] for j in range(len(first)))
+    return first
+
+
+# --------------------------------------------------------------------------------------------
 # Storages and ops
 
 

@@ -30,7 +30,7 @@ from ..errors import CapuchinError, ScriptError
 from ..outputs import check_output
 from ..units import format_bytes
 from .bandwidth import measure_bandwidth
-from .hooks import OpEvent, OpIndexer, describe_args, flatten_tensors
+from .hooks import OpEvent, OpIndexer, describe_args, flatten_tensors, join_outputs, split_calls
 from .reader import write_trace
 from .schema import COLUMNS, Col, Kind, Phase, Role, TraceMeta, scratch_id, shape_signature
 from .timing import marker_name, parse_profile, profiler_quiet, start_profiler_quietly
@@ -97,6 +97,9 @@ class _TraceMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if os.getpid() != self.pid:  # a forked DataLoader worker inherited the mode: not ours
             return func(*args, **kwargs)
+        calls = split_calls(func, args, kwargs)  # Note [Multi-tensor op split] in hooks.py
+        if calls is not None:
+            return join_outputs([self.__torch_dispatch__(func, types, a, k) for a, k in calls])
         op = self.indexer.begin_op(func, args, kwargs)
         if op is None:
             return func(*args, **kwargs)

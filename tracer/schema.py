@@ -217,6 +217,8 @@ class TraceMeta:
 # Ops that communicate with other ranks, by namespace (Note [Collectives] in planner/problem.py):
 # never replayed, since a replay on one rank alone would hang or pair with another call.
 COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")
+# ... and FSDP's own ops, which read and write communication buffers without being collectives.
+COMMUNICATION_NAMESPACES = (*COLLECTIVE_NAMESPACES, "fsdp.")
 
 
 def is_collective(op_name: str) -> bool:

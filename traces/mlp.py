@@ -1,5 +1,5 @@
 """A multi-layer perceptron on synthetic data: 8 hidden layers of 256, tanh, large batch, no dropout, RMSprop.
-Unmodified training script.
+Unmodified training script (RMSprop by default; --optim picks AdamW in its loop, foreach or fused form).
 
     python traces/mlp.py --steps 6
 """
@@ -15,6 +15,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--optim",
+        choices=["rmsprop", "adamw", "adamw-foreach", "adamw-fused"],
+        default="rmsprop",
+        help="adamw: the per-tensor loop (foreach=False); -foreach / -fused: the multi-tensor forms",
+    )
+    parser.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ to this norm")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -24,13 +31,21 @@ def main() -> None:
         *[m for _ in range(7) for m in (nn.Linear(256, 256), nn.Tanh())],
         nn.Linear(256, 10),
     )
-    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    if args.optim == "rmsprop":
+        opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    else:
+        form = {"adamw": {"foreach": False}, "adamw-foreach": {"foreach": True}}
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=1e-3, **form.get(args.optim, {"fused": True})
+        )
     for step in range(args.steps):
         x = torch.randn(args.batch, 128)
         y = torch.randint(0, 10, (args.batch,))
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
+        if args.clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), args.clip, foreach=args.optim != "adamw")
         opt.step()
         print(f"step {step} loss {loss.item():.4f}")
 
