@@ -179,6 +179,10 @@ class Provenance:
     date: str
     solve_time_s: float
     capuchin_version: str = ""
+    # device memory the trace saw outside tensor storages (CUDA: cuBLAS workspaces, ...); the
+    # budget does not count it, the runtime's allocator cap does (runtime/device.py Note
+    # [Budget and the allocator]); 0 when unknown
+    device_non_tensor_bytes: int = 0
 
 
 @dataclass

@@ -398,7 +398,7 @@ class CUDABackend:
         return True
 
     def allocated_bytes(self) -> int | None:
-        return torch.cuda.memory_allocated(self.device)
+        return self.memory.allocated_bytes()  # Note [Cheap memory counter] in device.py
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
