@@ -746,7 +746,7 @@ class DynamicGuard(BudgetGuard):
         )
         if ex.rt.verify:
             with _disable_current_modes():
-                e.extra["copy"] = byte_view(st).clone()
+                e.extra["copy"] = byte_view(st).to("cpu", copy=True)  # Note [Snapshots on the host]
         ex.adopt(key, e)
         return e
 

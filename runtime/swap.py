@@ -24,12 +24,24 @@ back-access, with late-prefetch feedback (paper §4.4, §5.3). Device specifics:
 # must leave room for the storage at every op it now spans; the trigger moves only as far as
 # that holds, or not at all (``trigger_moves_refused``). Unchecked, a steady iteration of a plan
 # at its smallest feasible budget measured 1.10x its budget (0.994x with the feedback off).
+
+# Note: [Out of memory in the runtime]
+# The runtime allocates too: a prefetch or an on-demand restore takes the storage's device memory
+# again, a replay allocates its ops' outputs. On CUDA any of them can meet the allocator's cap
+# (reserved memory, fragmentation, a swap-out whose block is not reusable yet) even where the
+# plan's tensor bytes fit. None may kill the run: a prefetch that does not fit is skipped (the
+# back-access restores on demand, a stall, never a wrong result); a restore or a replay first
+# waits for the earliest swap-out, then has the budget guard evict what it needs
+# (``make_room``), and retries; only when nothing is left to evict does the error reach the
+# script. The script's own ops get the same retry (tracker.py ``_run``).
 """
 
 from __future__ import annotations
 
 import collections
 import time
+
+import torch
 
 from .backend import DeviceBackend
 from .state import Entry, Residency, resize
@@ -48,6 +60,9 @@ class SwapEngine:
         self.bandwidth_d2h = bandwidth_d2h_bytes_per_s
         self.pending_out: collections.deque[Entry] = collections.deque()
         self.stats = None
+        # (bytes, storage) -> bytes freed: the budget guard's eviction for a restore that does
+        # not fit (set by the executor; Note [Out of memory in the runtime])
+        self.make_room = None
 
     # ---- out ------------------------------------------------------------------------------------
     def evict(self, e: Entry) -> None:
@@ -144,7 +159,10 @@ class SwapEngine:
         st = e.storage
         if st is None:
             return
-        resize(st, e.nbytes)
+        try:
+            resize(st, e.nbytes)
+        except torch.cuda.OutOfMemoryError:  # Note [Out of memory in the runtime]: skip it
+            return
         e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy)
         e.in_start_s = time.perf_counter()
         e.state = Residency.SWAPPING_IN
@@ -160,7 +178,7 @@ class SwapEngine:
             self.stats.stall_s += e.out_copy.wait()
         elif e.state is Residency.OUT:
             if st is not None:  # on demand: nothing was prefetched
-                resize(st, e.nbytes)
+                self._alloc(st, e.nbytes)
                 e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy, now=True)
                 self.stats.swapped_in_bytes += e.nbytes
                 self.stats.stall_s += e.in_copy.wait()
@@ -173,6 +191,20 @@ class SwapEngine:
         e.state = Residency.RESIDENT
         self._release(e)
         return late
+
+    def _alloc(self, st, nbytes: int) -> None:
+        """Take ``st``'s device memory again; on an out-of-memory error wait for the earliest
+        swap-out or have ``make_room`` evict, and retry (Note [Out of memory in the runtime])."""
+        for _ in range(64):
+            try:
+                resize(st, nbytes)
+                return
+            except torch.cuda.OutOfMemoryError:
+                if self.sync_earliest() > 0:
+                    continue
+                if self.make_room is None or self.make_room(nbytes, st) <= 0:
+                    raise
+        resize(st, nbytes)
 
     def discard(self, e: Entry) -> None:
         """The storage died while evicted: return its host buffer."""

@@ -116,7 +116,7 @@ _ANY = {None: None}  # non-empty: guarded with nothing evicted (swap-outs in fli
 
 def _snapshot(st) -> torch.Tensor:
     with _disable_current_modes():
-        return byte_view(st).clone()
+        return byte_view(st).to("cpu", copy=True)  # host memory: Note [Snapshots on the host]
 
 
 class TrackerMode(TorchDispatchMode):
@@ -140,7 +140,10 @@ class TrackerMode(TorchDispatchMode):
                     ix.op_index = k
                     if self.evicted:
                         self.ex.op_time[k] = time.perf_counter()  # late-prefetch feedback
-                    return func(*args, **kwargs) if kwargs else func(*args)
+                    try:
+                        return func(*args, **kwargs) if kwargs else func(*args)
+                    except torch.cuda.OutOfMemoryError:  # Note [Out of memory in the runtime]
+                        return self.ex._run(func, args, kwargs or {})
             except IndexError:
                 pass
         return self.ex.slow_op(func, args, kwargs or {})
@@ -189,6 +192,7 @@ class Executor:
         self.ix = indexer
         self.table = table
         self.swap = swap
+        swap.make_room = self._make_room  # Note [Out of memory in the runtime] in swap.py
         self.recompute = recompute
         self.backend = backend
         self._cuda = backend.device.type == "cuda"  # Executor._run: retry a real OOM
@@ -535,12 +539,32 @@ class Executor:
                 return func(*args, **kwargs)
             except torch.cuda.OutOfMemoryError:
                 # a real OOM under set_per_process_memory_fraction: finish the earliest swap-out,
-                # else evict on demand (passive mode), and retry (paper §4.2, §5.3)
+                # else evict what the op needs, and retry (paper §4.2, §5.3)
                 if self.swap.sync_earliest() > 0:
                     continue
-                if not self.guard.on_oom(set(_keys(flatten_tensors(args, kwargs)))):
+                _, need = self.guard.memory.predict(func, args, kwargs)
+                if not self.guard.on_oom(set(_keys(flatten_tensors(args, kwargs))), need):
                     raise
         return func(*args, **kwargs)
+
+    def _with_room(self, alloc, need: int, st):
+        """``alloc()``, retried after making room on an out-of-memory error (a replay reads its
+        sources and writes only its own outputs: running it again gives the same bytes)."""
+        for _ in range(64):
+            try:
+                return alloc()
+            except torch.cuda.OutOfMemoryError:
+                if self.swap.sync_earliest() > 0:
+                    continue
+                if self._make_room(need, st) <= 0:
+                    raise
+        return alloc()
+
+    def _make_room(self, need: int, st) -> int:
+        """Free ``need`` bytes for a runtime-internal allocation of ``st`` (a restore, a
+        replay); returns the bytes freed (Note [Out of memory in the runtime] in swap.py)."""
+        keys = {storage_key(st)} if st is not None else set()
+        return need if self.guard.on_oom(keys, need) else 0
 
     # ---- planned actions ------------------------------------------------------------------------
     def _before(self, step: Step, sid: str, k: int) -> None:
@@ -644,7 +668,9 @@ class Executor:
                 for x in self.by_sid.values()
                 if not x.swap and x.state is Residency.OUT and x is not e and x.storage is not None
             }
-            refilled = self.recompute.replay(e.decision, st, e.nbytes, dropped)
+            refilled = self._with_room(
+                lambda: self.recompute.replay(e.decision, st, e.nbytes, dropped), e.nbytes, st
+            )
             e.state = Residency.RESIDENT
             for sid in refilled:
                 x = self.by_sid.get(sid)

@@ -1,0 +1,72 @@
+"""Out-of-memory errors inside the runtime's own allocations (review defect 4): an on-demand
+restore or a replay that meets the allocator's cap makes room and retries, a prefetch that does
+not fit is skipped; the run stays bitwise identical to plain training. The error is injected
+where the CUDA allocator would raise it (the storage resize); CPU tensors otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from capuchin.planner.problem import Problem
+from capuchin.runtime.engine import Runtime
+from capuchin.testing.training import TRACES, train_mismatches
+from capuchin.tracer.reader import load_trace
+
+pytestmark = pytest.mark.emulated
+
+
+class _FailOnce:
+    """``resize`` that raises ``torch.OutOfMemoryError`` on its first ``times`` growing calls."""
+
+    def __init__(self, real, times: int = 1):
+        self.real, self.left, self.raised = real, times, 0
+
+    def __call__(self, st, nbytes):
+        if nbytes > 0 and self.left > 0:
+            self.left -= 1
+            self.raised += 1
+            raise torch.OutOfMemoryError("emulated CUDA out of memory at the cap")
+        return self.real(st, nbytes)
+
+
+def test_an_on_demand_restore_that_meets_the_cap_makes_room_and_retries(monkeypatch):
+    import capuchin.runtime.swap as swap
+
+    fail = _FailOnce(swap.resize, times=2)
+    monkeypatch.setattr(swap, "resize", fail)
+    peak = Problem.from_trace(load_trace(TRACES / "mlp.trace.parquet")).peak_bytes
+    rt = Runtime(budget_bytes=peak * 6 // 10, eviction="lru", measure_memory=False)
+    assert train_mismatches("mlp", rt) == []
+    assert fail.raised == 2  # the restores did meet the cap, and the run went on
+    assert sum(s.passive_evictions for s in rt.report.iterations) > 0
+
+
+def _plan(method: str):
+    from capuchin.testing.training import hand_plan
+
+    return hand_plan(Problem.from_trace(load_trace(TRACES / "mlp.trace.parquet")), method, limit=6)
+
+
+def test_a_prefetch_that_does_not_fit_is_skipped_and_restored_on_demand(monkeypatch):
+    import capuchin.runtime.swap as swap
+
+    plan = _plan("swap")
+    fail = _FailOnce(swap.resize, times=3)
+    in_prefetch = [False]
+    real_prefetch = swap.SwapEngine.prefetch
+
+    def prefetch(self, e):
+        in_prefetch[0] = True
+        try:
+            return real_prefetch(self, e)
+        finally:
+            in_prefetch[0] = False
+
+    monkeypatch.setattr(swap.SwapEngine, "prefetch", prefetch)
+    monkeypatch.setattr(
+        swap, "resize", lambda st, n: (fail if in_prefetch[0] else fail.real)(st, n)
+    )
+    rt = Runtime(plan, measure_memory=False)
+    assert train_mismatches("mlp", rt) == []
+    assert fail.raised == 3  # three prefetches met the cap; their back-accesses restored
+    assert sum(s.evictions for s in rt.report.iterations) > 0
