@@ -114,6 +114,10 @@ _NONE: dict = {}
 _ANY = {None: None}  # non-empty: guarded with nothing evicted (swap-outs in flight, records)
 
 
+# Note: [Snapshots on the host]
+# ``CAPUCHIN_VERIFY=1`` keeps a copy of every evicted storage to compare it with what comes back.
+# The copy lives in host memory: on CUDA a device copy would count against the allocator cap set
+# for the budget and turn the check itself into out-of-memory errors.
 def _snapshot(st) -> torch.Tensor:
     with _disable_current_modes():
         return byte_view(st).to("cpu", copy=True)  # host memory: Note [Snapshots on the host]
