@@ -833,6 +833,13 @@ class DynamicGuard(BudgetGuard):
             if e.swap:
                 self.copy_in.add(e.nbytes, time.perf_counter() - t0)
 
+    def replayed_bytes(self, nbytes: int) -> int:
+        """Resident bytes right after a replay refilled ``nbytes``: an allocator that counts
+        (CUDA) has counted them already; the CPU estimate has not yet (``restored`` comes
+        later), so they are added there."""
+        alloc = self.memory.allocated_bytes()
+        return alloc if alloc is not None else self.tracker.estimate_bytes() + nbytes
+
     def replay(self, e: Entry) -> None:
         """Regenerate dropped ``e`` (the executor's restore of a DYNAMIC entry)."""
         st = e.storage
@@ -866,7 +873,7 @@ class DynamicGuard(BudgetGuard):
             extra = (time.perf_counter() - t0 - e.extra.get("cost_s", 0.0)) / len(ops)
             self.replay_op_s = max(0.0, 0.8 * self.replay_op_s + 0.2 * extra)
         if self.budget_bytes is not None:  # unbudgeted paths (step end) count what they cost
-            self.short(self.resident_bytes() + e.nbytes - self.budget_bytes)
+            self.short(self.replayed_bytes(e.nbytes) - self.budget_bytes)
         key = storage_key(st)
         node = tr.node.pop(key, None)
         if node is not None:

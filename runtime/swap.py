@@ -25,6 +25,16 @@ back-access, with late-prefetch feedback (paper §4.4, §5.3). Device specifics:
 # that holds, or not at all (``trigger_moves_refused``). Unchecked, a steady iteration of a plan
 # at its smallest feasible budget measured 1.10x its budget (0.994x with the feedback off).
 
+# Note: [Lateness on the device's timeline]
+# A prefetch is late when the consuming op would have run before its copy was complete *on the
+# device*. The host cannot tell at dispatch: on CUDA it runs ahead of the GPU, so at the
+# back-access the copy's event is usually not complete yet even when the copy will end long
+# before the compute stream gets there; judged there, nearly every prefetch counted late and
+# moved its trigger. So the back-access asks the backend for a judgement to read later
+# (``judge_late``: CUDA records a timing event on the compute stream and compares it with the
+# copy's completion event; the CPU "device" is the host, so its judgement is made at once), and
+# the iteration's late prefetches are counted and fed back at its end (``judged_late``).
+
 # Note: [Out of memory in the runtime]
 # The runtime allocates too: a prefetch or an on-demand restore takes the storage's device memory
 # again, a replay allocates its ops' outputs. On CUDA any of them can meet the allocator's cap
@@ -63,6 +73,8 @@ class SwapEngine:
         # (bytes, storage) -> bytes freed: the budget guard's eviction for a restore that does
         # not fit (set by the executor; Note [Out of memory in the runtime])
         self.make_room = None
+        # planned back-accesses that found their prefetch in flight: (decision, bytes, judge)
+        self.judging: list = []
 
     # ---- out ------------------------------------------------------------------------------------
     def evict(self, e: Entry) -> None:
@@ -168,10 +180,9 @@ class SwapEngine:
         e.state = Residency.SWAPPING_IN
         self.stats.swapped_in_bytes += e.nbytes
 
-    def restore(self, e: Entry, planned_back_access: bool) -> bool:
-        """Make ``e``'s storage resident before an op reads it. Returns True if this was a planned
-        back-access that found its prefetch still in flight (a late prefetch)."""
-        late = False
+    def restore(self, e: Entry, planned_back_access: bool) -> None:
+        """Make ``e``'s storage resident before an op reads it. A planned back-access that finds
+        its prefetch in flight is judged late or not at the iteration's end (``judged_late``)."""
         st = e.storage
         if e.state is Residency.SWAPPING_OUT:
             # never freed: the device bytes are intact; wait only so the host buffer is reusable
@@ -184,12 +195,20 @@ class SwapEngine:
                 self.stats.stall_s += e.in_copy.wait()
                 self.backend.wait_compute(e.in_copy)
         elif e.state is Residency.SWAPPING_IN:
-            if planned_back_access and not e.in_copy.done():
-                late = True
-                self.stats.late_prefetches += 1
+            if planned_back_access:  # Note [Lateness on the device's timeline]
+                self.judging.append((e.decision, e.nbytes, self.backend.judge_late(e.in_copy)))
             self.stats.stall_s += self.backend.wait_compute(e.in_copy)
         e.state = Residency.RESIDENT
         self._release(e)
+
+    def judged_late(self) -> list:
+        """The prefetches of this iteration that were late on the device's timeline, counted in
+        ``late_prefetches``: ``(decision, bytes)`` each (Note [Lateness on the device's
+        timeline]). Called once the iteration's work is queued (its end)."""
+        late = [(d, n) for d, n, judge in self.judging if judge()]
+        self.judging.clear()
+        if self.stats is not None:
+            self.stats.late_prefetches += len(late)
         return late
 
     def _alloc(self, st, nbytes: int) -> None:

@@ -322,6 +322,8 @@ class Executor:
             self.warning = None
 
     def end_iteration(self) -> None:
+        for d, nbytes in self.swap.judged_late():  # Note [Lateness on the device's timeline]
+            self._late_feedback(d, nbytes)
         st = self.stats  # iteration 0 builds the model: its divergence predicts nothing
         self.last_diverged = (
             st is not None and st.diverged and st.iteration >= self.rt.first_checked_iteration
@@ -661,8 +663,7 @@ class Executor:
         if e.state is Residency.RESIDENT and self.entries.get(key) is not e:
             return  # back already (evicted again since, its storage has another entry: leave it)
         if e.swap:
-            if self.swap.restore(e, planned) and e.decision is not None and self.guided:
-                self._late_feedback(e)
+            self.swap.restore(e, planned and e.decision is not None and self.guided)
         elif e.reason is Reason.DYNAMIC:
             self.guard.replay(e)  # dynamic mode (runtime/dynamic.py)
             e.state = Residency.RESIDENT
@@ -720,10 +721,10 @@ class Executor:
             if n <= 0:
                 self.recompute.records.pop(k, None)
 
-    def _late_feedback(self, e: Entry) -> None:
-        """Move a late prefetch's in-trigger earlier for the next iteration (Note [Late prefetch
-        feedback] in swap.py), never to where it would take the plan over its budget."""
-        d = e.decision
+    def _late_feedback(self, d, nbytes: int) -> None:
+        """Move a late prefetch's in-trigger (decision ``d``, ``nbytes``) earlier for the next
+        iteration (Note [Late prefetch feedback] in swap.py), never to where it would take the
+        plan over its budget."""
         # by storage id in the main kind's plan, by (kind, storage id) in the others'
         tkey = (
             d.storage_id if self.table is self.kind_tables[0] else (self.table.kind, d.storage_id)
@@ -732,7 +733,7 @@ class Executor:
         if trig is None:
             return
         bw = self.rt.bandwidth_h2d_bytes_per_s
-        shift_s = 0.05 * e.nbytes / bw if bw > 0 else 0.0
+        shift_s = 0.05 * nbytes / bw if bw > 0 else 0.0
         t_trig = self.op_time.get(trig)
         lo = d.evict_op + 1
         new = trig - 1
@@ -741,14 +742,14 @@ class Executor:
             while j > lo and (self.op_time.get(j) is None or self.op_time[j] > t_trig - shift_s):
                 j -= 1
             new = j
-        new = self._fits_from(max(lo, min(new, trig - 1)), trig, e.nbytes)
+        new = self._fits_from(max(lo, min(new, trig - 1)), trig, nbytes)
         if new < trig:
             self.table.move_before(Step.PREFETCH, d.storage_id, trig, new)
             self.trigger_now[tkey] = new
             self.stats.trigger_moves += 1
             moved = self._moved()
             for i in range(new, trig):
-                moved[i] += e.nbytes
+                moved[i] += nbytes
         else:
             self.stats.trigger_moves_refused += 1
 

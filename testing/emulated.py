@@ -204,27 +204,35 @@ class _EmulatedEvent:
 
 
 class EmulatedTimeline:
-    """The emulated device's progress: work submitted at dispatch completes ``lag`` ticks
-    later; the host advances the device only by waiting (``run_until``) or ``advance``."""
+    """The emulated device's progress. Each stream runs its work in order; work submitted on a
+    stream starts when that stream is free and the host has issued it, and takes ``cost``
+    ticks. The device's clock (``now``) advances only when the host waits (``run_until``) or
+    gives it time (``advance``): until then the host runs ahead and nothing is complete."""
 
-    def __init__(self, lag: int = 1):
-        self.lag = lag
+    def __init__(self):
         self.now = 0
-        self.submitted = 0
+        self.host = 0  # the device time at which the host issues its next work
+        self.stream_end: dict[str, int] = {}
         self.pending: list[tuple[int, object]] = []  # (tick, completion callback)
 
-    def submit(self, work=None) -> _EmulatedEvent:
-        self.submitted += self.lag
-        tick = self.submitted
+    def submit(self, work=None, stream: str = "compute", cost: int = 1) -> _EmulatedEvent:
+        start = max(self.stream_end.get(stream, 0), self.host)
+        end = self.stream_end[stream] = start + cost
         if work is not None:
-            self.pending.append((tick, work))
-        return _EmulatedEvent(self, tick)
+            self.pending.append((end, work))
+        return _EmulatedEvent(self, end)
+
+    def compute(self, ops: int = 1) -> None:
+        """The host issues ``ops`` ops of one tick each on the compute stream."""
+        for _ in range(ops):
+            self.submit(stream="compute")
 
     def advance(self, ticks: int = 1) -> None:
         self.run_until(self.now + ticks)
 
     def run_until(self, tick: int) -> None:
         self.now = max(self.now, tick)
+        self.host = max(self.host, self.now)  # work issued after a wait starts no earlier
         due = [w for t, w in self.pending if t <= self.now]
         self.pending = [(t, w) for t, w in self.pending if t > self.now]
         for w in due:
@@ -251,11 +259,12 @@ class EmulatedBackend:
     bytes are moved when the device reaches the copy, not at dispatch (a consumer that does not
     wait reads stale bytes, as a missing ``wait_event`` would on CUDA)."""
 
-    def __init__(self, timeline: EmulatedTimeline | None = None):
+    def __init__(self, timeline: EmulatedTimeline | None = None, copy_cost: int = 1):
         from ..runtime.memory import CPUMemory
 
         self.device = torch.device("cpu")
         self.timeline = timeline or EmulatedTimeline()
+        self.copy_cost = copy_cost  # ticks per copy on its stream
         self.memory = CPUMemory()
         self.host_pool_bytes = 0
 
@@ -266,7 +275,7 @@ class EmulatedBackend:
     def release(self, buf: torch.Tensor) -> None:
         pass
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> _TimelineCopy:
+    def _copy(self, dst, src, stream: str, after=None) -> _TimelineCopy:
         from ..runtime.backend import _no_python_dispatch
 
         def work():
@@ -275,13 +284,14 @@ class EmulatedBackend:
             with _no_python_dispatch(), torch.no_grad():
                 dst.copy_(src)
 
-        return _TimelineCopy(dst.numel(), self.timeline.submit(work))
+        ev = self.timeline.submit(work, stream, self.copy_cost)
+        return _TimelineCopy(dst.numel(), ev)
 
     def copy_out(self, storage, buf, now: bool = False):
         from ..runtime.backend import _host, byte_view
 
         n = storage.nbytes()
-        c = self._copy(_host(buf, n), byte_view(storage, n))
+        c = self._copy(_host(buf, n), byte_view(storage, n), "d2h")
         if now:
             c.wait()
         return c
@@ -290,13 +300,17 @@ class EmulatedBackend:
         from ..runtime.backend import _host, byte_view
 
         n = storage.nbytes()
-        c = self._copy(byte_view(storage, n), _host(buf, n), after)
+        c = self._copy(byte_view(storage, n), _host(buf, n), "h2d", after)
         if now:
             c.wait()
         return c
 
     def wait_compute(self, copy) -> float:
         return copy.wait()
+
+    def judge_late(self, copy):
+        need = self.timeline.submit(stream="compute", cost=0)  # the consumer's turn
+        return lambda: copy.event.tick > need.tick
 
     def free_after_copy_out(self, storage, copy) -> bool:
         if not copy.done():
@@ -311,4 +325,4 @@ class EmulatedBackend:
         return None
 
     def close(self) -> None:
-        self.timeline.run_until(self.timeline.submitted)
+        self.timeline.run_until(max(self.timeline.stream_end.values(), default=0))
