@@ -92,7 +92,7 @@ EOF
 
 gpu_tests() {
   "$PY" -m pytest -p no:cacheprovider -q -rA -m gpu \
-    tests/test_runtime.py tests/test_trace_cuda.py tests/test_trace_budget.py
+    tests/test_runtime.py tests/test_trace_cuda.py tests/test_trace_budget.py tests/test_cuda_races.py
   local rc=$?
   [ $rc -eq 5 ] && return 0  # nothing collected (no gpu test selected) is not a failure
   return $rc
