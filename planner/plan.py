@@ -185,6 +185,15 @@ class Provenance:
     device_non_tensor_bytes: int = 0
 
 
+def _provenance_doc(prov: Provenance) -> dict[str, Any]:
+    """The provenance as written: ``device_non_tensor_bytes`` only when measured (non-zero), so
+    that a plan without it reads in a capuchin that predates the field."""
+    doc = asdict(prov)
+    if not doc.get("device_non_tensor_bytes"):
+        doc.pop("device_non_tensor_bytes", None)
+    return doc
+
+
 @dataclass
 class Predictions:
     baseline_peak_bytes: int
@@ -246,7 +255,7 @@ class Plan:
         doc = {
             "format": PLAN_FORMAT,
             "schema_version": self.schema_version,
-            "provenance": asdict(self.provenance),
+            "provenance": _provenance_doc(self.provenance),
             **self._kind_doc(),
             "kinds": [k._kind_doc() for k in self.kinds],
         }
