@@ -42,7 +42,8 @@ back-access, with late-prefetch feedback (paper §4.4, §5.3). Device specifics:
 # plan's tensor bytes fit. None may kill the run: a prefetch that does not fit is skipped (the
 # back-access restores on demand, a stall, never a wrong result); a restore or a replay first
 # waits for the earliest swap-out, then has the budget guard evict what it needs
-# (``make_room``), and retries; only when nothing is left to evict does the error reach the
+# (``make_room``), else gives back prefetched storages not read yet (``unprefetch``: their host
+# copies are intact), and retries; only when nothing is left to free does the error reach the
 # script. The script's own ops get the same retry (tracker.py ``_run``).
 """
 
@@ -73,6 +74,7 @@ class SwapEngine:
         # (bytes, storage) -> bytes freed: the budget guard's eviction for a restore that does
         # not fit (set by the executor; Note [Out of memory in the runtime])
         self.make_room = None
+        self.prefetched: set[Entry] = set()  # SWAPPING_IN, for ``unprefetch``
         # planned back-accesses that found their prefetch in flight: (decision, bytes, judge)
         self.judging: list = []
 
@@ -178,6 +180,7 @@ class SwapEngine:
         e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy)
         e.in_start_s = time.perf_counter()
         e.state = Residency.SWAPPING_IN
+        self.prefetched.add(e)
         self.stats.swapped_in_bytes += e.nbytes
 
     def restore(self, e: Entry, planned_back_access: bool) -> None:
@@ -199,7 +202,29 @@ class SwapEngine:
                 self.judging.append((e.decision, e.nbytes, self.backend.judge_late(e.in_copy)))
             self.stats.stall_s += self.backend.wait_compute(e.in_copy)
         e.state = Residency.RESIDENT
+        self.prefetched.discard(e)
         self._release(e)
+
+    def unprefetch(self, need: int, protect: set) -> int:
+        """Give back the device memory of prefetched storages not read yet (their host copies
+        are intact): each comes back on demand at its back-access. Returns the bytes freed,
+        stopping once ``need`` are (Note [Out of memory in the runtime])."""
+        from .state import storage_key
+
+        freed = 0
+        for e in list(self.prefetched):
+            if freed >= need:
+                break
+            st = e.storage
+            if e.state is not Residency.SWAPPING_IN or st is None or storage_key(st) in protect:
+                continue
+            e.in_copy.wait()  # the copy writes the block: it must end before the block goes
+            resize(st, 0)
+            e.in_copy = None
+            e.state = Residency.OUT
+            self.prefetched.discard(e)
+            freed += e.nbytes
+        return freed
 
     def judged_late(self) -> list:
         """The prefetches of this iteration that were late on the device's timeline, counted in
@@ -227,6 +252,7 @@ class SwapEngine:
 
     def discard(self, e: Entry) -> None:
         """The storage died while evicted: return its host buffer."""
+        self.prefetched.discard(e)
         if e.out_copy is not None and not e.out_copy.done():
             e.out_copy.wait()
         if e.in_copy is not None and not e.in_copy.done():

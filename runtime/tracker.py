@@ -570,7 +570,9 @@ class Executor:
         """Free ``need`` bytes for a runtime-internal allocation of ``st`` (a restore, a
         replay); returns the bytes freed (Note [Out of memory in the runtime] in swap.py)."""
         keys = {storage_key(st)} if st is not None else set()
-        return need if self.guard.on_oom(keys, need) else 0
+        if self.guard.on_oom(keys, need):
+            return need
+        return self.swap.unprefetch(need, keys)
 
     # ---- planned actions ------------------------------------------------------------------------
     def _before(self, step: Step, sid: str, k: int) -> None:

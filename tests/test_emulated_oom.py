@@ -9,7 +9,7 @@ import pytest
 import torch
 from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
-from capuchin.testing.training import TRACES, train_mismatches
+from capuchin.testing.training import TRACES, hand_plan, train_mismatches
 from capuchin.tracer.reader import load_trace
 
 pytestmark = pytest.mark.emulated
@@ -42,8 +42,6 @@ def test_an_on_demand_restore_that_meets_the_cap_makes_room_and_retries(monkeypa
 
 
 def _plan(method: str):
-    from capuchin.testing.training import hand_plan
-
     return hand_plan(Problem.from_trace(load_trace(TRACES / "mlp.trace.parquet")), method, limit=6)
 
 
@@ -70,3 +68,44 @@ def test_a_prefetch_that_does_not_fit_is_skipped_and_restored_on_demand(monkeypa
     assert train_mismatches("mlp", rt) == []
     assert fail.raised == 3  # three prefetches met the cap; their back-accesses restored
     assert sum(s.evictions for s in rt.report.iterations) > 0
+
+
+def test_a_replay_that_meets_the_cap_gives_back_prefetches_and_retries(monkeypatch):
+    from capuchin.runtime.recompute import RecomputeEngine
+    from capuchin.runtime.swap import SwapEngine
+
+    plan = hand_plan(
+        Problem.from_trace(load_trace(TRACES / "transformer.trace.parquet")),
+        "hybrid",
+        limit=12,
+        trigger_lead=60,
+    )
+    real, real_unprefetch, real_prefetch = (
+        RecomputeEngine.replay,
+        SwapEngine.unprefetch,
+        SwapEngine.prefetch,
+    )
+    engines, calls = [], {"raised": 0, "freed": 0}
+
+    def prefetch(self, e):
+        if self not in engines:
+            engines.append(self)
+        return real_prefetch(self, e)
+
+    def replay(self, *a, **k):  # the cap is met while a prefetch is in flight
+        if not calls["raised"] and any(x.prefetched for x in engines):
+            calls["raised"] += 1
+            raise torch.OutOfMemoryError("emulated CUDA out of memory at the cap")
+        return real(self, *a, **k)
+
+    def unprefetch(self, need, protect):
+        got = real_unprefetch(self, need, protect)
+        calls["freed"] += got
+        return got
+
+    monkeypatch.setattr(SwapEngine, "prefetch", prefetch)
+    monkeypatch.setattr(RecomputeEngine, "replay", replay)
+    monkeypatch.setattr(SwapEngine, "unprefetch", unprefetch)
+    rt = Runtime(plan, measure_memory=False)
+    assert train_mismatches("transformer", rt) == []
+    assert calls["raised"] == 1 and calls["freed"] > 0  # room came from a prefetch given back
