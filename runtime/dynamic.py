@@ -867,7 +867,16 @@ class DynamicGuard(BudgetGuard):
         tr.engine.stats = ex.stats
         tr.engine.ensure_resident = ex.ensure_resident
         t0 = time.perf_counter()
-        tr.engine.replay(e.decision, st, e.nbytes, {})
+        protect = set(pinned) | {storage_key(st)}
+        for _ in range(64):  # Note [Out of memory in the runtime] in swap.py
+            try:
+                tr.engine.replay(e.decision, st, e.nbytes, {})
+                break
+            except torch.cuda.OutOfMemoryError:
+                if ex.swap.sync_earliest() <= 0 and self.evict(e.nbytes, protect) <= 0:
+                    raise
+        else:
+            tr.engine.replay(e.decision, st, e.nbytes, {})
         ops = e.extra.get("recs", ())
         if ops:  # what a replay costs beyond the ops' measured times (smoothed)
             extra = (time.perf_counter() - t0 - e.extra.get("cost_s", 0.0)) / len(ops)

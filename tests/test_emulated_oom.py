@@ -109,3 +109,22 @@ def test_a_replay_that_meets_the_cap_gives_back_prefetches_and_retries(monkeypat
     rt = Runtime(plan, measure_memory=False)
     assert train_mismatches("transformer", rt) == []
     assert calls["raised"] == 1 and calls["freed"] > 0  # room came from a prefetch given back
+
+
+def test_a_dynamic_replay_that_meets_the_cap_evicts_and_retries(monkeypatch):
+    from capuchin.runtime.recompute import RecomputeEngine
+
+    real = RecomputeEngine.replay
+    calls = {"n": 0}
+
+    def replay(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("emulated CUDA out of memory at the cap")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(RecomputeEngine, "replay", replay)
+    peak = Problem.from_trace(load_trace(TRACES / "mlp.trace.parquet")).peak_bytes
+    rt = Runtime(budget_bytes=peak // 2, remat="recompute", measure_memory=False)
+    assert train_mismatches("mlp", rt) == []
+    assert calls["n"] > 1 and sum(s.recomputed_ops for s in rt.report.iterations) > 0
