@@ -178,3 +178,68 @@ def determinism_problem(device: torch.device, replays: bool) -> str | None:
         "capuchin: warning: replaying ops on CUDA is bit-identical only with deterministic "
         f"kernels; missing: {', '.join(missing)} (docs/runtime.md, On CUDA)"
     )
+
+
+# PyTorch's CUDA kernels that are nondeterministic (atomics) unless
+# ``torch.use_deterministic_algorithms(True)`` selects another (its documentation's list; the
+# ``nondeterministic_bitwise`` op tag is set on none of them). Overload packet names.
+NONDETERMINISTIC_ON_CUDA = frozenset(
+    {
+        "aten.index_add",
+        "aten.index_add_",
+        "aten.index_put",
+        "aten.index_put_",
+        "aten._index_put_impl_",
+        "aten.put_",
+        "aten.scatter_add",
+        "aten.scatter_add_",
+        "aten.scatter_reduce",
+        "aten.scatter_reduce_",
+        "aten.embedding_dense_backward",
+        "aten._embedding_bag_backward",
+        "aten._embedding_bag_dense_backward",
+        "aten._embedding_bag_per_sample_weights_backward",
+        "aten.convolution_backward",
+        "aten.cudnn_convolution",
+        "aten.cudnn_convolution_transpose",
+        "aten.max_pool3d_with_indices_backward",
+        "aten.avg_pool3d_backward",
+        "aten.adaptive_avg_pool2d_backward",
+        "aten._adaptive_avg_pool2d_backward",
+        "aten.adaptive_avg_pool3d_backward",
+        "aten._adaptive_avg_pool3d_backward",
+        "aten.adaptive_max_pool2d_backward",
+        "aten.adaptive_max_pool3d_backward",
+        "aten.fractional_max_pool2d_backward",
+        "aten.fractional_max_pool3d_backward",
+        "aten.max_unpool2d",
+        "aten.max_unpool3d",
+        "aten.upsample_linear1d_backward",
+        "aten.upsample_bilinear2d_backward",
+        "aten.upsample_bicubic2d_backward",
+        "aten.upsample_trilinear3d_backward",
+        "aten.reflection_pad1d_backward",
+        "aten.reflection_pad2d_backward",
+        "aten.reflection_pad3d_backward",
+        "aten.replication_pad1d_backward",
+        "aten.replication_pad2d_backward",
+        "aten.replication_pad3d_backward",
+        "aten.nll_loss2d_forward",
+        "aten.grid_sampler_2d_backward",
+        "aten.grid_sampler_3d_backward",
+        "aten._ctc_loss_backward",
+        "aten.histc",
+        "aten.bincount",
+        "aten.cumsum",
+        "aten.kthvalue",
+    }
+)
+
+
+def replays_exactly(func, device_type: str) -> bool:
+    """Whether replaying op ``func`` on ``device_type`` gives the bytes it gave the first time
+    (Note [Determinism precondition]): a drop whose replay does not is swapped instead."""
+    if device_type != "cuda" or torch.are_deterministic_algorithms_enabled():
+        return True
+    name = str(func)
+    return name.rsplit(".", 1)[0] not in NONDETERMINISTIC_ON_CUDA

@@ -101,6 +101,7 @@ from ..errors import RecomputeError
 from ..planner.plan import Decision, Method
 from ..tracer.hooks import op_info, written_inputs
 from .backend import byte_view
+from .device import replays_exactly
 from .passive import BudgetGuard, PassiveTracker
 from .recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
 from .state import Entry, Reason, Residency, resize, storage_key, writes
@@ -233,6 +234,7 @@ class DynamicTracker(PassiveTracker):
     def __init__(self, budget_bytes: int | None, device: torch.device, memory=None):
         super().__init__(budget_bytes, device, memory)
         self.engine = RecomputeEngine(None, lambda n: False)
+        self.engine.device_type = torch.device(device).type
         self.engine.records = weakref.WeakValueDictionary()  # alive while a chain holds them
         self.serial = 0
         self.clock = 0
@@ -447,6 +449,8 @@ class DynamicTracker(PassiveTracker):
         while todo:
             chain, own = todo.pop()
             for rec in chain:
+                if not replays_exactly(rec.func, self.engine.device_type):
+                    return None  # Note [Determinism precondition] in device.py
                 recs[rec.op_index] = rec
             for rec in chain:
                 for s in rec.slots:

@@ -201,6 +201,7 @@ class Runtime:
         budget = self.budget_bytes if self.passive_enabled else None
         self.ex = None
         recompute = RecomputeEngine(lambda st: self.ex.ensure_resident(st), self._may_keep)
+        recompute.device_type = self.device.type
         self.ex = Executor(
             self,
             self.indexer,

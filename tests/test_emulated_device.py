@@ -233,3 +233,30 @@ def test_replays_on_cuda_without_deterministic_kernels_warn(monkeypatch):
     with emulated_cuda():
         assert Runtime(budget_bytes=MIB, device="cuda")._replays()  # dynamic mode may replay
         assert not Runtime(budget_bytes=MIB, device="cuda", remat="swap")._replays()
+
+
+def test_drops_of_ops_nondeterministic_on_cuda_become_swaps():
+    from types import SimpleNamespace
+
+    from capuchin.planner.plan import Decision
+    from capuchin.runtime.recompute import RecomputeEngine
+
+    engine = RecomputeEngine(None, lambda n: False)
+    engine.records = {
+        0: SimpleNamespace(func=torch.ops.aten.index_add.default, slots=[], out_sids=[]),
+        1: SimpleNamespace(func=torch.ops.aten.mm.default, slots=[], out_sids=[]),
+    }
+    d = Decision.__new__(Decision)
+    object.__setattr__(d, "replay_ops", (0,))
+    mm = Decision.__new__(Decision)
+    object.__setattr__(mm, "replay_ops", (1,))
+    assert engine.check_replayable(d) is None  # CPU: every replay is exact
+    engine.device_type = "cuda"
+    assert "nondeterministic on cuda" in engine.check_replayable(d)
+    assert engine.check_replayable(mm) is None
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert engine.check_replayable(d) is None  # deterministic kernels replay exactly
+    finally:
+        torch.use_deterministic_algorithms(was)
