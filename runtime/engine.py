@@ -180,9 +180,8 @@ class Runtime:
         self._t0 = 0.0
         self._t_step = None
         self._fraction_set = False
-        self.cap_bytes: int | None = (
-            None  # the CUDA allocator cap (Note [Budget and the allocator])
-        )
+        # the CUDA allocator cap (Note [Budget and the allocator] in device.py)
+        self.cap_bytes: int | None = None
 
     # ---- context manager ----------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
