@@ -62,3 +62,31 @@ def test_a_prefetch_done_before_its_consumer_on_the_device_is_not_late():
 
 def test_a_prefetch_done_after_its_consumer_on_the_device_is_late():
     assert _late(copy_cost=10, ops_between=3) == 1
+
+
+def test_a_plan_trains_bitwise_when_copies_complete_late(monkeypatch):
+    """The whole runtime on the emulated timeline: every swap-out and prefetch completes only
+    when the host waits for it, so a missing wait (``wait_compute``, the swap-out's completion
+    before its free) reads stale or unwritten bytes and the final state differs."""
+    import capuchin.runtime.engine as engine
+    from capuchin.planner.problem import Problem
+    from capuchin.runtime.engine import Runtime
+    from capuchin.runtime.memory import memory_for
+    from capuchin.testing.training import TRACES, hand_plan, train_mismatches
+    from capuchin.tracer.reader import load_trace
+
+    made = []
+
+    def emulated(device, plan=None):
+        be = EmulatedBackend(EmulatedTimeline(), copy_cost=3)
+        be.memory = memory_for(be.device, plan)
+        made.append(be)
+        return be
+
+    monkeypatch.setattr(engine, "backend_for", emulated)
+    plan = hand_plan(Problem.from_trace(load_trace(TRACES / "mlp.trace.parquet")), "swap", limit=6)
+    rt = Runtime(plan, measure_memory=False)
+    assert train_mismatches("mlp", rt) == []
+    its = [s for s in rt.report.iterations if s.iteration >= 1]
+    assert sum(s.evictions for s in its) > 0 and sum(s.swapped_in_bytes for s in its) > 0
+    assert made and made[0].host_pool_bytes > 0
