@@ -260,3 +260,18 @@ def test_drops_of_ops_nondeterministic_on_cuda_become_swaps():
         assert engine.check_replayable(d) is None  # deterministic kernels replay exactly
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+def test_trace_command_on_a_cuda_host_traces_a_cpu_script_or_refuses(tmp_path, monkeypatch):
+    auto, cuda = tmp_path / "auto.parquet", tmp_path / "cuda.parquet"
+    args = ["--iterations", "1", "--warmup", "1"]
+    script = [str(MLP), "--steps", "3", "--batch", "32"]
+    with emulated_cuda():
+        r = CliRunner().invoke(main, ["trace", *args, "-o", str(auto), *script])
+        assert r.exit_code == 0, r.output
+        monkeypatch.setattr(Tracer, "_start_profiler", lambda self: None)  # slow on a CPU build
+        r = CliRunner().invoke(main, ["trace", "--device", "cuda", *args, "-o", str(cuda), *script])
+    assert load_trace(auto).meta.device == "cpu"
+    assert r.exit_code != 0 and not cuda.exists()
+    msg = [line for line in r.output.splitlines() if "nothing was allocated on cuda" in line]
+    assert len(msg) == 1 and "--device cpu" in msg[0]
