@@ -41,6 +41,16 @@ def test_an_on_demand_restore_that_meets_the_cap_makes_room_and_retries(monkeypa
     assert sum(s.passive_evictions for s in rt.report.iterations) > 0
 
 
+@pytest.fixture(autouse=True)
+def _swap_outs_complete_at_once(monkeypatch):
+    """Every CPU swap-out copies on the calling thread, so that a storage is out (and its
+    prefetch starts) at the same op in every run: the copy thread's speed on a loaded host
+    would otherwise decide which prefetches find their swap-out still running."""
+    import capuchin.runtime.backend as backend
+
+    monkeypatch.setattr(backend, "INLINE_COPY_MAX_BYTES", 1 << 40)
+
+
 def _plan(method: str):
     return hand_plan(Problem.from_trace(load_trace(TRACES / "mlp.trace.parquet")), method, limit=6)
 
