@@ -154,6 +154,8 @@ class Runtime:
                 "make a plan from a trace of this device"
             )
         if self.device.type == "cuda" and not torch.cuda.is_available():
+            if plan is None:
+                raise PlanFormatError(f"device {self.device}: CUDA is not available here")
             raise PlanFormatError(
                 f"{self.plan_source}: plan is for {self.device}, but CUDA is not "
                 "available here; make a plan from a trace of this device"
