@@ -486,10 +486,18 @@ def compare_cmd(
     help="Where no plan applies: DTR's eviction and replay (dynamic mode) or "
     "swapping the least recently used storage.",
 )
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    metavar="auto|cpu|cuda[:N]",
+    help="Device whose memory is managed (auto: the plan's; without a plan, cpu on a host "
+    "without CUDA, else name it).",
+)
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @_errors_to_exit
-def run(plan, budget, report, force, no_measure, eviction, script, script_args):
+def run(plan, budget, report, force, no_measure, eviction, device, script, script_args):
     """Run SCRIPT [SCRIPT_ARGS]... to its end, unmodified, enforcing the plan; print a summary."""
     from .planner.budget import parse_budget
     from .runtime.launch import run_script
@@ -506,6 +514,7 @@ def run(plan, budget, report, force, no_measure, eviction, script, script_args):
         force=force,
         measure_memory=not no_measure,
         eviction=eviction,
+        device=device,
     )
     click.echo(rep.summary())
     if report:

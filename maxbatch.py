@@ -246,7 +246,7 @@ def max_batch(
     """
     from .planner.budget import BudgetError, parse_size
     from .planner.registry import get_policy
-    from .tracer.record import resolve_device
+    from .tracer.record import resolve_device_now
 
     log = log or (lambda line: None)
     from .runmain import check_script
@@ -273,7 +273,7 @@ def max_batch(
     for p in others:
         if p not in RUNTIME_MODES:
             get_policy(p)
-    dev = resolve_device(device)
+    dev = resolve_device_now(device, "max-batch traces each candidate under the memory cap")
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="capuchin-max-batch-") as tmp:
         search = _Search(

@@ -41,6 +41,7 @@ from capuchin.tracer.reader import load_trace
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 MIB = 2**20
+DEVICE = "cpu"  # --device: where the workloads train and what the runtime manages
 
 
 # ---- workloads ------------------------------------------------------------------------------------
@@ -48,7 +49,8 @@ MIB = 2**20
 
 def _bundled(name: str):
     def train(steps: int, context=None) -> None:
-        run_example(TRACES / f"{name}.py", ["--steps", str(steps)], context)
+        dev = ["--device", DEVICE] if DEVICE != "cpu" else []
+        run_example(TRACES / f"{name}.py", ["--steps", str(steps), *dev], context)
 
     return train
 
@@ -58,7 +60,8 @@ def _hf(kind: str):
         import transformers
 
         transformers.logging.set_verbosity_error()
-        with context or contextlib.nullcontext():
+        on = torch.device(DEVICE) if DEVICE != "cpu" else contextlib.nullcontext()
+        with on, context or contextlib.nullcontext():
             torch.manual_seed(0)
             if kind == "bert":
                 cfg = transformers.BertConfig(
@@ -100,12 +103,12 @@ WORKLOADS = {
 
 def trace_of(name: str, tmp: Path) -> Path:
     bundled = TRACES / f"{name}.trace.parquet"
-    if bundled.exists():
+    if bundled.exists() and DEVICE == "cpu":
         return bundled
     out = tmp / f"{name}.trace.parquet"
     with (
         contextlib.redirect_stdout(io.StringIO()),
-        capuchin.Tracer(out, iterations=2, warmup=1, device="cpu", log=None),
+        capuchin.Tracer(out, iterations=2, warmup=1, device=DEVICE.split(":")[0], log=None),
     ):
         WORKLOADS[name](4)
     return out
@@ -158,7 +161,10 @@ def main() -> None:
     ap.add_argument(
         "--modes", default="dynamic,lru,plan", help="which of dynamic,lru,plan to run (and plain)"
     )
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     wanted = set(args.modes.split(","))
     rows = []
@@ -171,9 +177,11 @@ def main() -> None:
             for pct in (int(p) for p in args.percents.split(",")):
                 budget = peak * pct // 100
                 modes = {
-                    "dynamic": lambda m, b=budget: Runtime(budget_bytes=b, measure_memory=m),
+                    "dynamic": lambda m, b=budget: Runtime(
+                        budget_bytes=b, measure_memory=m, device=DEVICE
+                    ),
                     "lru": lambda m, b=budget: Runtime(
-                        budget_bytes=b, measure_memory=m, eviction="lru"
+                        budget_bytes=b, measure_memory=m, eviction="lru", device=DEVICE
                     ),
                 }
                 note = ""

@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 MIB = 2**20
+DEVICE = "cpu"  # --device: where the bundled examples train (cuda: traced there first)
 
 
 # ---- running a script with a variant --------------------------------------------------------------
@@ -70,7 +71,7 @@ class _Steps:
     """Optimizer-step timestamps and, optionally, per-iteration peaks (profiler)."""
 
     def __init__(self, profile: bool):
-        self.meter = MemoryMeter(torch.device("cpu")) if profile else None
+        self.meter = MemoryMeter(torch.device(DEVICE)) if profile else None
         self.t: list[float] = []
 
     def __enter__(self):
@@ -275,7 +276,17 @@ def _example(name: str, tmp: Path):
         if not trace.exists():
             trace_script(script, ["--steps", "6"], output=trace, log=lambda _: None)
         return script, trace, (None, ["--gradient-checkpointing"])
-    return TRACES / f"{name}.py", TRACES / f"{name}.trace.parquet", (_checkpointed, [])
+    script = TRACES / f"{name}.py"
+    if DEVICE == "cpu":
+        return script, TRACES / f"{name}.trace.parquet", (_checkpointed, [])
+    from capuchin.tracer.script import trace_script
+
+    trace = tmp / f"{name}.{DEVICE}.trace.parquet"
+    if not trace.exists():  # the bundled traces are CPU ones
+        trace_script(
+            script, ["--steps", "6", "--device", DEVICE], output=trace, device="cuda", log=None
+        )
+    return script, trace, (_checkpointed, [])
 
 
 def _plan(trace: Path, budget: str, policy: str = "capuchin") -> Plan:
@@ -302,6 +313,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--examples", default="cnn,transformer,mlp,hf_gpt2")
     ap.add_argument("--budget", default="50%")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (bundled examples only)")
     ap.add_argument(
         "--also",
         default=None,
@@ -321,10 +333,12 @@ def main() -> None:
         help="keep glibc's dynamic mmap threshold (see _steady_malloc)",
     )
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(args.threads)
     if not args.default_malloc:
         _steady_malloc()
-    argv = ["--steps", str(args.steps)]
+    argv = ["--steps", str(args.steps)] + (["--device", DEVICE] if DEVICE != "cpu" else [])
     tmp = Path(tempfile.mkdtemp(prefix="capuchin-bench-"))
     loads = [os.getloadavg()[0]]
     rows = []
@@ -427,6 +441,8 @@ def main() -> None:
             c = costs_for(p.provenance.device).swap_action_ns
             implied.append(f"{name} {((t - pred) * 1e9 / (2 * swaps) + c) / 1e3:.0f} µs")
     print(f"implied swap cost per direction: {', '.join(implied)}")
+    if DEVICE != "cpu":
+        return  # the per-op and swap-cycle costs below are the CPU backend's
     for k, v in per_op_us().items():
         print(f"per-op cost, {k}: {v:.2f} µs")
     for n, v in swap_cycle_ns_per_byte().items():

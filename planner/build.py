@@ -107,6 +107,7 @@ def build_plan(
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         solve_time_s=round(float(solve_time_s), 4),
         capuchin_version=__version__,
+        device_non_tensor_bytes=int(getattr(problem, "non_tensor_bytes", 0) or 0),
     )
     cost = runtime_cost_ns(problem, ds)  # Note [Runtime cost model] in costs.py
     pred = Predictions(

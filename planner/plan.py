@@ -179,6 +179,19 @@ class Provenance:
     date: str
     solve_time_s: float
     capuchin_version: str = ""
+    # device memory the trace saw outside tensor storages (CUDA: cuBLAS workspaces, ...); the
+    # budget does not count it, the runtime's allocator cap does (runtime/device.py Note
+    # [Budget and the allocator]); 0 when unknown
+    device_non_tensor_bytes: int = 0
+
+
+def _provenance_doc(prov: Provenance) -> dict[str, Any]:
+    """The provenance as written: ``device_non_tensor_bytes`` only when measured (non-zero), so
+    that a plan without it reads in a capuchin that predates the field."""
+    doc = asdict(prov)
+    if not doc.get("device_non_tensor_bytes"):
+        doc.pop("device_non_tensor_bytes", None)
+    return doc
 
 
 @dataclass
@@ -242,7 +255,7 @@ class Plan:
         doc = {
             "format": PLAN_FORMAT,
             "schema_version": self.schema_version,
-            "provenance": asdict(self.provenance),
+            "provenance": _provenance_doc(self.provenance),
             **self._kind_doc(),
             "kinds": [k._kind_doc() for k in self.kinds],
         }

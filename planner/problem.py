@@ -196,6 +196,9 @@ class Problem:
     # the runtime's host work the simulator charges on the compute stream (costs.py Note [Host
     # work on the compute stream]): from the trace's device and source
     host: HostCost = NO_HOST_COST
+    # device memory outside tensor storages the trace measured (the trace's extra
+    # "cuda_non_tensor_bytes"); carried into the plan's provenance, never planned
+    non_tensor_bytes: int = 0
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -618,6 +621,7 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
         trace_path=str(trace.path) if trace.path else "",
         device=meta.device,
         host=host_cost(meta.device, meta.source),
+        non_tensor_bytes=int((meta.extra or {}).get("cuda_non_tensor_bytes") or 0),
     )
 
 

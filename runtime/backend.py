@@ -86,6 +86,12 @@ class DeviceBackend(Protocol):
 
     def wait_compute(self, copy: Copy) -> float: ...
 
+    def judge_late(self, copy: Copy):
+        """At a back-access that found ``copy`` (a prefetch) in flight: a callable, read at the
+        iteration's end, that says whether the copy completed after the consuming op could have
+        started on the device (Note [Lateness on the device's timeline] in swap.py)."""
+        ...
+
     def free_after_copy_out(self, storage: torch.UntypedStorage, copy: Copy) -> bool: ...
 
     def allocated_bytes(self) -> int | None: ...
@@ -275,6 +281,10 @@ class CPUBackend:
     def wait_compute(self, copy: Copy) -> float:
         return copy.wait()  # the "compute stream" is the main thread
 
+    def judge_late(self, copy: Copy):
+        late = not copy.done()  # the host is the device: judged now
+        return lambda: late
+
     def free_after_copy_out(self, storage: torch.UntypedStorage, copy: Copy) -> bool:
         if not copy.done():
             return False
@@ -384,12 +394,24 @@ class CUDABackend:
             with torch.cuda.stream(self._h2d):
                 dst.copy_(buf[:n], non_blocking=True)
                 dst.record_stream(self._h2d)
-                done = self._h2d.record_event()
+                done = torch.cuda.Event(enable_timing=True)  # judge_late compares times
+                done.record(self._h2d)
         return _EventCopy(n, done, (dst, buf))
 
     def wait_compute(self, copy: Copy) -> float:
         torch.cuda.current_stream(self.device).wait_event(copy.event)
         return 0.0
+
+    def judge_late(self, copy: Copy):
+        need = torch.cuda.Event(enable_timing=True)
+        need.record(torch.cuda.current_stream(self.device))
+        done = copy.event
+
+        def late() -> bool:
+            need.synchronize()
+            return done.elapsed_time(need) < 0  # the copy ended after the consumer's turn
+
+        return late
 
     def free_after_copy_out(self, storage: torch.UntypedStorage, copy: Copy) -> bool:
         # record_stream(d2h) in copy_out keeps the allocator from reusing the block early.
@@ -398,7 +420,7 @@ class CUDABackend:
         return True
 
     def allocated_bytes(self) -> int | None:
-        return torch.cuda.memory_allocated(self.device)
+        return self.memory.allocated_bytes()  # Note [Cheap memory counter] in device.py
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -100,6 +100,7 @@ from ..planner.plan import Decision, Method
 from ..tracer.hooks import op_info, written_inputs
 from ..tracer.schema import is_collective
 from .backend import byte_view
+from .device import replays_exactly
 from .passive import BudgetGuard, PassiveTracker
 from .recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
 from .state import Entry, Reason, Residency, evictable, resize, storage_key, writes
@@ -235,6 +236,7 @@ class DynamicTracker(PassiveTracker):
     def __init__(self, budget_bytes: int | None, device: torch.device, memory=None):
         super().__init__(budget_bytes, device, memory)
         self.engine = RecomputeEngine(None, lambda n: False)
+        self.engine.device_type = torch.device(device).type
         self.engine.records = weakref.WeakValueDictionary()  # alive while a chain holds them
         self.serial = 0
         self.clock = 0
@@ -450,6 +452,8 @@ class DynamicTracker(PassiveTracker):
         while todo:
             chain, own = todo.pop()
             for rec in chain:
+                if not replays_exactly(rec.func, self.engine.device_type):
+                    return None  # Note [Determinism precondition] in device.py
                 recs[rec.op_index] = rec
             for rec in chain:
                 for s in rec.slots:
@@ -758,7 +762,7 @@ class DynamicGuard(BudgetGuard):
         )
         if ex.rt.verify:
             with _disable_current_modes():
-                e.extra["copy"] = byte_view(st).clone()
+                e.extra["copy"] = byte_view(st).to("cpu", copy=True)  # Note [Snapshots on the host]
         ex.adopt(key, e)
         return e
 
@@ -845,6 +849,13 @@ class DynamicGuard(BudgetGuard):
             if e.swap:
                 self.copy_in.add(e.nbytes, seconds() - t0)
 
+    def replayed_bytes(self, nbytes: int) -> int:
+        """Resident bytes right after a replay refilled ``nbytes``: an allocator that counts
+        (CUDA) has counted them already; the CPU estimate has not yet (``restored`` comes
+        later), so they are added there."""
+        alloc = self.memory.allocated_bytes()
+        return alloc if alloc is not None else self.tracker.estimate_bytes() + nbytes
+
     def replay(self, e: Entry) -> None:
         """Regenerate dropped ``e`` (the executor's restore of a DYNAMIC entry)."""
         st = e.storage
@@ -872,13 +883,22 @@ class DynamicGuard(BudgetGuard):
         tr.engine.stats = ex.stats
         tr.engine.ensure_resident = ex.ensure_resident
         t0 = seconds()
-        tr.engine.replay(e.decision, st, e.nbytes, {})
+        protect = set(pinned) | {storage_key(st)}
+        for _ in range(64):  # Note [Out of memory in the runtime] in swap.py
+            try:
+                tr.engine.replay(e.decision, st, e.nbytes, {})
+                break
+            except torch.cuda.OutOfMemoryError:
+                if ex.swap.sync_earliest() <= 0 and self.evict(e.nbytes, protect) <= 0:
+                    raise
+        else:
+            tr.engine.replay(e.decision, st, e.nbytes, {})
         ops = e.extra.get("recs", ())
         if ops:  # what a replay costs beyond the ops' measured times (smoothed)
             extra = (seconds() - t0 - e.extra.get("cost_s", 0.0)) / len(ops)
             self.replay_op_s = max(0.0, 0.8 * self.replay_op_s + 0.2 * extra)
         if self.budget_bytes is not None:  # unbudgeted paths (step end) count what they cost
-            self.short(self.resident_bytes() + e.nbytes - self.budget_bytes)
+            self.short(self.replayed_bytes(e.nbytes) - self.budget_bytes)
         key = storage_key(st)
         node = tr.node.pop(key, None)
         if node is not None:

@@ -37,6 +37,13 @@ from ..units import BudgetError
 from . import rawreads, threads
 from .actions import compile_plan
 from .backend import backend_for
+from .device import (
+    cap_bytes,
+    cublas_workspace_bytes,
+    determinism_problem,
+    non_tensor_bytes,
+    resolve_run_device,
+)
 from .dynamic import REMAT, DynamicGuard
 from .passive import BudgetGuard
 from .recompute import RecomputeEngine
@@ -118,7 +125,9 @@ class Runtime:
 
     budget_bytes: the memory budget (default: the plan's). Without a plan, the whole run is in
         passive mode under this budget.
-    device: the device whose memory is managed (default: the plan's provenance device, else cpu).
+    device: the device whose memory is managed (default or ``"auto"``: the plan's provenance
+        device; without a plan cpu where CUDA is not available, and refused where it is: name
+        it). An index-less ``"cuda"`` is this rank's GPU (Note [Per-rank device] in device.py).
     passive: evict on demand where no plan applies (no plan, iteration 0, divergence).
     eviction: how, where no plan applies: "dtr" (dynamic mode, runtime/dynamic.py: DTR's
         heuristic; dropped storages are replayed, the others swapped) or "lru" (swap the least
@@ -168,9 +177,16 @@ class Runtime:
         if plan is None and budget_bytes is None:
             raise PlanFormatError("Runtime needs a plan or a budget_bytes (passive mode)")
         self.budget_bytes = int(budget_bytes if budget_bytes is not None else plan.budget_bytes)
-        dev = device if device is not None else (plan.provenance.device if plan else "cpu")
-        self.device = torch.device(dev or "cpu")
+        self.device = resolve_run_device(device, plan)  # Note [Per-rank device] in device.py
+        planned = plan.provenance.device if plan is not None else None
+        if planned and torch.device(planned).type != self.device.type:
+            raise PlanFormatError(
+                f"{self.plan_source}: plan is for {planned}, but the run manages {self.device}; "
+                "make a plan from a trace of this device"
+            )
         if self.device.type == "cuda" and not torch.cuda.is_available():
+            if plan is None:
+                raise PlanFormatError(f"device {self.device}: CUDA is not available here")
             raise PlanFormatError(
                 f"{self.plan_source}: plan is for {self.device}, but CUDA is not "
                 "available here; make a plan from a trace of this device"
@@ -198,6 +214,8 @@ class Runtime:
         self._t_step = None
         self._fraction_set = False
         self._entered = False
+        # the CUDA allocator cap (Note [Budget and the allocator] in device.py)
+        self.cap_bytes: int | None = None
 
     # ---- context manager ----------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
@@ -229,6 +247,7 @@ class Runtime:
         budget = self.budget_bytes if self.passive_enabled else None
         self.ex = None
         recompute = RecomputeEngine(lambda st: self.ex.ensure_resident(st), self._may_keep)
+        recompute.device_type = self.device.type
         self.ex = Executor(
             self,
             self.indexer,
@@ -243,11 +262,10 @@ class Runtime:
         self._iters = []
         self.meter = MemoryMeter(self.device) if self.measure_memory else None
         if self.device.type == "cuda" and self.budget_bytes:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(
-                min(1.0, self.budget_bytes / total), self.device
-            )
-            self._fraction_set = True
+            self._set_cap()
+        why = determinism_problem(self.device, self._replays())
+        if why is not None:
+            say(why)
         if self.meter is not None:
             self.meter.start()
         self.indexer.install()
@@ -258,6 +276,25 @@ class Runtime:
         threads.install(self, self.ex)
         self.ex.mode.__enter__()
         return self
+
+    def _set_cap(self) -> None:
+        """Cap the CUDA allocator at the budget plus what the budget does not count (Note
+        [Budget and the allocator] in device.py)."""
+        props = torch.cuda.get_device_properties(self.device)
+        measured = getattr(self.plan.provenance, "device_non_tensor_bytes", 0) if self.plan else 0
+        extra = non_tensor_bytes(measured, cublas_workspace_bytes(major=props.major))
+        self.cap_bytes = cap_bytes(self.budget_bytes, extra)
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, self.cap_bytes / props.total_memory), self.device
+        )
+        self._fraction_set = True
+
+    def _replays(self) -> bool:
+        """Does this run replay ops (Note [Determinism precondition] in device.py)?"""
+        plans = [self.plan, *self.plan.kinds] if self.plan is not None else []
+        if any(p.recompute_count for p in plans):
+            return True
+        return self.passive_enabled and self.eviction == "dtr" and self.remat != "swap"
 
     def _guard(self, budget, memory, swap, ex) -> BudgetGuard:
         if self.eviction == "lru":

@@ -25,6 +25,7 @@ def run_script(
     force: bool = False,
     measure_memory: bool = True,
     eviction: str = "dtr",
+    device: str | None = None,
 ) -> RunReport:
     """Run ``script`` to its end under the plan; returns the run's report (and writes it to
     ``report_path`` if given, checked before the script starts).
@@ -32,7 +33,8 @@ def run_script(
     Raises ``ScriptError`` if the script fails (its traceback printed first, as ``capuchin
     trace`` does), ``PlanFormatError`` for a bad plan, and ``InfeasibleBudgetError`` when
     ``budget_bytes`` is below the plan's predicted peak (the plan cannot keep the run within it;
-    see docs/errors.md).
+    see docs/errors.md). ``device``: the device managed (``Runtime``; None or ``auto``: the
+    plan's, or cpu without a plan on a host without CUDA).
     """
     script = check_script(script)
     if report_path is not None:  # Note [Per-rank files] in distributed.py
@@ -42,7 +44,13 @@ def run_script(
         plan = rank_plan_path(plan)
     if plan is not None and budget_bytes is not None:
         check_budget_against_plan(load_plan(plan), budget_bytes, plan)
-    rt = Runtime(plan, budget_bytes=budget_bytes, measure_memory=measure_memory, eviction=eviction)
+    rt = Runtime(
+        plan,
+        budget_bytes=budget_bytes,
+        measure_memory=measure_memory,
+        eviction=eviction,
+        device=device,
+    )
     with rt:
         run_as_main(
             script,

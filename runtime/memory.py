@@ -195,9 +195,15 @@ class CUDAMemory(DeviceMemory):
     def __init__(self, device: torch.device, plan=None):
         super().__init__(plan)
         self.device = device
+        # memory the budget does not count, measured by the plan's trace (Note [Budget and the
+        # allocator] in device.py): subtracted from the allocator's count
+        prov = getattr(plan, "provenance", None)
+        self.non_tensor_bytes = int(getattr(prov, "device_non_tensor_bytes", 0) or 0)
 
     def allocated_bytes(self) -> int | None:
-        return torch.cuda.memory_allocated(self.device)
+        from .device import allocated_bytes  # Note [Cheap memory counter]
+
+        return max(0, allocated_bytes(self.device) - self.non_tensor_bytes)
 
 
 def memory_for(device: torch.device, plan=None) -> DeviceMemory:

@@ -194,7 +194,7 @@ class BudgetGuard:
       ``after_op(outs, in_keys, token)`` (count its new storages, evict if over);
     - ``watch(outs, in_keys, token)``: count an op's new storages while a plan is followed;
     - ``evicted(key)`` / ``restored(key, nbytes)``: a storage left or came back;
-    - ``on_oom(keys)``: a real out-of-memory error (CUDA), free something and retry;
+    - ``on_oom(keys, need)``: a real out-of-memory error (CUDA), free ``need`` bytes and retry;
     - ``check_all_resident()``: everything was restored at once (iteration or step end);
     - ``discover(flat)``: count what an unwatched iteration left resident before a divergence.
     """
@@ -303,9 +303,14 @@ class BudgetGuard:
         storage only its own replays read); the LRU guard restores everything."""
         return False
 
-    def on_oom(self, keys: set) -> bool:
-        """A real out-of-memory error: evict something (passive mode only). True if it did."""
-        return self.active and self.evict(1, keys) > 0
+    def on_oom(self, keys: set, need: int = 1) -> bool:
+        """A real out-of-memory error: evict at least ``need`` bytes (not one victim per error:
+        each error costs the allocator a full cache flush), outside ``keys``, in any iteration
+        while a budget is guarded (Note [Out of memory in the runtime] in swap.py). True if it
+        freed anything."""
+        if self.budget_bytes is None:
+            return False
+        return self.evict(max(1, need), keys) > 0
 
     # ---- accounting ------------------------------------------------------------------------------
     def resident_bytes(self) -> int:

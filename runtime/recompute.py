@@ -46,6 +46,7 @@ from ..errors import RecomputeError
 from ..planner.plan import Decision
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
 from ..tracer.schema import is_collective
+from .device import replays_exactly
 from .state import fill_from, storage_key, writes
 
 _NAME_ATTR = "_capuchin_replay_name"
@@ -166,6 +167,7 @@ class RecomputeEngine:
         self.may_keep = may_keep
         self.stats = None
         self.depth = 0
+        self.device_type = "cpu"  # the managed device (Note [Determinism precondition])
 
     def reset(self) -> None:
         self.records.clear()
@@ -241,6 +243,8 @@ class RecomputeEngine:
                 return f"op {k} was not recorded"
             if is_collective(str(rec.func)):  # Note [Collectives] in planner/problem.py
                 return f"op {k} is a collective"
+            if not replays_exactly(rec.func, self.device_type):
+                return f"op {k} ({rec.func}) is nondeterministic on {self.device_type}"
             for s in rec.slots:
                 if s.sid in produced:
                     continue

@@ -24,12 +24,35 @@ back-access, with late-prefetch feedback (paper §4.4, §5.3). Device specifics:
 # must leave room for the storage at every op it now spans; the trigger moves only as far as
 # that holds, or not at all (``trigger_moves_refused``). Unchecked, a steady iteration of a plan
 # at its smallest feasible budget measured 1.10x its budget (0.994x with the feedback off).
+
+# Note: [Lateness on the device's timeline]
+# A prefetch is late when the consuming op would have run before its copy was complete *on the
+# device*. The host cannot tell at dispatch: on CUDA it runs ahead of the GPU, so at the
+# back-access the copy's event is usually not complete yet even when the copy will end long
+# before the compute stream gets there; judged there, nearly every prefetch counted late and
+# moved its trigger. So the back-access asks the backend for a judgement to read later
+# (``judge_late``: CUDA records a timing event on the compute stream and compares it with the
+# copy's completion event; the CPU "device" is the host, so its judgement is made at once), and
+# the iteration's late prefetches are counted and fed back at its end (``judged_late``).
+
+# Note: [Out of memory in the runtime]
+# The runtime allocates too: a prefetch or an on-demand restore takes the storage's device memory
+# again, a replay allocates its ops' outputs. On CUDA any of them can meet the allocator's cap
+# (reserved memory, fragmentation, a swap-out whose block is not reusable yet) even where the
+# plan's tensor bytes fit. None may kill the run: a prefetch that does not fit is skipped (the
+# back-access restores on demand, a stall, never a wrong result); a restore or a replay first
+# waits for the earliest swap-out, then has the budget guard evict what it needs
+# (``make_room``), else gives back prefetched storages not read yet (``unprefetch``: their host
+# copies are intact), and retries; only when nothing is left to free does the error reach the
+# script. The script's own ops get the same retry (tracker.py ``_run``).
 """
 
 from __future__ import annotations
 
 import collections
 import time
+
+import torch
 
 from .backend import DeviceBackend
 from .state import Entry, Residency, resize
@@ -48,6 +71,12 @@ class SwapEngine:
         self.bandwidth_d2h = bandwidth_d2h_bytes_per_s
         self.pending_out: collections.deque[Entry] = collections.deque()
         self.stats = None
+        # (bytes, storage) -> bytes freed: the budget guard's eviction for a restore that does
+        # not fit (set by the executor; Note [Out of memory in the runtime])
+        self.make_room = None
+        self.prefetched: set[Entry] = set()  # SWAPPING_IN, for ``unprefetch``
+        # planned back-accesses that found their prefetch in flight: (decision, bytes, judge)
+        self.judging: list = []
 
     # ---- out ------------------------------------------------------------------------------------
     def evict(self, e: Entry) -> None:
@@ -144,38 +173,86 @@ class SwapEngine:
         st = e.storage
         if st is None:
             return
-        resize(st, e.nbytes)
+        try:
+            resize(st, e.nbytes)
+        except torch.cuda.OutOfMemoryError:  # Note [Out of memory in the runtime]: skip it
+            return
         e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy)
         e.in_start_s = time.perf_counter()
         e.state = Residency.SWAPPING_IN
+        self.prefetched.add(e)
         self.stats.swapped_in_bytes += e.nbytes
 
-    def restore(self, e: Entry, planned_back_access: bool) -> bool:
-        """Make ``e``'s storage resident before an op reads it. Returns True if this was a planned
-        back-access that found its prefetch still in flight (a late prefetch)."""
-        late = False
+    def restore(self, e: Entry, planned_back_access: bool) -> None:
+        """Make ``e``'s storage resident before an op reads it. A planned back-access that finds
+        its prefetch in flight is judged late or not at the iteration's end (``judged_late``)."""
         st = e.storage
         if e.state is Residency.SWAPPING_OUT:
             # never freed: the device bytes are intact; wait only so the host buffer is reusable
             self.stats.stall_s += e.out_copy.wait()
         elif e.state is Residency.OUT:
             if st is not None:  # on demand: nothing was prefetched
-                resize(st, e.nbytes)
+                self._alloc(st, e.nbytes)
                 e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy, now=True)
                 self.stats.swapped_in_bytes += e.nbytes
                 self.stats.stall_s += e.in_copy.wait()
                 self.backend.wait_compute(e.in_copy)
         elif e.state is Residency.SWAPPING_IN:
-            if planned_back_access and not e.in_copy.done():
-                late = True
-                self.stats.late_prefetches += 1
+            if planned_back_access:  # Note [Lateness on the device's timeline]
+                self.judging.append((e.decision, e.nbytes, self.backend.judge_late(e.in_copy)))
             self.stats.stall_s += self.backend.wait_compute(e.in_copy)
         e.state = Residency.RESIDENT
+        self.prefetched.discard(e)
         self._release(e)
+
+    def unprefetch(self, need: int, protect: set) -> int:
+        """Give back the device memory of prefetched storages not read yet (their host copies
+        are intact): each comes back on demand at its back-access. Returns the bytes freed,
+        stopping once ``need`` are (Note [Out of memory in the runtime])."""
+        from .state import storage_key
+
+        freed = 0
+        for e in list(self.prefetched):
+            if freed >= need:
+                break
+            st = e.storage
+            if e.state is not Residency.SWAPPING_IN or st is None or storage_key(st) in protect:
+                continue
+            e.in_copy.wait()  # the copy writes the block: it must end before the block goes
+            resize(st, 0)
+            e.in_copy = None
+            e.state = Residency.OUT
+            self.prefetched.discard(e)
+            freed += e.nbytes
+        return freed
+
+    def judged_late(self) -> list:
+        """The prefetches of this iteration that were late on the device's timeline, counted in
+        ``late_prefetches``: ``(decision, bytes)`` each (Note [Lateness on the device's
+        timeline]). Called once the iteration's work is queued (its end)."""
+        late = [(d, n) for d, n, judge in self.judging if judge()]
+        self.judging.clear()
+        if self.stats is not None:
+            self.stats.late_prefetches += len(late)
         return late
+
+    def _alloc(self, st, nbytes: int) -> None:
+        """Take ``st``'s device memory again; on an out-of-memory error wait for the earliest
+        swap-out or have ``make_room`` evict, and retry (Note [Out of memory in the runtime])."""
+        for _ in range(64):
+            try:
+                resize(st, nbytes)
+                return
+            except torch.cuda.OutOfMemoryError:
+                if self.sync_earliest() > 0:
+                    continue
+                if self.make_room is None or self.make_room(nbytes, st) <= 0:
+                    raise
+        resize(st, nbytes)
 
     def discard(self, e: Entry) -> None:
         """The storage died while evicted: return its host buffer."""
+        self.prefetched.discard(e)
         if e.out_copy is not None and not e.out_copy.done():
             e.out_copy.wait()
         if e.in_copy is not None and not e.in_copy.done():

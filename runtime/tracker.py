@@ -146,9 +146,13 @@ _NONE: dict = {}
 _ANY = {None: None}  # non-empty: guarded with nothing evicted (swap-outs in flight, records)
 
 
+# Note: [Snapshots on the host]
+# ``CAPUCHIN_VERIFY=1`` keeps a copy of every evicted storage to compare it with what comes back.
+# The copy lives in host memory: on CUDA a device copy would count against the allocator cap set
+# for the budget and turn the check itself into out-of-memory errors.
 def _snapshot(st) -> torch.Tensor:
     with _disable_current_modes():
-        return byte_view(st).clone()
+        return byte_view(st).to("cpu", copy=True)  # host memory: Note [Snapshots on the host]
 
 
 class TrackerMode(TorchDispatchMode):
@@ -176,7 +180,10 @@ class TrackerMode(TorchDispatchMode):
                     ix.op_index = k
                     if self.evicted:
                         self.ex.op_time[k] = time.perf_counter()  # late-prefetch feedback
-                    return func(*args, **kwargs) if kwargs else func(*args)
+                    try:
+                        return func(*args, **kwargs) if kwargs else func(*args)
+                    except torch.cuda.OutOfMemoryError:  # Note [Out of memory in the runtime]
+                        return self.ex._run(func, args, kwargs or {})
             except IndexError:
                 pass
         with LOCK:  # Note [Other threads] in threads.py
@@ -251,6 +258,7 @@ class Executor:
         self.ix = indexer
         self.table = table
         self.swap = swap
+        swap.make_room = self._make_room  # Note [Out of memory in the runtime] in swap.py
         self.recompute = recompute
         self.backend = backend
         self._cuda = backend.device.type == "cuda"  # Executor._run: retry a real OOM
@@ -376,6 +384,8 @@ class Executor:
             self.warning = None
 
     def end_iteration(self) -> None:
+        for d, nbytes in self.swap.judged_late():  # Note [Lateness on the device's timeline]
+            self._late_feedback(d, nbytes)
         st = self.stats  # iteration 0 builds the model: its divergence predicts nothing
         self.last_diverged = (
             st is not None and st.diverged and st.iteration >= self.rt.first_checked_iteration
@@ -648,12 +658,34 @@ class Executor:
                 return func(*args, **kwargs)
             except torch.cuda.OutOfMemoryError:
                 # a real OOM under set_per_process_memory_fraction: finish the earliest swap-out,
-                # else evict on demand (passive mode), and retry (paper §4.2, §5.3)
+                # else evict what the op needs, and retry (paper §4.2, §5.3)
                 if self.swap.sync_earliest() > 0:
                     continue
-                if not self.guard.on_oom(set(_keys(flatten_tensors(args, kwargs)))):
+                _, need = self.guard.memory.predict(func, args, kwargs)
+                if not self.guard.on_oom(set(_keys(flatten_tensors(args, kwargs))), need):
                     raise
         return func(*args, **kwargs)
+
+    def _with_room(self, alloc, need: int, st):
+        """``alloc()``, retried after making room on an out-of-memory error (a replay reads its
+        sources and writes only its own outputs: running it again gives the same bytes)."""
+        for _ in range(64):
+            try:
+                return alloc()
+            except torch.cuda.OutOfMemoryError:
+                if self.swap.sync_earliest() > 0:
+                    continue
+                if self._make_room(need, st) <= 0:
+                    raise
+        return alloc()
+
+    def _make_room(self, need: int, st) -> int:
+        """Free ``need`` bytes for a runtime-internal allocation of ``st`` (a restore, a
+        replay); returns the bytes freed (Note [Out of memory in the runtime] in swap.py)."""
+        keys = {storage_key(st)} if st is not None else set()
+        if self.guard.on_oom(keys, need):
+            return need
+        return self.swap.unprefetch(need, keys)
 
     # ---- planned actions ------------------------------------------------------------------------
     def _before(self, step: Step, sid: str, k: int) -> None:
@@ -772,8 +804,7 @@ class Executor:
         if e.state is Residency.RESIDENT and self.entries.get(key) is not e:
             return  # back already (evicted again since, its storage has another entry: leave it)
         if e.swap:
-            if self.swap.restore(e, planned) and e.decision is not None and self.guided:
-                self._late_feedback(e)
+            self.swap.restore(e, planned and e.decision is not None and self.guided)
         elif e.reason is Reason.DYNAMIC:
             self.guard.replay(e)  # dynamic mode (runtime/dynamic.py)
             e.state = Residency.RESIDENT
@@ -783,7 +814,9 @@ class Executor:
                 for x in self.by_sid.values()
                 if not x.swap and x.state is Residency.OUT and x is not e and x.storage is not None
             }
-            refilled = self.recompute.replay(e.decision, st, e.nbytes, dropped)
+            refilled = self._with_room(
+                lambda: self.recompute.replay(e.decision, st, e.nbytes, dropped), e.nbytes, st
+            )
             e.state = Residency.RESIDENT
             for sid in refilled:
                 x = self.by_sid.get(sid)
@@ -829,10 +862,10 @@ class Executor:
             if n <= 0:
                 self.recompute.records.pop(k, None)
 
-    def _late_feedback(self, e: Entry) -> None:
-        """Move a late prefetch's in-trigger earlier for the next iteration (Note [Late prefetch
-        feedback] in swap.py), never to where it would take the plan over its budget."""
-        d = e.decision
+    def _late_feedback(self, d, nbytes: int) -> None:
+        """Move a late prefetch's in-trigger (decision ``d``, ``nbytes``) earlier for the next
+        iteration (Note [Late prefetch feedback] in swap.py), never to where it would take the
+        plan over its budget."""
         # by storage id in the main kind's plan, by (kind, storage id) in the others'
         tkey = (
             d.storage_id if self.table is self.kind_tables[0] else (self.table.kind, d.storage_id)
@@ -841,7 +874,7 @@ class Executor:
         if trig is None:
             return
         bw = self.rt.bandwidth_h2d_bytes_per_s
-        shift_s = 0.05 * e.nbytes / bw if bw > 0 else 0.0
+        shift_s = 0.05 * nbytes / bw if bw > 0 else 0.0
         t_trig = self.op_time.get(trig)
         lo = d.evict_op + 1
         new = trig - 1
@@ -850,14 +883,14 @@ class Executor:
             while j > lo and (self.op_time.get(j) is None or self.op_time[j] > t_trig - shift_s):
                 j -= 1
             new = j
-        new = self._fits_from(max(lo, min(new, trig - 1)), trig, e.nbytes)
+        new = self._fits_from(max(lo, min(new, trig - 1)), trig, nbytes)
         if new < trig:
             self.table.move_before(Step.PREFETCH, d.storage_id, trig, new)
             self.trigger_now[tkey] = new
             self.stats.trigger_moves += 1
             moved = self._moved()
             for i in range(new, trig):
-                moved[i] += e.nbytes
+                moved[i] += nbytes
         else:
             self.stats.trigger_moves_refused += 1
 

@@ -320,13 +320,26 @@ def test_cuda_backend_roundtrip_streams_events_and_pinned_pool():
 
 @pytest.mark.gpu
 def test_cuda_plan_trains_bitwise(tmp_path):
-    script = TRACES / "cnn.py"
-    prob = _traced(script, tmp_path / "cnn.cuda.trace.parquet", ["--steps", "4"], device="cuda")
-    plan = hand_plan(prob, "hybrid", limit=8)
-    rt = Runtime(plan, measure_memory=True)
-    got = run_example(script, STEPS, rt)
-    assert state_mismatches(run_example(script, STEPS), got) == []
-    assert all(s.peak_bytes for s in steady(rt))
+    # the script itself on the GPU (a CPU script traced as cuda records nothing), with
+    # deterministic kernels: Note [Determinism precondition] in runtime/device.py
+    script = TRACES / "transformer.py"
+    on = ["--device", "cuda"]
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        prob = _traced(script, tmp_path / "t.cuda.trace.parquet", ["--steps", "4", *on], "cuda")
+        assert prob.peak_bytes > 0
+        plan = hand_plan(prob, "hybrid", limit=8)
+        assert plan.swap_count > 0 and plan.recompute_count > 0
+        rt = Runtime(plan, measure_memory=True)
+        got = run_example(script, [*STEPS, *on], rt)
+        assert state_mismatches(run_example(script, [*STEPS, *on]), got) == []
+    finally:
+        torch.use_deterministic_algorithms(was)
+    its = steady(rt)
+    assert sum(s.evictions for s in its) > 0 and sum(s.swapped_in_bytes for s in its) > 0
+    assert sum(s.recomputed_ops for s in its) > 0
+    assert all(s.peak_bytes for s in its)
 
 
 def _traced(script, trace, args=(), device: str = "cpu") -> Problem:

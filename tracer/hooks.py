@@ -497,6 +497,40 @@ def step() -> None:
         indexer.mark_step()
 
 
+# Note: [Skipped GradScaler steps]
+# ``GradScaler.step`` does not call ``optimizer.step()`` when it finds inf/nan gradients (fp16
+# training, typically in its first iterations while the scale settles): no step hook fires, and
+# two iterations would become one (a trace recording a merged iteration; a run diverging from
+# its plan). While an indexer is installed, ``GradScaler.step`` is wrapped so that a step it
+# skipped still ends the iteration, for the optimizer it was given.
+_SCALER_STEP = None
+
+
+def _install_scaler_hook() -> None:
+    global _SCALER_STEP
+    scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    if scaler is None or _SCALER_STEP is not None:
+        return
+    orig = _SCALER_STEP = scaler.step
+
+    def step(self, optimizer, *args, **kwargs):
+        before = [ix.steps_seen for ix in _ACTIVE]
+        out = orig(self, optimizer, *args, **kwargs)
+        for ix, n in zip(list(_ACTIVE), before, strict=False):
+            if ix.steps_seen == n:  # skipped: inf/nan gradients
+                ix.mark_step(optimizer)
+        return out
+
+    scaler.step = step
+
+
+def _uninstall_scaler_hook() -> None:
+    global _SCALER_STEP
+    if _SCALER_STEP is not None and not _ACTIVE:
+        torch.amp.GradScaler.step = _SCALER_STEP
+        _SCALER_STEP = None
+
+
 class OpIndexer:
     """Iteration boundaries, phases, op indices and tensor/storage ids of the ops it is shown.
 
@@ -560,6 +594,7 @@ class OpIndexer:
             ]
             _ACTIVE.append(self)
             materialize.install()  # Note [Batches from workers] in materialize.py
+            _install_scaler_hook()  # Note [Skipped GradScaler steps]
             if self.guards_compile:
                 CompileGuard.install()  # Note [torch.compile] in tracer/compiled.py
         return self
@@ -574,6 +609,7 @@ class OpIndexer:
         self._handles = []
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        _uninstall_scaler_hook()
 
     def _pre_step(self, optimizer, args, kwargs):
         self.in_optimizer += 1

@@ -70,9 +70,11 @@ class StopScript(BaseException):
 
 
 def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when available, else ``cpu``. Raises CapuchinError on a bad name."""
+    """``auto`` -> ``cpu`` where CUDA is not available (else ``auto`` stays: the tracer decides
+    from where the script's tensors live, Note [Auto device]); ``cpu`` / ``cuda`` checked.
+    Raises CapuchinError on a bad name or on ``cuda`` without a CUDA device."""
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return _auto()
     if device not in ("cpu", "cuda"):
         raise CapuchinError(f"unknown device {device!r}; use auto, cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
@@ -80,6 +82,50 @@ def resolve_device(device: str) -> str:
             f"--device cuda: no CUDA device is available (this torch: {torch.__version__})"
         )
     return device
+
+
+def _auto() -> str:
+    return "auto" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device_now(device: str, why: str) -> str:
+    """``resolve_device`` for a caller that needs the device before the script runs (a memory
+    cap): ``auto`` on a host with CUDA is refused with one line, since only the script's own
+    tensors tell (Note [Auto device])."""
+    dev = resolve_device(device)
+    if dev == "auto":
+        raise CapuchinError(
+            f"--device auto: {why}, before the script shows where its tensors live, and this "
+            "host has CUDA; name the device the script trains on: --device cuda or --device cpu"
+        )
+    return dev
+
+
+# Note: [Auto device]
+# The tracer records the storages of one device type. Which one is a property of the script
+# (where its model and batches live), not of the host: picking CUDA whenever a GPU exists traced
+# CPU scripts as "cuda" with no allocation, and the plan then failed on a 0-byte peak. So, on a
+# host with CUDA, ``auto`` is decided when recording starts (after warm-up): the device of the
+# optimizers' parameters seen at the last step, else the device type holding the most live
+# bytes. Without warm-up nothing has run yet, so ``auto`` is refused there, as it is where the
+# device is needed before the script runs (a memory cap: ``resolve_device_now``). Whatever the
+# device, a trace in which it holds no storage at all is refused, never written empty.
+
+
+def _device_of_script(indexer) -> str | None:
+    """Where the script's tensors live, at an iteration boundary (Note [Auto device])."""
+    for opt in list(indexer.optimizers):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if isinstance(p, torch.Tensor) and p.device.type in ("cpu", "cuda"):
+                    return p.device.type
+    by_type: dict[str, int] = {}
+    for rec in indexer.residents:
+        by_type[rec.device_type] = by_type.get(rec.device_type, 0) + rec.nbytes
+    by_type = {k: v for k, v in by_type.items() if k in ("cpu", "cuda") and v > 0}
+    if not by_type:
+        return None
+    return max(by_type, key=by_type.get)
 
 
 def _stderr(line: str) -> None:
@@ -267,7 +313,17 @@ class Tracer:
     def __enter__(self) -> Tracer:
         check_output(self.path, force=self.force, inputs=[self.script or None])
         self.device = resolve_device(self.device_request)
-        self.bandwidth = measure_bandwidth(self.device)
+        if self.device == "auto":  # Note [Auto device]
+            why = None
+            if self.budget_bytes is not None:
+                why = "a trace under --budget caps the device's memory"
+            elif self.warmup == 0:
+                why = "--warmup 0 records from the first op"
+            if why is not None:
+                self.device = resolve_device_now(self.device_request, why)
+            else:
+                self.device = None  # decided when recording starts
+        self.bandwidth = None  # measured after the script (its own device chosen by then)
         self.indexer = OpIndexer(
             on_iteration_start=self._on_iteration_start,
             on_iteration_end=self._on_iteration_end,
@@ -333,6 +389,14 @@ class Tracer:
         self._iter_started_s = time.perf_counter()
         if it < self.warmup:
             return
+        if self.device is None:  # Note [Auto device]
+            self.device = _device_of_script(self.indexer)
+            if self.device is None:
+                raise CapuchinError(
+                    f"{self.script}: --device auto: the script holds no tensor on cpu or cuda "
+                    "after warm-up; name the device: --device cuda or --device cpu"
+                )
+            self.log(f"capuchin: --device auto: tracing {self.device} (the script's tensors)")
         if it == self.warmup and self.profiler is None:
             self._start_profiler()
         self._cur = _Iteration(it)
@@ -496,6 +560,9 @@ class Tracer:
                 f"capuchin: warning: the script ended after {len(self.recorded)} of "
                 f"{requested} recorded iterations; writing those"
             )
+        self._check_not_empty()
+        if self.bandwidth is None:
+            self.bandwidth = measure_bandwidth(self.device)
         times = parse_profile(self.profiler, self.device) if self.profiler is not None else None
         frames = [self._rows(self._done[it], times) for it in self.recorded]
         events = pd.concat(frames, ignore_index=True)
@@ -536,6 +603,10 @@ class Tracer:
                 }
                 for it in self.recorded
             }
+            # Note [Budget and the allocator] (runtime/device.py): what no row counts
+            extra["cuda_non_tensor_bytes"] = max(
+                non_tensor_at_start(self._done[it]) for it in self.recorded
+            )
         meta = TraceMeta(
             capuchin_version=__version__,
             torch_version=torch.__version__,
@@ -556,6 +627,19 @@ class Tracer:
             extra=extra,
         )
         write_trace(events, meta, self.path, force=self.force)
+
+    def _check_not_empty(self) -> None:
+        """Refuse a trace in which the traced device holds no storage (Note [Auto device])."""
+        for it in self.recorded:
+            cur = self._done[it]
+            if cur.residents or any(o[7] for op in cur.ops for o in op[6]):
+                return
+        others = sorted({r.device_type for r in self.indexer.live.values()} - {self.device, "meta"})
+        hint = f" (its tensors live on {', '.join(others)}: --device {others[0]})" if others else ""
+        raise CapuchinError(
+            f"{self.script}: nothing was allocated on {self.device} in the recorded iterations"
+            f"{hint}; no trace written"
+        )
 
     def _measured_peak(self, times) -> int | None:
         """The most device memory the allocator held during the recorded iterations (Note
@@ -693,6 +777,14 @@ class Tracer:
         for f in frees[fi:]:  # released after the last op (before the next iteration's first op)
             row(f[0], Role.FREE.value, f[1], f[2])
         return pd.DataFrame(cols)
+
+
+def non_tensor_at_start(cur: _Iteration) -> int:
+    """Device bytes the allocator held at an iteration's start beyond its resident storages
+    (cuBLAS workspaces, allocator rounding): what a budget of tensor bytes does not count."""
+    if cur.cuda_start_allocated_bytes is None:
+        return 0
+    return max(0, cur.cuda_start_allocated_bytes - sum(n for _, n in cur.residents))
 
 
 def _regularity(done: dict[int, _Iteration], recorded: list[int]) -> tuple[bool, dict | None]:

@@ -36,8 +36,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = parser.parse_args()
+    if args.device == "cpu":
+        train(args)
+    else:  # every factory call (parameters, batches, masks) on the device
+        with torch.device(args.device):
+            train(args)
 
+
+def train(args) -> None:
     torch.manual_seed(args.seed)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

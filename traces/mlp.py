@@ -22,8 +22,16 @@ def main() -> None:
         help="adamw: the per-tensor loop (foreach=False); -foreach / -fused: the multi-tensor forms",
     )
     parser.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ to this norm")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = parser.parse_args()
+    if args.device == "cpu":
+        train(args)
+    else:  # every factory call (parameters, batches, masks) on the device
+        with torch.device(args.device):
+            train(args)
 
+
+def train(args) -> None:
     torch.manual_seed(args.seed)
     model = nn.Sequential(
         nn.Linear(128, 256),

@@ -61,8 +61,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = parser.parse_args()
+    if args.device == "cpu":
+        train(args)
+    else:  # every factory call (parameters, batches, masks) on the device
+        with torch.device(args.device):
+            train(args)
 
+
+def train(args) -> None:
     torch.manual_seed(args.seed)
     vocab = 512
     model = TinyLM(vocab, dim=128, heads=4, layers=2, seq=args.seq, dropout=0.1)

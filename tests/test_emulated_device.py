@@ -1,0 +1,277 @@
+"""The CUDA path's logic on CPU, through the emulated device (capuchin/testing/emulated.py): device
+choice, the plan-less budget's device, the allocator cap and its headroom, the cheap counter, the
+determinism precondition, per-rank devices. Each test fails with its defect put back (the review
+../shared/reports/cuda-review.md numbers them; docs/runtime.md "On CUDA")."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from capuchin.cli import main
+from capuchin.errors import CapuchinError, PlanFormatError
+from capuchin.planner.api import make_plan
+from capuchin.planner.problem import Problem
+from capuchin.runmain import run_as_main
+from capuchin.runtime.device import (
+    cap_bytes,
+    cublas_workspace_bytes,
+    determinism_problem,
+    non_tensor_bytes,
+)
+from capuchin.runtime.engine import Runtime
+from capuchin.runtime.memory import CUDAMemory
+from capuchin.testing.emulated import CachingAllocatorModel, emulated_cuda
+from capuchin.tracer.reader import load_trace
+from capuchin.tracer.record import Tracer, _Iteration, non_tensor_at_start
+from click.testing import CliRunner
+
+pytestmark = pytest.mark.emulated
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = ROOT / "traces" / "mlp.py"
+MIB = 1 << 20
+
+
+def _trace_mlp(path: Path, device: str, **kw) -> Tracer:
+    tracer = Tracer(path, iterations=1, warmup=1, device=device, log=None, **kw)
+    with tracer:
+        run_as_main(MLP, ["--steps", "4", "--batch", "32"])
+    return tracer
+
+
+# ---- defect 1: --device auto traces where the script's tensors live --------------------------
+
+
+def test_auto_traces_the_device_the_script_trains_on(tmp_path):
+    with emulated_cuda():
+        assert torch.cuda.is_available()
+        _trace_mlp(tmp_path / "t.parquet", "auto")
+    trace = load_trace(tmp_path / "t.parquet")
+    assert trace.meta.device == "cpu"
+    prob = Problem.from_trace(trace)
+    assert prob.peak_bytes > 0
+    make_plan(prob, "90%")  # the README's second command works on the auto trace
+
+
+def test_a_trace_whose_device_saw_no_allocation_is_refused(tmp_path, monkeypatch):
+    out = tmp_path / "t.parquet"
+    # the profiler's CUDA activity on a CPU build is slow and not what is tested here
+    monkeypatch.setattr(Tracer, "_start_profiler", lambda self: None)
+    with emulated_cuda(), pytest.raises(CapuchinError, match="nothing was allocated on cuda"):
+        _trace_mlp(out, "cuda")
+    assert not out.exists()
+
+
+def test_auto_is_refused_where_the_device_is_needed_before_the_script(tmp_path):
+    with emulated_cuda():
+        with pytest.raises(CapuchinError, match="--device auto"):
+            _trace_mlp(tmp_path / "a.parquet", "auto", budget_bytes=64 * MIB)
+        with pytest.raises(CapuchinError, match="--device auto"):
+            Tracer(tmp_path / "b.parquet", warmup=0, device="auto", log=None).__enter__()
+        from capuchin.maxbatch import max_batch
+
+        with pytest.raises(CapuchinError, match="--device auto"):
+            max_batch(MLP, [], memory="64M", arg="--batch", device="auto", log=None)
+    assert not (tmp_path / "a.parquet").exists()
+
+
+# ---- defect 2: a plan-less budget manages the named device -----------------------------------
+
+
+def test_plan_less_budget_manages_the_named_device():
+    with emulated_cuda():
+        with pytest.raises(PlanFormatError, match="name the device"):
+            Runtime(budget_bytes=64 * MIB)
+        assert Runtime(budget_bytes=64 * MIB, device="cuda").device == torch.device("cuda", 0)
+        assert Runtime(budget_bytes=64 * MIB, device="cpu").device == torch.device("cpu")
+    # a CPU-only host keeps its default
+    assert Runtime(budget_bytes=64 * MIB).device == torch.device("cpu")
+
+
+def test_run_command_passes_device_to_the_runtime(monkeypatch, tmp_path):
+    import capuchin.runtime.launch as launch
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_runtime(plan, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(launch, "Runtime", fake_runtime)
+    r = CliRunner().invoke(main, ["run", "--budget", "64M", "--device", "cuda", str(MLP)])
+    assert isinstance(r.exception, Stop), r.output
+    assert seen["device"] == "cuda" and seen["budget_bytes"] == 64 * MIB
+
+
+def test_a_plan_for_another_device_is_refused():
+    plan = make_plan(Problem.from_trace(load_trace(ROOT / "traces" / "mlp.trace.parquet")), "50%")
+    with emulated_cuda(), pytest.raises(PlanFormatError, match="plan is for cpu"):
+        Runtime(plan, device="cuda")
+
+
+# ---- defect 6: per-rank device under torchrun ------------------------------------------------
+
+
+def test_index_less_cuda_is_the_local_rank_device(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with emulated_cuda(devices=2):
+        assert Runtime(budget_bytes=64 * MIB, device="cuda").device == torch.device("cuda", 1)
+        assert Runtime(budget_bytes=64 * MIB, device="cuda:0").device == torch.device("cuda", 0)
+
+
+# ---- defect 3: the cap counts what the allocator reserves ------------------------------------
+
+
+def _fill_to(model: CachingAllocatorModel, budget: int, threads: int = 2) -> None:
+    """A script's device memory at a tensor-byte peak of ``budget``: a cuBLAS workspace per
+    thread, then odd-sized tensors from every size class of the allocator."""
+    for t in range(threads):
+        model.workspace(thread=t)
+    sizes = [700_001, 3_000_017, 13_000_003, 40_003]
+    held, k = 0, 0
+    while True:
+        n = sizes[k % len(sizes)]
+        if held + n > budget:
+            break
+        model.malloc(n)
+        held += n
+        k += 1
+
+
+@pytest.mark.parametrize("budget_mib", [12, 64, 300])
+def test_the_cap_admits_the_budget_plus_what_it_does_not_count(budget_mib):
+    budget = budget_mib * MIB
+    with emulated_cuda(total_bytes=80 << 30) as (model,):
+        rt = Runtime(budget_bytes=budget, device="cuda")
+        rt._set_cap()
+        assert model.cap == pytest.approx(rt.cap_bytes, abs=2)
+        _fill_to(model, budget)  # raises torch.OutOfMemoryError if the cap were the budget
+        assert model.num_ooms == 0
+
+
+def test_a_cap_at_the_budget_fails_on_the_workspaces():
+    # the defect itself, so the test above can fail: a cap equal to the budget
+    model = CachingAllocatorModel(80 << 30)
+    model.set_fraction(64 * MIB / model.total_bytes)
+    with pytest.raises(torch.OutOfMemoryError):
+        _fill_to(model, 64 * MIB)
+
+
+def test_the_cap_takes_the_plans_measured_non_tensor_bytes():
+    plan = make_plan(Problem.from_trace(load_trace(ROOT / "traces" / "mlp.trace.parquet")), "50%")
+    prov = dataclasses.replace(plan.provenance, device="cuda", device_non_tensor_bytes=200 * MIB)
+    plan = dataclasses.replace(plan, provenance=prov)
+    with emulated_cuda(total_bytes=80 << 30) as (model,):
+        rt = Runtime(plan, device="cuda")
+        rt._set_cap()
+        assert rt.cap_bytes >= plan.budget_bytes + 200 * MIB
+        assert rt.cap_bytes == cap_bytes(plan.budget_bytes, 200 * MIB)
+        # the budget guard counts tensor bytes: the measured non-tensor bytes are taken off
+        mem = CUDAMemory(torch.device("cuda", 0), plan)
+        model.malloc(210 * MIB)
+        assert mem.allocated_bytes() == 10 * MIB
+
+
+def test_trace_measures_non_tensor_bytes_and_the_plan_carries_them(tmp_path):
+    cur = _Iteration(1)
+    cur.cuda_start_allocated_bytes = 70 * MIB
+    cur.residents = [("s0", 4 * MIB), ("s1", 2 * MIB)]
+    assert non_tensor_at_start(cur) == 64 * MIB
+    trace = load_trace(ROOT / "traces" / "mlp.trace.parquet")
+    trace.meta.extra["cuda_non_tensor_bytes"] = 64 * MIB
+    plan = make_plan(Problem.from_trace(trace), "50%")
+    assert plan.provenance.device_non_tensor_bytes == 64 * MIB
+    again = type(plan).from_json(plan.to_json())
+    assert again.provenance.device_non_tensor_bytes == 64 * MIB
+
+
+def test_workspace_size_follows_the_config():
+    assert cublas_workspace_bytes(":4096:8") == 32 * MIB
+    assert cublas_workspace_bytes(":16:8") == 128 * 1024
+    assert cublas_workspace_bytes("", major=9) == 32 * MIB
+    assert non_tensor_bytes(None, 32 * MIB) == 64 * MIB
+    assert non_tensor_bytes(100 * MIB, 32 * MIB) == 100 * MIB
+
+
+# ---- defect 8: one cheap counter read, not memory_allocated() -----------------------------------
+
+
+def test_cuda_memory_reads_the_cheap_counter(monkeypatch):
+    with emulated_cuda() as (model,):
+
+        def slow(*a, **k):
+            raise AssertionError("torch.cuda.memory_allocated called on the per-op path")
+
+        monkeypatch.setattr(torch.cuda, "memory_allocated", slow)
+        model.malloc(3 * MIB)
+        mem = CUDAMemory(torch.device("cuda", 0))
+        assert mem.allocated_bytes() == 3 * MIB
+
+
+# ---- defect 11: the determinism precondition ---------------------------------------------------
+
+
+def test_replays_on_cuda_without_deterministic_kernels_warn(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert "use_deterministic_algorithms" in determinism_problem(cuda, replays=True)
+    assert determinism_problem(cuda, replays=False) is None
+    assert determinism_problem(torch.device("cpu"), replays=True) is None
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert determinism_problem(cuda, replays=True) is None
+    finally:
+        torch.use_deterministic_algorithms(was)
+    with emulated_cuda():
+        assert Runtime(budget_bytes=MIB, device="cuda")._replays()  # dynamic mode may replay
+        assert not Runtime(budget_bytes=MIB, device="cuda", remat="swap")._replays()
+
+
+def test_drops_of_ops_nondeterministic_on_cuda_become_swaps():
+    from types import SimpleNamespace
+
+    from capuchin.planner.plan import Decision
+    from capuchin.runtime.recompute import RecomputeEngine
+
+    engine = RecomputeEngine(None, lambda n: False)
+    engine.records = {
+        0: SimpleNamespace(func=torch.ops.aten.index_add.default, slots=[], out_sids=[]),
+        1: SimpleNamespace(func=torch.ops.aten.mm.default, slots=[], out_sids=[]),
+    }
+    d = Decision.__new__(Decision)
+    object.__setattr__(d, "replay_ops", (0,))
+    mm = Decision.__new__(Decision)
+    object.__setattr__(mm, "replay_ops", (1,))
+    assert engine.check_replayable(d) is None  # CPU: every replay is exact
+    engine.device_type = "cuda"
+    assert "nondeterministic on cuda" in engine.check_replayable(d)
+    assert engine.check_replayable(mm) is None
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert engine.check_replayable(d) is None  # deterministic kernels replay exactly
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def test_trace_command_on_a_cuda_host_traces_a_cpu_script_or_refuses(tmp_path, monkeypatch):
+    auto, cuda = tmp_path / "auto.parquet", tmp_path / "cuda.parquet"
+    args = ["--iterations", "1", "--warmup", "1"]
+    script = [str(MLP), "--steps", "3", "--batch", "32"]
+    with emulated_cuda():
+        r = CliRunner().invoke(main, ["trace", *args, "-o", str(auto), *script])
+        assert r.exit_code == 0, r.output
+        monkeypatch.setattr(Tracer, "_start_profiler", lambda self: None)  # slow on a CPU build
+        r = CliRunner().invoke(main, ["trace", "--device", "cuda", *args, "-o", str(cuda), *script])
+    assert load_trace(auto).meta.device == "cpu"
+    assert r.exit_code != 0 and not cuda.exists()
+    msg = [line for line in r.output.splitlines() if "nothing was allocated on cuda" in line]
+    assert len(msg) == 1 and "--device cpu" in msg[0]
