@@ -269,3 +269,30 @@ def test_two_optimizers_and_accumulation_end_to_end(tmp_path):
     opt = ops[ops["phase"] == "optimizer"]
     assert len(opt) and opt["op_index"].min() > ops[ops["phase"] == "backward"]["op_index"].max()
     assert {"aten.lerp_.Scalar", "aten.mul_.Tensor"} <= set(opt["op_name"])  # Adam and SGD
+
+
+def test_plain_iterations_run_without_the_tracer_mode_or_profiler(tmp_path):
+    """Note [Plain step]: the timed iterations see neither the dispatch mode nor the profiler."""
+    import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    out = tmp_path / "api.parquet"
+    with capuchin.Tracer(out, iterations=2, warmup=1, log=None, plain_steps=2):
+        for _ in range(100):
+            seen.append(
+                (_get_current_dispatch_mode() is not None, torch.autograd._profiler_enabled())
+            )
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    # the mode: on in 0-2 (traced) and 3 (the plain warm-up), off in 4-5 (timed). The profiler
+    # starts at the first op of iteration 1 and stops at the first op of 3, which ends 2: at
+    # the top of each loop body it is on in 2 and 3 only
+    assert [m for m, _ in seen] == [True, True, True, True, False, False]
+    assert [p for _, p in seen] == [False, False, True, True, False, False]
+    assert _get_current_dispatch_mode() is None
+    meta = capuchin.load_trace(out).meta
+    assert len(meta.extra["plain_iteration_wall_s"]) == 2 and meta.plain_iteration_ns > 0
