@@ -175,3 +175,14 @@ def test_compare_overhead_is_of_the_plain_step_without_runtime_cost():
     assert sim_extra > 0
     assert rec.predicted_overhead == pytest.approx(sim_extra / (2 * TF_NS))
     assert "traced iteration (op times as traced)" in format_comparison(cmp)
+
+
+@pytest.mark.parametrize("bad", ["fast", 0, -5, 1.5, True])
+def test_bad_plain_step_in_metadata_is_refused_at_load(tmp_path, bad):
+    from capuchin.errors import CapuchinError
+
+    tr = _trace()
+    tr.meta.plain_iteration_ns = bad
+    write_trace(tr.events, tr.meta, tmp_path / "bad.parquet")
+    with pytest.raises(CapuchinError, match=r"bad\.parquet.*plain_iteration_ns"):
+        load_trace(tmp_path / "bad.parquet")
