@@ -186,3 +186,14 @@ def test_bad_plain_step_in_metadata_is_refused_at_load(tmp_path, bad):
     write_trace(tr.events, tr.meta, tmp_path / "bad.parquet")
     with pytest.raises(CapuchinError, match=r"bad\.parquet.*plain_iteration_ns"):
         load_trace(tmp_path / "bad.parquet")
+
+
+def test_show_states_op_times_and_the_plain_step():
+    from capuchin.tracer.summary import format_summary as trace_summary
+    from capuchin.tracer.summary import summarize
+
+    timed = trace_summary(summarize(_trace(plain_ns=4_000_000)))
+    assert "time       10.00 ms of op times" in timed and "plain step 4.00 ms" in timed
+    tr = _trace()
+    tr.meta.extra["plain_iteration_note"] = "the script ended before ..."
+    assert "plain step not timed (the script ended before ...)" in trace_summary(summarize(tr))
