@@ -1,7 +1,7 @@
 """Predicted against measured slowdown of a plan, with the plain step the tracer now times
 (Note [Plain step] in tracer/record.py, Note [Plain baseline] in planner/problem.py).
 
-    python benchmarks/plain_prediction.py [--examples cnn,transformer,mlp] [--budget 50%]
+    python benchmarks/plain_prediction.py [--examples cnn,transformer,mlp,hf_gpt2] [--budget 50%]
 
 Per example: trace the bundled script afresh (1 warm-up, 3 recorded, 1 plain warm-up, 3 timed
 plain iterations), plan it at ``--budget`` (or the smallest budget the planner reaches), then
@@ -32,7 +32,7 @@ from capuchin.tracer.reader import load_trace
 from capuchin.tracer.script import trace_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime import TRACES, time_once  # noqa: E402  (benchmarks/runtime.py)
+from runtime import SCRIPTS, TRACES, time_once  # noqa: E402  (benchmarks/runtime.py)
 
 
 def _plan(trace, budget):
@@ -55,6 +55,8 @@ def main() -> None:
     rows = []
     for name in args.examples.split(","):
         script = TRACES / f"{name}.py"
+        if not script.exists():  # hf_gpt2: benchmarks/scripts/
+            script = SCRIPTS / f"{name}.py"
         out = tmp / f"{name}.trace.parquet"
         trace_script(script, ["--steps", "12"], output=out, log=lambda _: None)
         trace = load_trace(out)
