@@ -29,7 +29,8 @@ tracer/schema.py), which is also what the runtime evicts.
 #   factor is uniform: it assumes the profiler inflates every op alike, which is not so (short ops
 #   are inflated more than long ones, so a replay of long ops is charged somewhat too little), and
 #   the plain step includes the script's own work between ops (data loading, Python), which the
-#   scaled ops now stand for.
+#   scaled ops now stand for. Each planned iteration is scaled to the one plain step, so with
+#   several kinds of iteration (planner/api.py) every kind's baseline is that median.
 # - CUDA (device times from CUPTI, not inflated), or a plain step at least the summed op times:
 #   durations are kept; the overhead is stated against the plain step (``time_basis`` "plain").
 # - No plain step (older traces, synthetic and imported ones): durations kept, overhead against

@@ -165,11 +165,13 @@ class _TraceMode(TorchDispatchMode):
 # ``extra["plain_iteration_note"]`` and a log line, when the script ended before one interval,
 # when traced under a budget (the runtime's passive mode would be in every step), or with
 # ``plain_steps=0``. A script that fails in the plain iterations (where the tracer used to stop
-# it) gets a warning and the trace is written all the same. Limits: two optimizer steps per iteration with no op between them (two
-# optimizers stepped back to back) make intervals of a fraction of an iteration; the plain
-# iterations run after the recorded ones, so a script whose steps change in cost (a schedule of
-# sequence lengths) is timed at another point than traced. The planner uses the field (Note
-# [Plain baseline] in planner/problem.py).
+# it) gets a warning and the trace is written all the same. Limits: two optimizer steps with no
+# op between them (two optimizers stepped back to back, one iteration for the indexer) make two
+# intervals here; the plain iterations run after the recorded ones, so a script whose steps
+# change in cost (a schedule of sequence lengths, several kinds of iteration) is timed at
+# another point than traced; the intervals are wall time, so a loaded host lengthens them as it
+# lengthens the traced op times. The planner uses the field (Note [Plain baseline] in
+# planner/problem.py).
 
 
 class _KernelMarkMode(TorchDispatchMode):
@@ -234,10 +236,12 @@ class Tracer:
         tracer's dispatch mode nor the profiler (Note [Plain step]); 0: stop right after them.
 
     Iterations are delimited by optimizer steps (or ``capuchin.step()``): see Note [Iteration
-    boundaries] in ``tracer/hooks.py``. After the recorded iterations the first op of the next
-    iteration raises ``StopScript``, which ends the block cleanly. If the block ends earlier, what
-    was recorded is written and ``log`` says so; if nothing was recorded, ``ScriptError``. An
-    exception from the traced code propagates and no file is written.
+    boundaries] in ``tracer/hooks.py``. After the recorded iterations ``plain_steps`` more are
+    timed plain (Note [Plain step]), and the last one's optimizer step raises ``StopScript``
+    (with ``plain_steps=0``: the first op after the recorded iterations), which ends the block
+    cleanly. If the block ends earlier, what was recorded is written and ``log`` says so; if
+    nothing was recorded, ``ScriptError``. An exception from the traced code propagates and no
+    file is written, unless it comes after the recorded iterations (then ``log`` warns).
 
     After the block: ``recorded`` (iteration numbers), ``path``, ``profiler`` (the
     ``torch.profiler.profile`` of the recorded iterations, for cross-checks).
