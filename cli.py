@@ -130,15 +130,24 @@ def main() -> None:
     help="Trace within SIZE of device memory (8G, 512MiB, bytes) by passive eviction; "
     "the trace still records the unmanaged program.",
 )
+@click.option(
+    "--plain-steps",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="After the recorded iterations, time this many more without tracer or profiler "
+    "(one more runs first as a warm-up); plans state their overhead against their median. "
+    "0: stop right after the recorded iterations.",
+)
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @_errors_to_exit
-def trace(output, force, iterations, warmup, device, budget, script, script_args):
+def trace(output, force, iterations, warmup, device, budget, plain_steps, script, script_args):
     """Record a tensor access trace of an unmodified training SCRIPT.
 
     SCRIPT runs as `python SCRIPT SCRIPT_ARGS...` would; iterations are delimited by optimizer
     steps (or capuchin.step()). After warm-up plus the recorded iterations the script is stopped
-    and the trace written. Options after SCRIPT (or after `SCRIPT --`) are the script's.
+    and the trace written (after --plain-steps more, timed plain). Options after SCRIPT (or after `SCRIPT --`) are the script's.
     """
     from .tracer.script import default_output, trace_script
 
@@ -164,6 +173,7 @@ def trace(output, force, iterations, warmup, device, budget, script, script_args
         device=device,
         force=force,
         budget_bytes=budget_bytes,
+        plain_steps=plain_steps,
     )
     click.echo(tagged(f"capuchin: wrote {path}"), err=True)
 

@@ -94,6 +94,9 @@ def build_plan(
     notes = list(notes)
     if not ds and problem.peak_bytes <= budget_bytes:
         notes.append("the baseline peak fits the budget: nothing to evict")
+    basis = baseline_note(problem)
+    if basis:
+        notes.append(basis)
     prov = Provenance(
         policy=policy,
         parameters=_jsonable(parameters or {}),
@@ -118,6 +121,9 @@ def build_plan(
         feasible=feasible,
         notes=notes,
         runtime_cost_ns=cost,
+        time_basis=problem.time_basis,
+        plain_time_ns=problem.plain_time_ns,
+        duration_scale=round(float(problem.duration_scale), 6),
     )
     plan = Plan(
         provenance=prov,
@@ -129,6 +135,24 @@ def build_plan(
         op_peak_bytes=[int(b) for b in sim.op_peak_bytes],
     )
     return plan, sim
+
+
+def baseline_note(problem: Problem) -> str:
+    """One line on what the plan's overhead is relative to (Note [Plain baseline] in
+    problem.py); empty when the trace has no plain step (the printed overhead line says so)."""
+    basis = problem.time_basis
+    if basis == "plain-scaled":
+        return (
+            f"op times scaled by {problem.duration_scale:.3f} so that the iteration takes the "
+            f"plain step ({problem.plain_time_ns / 1e6:.3f} ms, timed without tracer or "
+            "profiler); one factor for every op, as if the profiler inflated each alike"
+        )
+    if basis == "plain":
+        return (
+            f"overhead against the plain step ({problem.plain_time_ns / 1e6:.3f} ms, timed "
+            "without tracer or profiler); op times as traced"
+        )
+    return ""
 
 
 def run_policy(

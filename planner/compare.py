@@ -78,6 +78,10 @@ class Comparison:
     plans: dict[tuple[str, int], Plan | None] = field(
         default_factory=dict, repr=False, compare=False
     )
+    # what ``baseline_time_ns`` and the overheads are (Note [Plain baseline] in problem.py)
+    time_basis: str = "traced"
+    plain_time_ns: int | None = None
+    duration_scale: float = 1.0
 
     @property
     def frame(self):
@@ -128,7 +132,13 @@ def evaluate(
         budget_bytes=int(budget_bytes),
         feasible=bool(plan.predictions.feasible),
         predicted_peak_bytes=int(sim.peak_bytes),
-        predicted_overhead=float(sim.overhead),
+        # of the plain step when the trace timed it (Note [Plain baseline] in problem.py);
+        # simulated, without the runtime's per-op cost that ``capuchin plan`` adds
+        predicted_overhead=float(
+            (sim.time_ns - sim.baseline_time_ns) / problem.overhead_base_ns
+            if problem.overhead_base_ns > 0
+            else sim.overhead
+        ),
         solve_time_s=plan.provenance.solve_time_s,
         bytes_swapped=int(swapped),
         ops_recomputed=int(replayed),
@@ -221,6 +231,9 @@ def compare_policies(
         floor_bytes=problem.floor_bytes(),
         records=tuple(records),
         plans=plans,
+        time_basis=problem.time_basis,
+        plain_time_ns=problem.plain_time_ns,
+        duration_scale=problem.duration_scale,
     )
 
 
@@ -247,17 +260,29 @@ def records_to_json(result: Comparison) -> str:
 def format_comparison(result: Comparison) -> str:
     """The policy x budget table and each policy's smallest feasible budget, as text."""
     peak = result.baseline_peak_bytes
+    if result.time_basis == "traced" or result.plain_time_ns is None:
+        base = "traced iteration (op times under the profiler; no plain step in the trace)"
+        it = "traced iteration"
+    else:
+        base = f"plain step {result.plain_time_ns / 1e6:.2f} ms (timed without tracer or profiler)"
+        it = (
+            f"iteration (op times scaled by {result.duration_scale:.3f} to the plain step)"
+            if result.time_basis == "plain-scaled"
+            else "traced iteration (op times as traced)"
+        )
     lines = [
-        f"trace {result.trace}: baseline peak {format_bytes(peak)}, iteration "
+        f"trace {result.trace}: baseline peak {format_bytes(peak)}, {it} "
         f"{result.baseline_time_ns / 1e6:.2f} ms, floor {format_bytes(result.floor_bytes)} "
-        f"({_pct(result.floor_bytes, peak)} of peak: no plan goes below)"
+        f"({_pct(result.floor_bytes, peak)} of peak: no plan goes below)",
+        f"overhead: simulated, of the {base}, without the runtime's per-op cost "
+        "(capuchin plan's predicted overhead includes it)",
     ]
     header = [
         "policy",
         "budget",
         "feasible",
         "peak",
-        "overhead",
+        "sim overhead",
         "swapped",
         "recomputed",
         "solve",

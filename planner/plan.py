@@ -203,10 +203,20 @@ class Predictions:
     feasible: bool = True
     notes: list[str] = field(default_factory=list)
     runtime_cost_ns: int = 0  # of predicted_time_ns: the runtime's own cost (planner/costs.py)
+    # Note [Plain baseline] in problem.py: what the overhead is relative to ("traced": the sum
+    # of the traced op times; "plain-scaled": op times scaled by ``duration_scale`` so that the
+    # baseline is the plain step; "plain": op times kept, overhead against the plain step) and
+    # the plain step the trace timed (None: not timed)
+    time_basis: str = "traced"
+    plain_time_ns: int | None = None
+    duration_scale: float = 1.0
 
     @property
     def predicted_overhead(self) -> float:
-        """Predicted slowdown as a fraction of the baseline iteration time (0.05 = 5%)."""
+        """Predicted slowdown as a fraction of the plain step when the trace timed it, else of
+        the baseline iteration time (0.05 = 5%)."""
+        if self.plain_time_ns is not None and self.plain_time_ns > 0:
+            return (self.predicted_time_ns - self.baseline_time_ns) / self.plain_time_ns
         if self.baseline_time_ns <= 0:
             return 0.0
         return self.predicted_time_ns / self.baseline_time_ns - 1.0
@@ -365,6 +375,10 @@ class Plan:
             "replayed_ops": sum(len(d.replay_ops) for d in self.decisions),
             "baseline_time_ns": p.baseline_time_ns,
             "predicted_time_ns": p.predicted_time_ns,
+            "runtime_cost_ns": p.runtime_cost_ns,
+            "time_basis": p.time_basis,
+            "plain_time_ns": p.plain_time_ns,
+            "duration_scale": p.duration_scale,
             "solve_time_s": pr.solve_time_s,
             "trace_fingerprint": pr.trace_fingerprint,
             "iteration": pr.iteration,

@@ -16,6 +16,27 @@ tracer/schema.py), which is also what the runtime evicts.
 # 0..k-1, plus op k's scratch memory (Role.SCRATCH: workspace its kernels use and release before
 # it returns). The peak is ``max(live_bytes)``.
 
+# Note: [Plain baseline]
+# A traced op's duration is taken under the profiler and the tracer's dispatch mode. On CPU these
+# are host times that the profiler's per-op and memory accounting inflate (1.5-6x the plain step
+# on real scripts), while what a plan adds (copies at the measured bandwidth, the runtime's host
+# costs, costs.py) is measured without them; an overhead stated against the traced sum reads
+# small where the user's slowdown is large. A trace that timed the plain step (Note [Plain step]
+# in tracer/record.py, ``TraceMeta.plain_iteration_ns``) corrects this:
+# - CPU, plain step shorter than the iteration's summed op times: every op duration is multiplied
+#   by one factor ``plain / sum`` (rounded to ns), so the baseline iteration is the plain step
+#   (``duration_scale``; ``time_basis`` "plain-scaled"). Replays then cost their scaled time. The
+#   factor is uniform: it assumes the profiler inflates every op alike, which is not so (short ops
+#   are inflated more than long ones, so a replay of long ops is charged somewhat too little), and
+#   the plain step includes the script's own work between ops (data loading, Python), which the
+#   scaled ops now stand for. Each planned iteration is scaled to the one plain step, so with
+#   several kinds of iteration (planner/api.py) every kind's baseline is that median.
+# - CUDA (device times from CUPTI, not inflated), or a plain step at least the summed op times:
+#   durations are kept; the overhead is stated against the plain step (``time_basis`` "plain").
+# - No plain step (older traces, synthetic and imported ones): durations kept, overhead against
+#   their sum (``time_basis`` "traced").
+# ``overhead_base_ns`` is what an overhead is a fraction of; plan.Predictions records the basis.
+
 # Note: [Wrap-around gaps]
 # Parameters, gradient buffers kept between steps and optimizer state are resident when the
 # iteration starts and still alive when it ends; the next iteration uses them again. Such a
@@ -199,6 +220,10 @@ class Problem:
     # device memory outside tensor storages the trace measured (the trace's extra
     # "cuda_non_tensor_bytes"); carried into the plan's provenance, never planned
     non_tensor_bytes: int = 0
+    # Note [Plain baseline]: the trace's plain step (None: not timed) and the factor applied to
+    # every op duration (1.0: as traced)
+    plain_time_ns: int | None = None
+    duration_scale: float = 1.0
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -280,6 +305,20 @@ class Problem:
     def time_ns(self) -> int:
         """Baseline iteration time: the sum of op durations."""
         return int(self.durations_ns.sum()) if self.ops else 0
+
+    @property
+    def time_basis(self) -> str:
+        """What overheads are relative to (Note [Plain baseline]): "traced", "plain-scaled"
+        or "plain"."""
+        if self.plain_time_ns is None:
+            return "traced"
+        return "plain-scaled" if self.duration_scale != 1.0 else "plain"
+
+    @property
+    def overhead_base_ns(self) -> int:
+        """The iteration time an overhead is a fraction of: the plain step when the trace timed
+        it, else the baseline (Note [Plain baseline])."""
+        return self.plain_time_ns if self.plain_time_ns is not None else self.time_ns
 
     @property
     def peak_bytes(self) -> int:
@@ -467,6 +506,9 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
         for p in op_rows[Col.PHASE].to_list()
     ]
     durs = op_rows[Col.DURATION_NS].fillna(0).astype("int64").clip(lower=0).to_list()
+    plain, scale = _plain_baseline(trace, durs)
+    if scale != 1.0:
+        durs = [int(round(d * scale)) for d in durs]
     seeded = op_rows[Col.SEEDED].fillna(False).astype(bool).to_list()
 
     inputs: list[dict[str, None]] = [{} for _ in range(n)]
@@ -622,7 +664,26 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
         device=meta.device,
         host=host_cost(meta.device, meta.source),
         non_tensor_bytes=int((meta.extra or {}).get("cuda_non_tensor_bytes") or 0),
+        plain_time_ns=plain,
+        duration_scale=scale,
     )
+
+
+def _plain_baseline(trace: Trace, durs: Sequence[int]) -> tuple[int | None, float]:
+    """The trace's plain step (None: not timed) and the factor for the op durations ``durs`` of
+    the planned iteration (Note [Plain baseline])."""
+    plain = getattr(trace.meta, "plain_iteration_ns", None)
+    if (
+        isinstance(plain, bool)
+        or not isinstance(plain, int | float)
+        or not 0 < plain < float("inf")
+    ):
+        return None, 1.0
+    plain = int(plain)
+    traced = int(sum(durs))
+    if str(trace.meta.device).startswith("cuda") or traced <= plain:
+        return plain, 1.0
+    return plain, plain / traced
 
 
 __all__ = ["IrregularTraceError", "OpInfo", "Problem", "StorageInfo", "op_fingerprint", "ranges_of"]

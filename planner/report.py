@@ -41,9 +41,10 @@ def format_summary(plan: Plan, output: str | os.PathLike | None = None) -> str:
         f"{plan.provenance.trace_path or 'an in-memory trace'}",
         f"peak {format_bytes(s['baseline_peak_bytes'])} -> {format_bytes(s['predicted_peak_bytes'])}"
         f" (budget {format_bytes(s['budget_bytes'])}: {fits})",
-        f"predicted overhead {100 * s['predicted_overhead']:.2f}% "
-        f"({s['baseline_time_ns'] / 1e6:.3f} ms -> {s['predicted_time_ns'] / 1e6:.3f} ms per "
-        f"iteration)",
+        f"predicted overhead {100 * s['predicted_overhead']:.2f}% of {overhead_base(s)}, "
+        f"with the runtime's per-op cost ({s['baseline_time_ns'] / 1e6:.3f} ms -> "
+        f"{s['predicted_time_ns'] / 1e6:.3f} ms per iteration, of which runtime "
+        f"{s.get('runtime_cost_ns', 0) / 1e6:.3f} ms)",
         f"{s['swap_count']} swaps ({format_bytes(s['swapped_bytes'])}), "
         f"{s['recompute_count']} recomputations ({format_bytes(s['recomputed_bytes'])}, "
         f"{s['replayed_ops']} replayed ops); solved in {s['solve_time_s']:.2f} s",
@@ -76,6 +77,24 @@ def format_summary(plan: Plan, output: str | os.PathLike | None = None) -> str:
     if output is not None:
         lines.append(f"wrote {output}")
     return "\n".join(lines)
+
+
+def overhead_base(s: dict) -> str:
+    """What a plan's predicted overhead is a fraction of, in words (Note [Plain baseline] in
+    planner/problem.py); ``s``: ``Plan.summary()``."""
+    basis = s.get("time_basis", "traced")
+    plain = s.get("plain_time_ns")
+    if basis == "plain-scaled" and plain:
+        return (
+            f"the plain step {plain / 1e6:.3f} ms (timed without tracer or profiler; op times "
+            f"scaled by {s.get('duration_scale', 1.0):.3f} to it)"
+        )
+    if basis == "plain" and plain:
+        return (
+            f"the plain step {plain / 1e6:.3f} ms (timed without tracer or profiler; op times "
+            "as traced)"
+        )
+    return "the traced iteration (op times under the profiler; the trace has no plain step)"
 
 
 def show_plan(

@@ -126,11 +126,60 @@ def test_script_sees_its_argv_main_and_folder(tmp_path):
 
 def test_stopped_cleanly_after_the_recorded_iterations(tmp_path):
     script = _script(tmp_path)
+    out = tmp_path / "o.parquet"
     r = _invoke(
-        "trace", "--iterations", "2", "--warmup", "1", "-o", tmp_path / "o.parquet", script, "50"
+        "trace", "--iterations", "2", "--warmup", "1", "--plain-steps", "0", "-o", out, script, "50"
     )
     assert r.exit_code == 0, r.output
-    assert "did step 2" in r.stdout and "did step 4" not in r.stdout
+    assert "did step 2" in r.stdout and "did step 3" not in r.stdout
+    meta = capuchin.load_trace(out).meta
+    assert meta.plain_iteration_ns is None and "plain_steps 0" in meta.extra["plain_iteration_note"]
+
+
+def test_plain_steps_after_the_recorded_iterations(tmp_path):
+    # Note [Plain step]: 1 warm-up + 2 recorded, 1 plain warm-up, 3 timed; stopped inside the
+    # optimizer step of the last timed one (step 6), so its print never runs
+    script = _script(tmp_path)
+    out = tmp_path / "o.parquet"
+    r = _invoke("trace", "--iterations", "2", "--warmup", "1", "-o", out, script, "50")
+    assert r.exit_code == 0, r.output
+    assert "did step 5" in r.stdout and "did step 6" not in r.stdout
+    assert "capuchin: plain step " in r.stderr and "median of 3 iteration(s)" in r.stderr
+    meta = capuchin.load_trace(out).meta
+    assert meta.iterations == [1, 2]
+    walls = meta.extra["plain_iteration_wall_s"]
+    assert len(walls) == 3 and all(w > 0 for w in walls)
+    # the median; the stored intervals are rounded to the microsecond
+    assert abs(meta.plain_iteration_ns - sorted(walls)[1] * 1e9) <= 1e3
+
+
+@pytest.mark.parametrize("steps, timed", [(4, 0), (5, 1), (6, 2)])
+def test_plain_step_with_too_few_steps(tmp_path, steps, timed):
+    # 3 steps trace (1 warm-up, 2 recorded); a plain interval needs 2 more steps
+    script = _script(tmp_path, at_end="print('script end')")
+    out = tmp_path / "o.parquet"
+    r = _invoke("trace", "--iterations", "2", "--warmup", "1", "-o", out, script, str(steps))
+    assert r.exit_code == 0, r.output
+    assert "script end" in r.stdout  # it ended by itself
+    meta = capuchin.load_trace(out).meta
+    assert meta.iterations == [1, 2]
+    if timed:
+        assert len(meta.extra["plain_iteration_wall_s"]) == timed
+        assert meta.plain_iteration_ns > 0
+    else:
+        assert meta.plain_iteration_ns is None
+        assert "needs at least 5 optimizer steps" in meta.extra["plain_iteration_note"]
+        assert "plain step not timed" in r.stderr
+
+
+def test_failure_in_the_plain_iterations_keeps_the_trace(tmp_path):
+    script = _script(tmp_path, after_backward="assert step < 4, 'late failure'")
+    out = tmp_path / "o.parquet"
+    r = _invoke("trace", "--iterations", "2", "--warmup", "1", "-o", out, script, "50")
+    assert r.exit_code == 0, r.output
+    assert "failed after the recorded iterations" in r.stderr and "late failure" in r.stderr
+    meta = capuchin.load_trace(out).meta
+    assert meta.iterations == [1, 2] and meta.plain_iteration_ns is None
 
 
 def test_show_corrupt_parquet(tmp_path):
@@ -181,7 +230,9 @@ def test_api_tracer_in_process(tmp_path):
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
             done.append(step)
-    assert len(done) == 3  # warm-up + 2 recorded; stopped at the first op of the 4th
+    # warm-up + 2 recorded + 1 plain warm-up + 2 timed; stopped inside the 3rd timed step
+    # (Note [Plain step])
+    assert len(done) == 6
     t = capuchin.load_trace(out)
     assert t.meta.iterations == [1, 2] and t.meta.regular
     assert set(t.ops["phase"]) == {"forward", "backward", "optimizer"}
@@ -218,3 +269,30 @@ def test_two_optimizers_and_accumulation_end_to_end(tmp_path):
     opt = ops[ops["phase"] == "optimizer"]
     assert len(opt) and opt["op_index"].min() > ops[ops["phase"] == "backward"]["op_index"].max()
     assert {"aten.lerp_.Scalar", "aten.mul_.Tensor"} <= set(opt["op_name"])  # Adam and SGD
+
+
+def test_plain_iterations_run_without_the_tracer_mode_or_profiler(tmp_path):
+    """Note [Plain step]: the timed iterations see neither the dispatch mode nor the profiler."""
+    import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    out = tmp_path / "api.parquet"
+    with capuchin.Tracer(out, iterations=2, warmup=1, log=None, plain_steps=2):
+        for _ in range(100):
+            seen.append(
+                (_get_current_dispatch_mode() is not None, torch.autograd._profiler_enabled())
+            )
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    # the mode: on in 0-2 (traced) and 3 (the plain warm-up), off in 4-5 (timed). The profiler
+    # starts at the first op of iteration 1 and stops at the first op of 3, which ends 2: at
+    # the top of each loop body it is on in 2 and 3 only
+    assert [m for m, _ in seen] == [True, True, True, True, False, False]
+    assert [p for _, p in seen] == [False, False, True, True, False, False]
+    assert _get_current_dispatch_mode() is None
+    meta = capuchin.load_trace(out).meta
+    assert len(meta.extra["plain_iteration_wall_s"]) == 2 and meta.plain_iteration_ns > 0

@@ -239,6 +239,10 @@ def meta_problem(meta: TraceMeta) -> str | None:
             f"steady_iteration {meta.steady_iteration!r} is not one of the recorded "
             f"iterations {its}"
         )
+    if meta.plain_iteration_ns is not None and (
+        not _is_int(meta.plain_iteration_ns) or meta.plain_iteration_ns < 1
+    ):
+        return f"plain_iteration_ns {meta.plain_iteration_ns!r} is not null or an integer >= 1"
     if not isinstance(meta.extra, dict):
         return f"extra {meta.extra!r} is not an object"
     return None

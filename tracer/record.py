@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import statistics
 import sys
 import time
 import weakref
@@ -22,7 +23,7 @@ from collections.abc import Callable
 
 import pandas as pd
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from .. import __version__
 from ..distributed import default_warmup, per_rank, say
@@ -196,6 +197,32 @@ class _TraceMode(TorchDispatchMode):
 # stays the allocator's own reading of each iteration, which under a budget is the capped one.
 
 
+# Note: [Plain step]
+# Op times in a trace are taken under the profiler (CPU: each op's own range, with the profiler's
+# per-op and memory accounting in it) and under the tracer's dispatch mode, so on CPU their sum
+# can be several times the step the script makes without capuchin; a plan's overhead stated
+# against it reads small where the user's slowdown is large. So after the recorded iterations
+# (profiler stopped) the tracer times the plain step: one more iteration runs with the dispatch
+# mode passing ops through (a warm-up; it also ends the last recorded iteration, which ends
+# lazily at its next op), and at that iteration's optimizer step the mode is popped (the step
+# hooks run outside any dispatch, where the tracer's mode is the top of the stack; if another
+# mode is above it, nothing is timed). Then ``plain_steps`` iterations run with no mode and no
+# profiler; the time from one optimizer step to the next is one plain iteration (data loading
+# and the script's own work between steps included, as the user measures a step), and at the
+# last one's step ``StopScript`` ends the script. The median is ``TraceMeta.plain_iteration_ns``
+# (the intervals in ``extra["plain_iteration_wall_s"]``). None, with the reason in
+# ``extra["plain_iteration_note"]`` and a log line, when the script ended before one interval,
+# when traced under a budget (the runtime's passive mode would be in every step), or with
+# ``plain_steps=0``. A script that fails in the plain iterations (where the tracer used to stop
+# it) gets a warning and the trace is written all the same. Limits: two optimizer steps with no
+# op between them (two optimizers stepped back to back, one iteration for the indexer) make two
+# intervals here; the plain iterations run after the recorded ones, so a script whose steps
+# change in cost (a schedule of sequence lengths, several kinds of iteration) is timed at
+# another point than traced; the intervals are wall time, so a loaded host lengthens them as it
+# lengthens the traced op times. The planner uses the field (Note [Plain baseline] in
+# planner/problem.py).
+
+
 class _KernelMarkMode(TorchDispatchMode):
     """Below the runtime's mode: puts the script's op (``Tracer._pending``: marker, func, inputs)
     in its marker when the runtime runs it (Note [Tracing under a budget])."""
@@ -254,12 +281,16 @@ class Tracer:
         (``capuchin.Runtime(budget_bytes=...)``), while the trace records the unmanaged program
         (Note [Tracing under a budget]). None: no cap.
     log: receives one progress line per iteration and warnings (default: stderr).
+    plain_steps: after the recorded iterations, time this many iterations with neither the
+        tracer's dispatch mode nor the profiler (Note [Plain step]); 0: stop right after them.
 
     Iterations are delimited by optimizer steps (or ``capuchin.step()``): see Note [Iteration
-    boundaries] in ``tracer/hooks.py``. After the recorded iterations the first op of the next
-    iteration raises ``StopScript``, which ends the block cleanly. If the block ends earlier, what
-    was recorded is written and ``log`` says so; if nothing was recorded, ``ScriptError``. An
-    exception from the traced code propagates and no file is written.
+    boundaries] in ``tracer/hooks.py``. After the recorded iterations ``plain_steps`` more are
+    timed plain (Note [Plain step]), and the last one's optimizer step raises ``StopScript``
+    (with ``plain_steps=0``: the first op after the recorded iterations), which ends the block
+    cleanly. If the block ends earlier, what was recorded is written and ``log`` says so; if
+    nothing was recorded, ``ScriptError``. An exception from the traced code propagates and no
+    file is written, unless it comes after the recorded iterations (then ``log`` warns).
 
     After the block: ``recorded`` (iteration numbers), ``path``, ``profiler`` (the
     ``torch.profiler.profile`` of the recorded iterations, for cross-checks).
@@ -277,6 +308,7 @@ class Tracer:
         argv: list[str] | None = None,
         log: Callable[[str], None] | None = _stderr,
         budget_bytes: int | None = None,
+        plain_steps: int = 3,
     ):
         if iterations < 1:
             raise CapuchinError(f"iterations must be at least 1, got {iterations}")
@@ -292,6 +324,13 @@ class Tracer:
         if budget_bytes is not None and int(budget_bytes) <= 0:
             raise CapuchinError(f"budget must be positive, got {budget_bytes}")
         self.budget_bytes = int(budget_bytes) if budget_bytes is not None else None
+        if plain_steps < 0:
+            raise CapuchinError(f"plain_steps must be 0 or more, got {plain_steps}")
+        self.plain_steps = int(plain_steps)
+        self._plain_state: str | None = None  # Note [Plain step]: None, warm-up, timing, done
+        self._plain_marks: list[float] = []  # perf_counter() at each plain optimizer step
+        self._plain_note: str | None = None  # why the plain step was not timed
+        self._mode_on = False
         self.runtime = None  # the Runtime that keeps the budget (Note [Tracing under a budget])
         self._pending = None
         self.script = script if script is not None else (sys.argv[0] if sys.argv else "")
@@ -354,20 +393,33 @@ class Tracer:
                 raise
         self._mode = _TraceMode(self)
         self._mode.__enter__()
+        self._mode_on = True
         self._iter_started_s = time.perf_counter()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         stopped = exc_type is not None and issubclass(exc_type, StopScript)
-        self._mode.__exit__(None, None, None)
+        if not stopped and self._plain_state is not None and isinstance(exc, Exception):
+            # Note [Plain step]: the recorded iterations are complete; where the tracer used to
+            # stop the script, its failure afterwards does not cost the trace
+            why = str(exc).removesuffix("; no trace written")
+            self.log(
+                f"capuchin: warning: the script failed after the recorded iterations, while "
+                f"the plain step was timed ({why}); the trace is written"
+            )
+            self._plain_note = self._plain_note or "the script failed before one was timed"
+            stopped = True
+        if self._mode_on:  # Note [Plain step]: popped already while the plain step was timed
+            self._mode_on = False
+            self._mode.__exit__(None, None, None)
         try:
             if self.runtime is not None:  # restores what it evicted; out of the modes below
                 try:
                     self.runtime.__exit__(exc_type, exc, tb)
                 finally:
                     self._mark_mode.__exit__(None, None, None)
-            if exc_type is None or stopped:
-                self.indexer.finish()
+            if (exc_type is None or stopped) and self._plain_state is None:
+                self.indexer.finish()  # (once the plain iterations began, all recorded ones ended)
         finally:
             self.indexer.uninstall()
             self._stop_profiler()
@@ -385,6 +437,9 @@ class Tracer:
 
     def _on_iteration_start(self, it: int) -> None:
         if it > self._last_recorded():
+            if it == self._last_recorded() + 1 and self._plain_wanted():
+                self._plain_state = "warm-up"  # Note [Plain step]
+                return
             raise StopScript()
         self._iter_started_s = time.perf_counter()
         if it < self.warmup:
@@ -443,6 +498,9 @@ class Tracer:
             cur.frees.append((op_index, name, rec.nbytes))
 
     def _on_step(self, optimizer) -> None:
+        if self._plain_state is not None:
+            self._plain_step()
+            return
         cur = self._cur
         if cur is None:
             if self.indexer.iteration < self.warmup - 1:
@@ -469,6 +527,64 @@ class Tracer:
             for state in optimizer.state.values():
                 for v in state.values():
                     mark(v, Kind.OPTIMIZER_STATE)
+
+    # ---- the plain step (Note [Plain step]) -------------------------------------------------
+    def _plain_wanted(self) -> bool:
+        if self.plain_steps == 0:
+            self._plain_note = "not asked for (plain_steps 0)"
+            return False
+        if self.runtime is not None:
+            self._plain_note = (
+                "traced under a budget: the runtime's passive mode stays in every iteration"
+            )
+            return False
+        return True
+
+    def _plain_step(self) -> None:
+        """An optimizer step (or ``capuchin.step()``) after the recorded iterations."""
+        if self._plain_state == "warm-up":
+            if not self._mode_on or _get_current_dispatch_mode() is not self._mode:
+                self._plain_state = "done"
+                self._plain_note = "another dispatch mode was above the tracer's"
+                return  # the next iteration's first op stops the script
+            self._mode_on = False
+            self._mode.__exit__(None, None, None)
+            self._plain_state = "timing"
+            self._plain_marks = [self._now()]
+        elif self._plain_state == "timing":
+            self._plain_marks.append(self._now())
+            if len(self._plain_marks) > self.plain_steps:
+                self._plain_state = "done"
+                raise StopScript()
+
+    def _now(self) -> float:
+        if self.device == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _plain_iteration_ns(self) -> int | None:
+        """The median plain step (ns), or None (and ``log`` says why)."""
+        m = self._plain_marks
+        steps = [b - a for a, b in zip(m, m[1:], strict=False)]
+        if steps:
+            ns = int(round(statistics.median(steps) * 1e9))
+            self.log(
+                f"capuchin: plain step {ns / 1e6:.2f} ms (median of {len(steps)} iteration(s) "
+                "after the recorded ones, without the tracer or the profiler)"
+            )
+            return ns
+        if self._plain_note is None:
+            need = self.warmup + self.iterations + 2
+            self._plain_note = (
+                f"the script ended before a plain iteration could be timed (it needs at least "
+                f"{need} optimizer steps, {need + self.plain_steps - 1} for {self.plain_steps})"
+            )
+        if self.plain_steps > 0:
+            self.log(
+                f"capuchin: note: plain step not timed: {self._plain_note}; plans will state "
+                "their overhead against the traced iteration, whose op times the profiler inflates"
+            )
+        return None
 
     # ---- profiler ---------------------------------------------------------------------------
     def _start_profiler(self) -> None:
@@ -578,6 +694,14 @@ class Tracer:
                 str(it): round(self._done[it].elapsed_s, 6) for it in self.recorded
             },
         }
+        plain_ns = self._plain_iteration_ns()
+        if self._plain_marks[1:]:
+            m = self._plain_marks
+            extra["plain_iteration_wall_s"] = [
+                round(b - a, 6) for a, b in zip(m, m[1:], strict=False)
+            ]
+        elif self._plain_note is not None:
+            extra["plain_iteration_note"] = self._plain_note
         measured = None
         if self.runtime is not None:
             measured = self._measured_peak(times)
@@ -624,6 +748,7 @@ class Tracer:
             steady_iteration=self.recorded[-1],
             trace_budget_bytes=self.budget_bytes,
             measured_peak_bytes=measured,
+            plain_iteration_ns=plain_ns,
             extra=extra,
         )
         write_trace(events, meta, self.path, force=self.force)

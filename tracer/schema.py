@@ -202,6 +202,10 @@ class TraceMeta:
     # measured while tracing (Note [Tracing under a budget] in tracer/record.py); None uncapped
     trace_budget_bytes: int | None = None
     measured_peak_bytes: int | None = None
+    # the median iteration (optimizer step to step, ns) timed after the recorded ones without the
+    # tracer's dispatch mode or the profiler (Note [Plain step] in tracer/record.py); None: not
+    # timed (the reason in extra["plain_iteration_note"]), or a trace from before the field
+    plain_iteration_ns: int | None = None
     extra: dict = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:

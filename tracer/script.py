@@ -30,13 +30,14 @@ def trace_script(
     force: bool = False,
     log: Callable[[str], None] | None = None,
     budget_bytes: int | None = None,
+    plain_steps: int = 3,
 ) -> Path:
     """Trace ``script`` (run with ``args``) into ``output`` (default ``<stem>.trace.parquet``).
 
     Returns the written path. Raises ScriptError when the script is missing, raises (its traceback
     is printed to stderr first), exits non-zero or never reaches a recorded iteration; no file is
     written then. ``budget_bytes``: trace under this memory cap (Note [Tracing under a budget] in
-    tracer/record.py). See ``Tracer`` for the other arguments.
+    tracer/record.py). ``plain_steps``: Note [Plain step] there. See ``Tracer`` for the other arguments.
     """
     from .record import Tracer
 
@@ -52,6 +53,7 @@ def trace_script(
         script=str(script),
         argv=list(args),
         budget_bytes=budget_bytes,
+        plain_steps=plain_steps,
         **kwargs,
     )
     with tracer:

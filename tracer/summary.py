@@ -59,6 +59,11 @@ class TraceSummary:
     measured_peak_bytes: int | None = None
     # kinds of iteration, most frequent first: {"train": [1, 3], "kind1": [2]} (iteration_kinds)
     kinds: dict | None = None
+    # the steady iteration's summed op times (under the profiler) and the plain step the tracer
+    # timed without tracer or profiler (None: not timed; Note [Plain step] in tracer/record.py)
+    op_time_ns: int = 0
+    plain_iteration_ns: int | None = None
+    plain_iteration_note: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -139,6 +144,9 @@ def summarize(trace: Trace, iteration: int | None = None) -> TraceSummary:
         trace_budget_bytes=meta.trace_budget_bytes,
         measured_peak_bytes=meta.measured_peak_bytes,
         kinds=dict(iteration_kinds(trace)),
+        op_time_ns=int(ops[Col.DURATION_NS].fillna(0).clip(lower=0).sum()),
+        plain_iteration_ns=meta.plain_iteration_ns,
+        plain_iteration_note=meta.extra.get("plain_iteration_note"),
     )
 
 
@@ -219,6 +227,13 @@ def format_summary(s: TraceSummary) -> str:
         ),
         f"bandwidth  device->host {s.bandwidth_d2h_bytes_per_s / 1e9:.2f} GB/s, "
         f"host->device {s.bandwidth_h2d_bytes_per_s / 1e9:.2f} GB/s",
+        f"time       {s.op_time_ns / 1e6:.2f} ms of op times in the steady iteration (as "
+        "recorded); "
+        + (
+            f"plain step {s.plain_iteration_ns / 1e6:.2f} ms (timed without tracer or profiler)"
+            if s.plain_iteration_ns is not None
+            else f"plain step not timed ({s.plain_iteration_note or 'no such field in the trace'})"
+        ),
     ]
     if s.trace_budget_bytes is not None:
         measured = (

@@ -1,0 +1,100 @@
+"""Predicted against measured slowdown of a plan, with the plain step the tracer now times
+(Note [Plain step] in tracer/record.py, Note [Plain baseline] in planner/problem.py).
+
+    python benchmarks/plain_prediction.py [--examples cnn,transformer,mlp,hf_gpt2] [--budget 50%]
+
+Per example: trace the bundled script afresh (1 warm-up, 3 recorded, 1 plain warm-up, 3 timed
+plain iterations), plan it at ``--budget`` (or the smallest budget the planner reaches), then
+time plain and managed training interleaved (``--repeats`` rounds, each the median steady
+iteration of one run, best of the rounds; benchmarks/runtime.py's helpers). Printed: the traced
+iteration (summed op times under the profiler), the plain step the trace stored, the plan's
+``1 + predicted_overhead`` as ``capuchin plan`` states it now (of the plain step), the same plan's
+prediction as it was stated before (of the traced iteration: a plan of the same trace without
+its plain step), the measured managed / plain ratio, and measured / predicted. The host is
+shared and noisy: compare rows of one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import capuchin
+import torch
+from capuchin.errors import InfeasibleBudgetError
+from capuchin.planner.problem import Problem
+from capuchin.runtime.engine import Runtime
+from capuchin.tracer.reader import load_trace
+from capuchin.tracer.script import trace_script
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime import SCRIPTS, TRACES, time_once  # noqa: E402  (benchmarks/runtime.py)
+
+
+def _plan(trace, budget):
+    try:
+        return capuchin.make_plan(trace, budget=budget)
+    except InfeasibleBudgetError as exc:
+        return capuchin.make_plan(trace, budget=exc.smallest_feasible_bytes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--examples", default="cnn,transformer,mlp")
+    ap.add_argument("--budget", default="50%")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6, help="steps of each timed run")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="capuchin-plain-"))
+    loads = [os.getloadavg()[0]]
+    rows = []
+    for name in args.examples.split(","):
+        script = TRACES / f"{name}.py"
+        if not script.exists():  # hf_gpt2: benchmarks/scripts/
+            script = SCRIPTS / f"{name}.py"
+        out = tmp / f"{name}.trace.parquet"
+        trace_script(script, ["--steps", "12"], output=out, log=lambda _: None)
+        trace = load_trace(out)
+        plan = _plan(trace, args.budget)
+        trace.meta.plain_iteration_ns = None  # the same plan as stated before: of the traced sum
+        old = _plan(trace, plan.provenance.budget_bytes)
+        traced_ns = Problem.from_trace(trace).time_ns
+        argv = ["--steps", str(args.steps)]
+        best = {"plain": math.inf, "capuchin": math.inf}
+        for _ in range(args.repeats):
+            best["plain"] = min(best["plain"], time_once(script, argv))
+            rt = Runtime(plan, measure_memory=False)
+            best["capuchin"] = min(best["capuchin"], time_once(script, argv, context=rt))
+        loads.append(os.getloadavg()[0])
+        measured = best["capuchin"] / best["plain"]
+        new = 1 + plan.predictions.predicted_overhead
+        before = 1 + old.predictions.predicted_overhead
+        rows.append((name, traced_ns, plan.predictions.plain_time_ns, best, measured, new, before))
+        print(f"{name}: done", file=sys.stderr)
+    print(
+        f"\nbudget {args.budget} (or the smallest feasible); one intra-op thread; best of "
+        f"{args.repeats} interleaved rounds of --steps {args.steps}; load average "
+        f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n"
+    )
+    print(
+        "| example | traced ms | plain (trace) ms | plain ms | managed ms | measured x plain "
+        "| predicted (plain step) | measured / predicted | predicted before (traced) | "
+        "measured / predicted before |"
+    )
+    print("|---" * 10 + "|")
+    for name, traced_ns, plain_ns, best, measured, new, before in rows:
+        plain = f"{plain_ns / 1e6:.1f}" if plain_ns else "not timed"
+        print(
+            f"| {name} | {traced_ns / 1e6:.1f} | {plain} | {best['plain'] * 1e3:.1f} | "
+            f"{best['capuchin'] * 1e3:.1f} | {measured:.3f} | {new:.3f} | {measured / new:.3f} | "
+            f"{before:.3f} | {measured / before:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
