@@ -243,13 +243,15 @@ def test_drops_of_ops_nondeterministic_on_cuda_become_swaps():
 
     engine = RecomputeEngine(None, lambda n: False)
     engine.records = {
-        0: SimpleNamespace(func=torch.ops.aten.index_add.default, slots=[], out_sids=[]),
-        1: SimpleNamespace(func=torch.ops.aten.mm.default, slots=[], out_sids=[]),
+        k: SimpleNamespace(func=f, slots=[], out_sids=[f"{k}:0"], written=(), out_writes={})
+        for k, f in enumerate((torch.ops.aten.index_add.default, torch.ops.aten.mm.default))
     }
     d = Decision.__new__(Decision)
     object.__setattr__(d, "replay_ops", (0,))
+    object.__setattr__(d, "storage_id", "0:0")
     mm = Decision.__new__(Decision)
     object.__setattr__(mm, "replay_ops", (1,))
+    object.__setattr__(mm, "storage_id", "1:0")
     assert engine.check_replayable(d) is None  # CPU: every replay is exact
     engine.device_type = "cuda"
     assert "nondeterministic on cuda" in engine.check_replayable(d)

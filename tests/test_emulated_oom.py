@@ -81,6 +81,7 @@ def test_a_prefetch_that_does_not_fit_is_skipped_and_restored_on_demand(monkeypa
 
 
 def test_a_replay_that_meets_the_cap_gives_back_prefetches_and_retries(monkeypatch):
+    from capuchin.runtime.passive import BudgetGuard
     from capuchin.runtime.recompute import RecomputeEngine
     from capuchin.runtime.swap import SwapEngine
 
@@ -116,6 +117,9 @@ def test_a_replay_that_meets_the_cap_gives_back_prefetches_and_retries(monkeypat
     monkeypatch.setattr(SwapEngine, "prefetch", prefetch)
     monkeypatch.setattr(RecomputeEngine, "replay", replay)
     monkeypatch.setattr(SwapEngine, "unprefetch", unprefetch)
+    # the guard finds nothing to evict (parameters and optimizer state would do otherwise): the
+    # room must come from a prefetch given back
+    monkeypatch.setattr(BudgetGuard, "on_oom", lambda self, keys, need=1: False)
     rt = Runtime(plan, measure_memory=False)
     assert train_mismatches("transformer", rt) == []
     assert calls["raised"] == 1 and calls["freed"] > 0  # room came from a prefetch given back

@@ -327,6 +327,7 @@ class Tracer:
         if plain_steps < 0:
             raise CapuchinError(f"plain_steps must be 0 or more, got {plain_steps}")
         self.plain_steps = int(plain_steps)
+        self._live_devices: set[str] | None = None  # device types alive after recording
         self._plain_state: str | None = None  # Note [Plain step]: None, warm-up, timing, done
         self._plain_marks: list[float] = []  # perf_counter() at each plain optimizer step
         self._plain_note: str | None = None  # why the plain step was not timed
@@ -437,6 +438,8 @@ class Tracer:
 
     def _on_iteration_start(self, it: int) -> None:
         if it > self._last_recorded():
+            if it == self._last_recorded() + 1:  # where the script's tensors live, for a refusal
+                self._live_devices = {r.device_type for r in self.indexer.live.values()}
             if it == self._last_recorded() + 1 and self._plain_wanted():
                 self._plain_state = "warm-up"  # Note [Plain step]
                 return
@@ -759,7 +762,10 @@ class Tracer:
             cur = self._done[it]
             if cur.residents or any(o[7] for op in cur.ops for o in op[6]):
                 return
-        others = sorted({r.device_type for r in self.indexer.live.values()} - {self.device, "meta"})
+        live = self._live_devices
+        if live is None:  # the script ended in a recorded iteration: its tensors now
+            live = {r.device_type for r in self.indexer.live.values()}
+        others = sorted(live - {self.device, "meta"})
         hint = f" (its tensors live on {', '.join(others)}: --device {others[0]})" if others else ""
         raise CapuchinError(
             f"{self.script}: nothing was allocated on {self.device} in the recorded iterations"
