@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -222,6 +223,20 @@ class _TraceMode(TorchDispatchMode):
 # lengthens the traced op times. The planner uses the field (Note [Plain baseline] in
 # planner/problem.py).
 
+# Note: [Training in another thread]
+# The tracer's dispatch mode is on the stack of the thread that runs the script; a thread the
+# script starts sees no mode, so training there would record nothing, and the old diagnosis
+# ("all within the warm-up") misled. An optimizer step in any other thread is refused at once
+# (a ``SystemExit`` ends that thread's loop quietly) and the refusal is raised when the tracer
+# exits, so the command ends with that one line and writes nothing. The runtime refuses the
+# same (Note [Other threads] in runtime/threads.py).
+
+
+class _OtherThread(SystemExit):
+    """Ends the loop of a thread whose optimizer step the tracer refused; a ``SystemExit``, so
+    the thread ends quietly (``threading.excepthook`` ignores it) and ``except Exception`` in the
+    script's loop does not catch it."""
+
 
 class _KernelMarkMode(TorchDispatchMode):
     """Below the runtime's mode: puts the script's op (``Tracer._pending``: marker, func, inputs)
@@ -364,6 +379,13 @@ class Tracer:
             else:
                 self.device = None  # decided when recording starts
         self.bandwidth = None  # measured after the script (its own device chosen by then)
+        # Note [Training in another thread]: the tracer records the thread that runs the script;
+        # an optimizer step in another thread is refused at the step, and named at the end
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._thread_id = threading.get_ident()
+        self.refusal: CapuchinError | None = None
+        self._thread_hook = register_optimizer_step_pre_hook(self._check_thread)
         self.indexer = OpIndexer(
             on_iteration_start=self._on_iteration_start,
             on_iteration_end=self._on_iteration_end,
@@ -389,6 +411,7 @@ class Tracer:
                 self.runtime.__enter__()
             except BaseException:
                 self._mark_mode.__exit__(None, None, None)
+                self._thread_hook.remove()
                 self.indexer.uninstall()
                 self._stop_profiler()
                 raise
@@ -424,13 +447,28 @@ class Tracer:
         finally:
             self.indexer.uninstall()
             self._stop_profiler()
+            self._thread_hook.remove()
         self._params_seen.clear()  # do not keep the script's parameters alive
         if stopped:
             _end_children()
+        if self.refusal is not None:
+            raise self.refusal
         if exc_type is not None and not stopped:
             return False  # the script failed: nothing is written
         self._write()
         return stopped
+
+    def _check_thread(self, optimizer, args, kwargs) -> None:
+        """An optimizer step began: refuse it in any thread but the one that runs the script
+        (Note [Training in another thread])."""
+        if threading.get_ident() != self._thread_id:
+            self.refusal = self.refusal or CapuchinError(
+                f"{self.script}: optimizer.step() ran in thread "
+                f"{threading.current_thread().name!r}, not in the thread that runs the script: "
+                "capuchin traces that thread's training only; run the training loop in the main "
+                "thread; no trace written"
+            )
+            raise _OtherThread()  # ends that thread's loop without a traceback
 
     # ---- indexer callbacks ----------------------------------------------------------------
     def _last_recorded(self) -> int:
