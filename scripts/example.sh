@@ -10,13 +10,14 @@ OUT="out/example"
 mkdir -p "$OUT"
 SCRIPT="traces/$NAME.py"
 STEPS=5
+# the trace: 1 warm-up + 2 recorded iterations, then 1 + 3 plain ones timed (Note [Plain step])
 # One intra-op thread: on a small shared host, 2 OpenMP threads made the same iteration anywhere
 # from 1x to 10x slower from run to run, which drowns the comparison (the swap copies run on their
 # own thread either way).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 echo "== trace: $SCRIPT"
-capuchin trace --force --device cpu --iterations 2 --warmup 1 -o "$OUT/$NAME.trace.parquet" "$SCRIPT" --steps 4
+capuchin trace --force --device cpu --iterations 2 --warmup 1 -o "$OUT/$NAME.trace.parquet" "$SCRIPT" --steps 7
 
 echo "== plan at 50% of the traced peak"
 BUDGET=""

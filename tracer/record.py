@@ -52,10 +52,11 @@ class TooFewStepsError(ScriptError):
 
 
 def _end_children() -> None:
-    """The script was stopped after its last recorded iteration: end the processes it started
-    through multiprocessing (workers, spawned helpers), which would otherwise outlive it and
-    fail with tracebacks after capuchin's last line (their parent's queues and semaphores are
-    gone). Only this process's multiprocessing children; the trace does not need them."""
+    """The script was stopped after its last recorded iteration, or ran on for the plain step
+    (Note [Plain step]): end the processes it started through multiprocessing (workers, spawned
+    helpers), which would otherwise outlive it and fail with tracebacks after capuchin's last line
+    (their parent's queues and semaphores are gone). Only this process's multiprocessing
+    children; the trace does not need them."""
     import multiprocessing
 
     children = multiprocessing.active_children()
@@ -449,7 +450,7 @@ class Tracer:
             self._stop_profiler()
             self._thread_hook.remove()
         self._params_seen.clear()  # do not keep the script's parameters alive
-        if stopped:
+        if stopped or self._plain_state is not None:  # past the recorded iterations
             _end_children()
         if self.refusal is not None:
             raise self.refusal
