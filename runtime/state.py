@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
 from ..planner.plan import Decision
 
@@ -79,9 +79,14 @@ def storage_key(st: torch.UntypedStorage) -> int:
 
 def storages(tensors) -> Iterator[tuple[int, torch.UntypedStorage]]:
     """``(storage_key, storage)`` of each distinct storage behind ``tensors``, in order; tensors
-    without a storage (some subclasses, sparse tensors) are skipped."""
+    without a storage (some subclasses, sparse tensors) are skipped, and so are wrapper
+    subclasses (DTensor, FSDP2's sharded parameters): their own storage holds no data (copying
+    from it crashes the process), and their inner tensors reach the runtime's mode as ops'
+    arguments, where they are managed."""
     seen = set()
     for t in tensors:
+        if is_traceable_wrapper_subclass(t):
+            continue
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):

@@ -48,3 +48,17 @@ def test_a_failed_threaded_copy_is_raised_by_wait():
             c.wait()  # also once it is known to be done
     finally:
         be.close()
+
+
+def test_wrapper_subclasses_have_no_storage_to_manage():
+    """A wrapper subclass's own storage holds no data (DTensor, FSDP2's sharded parameters):
+    copying from it crashed the process when the guard swapped an FSDP2 model's parameters. Only
+    the storages of plain tensors are managed; the inner tensors reach the mode as arguments."""
+    from capuchin.runtime.state import storages
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    plain = torch.randn(2)
+    wrapped = TwoTensor(torch.randn(4), torch.randn(4))
+    assert [st.data_ptr() for _, st in storages([wrapped, plain])] == [
+        plain.untyped_storage().data_ptr()
+    ]
