@@ -66,17 +66,14 @@ plan gets faster without its peak rising above the bound it was given.
 #
 # Note: [Op limits]
 # ``searched`` plans on the grid up to ``SEARCH_MAX_OPS`` ops and ``descend``s above it: a plan for
-# the budget itself, then for lower targets, cheap (under 2 s on the DTR traces above 5,000 ops) but
-# not monotone in the budget. With the capuchin policy's candidates the grid wins by far on the
-# traces measured between 5,000 and 10,000 ops, in 0.7-7.5 s of CPU per budget (ff55f74): DTR's LSTM
-# at 50/40% +0.00%/+0.65% against descend's +1.56%/+11.72%, TreeLSTM +0.00%/+0.00% against
-# +1.81%/+3.89%, the unrolled GAN +0.00%/+0.01% against +0.87%/+4.48%, a 48-layer GPT-2 at 80/60/40%
-# 11.58/30.09/87.58 ms extra against 45.24/90.12/165.02 ms. The swap and recompute policies alone do
-# better with descend there (LSTM at 40%: swap +25.2% on the grid against +20.0%, recompute +15.0%
-# against +11.8%; TreeLSTM recompute +63.4% against +25.0%): a fixed grid of ten targets leaves more
-# of the budget unused than a plan for the budget itself, and nothing of the capuchin search makes
-# up for it; so they keep ``BASELINE_MAX_OPS``. Above ``SEARCH_MAX_OPS`` the grid costs too much
-# (docs/planner.md, "Speed").
+# the budget itself, then for lower targets, cheap but not monotone in the budget. With the
+# capuchin policy's candidates the grid gives much cheaper plans than ``descend`` on the traces
+# measured between 5,000 and 10,000 ops (DTR's LSTM, TreeLSTM, the unrolled GAN, a 48-layer
+# GPT-2), within the planning-time goal. The swap and recompute policies alone do better with
+# ``descend`` there: a fixed grid of targets leaves more of the budget unused than a plan for the
+# budget itself, and nothing of the capuchin search makes up for it; so they keep
+# ``BASELINE_MAX_OPS``. Above ``SEARCH_MAX_OPS`` the grid costs too much. The figures behind each
+# limit: docs/planner.md, "Speed" (``benchmarks/planner_speed.py``, ``benchmarks/plan_quality.py``).
 #
 # Note: [Free plans first]
 # No plan runs faster than the baseline, so a plan that fits the budget at no cost is as good as
@@ -86,10 +83,8 @@ plan gets faster without its peak rising above the bound it was given.
 # plan, or at the first target at or below the budget whose plans all cost time (then the whole
 # grid as before; the targets it went through are not made again). A larger budget still never
 # costs more: both cost nothing. ``deep_needed`` (which the policy asks for its provenance) goes
-# down the same way and stops at the first plan that fits. Cold, quiet host: DTR U-Net at 80% of
-# its peak 1.76 -> 0.07 s; where the free plan is below the budget's target, the provenance's
-# walk alone: the DTR LSTM 3.3 -> 1.2 s, the unrolled GAN 3.5 -> 0.7 s, TreeLSTM 1.4 -> 0.9 s
-# (80%); the plans cost nothing, as before.
+# down the same way and stops at the first plan that fits; at large budgets that is most of the
+# planning time saved (docs/planner.md, "Speed").
 #
 # Note: [Stalled swaps]
 # Algorithm 1 compares a swap's *estimated* overhead with a recomputation's. The estimate sees
@@ -108,12 +103,10 @@ plan gets faster without its peak rising above the bound it was given.
 # ``after_round``), which changes what is selected next; and every stalled plan switched
 # against the next two grid targets above its peak. The grid only gains plans, so switching
 # never makes a plan worse and stays budget-independent. The plan switched after every round
-# is made under ``AFTER_ROUND_MAX_OPS`` ops only: on InceptionV4, DenseNet-121, the DTR
-# Transformer, LSTM, TreeLSTM, the unrolled GAN, GPT-2 with 12, 24 and 48 layers and a
-# generated long-chain transformer at 80/60/50/40% (40 cells, ``benchmarks/capuchin_cells.py
-# --no-search``, 2026-11-25 22:54-22:57 UTC) every plan costs the same without it, in 0.80-1.0x
-# the time (the DTR Transformer 6.3 -> 5.0 s, GPT-2 48 layers 9.1 -> 7.9 s for the four budgets);
-# on DTR U-Net at 40% it makes the chosen plan.
+# is made under ``AFTER_ROUND_MAX_OPS`` ops only: on the larger traces measured (the DTR ones,
+# GPT-2 with 12-48 layers, a generated long-chain transformer) every plan costs the same without
+# it, in less time, while on smaller ones it can make the chosen plan (DTR U-Net at 40%;
+# ``benchmarks/capuchin_cells.py --no-search``, docs/planner.md "Speed").
 #
 # Note: [Recompute first]
 # Algorithm 1 takes swaps first and compares methods only for the rest, with *estimated* swap
