@@ -674,13 +674,17 @@ def test_r3_s5_k7_runtime_report_path_is_checked_before_training(work):
 
     (work / "r.json").write_text("PRECIOUS DATA\n")
     with pytest.raises(capuchin.errors.OutputExistsError, match="r.json: exists"):
-        capuchin.Runtime(budget_bytes=2**30, measure_memory=False, report_path="r.json")
+        capuchin.Runtime(
+            device="cpu", budget_bytes=2**30, measure_memory=False, report_path="r.json"
+        )
     assert (work / "r.json").read_text() == "PRECIOUS DATA\n"
     (work / "h").mkdir()
     with pytest.raises(CapuchinError, match="h: is a folder"):
-        capuchin.Runtime(budget_bytes=2**30, measure_memory=False, report_path="h")
+        capuchin.Runtime(device="cpu", budget_bytes=2**30, measure_memory=False, report_path="h")
     _train_under(
-        capuchin.Runtime(budget_bytes=2**30, measure_memory=False, report_path="r.json", force=True)
+        capuchin.Runtime(
+            device="cpu", budget_bytes=2**30, measure_memory=False, report_path="r.json", force=True
+        )
     )
     assert json.loads((work / "r.json").read_text())["format"] == "capuchin.run-report"
 
@@ -688,7 +692,7 @@ def test_r3_s5_k7_runtime_report_path_is_checked_before_training(work):
 def test_r3_k6_the_same_runtime_entered_twice_is_one_clear_error(work):
     import capuchin
 
-    rt = capuchin.Runtime(budget_bytes=2**30, measure_memory=False)
+    rt = capuchin.Runtime(device="cpu", budget_bytes=2**30, measure_memory=False)
     with rt:
         with pytest.raises(CapuchinError, match="already active"):
             rt.__enter__()
@@ -701,7 +705,7 @@ def test_r3_u16_runtime_budget_bytes_is_a_whole_number_of_bytes(budget):
     import capuchin
 
     with pytest.raises(CapuchinError, match="budget_bytes"):
-        capuchin.Runtime(budget_bytes=budget)
+        capuchin.Runtime(device="cpu", budget_bytes=budget)
 
 
 # ---- round 3: the training script's exits and odd inputs ----------------------------------------

@@ -41,7 +41,7 @@ def complete(rt: Runtime):
 @pytest.mark.parametrize("name", ["cnn", "transformer", "mlp"])
 def test_examples_at_half_the_peak_train_bitwise_within_budget(name):
     budget = peak(name) // 2
-    rt = Runtime(budget_bytes=budget, measure_memory=True)
+    rt = Runtime(device="cpu", budget_bytes=budget, measure_memory=True)
     assert train_mismatches(name, rt, STEPS5) == []
     its = complete(rt)
     assert len(its) == 5
@@ -57,7 +57,9 @@ def test_forced_replay_is_exact(name):
     """Every evicted storage that can be replayed exactly is dropped and replayed: dropout's
     bernoulli_ (RNG replay), in-place chains (relu_, dropout's mul_), freed sources (the MLP's
     addmm outputs behind tanh) regenerated on the way; bitwise-identical training."""
-    rt = Runtime(budget_bytes=peak(name) // 2, measure_memory=False, remat="recompute")
+    rt = Runtime(
+        device="cpu", budget_bytes=peak(name) // 2, measure_memory=False, remat="recompute"
+    )
     assert train_mismatches(name, rt, STEPS5) == []
     its = complete(rt)
     assert sum(s.dynamic_drops for s in its) > 0
@@ -65,17 +67,19 @@ def test_forced_replay_is_exact(name):
 
 
 def test_lru_passive_mode_stays_selectable():
-    rt = Runtime(budget_bytes=peak("mlp") // 2, measure_memory=False, eviction="lru")
+    rt = Runtime(device="cpu", budget_bytes=peak("mlp") // 2, measure_memory=False, eviction="lru")
     assert train_mismatches("mlp", rt) == []
     its = complete(rt)
     assert sum(s.passive_evictions for s in its) > 0
     assert sum(s.dynamic_drops + s.dynamic_swaps for s in its) == 0
     with pytest.raises(PlanFormatError, match="eviction"):
-        Runtime(budget_bytes=1, eviction="fifo")
+        Runtime(device="cpu", budget_bytes=1, eviction="fifo")
 
 
 def test_swap_only_dynamic_mode_never_replays():
-    rt = Runtime(budget_bytes=peak("transformer") // 2, measure_memory=False, remat="swap")
+    rt = Runtime(
+        device="cpu", budget_bytes=peak("transformer") // 2, measure_memory=False, remat="swap"
+    )
     assert train_mismatches("transformer", rt) == []
     its = complete(rt)
     assert sum(s.dynamic_swaps for s in its) > 0
@@ -122,7 +126,7 @@ def test_replay_of_dropout_inplace_chain_and_freed_source_is_exact():
     """Unit level: a dropped storage comes back with the same bytes when the script reads it:
     dropout (RNG replay under the recorded state, the global stream untouched), an in-place
     chain (R1), a source the script freed (regenerated on the way)."""
-    rt = Runtime(budget_bytes=1 << 40, measure_memory=False, remat="recompute")
+    rt = Runtime(device="cpu", budget_bytes=1 << 40, measure_memory=False, remat="recompute")
     with rt:
         a = torch.randn(64, 64)
         d = torch.nn.functional.dropout(a, 0.5, training=True)
@@ -145,7 +149,7 @@ def test_replay_of_dropout_inplace_chain_and_freed_source_is_exact():
 def test_r2_a_source_written_since_makes_a_storage_swap_only():
     """A storage whose replay would read a source written after it was read is never dropped
     (the eviction-time check; without it the replay would raise or read the new value)."""
-    rt = Runtime(budget_bytes=1 << 40, measure_memory=False, remat="recompute")
+    rt = Runtime(device="cpu", budget_bytes=1 << 40, measure_memory=False, remat="recompute")
     with rt:
         x = torch.randn(64, 64)
         y = x * 2
@@ -164,7 +168,7 @@ def test_a_regenerated_source_never_shadows_a_live_sibling_written_since():
     outputs; where one of those is alive and was written since (the CNN: batch norm's output,
     relu_ in place, next to its freed saved statistics), the replay would read the remade copy.
     Such a storage is not dropped (it was: wrong bytes, caught by CAPUCHIN_VERIFY)."""
-    rt = Runtime(budget_bytes=1 << 40, measure_memory=False, remat="recompute")
+    rt = Runtime(device="cpu", budget_bytes=1 << 40, measure_memory=False, remat="recompute")
     with rt:
         a = torch.randn(64, 64)
         v, i = torch.sort(a)
@@ -178,7 +182,7 @@ def test_a_regenerated_source_never_shadows_a_live_sibling_written_since():
 
 
 def test_r3_a_dropped_storage_comes_back_before_its_source_is_overwritten():
-    rt = Runtime(budget_bytes=1 << 40, measure_memory=False, remat="recompute")
+    rt = Runtime(device="cpu", budget_bytes=1 << 40, measure_memory=False, remat="recompute")
     with rt:
         x = torch.randn(64, 64)
         y = x * 2
@@ -195,7 +199,7 @@ def test_storages_whose_replays_read_each_other_are_never_both_dropped():
     iteration (the one that builds the model) each one's chain reads the other. With one dropped,
     the other is swapped, never dropped (Note [Cycles of dropped storages]): both dropped, each
     replay would need the other back first."""
-    rt = Runtime(budget_bytes=1 << 40, measure_memory=False, remat="recompute")
+    rt = Runtime(device="cpu", budget_bytes=1 << 40, measure_memory=False, remat="recompute")
     with rt:
         x = torch.randn(8, 4, 5, 5)
         mean, var = torch.zeros(4), torch.ones(4)
@@ -216,7 +220,7 @@ def test_storages_whose_replays_read_each_other_are_never_both_dropped():
 
 def test_a_cycle_of_dropped_storages_raises_instead_of_recursing():
     """Dropped past the check above (by hand), the cycle is found at replay: a clear error."""
-    rt = Runtime(budget_bytes=1 << 40, measure_memory=False, remat="recompute")
+    rt = Runtime(device="cpu", budget_bytes=1 << 40, measure_memory=False, remat="recompute")
     with pytest.raises(RecomputeError, match="cycle of dropped storages"), rt:
         x = torch.randn(8, 4, 5, 5)
         mean, var = torch.zeros(4), torch.ones(4)
@@ -230,7 +234,9 @@ def test_a_cycle_of_dropped_storages_raises_instead_of_recursing():
 def test_forced_replay_on_the_cnn_at_a_quarter_of_its_peak_is_exact():
     """The model-building iteration of the CNN drops batch norm's running statistics; at 25% of
     the peak both were dropped and the replays recursed until the stack ran out."""
-    rt = Runtime(budget_bytes=peak("cnn") // 4, measure_memory=False, remat="recompute")
+    rt = Runtime(
+        device="cpu", budget_bytes=peak("cnn") // 4, measure_memory=False, remat="recompute"
+    )
     assert train_mismatches("cnn", rt, STEPS5) == []
     assert sum(s.dynamic_drops for s in complete(rt)) > 0
 
@@ -241,7 +247,7 @@ def test_restoring_a_stale_entry_leaves_the_storage_s_new_one_alone():
     Restoring the old entry is a no-op: before, it removed the new entry and left the storage
     empty and untracked (the transformer at 25% of its peak with ``remat="recompute"``: wrong
     gradients, caught by ``CAPUCHIN_VERIFY=1``)."""
-    rt = Runtime(budget_bytes=1 << 40, measure_memory=False)
+    rt = Runtime(device="cpu", budget_bytes=1 << 40, measure_memory=False)
     with rt:
         x = torch.randn(64, 64)
         y = x * 2
@@ -269,7 +275,9 @@ def test_forced_replay_on_the_transformer_at_a_fifth_of_its_peak_is_exact(monkey
     (``DynamicGuard.new_iteration``; it raised ``RecomputeError``: op not recorded). Every
     storage that comes back is checked against a copy (``CAPUCHIN_VERIFY=1``)."""
     monkeypatch.setenv("CAPUCHIN_VERIFY", "1")
-    rt = Runtime(budget_bytes=peak("transformer") // 5, measure_memory=False, remat="recompute")
+    rt = Runtime(
+        device="cpu", budget_bytes=peak("transformer") // 5, measure_memory=False, remat="recompute"
+    )
     assert train_mismatches("transformer", rt, STEPS5) == []
     assert sum(s.dynamic_drops for s in complete(rt)) > 0
 
@@ -290,7 +298,7 @@ def test_an_iteration_records_only_after_one_that_dropped(monkeypatch):
     monkeypatch.setattr(dynamic.DynamicTracker, "recorded", counting)
     monkeypatch.setattr(dynamic, "PROBE_EVERY", 4)
     monkeypatch.setattr(dynamic, "RECORD_OP_S", 0.0)  # any drop pays for recording
-    rt = Runtime(budget_bytes=peak("cnn") // 2, measure_memory=False)
+    rt = Runtime(device="cpu", budget_bytes=peak("cnn") // 2, measure_memory=False)
     assert train_mismatches("cnn", rt, ("--steps", "6")) == []
     its = {s.iteration: s for s in rt.report.iterations}
     assert calls.get(0) and calls.get(1)
@@ -331,7 +339,7 @@ def test_drops_that_save_less_than_recording_costs_stop_the_recording(monkeypatc
     monkeypatch.setattr(dynamic, "seconds", ticking_clock(1e-4))
     monkeypatch.setattr(dynamic, "PROBE_EVERY", 4)
     monkeypatch.setattr(dynamic, "RECORD_OP_S", 1e-3)
-    rt = Runtime(budget_bytes=int(peak("transformer") * 0.8), measure_memory=False)
+    rt = Runtime(device="cpu", budget_bytes=int(peak("transformer") * 0.8), measure_memory=False)
     assert train_mismatches("transformer", rt, ("--steps", "6")) == []
     its = {s.iteration: s for s in rt.report.iterations}
     assert its[1].dynamic_drops > 0, "the premise: the first step drops"
@@ -346,7 +354,7 @@ def test_probes_that_do_not_pay_come_twice_as_far_apart_each_time(monkeypatch):
 
     monkeypatch.setattr(dynamic, "PROBE_EVERY", 2)
     monkeypatch.setattr(dynamic, "RECORD_OP_S", 1.0)  # no drop pays
-    rt = Runtime(budget_bytes=int(peak("mlp") * 0.8), measure_memory=False)
+    rt = Runtime(device="cpu", budget_bytes=int(peak("mlp") * 0.8), measure_memory=False)
     recording = []
     real = dynamic.DynamicGuard.new_iteration
 
@@ -380,7 +388,7 @@ def test_a_swap_s_fixed_cost_makes_one_large_victim_cheaper_than_many_small_ones
     """h = C/(M*L) with C = fixed + bytes/bandwidth: where the fixed part dominates, one recent
     large storage goes before eight staler small ones (bytes only: the small ones, oldest
     first, as LRU)."""
-    rt = Runtime(budget_bytes=1 << 40, measure_memory=False, remat="swap")
+    rt = Runtime(device="cpu", budget_bytes=1 << 40, measure_memory=False, remat="swap")
     with rt:
         g = rt.ex.guard
         small = [torch.ones(1024) * i for i in range(8)]  # 4 KiB each, made first
@@ -398,7 +406,7 @@ def test_a_swap_s_fixed_cost_makes_one_large_victim_cheaper_than_many_small_ones
 def test_an_output_s_allocation_is_its_first_access_when_nothing_records():
     """The rule under the test below, directly: with recording off (remat="swap"), a new
     output's staleness starts at its allocation, not at 0 (the stalest of all)."""
-    rt = Runtime(budget_bytes=1 << 40, measure_memory=False, remat="swap")
+    rt = Runtime(device="cpu", budget_bytes=1 << 40, measure_memory=False, remat="swap")
     with rt:
         x = torch.randn(64, 64)
         for _ in range(5):
@@ -416,7 +424,9 @@ def test_a_storage_made_in_an_iteration_that_does_not_record_is_not_the_stalest(
     budget = int(peak("transformer") * 0.8)
     per_step = {}
     for eviction, remat in (("dtr", "swap"), ("lru", "auto")):
-        rt = Runtime(budget_bytes=budget, measure_memory=False, eviction=eviction, remat=remat)
+        rt = Runtime(
+            device="cpu", budget_bytes=budget, measure_memory=False, eviction=eviction, remat=remat
+        )
         assert train_mismatches("transformer", rt, STEPS5) == []
         per_step[eviction] = [s.passive_evictions for s in complete(rt)[2:]]
     assert max(per_step["dtr"]) <= min(per_step["lru"]), per_step
@@ -439,11 +449,11 @@ def _train_bert(steps: int, context=None) -> dict[str, torch.Tensor]:
 def test_hugging_face_bert_at_half_its_peak_trains_bitwise_within_budget():
     pytest.importorskip("transformers")
     ref = _train_bert(5)
-    probe = Runtime(budget_bytes=1 << 40, measure_memory=True)
+    probe = Runtime(device="cpu", budget_bytes=1 << 40, measure_memory=True)
     _train_bert(2, probe)
     full = max(s.peak_bytes for s in complete(probe))
     budget = full // 2
-    rt = Runtime(budget_bytes=budget, measure_memory=True)
+    rt = Runtime(device="cpu", budget_bytes=budget, measure_memory=True)
     got = _train_bert(5, rt)
     assert state_mismatches(ref, got) == []
     its = complete(rt)

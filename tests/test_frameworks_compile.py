@@ -72,7 +72,7 @@ def test_a_model_compiled_before_capuchin_started_is_refused_at_its_first_call()
     compiled = torch.compile(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(CapuchinError, match=r"test_frameworks_compile.py:\d+: a function compiled"):
-        with Runtime(budget_bytes=10**9, measure_memory=False):
+        with Runtime(device="cpu", budget_bytes=10**9, measure_memory=False):
             compiled(torch.randn(4, 8)).sum().backward()
             opt.step()
     assert CatchErrorsWrapper._handle_skip is original

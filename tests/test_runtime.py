@@ -83,7 +83,7 @@ def test_planner_plans_train_bitwise(name, policy):
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_passive_tiny_budget_trains_bitwise(name):
-    rt = Runtime(budget_bytes=256 * 1024, measure_memory=False)
+    rt = Runtime(device="cpu", budget_bytes=256 * 1024, measure_memory=False)
     assert train_mismatches(name, rt) == []
     assert sum(s.passive_evictions for s in rt.report.iterations) > 0
     assert sum(s.swapped_in_bytes for s in rt.report.iterations) > 0

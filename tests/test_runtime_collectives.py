@@ -21,7 +21,7 @@ def group():
 
 def test_a_collective_s_buffer_is_never_evicted_by_dynamic_mode(group):
     torch.manual_seed(0)
-    with Runtime(budget_bytes=1 << 20, measure_memory=False) as rt:
+    with Runtime(device="cpu", budget_bytes=1 << 20, measure_memory=False) as rt:
         bucket = torch.randn(1 << 16)  # 256 KiB
         work = dist.all_reduce(bucket, async_op=True)
         # over the budget: dynamic mode evicts what this iteration allocated

@@ -70,7 +70,7 @@ def test_diverged_iterations_measure_within_budget_and_train_bitwise():
 
 def test_passive_only_measures_within_a_reachable_budget():
     budget = plan50("transformer").budget_bytes
-    rt = Runtime(budget_bytes=budget, measure_memory=True)
+    rt = Runtime(device="cpu", budget_bytes=budget, measure_memory=True)
     assert train_mismatches("transformer", rt) == []
     its = complete(rt)
     assert all(s.passive_evictions > 0 for s in its)
@@ -85,7 +85,7 @@ def test_unreachable_budget_is_reported_not_silently_exceeded(capfd):
     optimizer step), the JSON carries it, a warning says so, and the measured peak stays within
     the budget plus that shortfall."""
     budget = 256 * 1024
-    rt = Runtime(budget_bytes=budget, measure_memory=True)
+    rt = Runtime(device="cpu", budget_bytes=budget, measure_memory=True)
     assert train_mismatches("transformer", rt) == []
     its = complete(rt)
     assert all(s.passive_short_bytes > 0 for s in its)
@@ -128,6 +128,7 @@ def test_convolution_scratch_is_budgeted(with_plan):
     rt = Runtime(
         plan if with_plan else None,
         budget_bytes=None if with_plan else plan.budget_bytes,
+        device="cpu",
         measure_memory=True,
     )
     assert train_mismatches("cnn", rt) == []
@@ -191,7 +192,7 @@ def test_scratch_of_an_evicted_input_is_budgeted(eviction):
 
     peak = Problem.from_trace(load_trace(TRACES / "cnn.trace.parquet")).peak_bytes
     budget = int(peak * 0.35)
-    rt = Runtime(budget_bytes=budget, measure_memory=True, eviction=eviction)
+    rt = Runtime(device="cpu", budget_bytes=budget, measure_memory=True, eviction=eviction)
     assert train_mismatches("cnn", rt) == []
     its = complete(rt)
     assert its and any(s.peak_bytes > SLACK * budget for s in its)  # the op alone needs more

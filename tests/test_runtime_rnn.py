@@ -63,6 +63,9 @@ def test_recompute_plan_replays_the_rnn_workspace(tmp, cell):
 def test_dynamic_mode_replays_the_rnn_workspace(tmp, cell):
     plan = make_plan(_trace(tmp, cell), "60%", policy="capuchin")
     its = _check(
-        cell, Runtime(budget_bytes=plan.budget_bytes, remat="recompute", measure_memory=False)
+        cell,
+        Runtime(
+            device="cpu", budget_bytes=plan.budget_bytes, remat="recompute", measure_memory=False
+        ),
     )
     assert sum(s.dynamic_drops for s in its) > 0

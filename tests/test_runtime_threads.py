@@ -51,7 +51,7 @@ def test_an_ema_thread_reads_what_plain_training_reads(plan):
 def test_an_ema_thread_in_dynamic_mode(plan):
     _check(
         ["--steps", "4", "--mode", "ema"],
-        Runtime(budget_bytes=plan.budget_bytes, measure_memory=False),
+        Runtime(device="cpu", budget_bytes=plan.budget_bytes, measure_memory=False),
     )
 
 
