@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from .. import __version__
-from ..distributed import default_warmup, per_rank, say
+from ..distributed import default_warmup, per_rank, say, world
 from ..errors import CapuchinError, ScriptError
 from ..outputs import check_output
 from ..units import format_bytes
@@ -214,7 +214,9 @@ class _TraceMode(TorchDispatchMode):
 # last one's step ``StopScript`` ends the script. The median is ``TraceMeta.plain_iteration_ns``
 # (the intervals in ``extra["plain_iteration_wall_s"]``). None, with the reason in
 # ``extra["plain_iteration_note"]`` and a log line, when the script ended before one interval,
-# when traced under a budget (the runtime's passive mode would be in every step), or with
+# when traced under a budget (the runtime's passive mode would be in every step), under torchrun
+# (the ranks stop where their recording ends, at one step: the way the distributed tests hold
+# every rank in step; a rank's plain step would also time its waits on the others), or with
 # ``plain_steps=0``. A script that fails in the plain iterations (where the tracer used to stop
 # it) gets a warning and the trace is written all the same. Limits: two optimizer steps with no
 # op between them (two optimizers stepped back to back, one iteration for the indexer) make two
@@ -578,6 +580,11 @@ class Tracer:
         if self.runtime is not None:
             self._plain_note = (
                 "traced under a budget: the runtime's passive mode stays in every iteration"
+            )
+            return False
+        if world()[1] > 1:
+            self._plain_note = (
+                "under torchrun: every rank stops where its recording ends, all at one step"
             )
             return False
         return True
