@@ -10,6 +10,13 @@ from capuchin.cli import main
 from click.testing import CliRunner
 
 
+def fresh_python(code: str) -> str:
+    """What ``code`` prints in a new interpreter (nothing imported yet), outside the repository."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True
+    ).stdout.strip()
+
+
 def test_version_and_help_list_commands():
     r = CliRunner().invoke(main, ["--version"])
     assert r.exit_code == 0 and capuchin.__version__ in r.output
@@ -22,9 +29,7 @@ def test_version_and_help_list_commands():
 def test_no_generic_top_level_modules_installed():
     # Note: [Layout] in pyproject.toml: only `capuchin` is a top-level name.
     code = "import importlib.util as u; print([n for n in ('planner','runtime','tracer','cli') if u.find_spec(n)])"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True
-    ).stdout.strip()
+    out = fresh_python(code)
     assert out == "[]"
 
 
@@ -36,9 +41,7 @@ def test_planner_imports_no_torch():
         "    importlib.import_module(m.name)\n"
         "print('torch' in sys.modules)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True
-    ).stdout.strip()
+    out = fresh_python(code)
     assert out == "False"
 
 
@@ -50,7 +53,5 @@ def test_the_runtime_loads_neither_pandas_nor_the_planners_problem():
         "print(sorted(m for m in ('pandas', 'capuchin.planner.problem', 'capuchin.tracer.reader')"
         " if m in sys.modules))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True
-    ).stdout.strip()
+    out = fresh_python(code)
     assert out == "[]"
