@@ -67,12 +67,12 @@ from ..errors import CapuchinError
 from ..tracer.reader import Trace
 from ..tracer.schema import (  # noqa: F401 (is_collective: planner modules import it from here)
     COLLECTIVE_NAMESPACES,
-    COMMUNICATION_NAMESPACES,
     PERSISTENT_KINDS,
     Col,
     Kind,
     Phase,
     Role,
+    communicates,
     is_collective,
     shape_signature,
 )
@@ -593,9 +593,7 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
             )
         )
     # Note [Collectives]: what a collective reads or writes stays resident
-    collective_storages = {
-        x for o in ops if o.name.startswith(COMMUNICATION_NAMESPACES) for x in o.accessed
-    }
+    collective_storages = {x for o in ops if communicates(o.name) for x in o.accessed}
     storages: dict[str, StorageInfo] = {}
     for s in dict.fromkeys([*resident, *acc]):
         a = sorted(set(acc.get(s, ())))

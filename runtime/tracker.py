@@ -25,7 +25,7 @@
 # (optimizer state above all: iteration 0 creates it and follows no plan), over the budget by
 # their bytes (BERT-MLM: 1.18x). So an iteration that ends without following the plan (iteration
 # 0, and a checked iteration that diverged: the next planned iteration after it started over the
-# budget by the same bytes, MoE 1.64x) keeps the ops of its tail (OpOverload, shapes, weak
+# budget by the same bytes) keeps the ops of its tail (OpOverload, shapes, weak
 # references to the arguments' storages) from where it stopped following the plan, and at its
 # end, when that tail matches the end of the plan's op list (same ops, same shapes: the
 # optimizer step), each wrap-around storage whose ``f`` lies in the matched part is named from
@@ -117,9 +117,9 @@ from ..tracer.hooks import (
     written_inputs,
 )
 from ..tracer.schema import (
-    COMMUNICATION_NAMESPACES,
     IdKind,
     TensorId,
+    communicates,
     id_kind,
     shape_signature,
 )
@@ -222,7 +222,7 @@ def _communicates(func) -> bool:
     evict them either (``expose``: the planner already never plans them)."""
     got = _COMMUNICATES.get(func)
     if got is None:
-        got = _COMMUNICATES[func] = str(func).startswith(COMMUNICATION_NAMESPACES)
+        got = _COMMUNICATES[func] = communicates(str(func))
     return got
 
 

@@ -230,6 +230,11 @@ def is_collective(op_name: str) -> bool:
     return op_name.startswith(COLLECTIVE_NAMESPACES)
 
 
+def communicates(op_name: str) -> bool:
+    """The op exchanges data with other ranks: a collective, or one of FSDP's own ops."""
+    return op_name.startswith(COMMUNICATION_NAMESPACES)
+
+
 def shape_signature(input_shapes) -> str:
     """The shape part of an op's signature: its tensor inputs' shapes in flattened-argument order.
 
