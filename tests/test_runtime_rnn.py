@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 from capuchin.planner.api import make_plan
+from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
 from capuchin.testing.training import run_example, state_mismatches
+from capuchin.tracer.reader import load_trace
 from capuchin.tracer.script import trace_script
 
 SCRIPT = Path(__file__).resolve().parent / "frameworks" / "rnn_lm.py"
@@ -61,11 +63,11 @@ def test_recompute_plan_replays_the_rnn_workspace(tmp, cell):
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_dynamic_mode_replays_the_rnn_workspace(tmp, cell):
-    plan = make_plan(_trace(tmp, cell), "60%", policy="capuchin")
+    # 60% of the trace's peak: dynamic mode needs no plan, and whether the planner reaches 60%
+    # depends on the op times it measured (under load it did not)
+    budget = Problem.from_trace(load_trace(_trace(tmp, cell))).peak_bytes * 6 // 10
     its = _check(
         cell,
-        Runtime(
-            device="cpu", budget_bytes=plan.budget_bytes, remat="recompute", measure_memory=False
-        ),
+        Runtime(device="cpu", budget_bytes=budget, remat="recompute", measure_memory=False),
     )
     assert sum(s.dynamic_drops for s in its) > 0
