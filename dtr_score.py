@@ -1,6 +1,6 @@
 """DTR's eviction score (Kirisame et al., ICLR'21), shared by the planner's ``dtr`` policy
 (planner/policies/dtr.py, DTR simulated on a trace) and the runtime's dynamic mode
-(runtime/dynamic.py, DTR on the live run). No torch, no planner, no runtime: plain numbers.
+(runtime/guards/dtr.py, DTR on the live run). No torch, no planner, no runtime: plain numbers.
 
 # Note: [DTR's score]
 # A resident candidate ``s`` is scored

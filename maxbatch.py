@@ -24,7 +24,7 @@ policy, verified by a real run.
 
 # Note: [Runtime modes]
 # ``compare`` may also name the runtime's modes that need no trace and no plan: ``dynamic``
-# (``Runtime(budget_bytes=memory)``: DTR's eviction and replay, runtime/dynamic.py) and ``lru``
+# (``Runtime(budget_bytes=memory)``: DTR's eviction and replay, runtime/guards/dtr.py) and ``lru``
 # (the paper's passive mode: ``eviction="lru"``). They answer "how large a batch fits with no
 # plan at all". A mode has no prediction to judge, so every candidate value is *run*: ``steps``
 # optimizer steps under the budget ``memory``; it fits when the run completes and its measured
@@ -610,7 +610,7 @@ class _Search:
         trace = load_trace(out)
         # With the persistent candidates (parameters, gradients, optimizer state): iteration 0,
         # which follows no plan, keeps the budget by swapping them too (Note [Persistent state
-        # under the guard] in runtime/passive.py).
+        # under the guard] in runtime/guards/lru.py).
         problem = Problem.from_trace(trace)
         self.problems[value] = problem
         c.peak_bytes = int(problem.peak_bytes)

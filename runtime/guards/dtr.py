@@ -94,16 +94,16 @@ import weakref
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..dtr_score import Node, neighbourhood, score, union
-from ..errors import RecomputeError
-from ..planner.plan import Decision, Method
-from ..tracer.hooks import op_info, written_inputs
-from ..tracer.schema import is_collective
-from .backend import byte_view
-from .device import replays_exactly
-from .passive import BudgetGuard, PassiveTracker
-from .recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
-from .state import Entry, Reason, Residency, evictable, resize, storage_key, writes
+from ...dtr_score import Node, neighbourhood, score, union
+from ...errors import RecomputeError
+from ...planner.plan import Decision, Method
+from ...tracer.hooks import op_info, written_inputs
+from ...tracer.schema import is_collective
+from ..backend import byte_view
+from ..device import replays_exactly
+from ..recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
+from ..state import Entry, Reason, Residency, evictable, resize, storage_key, writes
+from .lru import BudgetGuard, PassiveTracker
 
 MAX_CHAIN = 64  # ops in one storage's chain (producer + in-place writes); longer: swap only
 # candidates ranked per eviction: more are sampled (at random, DTR's sqrt(n) sampling, at least
