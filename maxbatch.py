@@ -24,7 +24,7 @@ policy, verified by a real run.
 
 # Note: [Runtime modes]
 # ``compare`` may also name the runtime's modes that need no trace and no plan: ``dynamic``
-# (``Runtime(budget_bytes=memory)``: DTR's eviction and replay, runtime/dynamic.py) and ``lru``
+# (``Runtime(budget_bytes=memory)``: DTR's eviction and replay, runtime/guards/dtr.py) and ``lru``
 # (the paper's passive mode: ``eviction="lru"``). They answer "how large a batch fits with no
 # plan at all". A mode has no prediction to judge, so every candidate value is *run*: ``steps``
 # optimizer steps under the budget ``memory``; it fits when the run completes and its measured
@@ -610,7 +610,7 @@ class _Search:
         trace = load_trace(out)
         # With the persistent candidates (parameters, gradients, optimizer state): iteration 0,
         # which follows no plan, keeps the budget by swapping them too (Note [Persistent state
-        # under the guard] in runtime/passive.py).
+        # under the guard] in runtime/guards/lru.py).
         problem = Problem.from_trace(trace)
         self.problems[value] = problem
         c.peak_bytes = int(problem.peak_bytes)
@@ -691,10 +691,6 @@ def _is_oom(exc: BaseException) -> bool:
     return cause is not None and cause is not exc and _is_oom(cause)
 
 
-class _Enough(BaseException):
-    """Raised from the optimizer step hook after the last step of a verifying run."""
-
-
 def run_steps(
     script: Path,
     args: list[str],
@@ -711,40 +707,17 @@ def run_steps(
     or ``lru``, Note [Runtime modes]) under ``budget_bytes``, or plain. Step times are the wall
     time between consecutive optimizer steps (the script's own data preparation included, as a
     user sees it). The script's stdout is discarded."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    from .runmain import run_as_main
     from .runtime.engine import Runtime
-    from .runtime.snapshot import Watch
-
-    stamps: list[float] = []
-    n = {"steps": 0}
-    watch = Watch()
-
-    def hook(opt, a, k):
-        stamps.append(time.perf_counter())
-        n["steps"] += 1
-        if n["steps"] >= steps:
-            raise _Enough()
+    from .runtime.launch import run_under
 
     gc.collect()
     if mode is not None:
         rt = Runtime(budget_bytes=budget_bytes, device=device, eviction=RUNTIME_MODES[mode])
     else:
         rt = Runtime(plan, device=device) if plan is not None else None
-    handle = None
-    err = io.StringIO()
     try:
-        with (
-            contextlib.redirect_stdout(io.StringIO()),
-            contextlib.redirect_stderr(err),
-            rt if rt is not None else contextlib.nullcontext(),
-            watch,
-        ):
-            handle = register_optimizer_step_post_hook(hook)  # after the runtime's own hook
-            run_as_main(script, args)
-    except _Enough:
-        pass
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            ran = run_under(rt, script, args, steps=steps, keep_state=keep_state)
     except (CapuchinError, KeyboardInterrupt, Terminated):
         raise
     except BaseException as exc:  # noqa: BLE001
@@ -753,9 +726,7 @@ def run_steps(
             f"{script}: the script raised {type(exc).__name__} in the "
             f"verifying run ({' '.join(args)}): {first}"
         ) from None
-    finally:
-        if handle is not None:
-            handle.remove()
+    stamps = ran.stamps
     times = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     value = int(args[-1])
     tps = statistics.median(times) / value if times else None
@@ -767,9 +738,9 @@ def run_steps(
         peak = max(peaks) if peaks else None
         st = [s.peak_bytes for s in rt.report.steady if s.peak_bytes is not None]
         steady = max(st) if st else None
-    run = PolicyRun(value, peak, steady, tps, times, report, n["steps"])
+    run = PolicyRun(value, peak, steady, tps, times, report, ran.steps)
     if keep_state:
-        run.state = watch.state()  # parameters, gradients, optimizer state and module buffers
+        run.state = ran.state  # parameters, gradients, optimizer state and module buffers
     return run
 
 

@@ -1,7 +1,7 @@
 """The budget guard's own cost per op, with nothing evicted: LRU passive mode, dynamic mode in an
 iteration that does not record (``remat="swap"``: it never records) and dynamic mode recording
 (the first two iterations, probes, and iterations after drops that paid: Note [Recording only
-while replay pays] in runtime/dynamic.py).
+while replay pays] in runtime/guards/dtr.py).
 
     python benchmarks/dynamic_per_op.py [--rounds 7] [--ops 600] [--workloads cnn,transformer]
                                         [--percents 80,50] [--steps 7]
@@ -31,8 +31,10 @@ import time
 
 import torch
 from capuchin.planner.problem import Problem
-from capuchin.runtime import dynamic, passive, tracker
+from capuchin.runtime import tracker
 from capuchin.runtime.engine import Runtime
+from capuchin.runtime.guards import dtr as dynamic
+from capuchin.runtime.guards import lru as passive
 from capuchin.testing.training import TRACES, run_example
 from capuchin.tracer.reader import load_trace
 from torch.optim.optimizer import register_optimizer_step_post_hook

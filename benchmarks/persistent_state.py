@@ -21,7 +21,7 @@ against the budget, and whether every parameter, gradient, optimizer state and m
 per-tensor loop; ``foreach=True``; ``fused=True``; ``--clip`` adds ``clip_grad_norm_``), finds
 each one's smallest feasible budget and floor, and trains ``--steps`` steps under the plan at
 that budget, compared bitwise with plain training, with every iteration's measured peak against
-the budget (iteration 0 follows no plan: passive.py Note [Persistent state under the guard]).
+the budget (iteration 0 follows no plan: guards/lru.py Note [Persistent state under the guard]).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 same code around the unmodified script (runtime/launch.py).
 
 The runtime carries out the plan; it plans nothing. What it decides while running is small and
-named: on-demand restores (tracker.py), passive eviction over budget (passive.py, the budget
-guard, with the device's memory accounting in memory.py), late-prefetch feedback (tracker.py),
-drops that cannot be replayed exactly become swaps (recompute.py). It reads the plan alone: no
+named: on-demand restores (tracker.py), eviction over budget where no plan applies (the
+plan-less guards in guards/, with the device's memory accounting in memory.py), late-prefetch
+feedback (tracker.py), drops that cannot be replayed exactly become swaps (recompute.py). It reads the plan alone: no
 trace is loaded at run time.
 
 # Note: [Reads outside ops]
@@ -44,8 +44,7 @@ from .device import (
     non_tensor_bytes,
     resolve_run_device,
 )
-from .dynamic import REMAT, DynamicGuard
-from .passive import BudgetGuard
+from .guards import EVICTIONS, REMAT, Guard, make_guard
 from .recompute import RecomputeEngine
 from .report import IterationStats, MemoryMeter, RunReport, short_of
 from .swap import SwapEngine
@@ -129,7 +128,7 @@ class Runtime:
         device; without a plan cpu where CUDA is not available, and refused where it is: name
         it). An index-less ``"cuda"`` is this rank's GPU (Note [Per-rank device] in device.py).
     passive: evict on demand where no plan applies (no plan, iteration 0, divergence).
-    eviction: how, where no plan applies: "dtr" (dynamic mode, runtime/dynamic.py: DTR's
+    eviction: how, where no plan applies: "dtr" (dynamic mode, runtime/guards/dtr.py: DTR's
         heuristic; dropped storages are replayed, the others swapped) or "lru" (swap the least
         recently used storage synchronously, paper §4.2).
     remat: dynamic mode's way back: "auto" (the cheaper of replay and swap by measured costs),
@@ -192,7 +191,7 @@ class Runtime:
                 "available here; make a plan from a trace of this device"
             )
         self.passive_enabled = passive
-        if eviction not in ("dtr", "lru") or remat not in REMAT:
+        if eviction not in EVICTIONS or remat not in REMAT:
             raise PlanFormatError(
                 f"eviction must be dtr or lru (got {eviction!r}), remat one of "
                 f"{', '.join(REMAT)} (got {remat!r})"
@@ -296,11 +295,16 @@ class Runtime:
             return True
         return self.passive_enabled and self.eviction == "dtr" and self.remat != "swap"
 
-    def _guard(self, budget, memory, swap, ex) -> BudgetGuard:
-        if self.eviction == "lru":
-            return BudgetGuard(budget, self.device, memory, swap, ex)
-        return DynamicGuard(
-            budget, self.device, memory, swap, ex, self.bandwidth_h2d_bytes_per_s, self.remat
+    def _guard(self, budget, memory, swap, ex) -> Guard:
+        return make_guard(
+            self.eviction,
+            budget,
+            self.device,
+            memory,
+            swap,
+            ex,
+            bandwidth_bytes_per_s=self.bandwidth_h2d_bytes_per_s,
+            remat=self.remat,
         )
 
     def _patch_save(self) -> None:
@@ -355,7 +359,7 @@ class Runtime:
                 self._iteration_end(self._cur.iteration, self.indexer.op_index)
             # the user's state is whole after the run, outside the budget: what the guard or
             # the plan keeps out across steps (parameters, optimizer state) may outweigh it
-            # (Note [Persistent state under the guard] in passive.py)
+            # (Note [Persistent state under the guard] in guards/lru.py)
             self.ex.guard.stop()
             if self._fraction_set:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.device)

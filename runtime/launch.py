@@ -1,9 +1,14 @@
-"""``capuchin run``: the unmodified script under a ``Runtime`` (``runmain.run_as_main``, as
-``capuchin trace`` does)."""
+"""The unmodified script under a ``Runtime``: ``run_under``, the one way every caller runs one
+(``capuchin run`` through ``run_script``, max-batch's verifying runs, the tests' and benchmarks'
+``run_example``), through ``runmain.run_as_main`` as ``capuchin trace`` does."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..distributed import per_rank
 from ..errors import InfeasibleBudgetError, ScriptError
@@ -13,6 +18,69 @@ from ..runmain import check_script, run_as_main
 from ..units import format_bytes
 from .engine import Runtime, rank_plan_path
 from .report import RunReport
+from .snapshot import Watch
+
+
+class StopAfterSteps(BaseException):
+    """Raised from the optimizer step hook after the last step a run asked for (``run_under``)."""
+
+
+@dataclass
+class ScriptRun:
+    """What ``run_under`` saw: the script's globals (None when it was stopped after ``steps``),
+    the optimizer steps counted and when each ended (``time.perf_counter``; counted only when
+    ``steps`` was given), and the final state (``keep_state``; runtime/snapshot.py)."""
+
+    globals: dict[str, Any] | None
+    steps: int = 0
+    stamps: list[float] = field(default_factory=list)
+    state: dict | None = None
+
+
+def run_under(
+    context,
+    script: str | os.PathLike,
+    args: list[str] | tuple[str, ...] = (),
+    *,
+    steps: int | None = None,
+    keep_state: bool = False,
+    consequence: str = "",
+) -> ScriptRun:
+    """Run ``script`` with ``args`` as its own ``__main__`` inside ``context`` (a ``Runtime``,
+    any other context manager, or None: plain).
+
+    ``steps``: stop the script after that many optimizer steps, each step's end time-stamped (the
+    hook is registered inside ``context``, so after a runtime's own step hook: the runtime has
+    ended the iteration before the script is stopped). ``keep_state``: take the final state
+    (``Watch``: parameters, gradients, optimizer state, models' ``state_dict``) after
+    ``context`` has exited (a runtime has then restored everything it evicted).
+    ``consequence``: appended to a script failure's message (``run_as_main``). The script's
+    errors pass unchanged."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    ran = ScriptRun(None)
+    watch = Watch() if keep_state else contextlib.nullcontext()
+
+    def stepped(opt, a, k):
+        ran.stamps.append(time.perf_counter())
+        ran.steps += 1
+        if ran.steps >= steps:
+            raise StopAfterSteps()
+
+    handle = None
+    try:
+        with context if context is not None else contextlib.nullcontext(), watch:
+            if steps is not None:
+                handle = register_optimizer_step_post_hook(stepped)
+            ran.globals = run_as_main(script, args, consequence=consequence)
+    except StopAfterSteps:
+        pass
+    finally:
+        if handle is not None:
+            handle.remove()
+    if keep_state:
+        ran.state = watch.state(ran.globals)
+    return ran
 
 
 def run_script(
@@ -51,12 +119,12 @@ def run_script(
         eviction=eviction,
         device=device,
     )
-    with rt:
-        run_as_main(
-            script,
-            script_args,
-            consequence="; no report written" if report_path is not None else "",
-        )
+    run_under(
+        rt,
+        script,
+        script_args,
+        consequence="; no report written" if report_path is not None else "",
+    )
     if rt.report is None:
         raise ScriptError(f"{script}: ended without a report")
     if report_path is not None:

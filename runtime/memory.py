@@ -1,6 +1,6 @@
 """Device memory accounting for the budget guard: what an op will allocate (outputs and kernel
 scratch), how many bytes are resident, and what was resident before the guard started counting.
-The device-specific part of passive mode; the guard itself (passive.py) is device-neutral.
+The device-specific part of passive mode; the guards themselves (guards/) are device-neutral.
 
 ``memory_for(device, plan)`` gives ``CPUMemory`` or ``CUDAMemory``. Both predict an op's new output
 bytes on meta tensors and reserve the scratch the plan's trace measured (``Plan.op_scratch_bytes``:
@@ -10,7 +10,7 @@ written by the planner, so the runtime needs no trace). They differ in what the 
   real out-of-memory error is raised under ``set_per_process_memory_fraction``; nothing needs
   discovering.
 - CPU: the allocator keeps no count outside the profiler, so resident bytes are the guard's own
-  estimate (Note [Passive budget on CPU] in passive.py); kernels whose scratch was measured on the
+  estimate (Note [Passive budget on CPU] in guards/lru.py); kernels whose scratch was measured on the
   bundled CNN get a default when there is no plan (``_CPU_SCRATCH``); and at a first divergence
   the tensors an iteration left resident are found through the autograd graph (``discover``).
 """
@@ -131,7 +131,7 @@ class CPUMemory(DeviceMemory):
         # Note: [Scratch of evicted inputs]
         # "in" is the input storages' bytes *as they will be when the op runs*. An evicted input
         # is resized to 0 bytes until its on-demand restore, which the LRU guard makes after it
-        # has made room (passive.py ``before_op``): counted at 0, a convolution backward whose
+        # has made room (guards/lru.py ``before_op``): counted at 0, a convolution backward whose
         # grad_output was swapped out reserved 2 MiB too little, and the CNN at 35% of its peak
         # measured 1.147x its budget in LRU mode with no shortfall reported. So the caller
         # passes the evicted inputs' bytes (``evicted_bytes``) and they count here.

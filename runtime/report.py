@@ -48,7 +48,7 @@ class IterationStats:
     ops: int = 0
     evictions: int = 0  # planned evictions carried out
     passive_evictions: int = 0
-    dynamic_drops: int = 0  # of those, dropped to be replayed (dynamic mode, runtime/dynamic.py)
+    dynamic_drops: int = 0  # of those, dropped to be replayed (dynamic mode, runtime/guards/dtr.py)
     dynamic_swaps: int = 0  # of those, swapped by dynamic mode
     cow_restores: int = 0  # R3 regenerations before a source was overwritten
     fallback_swaps: int = 0  # planned drops swapped instead (not replayable)
@@ -61,7 +61,7 @@ class IterationStats:
     # op] in tracker.py)
     resynced_ops: int = 0
     # the most that passive mode's resident bytes (plus the next op's allocation) stayed over the
-    # budget with nothing left it may evict (Note [Passive budget on CPU] in passive.py); 0 when
+    # budget with nothing left it may evict (Note [Passive budget on CPU] in guards/lru.py); 0 when
     # the budget was kept
     passive_short_bytes: int = 0
 

@@ -46,7 +46,7 @@ class Reason(enum.Enum):
 
     PLANNED = "planned"
     PASSIVE = "passive"  # on demand, over budget (paper §4.2), least recently used swapped
-    DYNAMIC = "dynamic"  # on demand, over budget, DTR's choice, dropped or swapped (dynamic.py)
+    DYNAMIC = "dynamic"  # on demand, over budget, DTR's choice, dropped or swapped (guards/dtr.py)
 
 
 @dataclass(eq=False)

@@ -19,8 +19,7 @@ from ..errors import PlanError
 from ..planner.build import build_plan
 from ..planner.plan import Decision, Method, Plan
 from ..planner.problem import Problem
-from ..runmain import run_as_main
-from ..runtime.snapshot import Watch
+from ..runtime.launch import run_under
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
@@ -32,10 +31,8 @@ def run_example(script: str | Path, args: list[str], context=None) -> dict[str, 
     and buffers: batch norm's running statistics) of every model that ran a forward, found by a
     global forward hook (the outermost modules that ran, in the order they first ran) or left
     in the script's globals. Deterministic scripts (they seed) give comparable dicts."""
-    with Watch() as watch:
-        with contextlib.redirect_stdout(io.StringIO()), context or contextlib.nullcontext():
-            g = run_as_main(script, args)
-    return watch.state(g)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return run_under(context, script, args, keep_state=True).state
 
 
 def train_tiny_bert(steps: int, batch: int = 8, seq: int = 64):

@@ -1,4 +1,4 @@
-"""Dynamic mode (runtime/dynamic.py: DTR's eviction and rematerialization where no plan applies):
+"""Dynamic mode (runtime/guards/dtr.py: DTR's eviction and rematerialization where no plan applies):
 every bundled example and a Hugging Face model train 5 steps at 50% of their peak with every
 parameter, gradient, optimizer state and buffer ``torch.equal`` to plain training, the measured
 peak (PyTorch's allocator accounting) within 1.05 x the budget in every iteration; replays
@@ -101,7 +101,7 @@ def test_a_recorded_call_s_template_holds_no_tensor():
     (``aten.index``'s indices: a list whose tensor is not the call's first; a template that kept
     it, from reusing the list position as the flat one, replayed the first iteration's indices:
     an IndexError in tests/test_runtime_resync.py, flakily); filled back, it is the call."""
-    from capuchin.runtime.dynamic import _template
+    from capuchin.runtime.guards.dtr import _template
     from capuchin.runtime.recompute import _fill
 
     a, b, c = torch.ones(2), torch.zeros(3), torch.arange(4)
@@ -288,7 +288,7 @@ def test_an_iteration_records_only_after_one_that_dropped(monkeypatch):
     PROBE_EVERY-th); recording or not, training is bitwise plain training's. Costs are fixed so
     that the CNN drops nothing: every op takes 1 ms on a ticking clock and swaps cost what the
     bandwidth says (their measured times are not fitted), so a swap is always cheaper."""
-    from capuchin.runtime import dynamic
+    from capuchin.runtime.guards import dtr as dynamic
 
     monkeypatch.setattr(dynamic, "seconds", ticking_clock(1e-3))
     monkeypatch.setattr(dynamic._CopyTime, "add", lambda self, n, dt: None)
@@ -331,7 +331,7 @@ def test_drops_that_save_less_than_recording_costs_stop_the_recording(monkeypatc
     and swap; training stays bitwise. Costs come from a ticking clock (every op, copy and replay
     takes 0.1 ms), so a replay is cheaper than the swap's two copies and the first step drops,
     and each drop saves about 0.1 ms against 1 ms of recording per op."""
-    from capuchin.runtime import dynamic
+    from capuchin.runtime.guards import dtr as dynamic
 
     calls: dict[int, int] = {}
     real = dynamic.DynamicTracker.recorded
@@ -355,7 +355,7 @@ def test_probes_that_do_not_pay_come_twice_as_far_apart_each_time(monkeypatch):
     """Note [Recording only while replay pays]: with no drop ever paying for its recording,
     the iterations after the first two record only to probe, at PROBE_EVERY, then after twice
     the gap each time (here 2, 4, 8: iterations 2, 4, 8 of 10)."""
-    from capuchin.runtime import dynamic
+    from capuchin.runtime.guards import dtr as dynamic
 
     monkeypatch.setattr(dynamic, "PROBE_EVERY", 2)
     monkeypatch.setattr(dynamic, "RECORD_OP_S", 1.0)  # no drop pays
@@ -375,7 +375,7 @@ def test_probes_that_do_not_pay_come_twice_as_far_apart_each_time(monkeypatch):
 def test_a_swap_s_cost_is_fitted_as_fixed_plus_bytes_over_bandwidth():
     """Note [What a swap costs]: swaps of several sizes give the fixed part and the bandwidth;
     one swap that took far longer (preempted) moves the fit by a bounded factor."""
-    from capuchin.runtime.dynamic import _CopyTime
+    from capuchin.runtime.guards.dtr import _CopyTime
 
     c = _CopyTime(12e9)
     assert c.fixed_s == 0.0 and c.s_per_byte == pytest.approx(1 / 12e9)

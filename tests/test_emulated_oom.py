@@ -81,7 +81,7 @@ def test_a_prefetch_that_does_not_fit_is_skipped_and_restored_on_demand(monkeypa
 
 
 def test_a_replay_that_meets_the_cap_gives_back_prefetches_and_retries(monkeypatch):
-    from capuchin.runtime.passive import BudgetGuard
+    from capuchin.runtime.guards.lru import BudgetGuard
     from capuchin.runtime.recompute import RecomputeEngine
     from capuchin.runtime.swap import SwapEngine
 

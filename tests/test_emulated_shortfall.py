@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 from capuchin.planner.problem import Problem
-from capuchin.runtime.dynamic import DynamicGuard
 from capuchin.runtime.engine import Runtime
+from capuchin.runtime.guards.dtr import DynamicGuard
 from capuchin.testing.training import TRACES, train_mismatches
 from capuchin.tracer.reader import load_trace
 

@@ -49,7 +49,7 @@ def test_the_runtime_loads_neither_pandas_nor_the_planners_problem():
     """The runtime reads the plan format alone (STYLE D.30): importing it loads no pandas, no
     trace reader and no planning problem."""
     code = (
-        "import sys, capuchin.runtime.engine, capuchin.runtime.dynamic\n"
+        "import sys, capuchin.runtime.engine, capuchin.runtime.guards.dtr\n"
         "print(sorted(m for m in ('pandas', 'capuchin.planner.problem', 'capuchin.tracer.reader')"
         " if m in sys.modules))"
     )

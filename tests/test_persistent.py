@@ -433,7 +433,7 @@ def test_state_larger_than_the_budget_from_the_first_step(optim, tmp_path):
     budget, activations small. Without a plan (dynamic mode and LRU) and under a plan (foreach:
     at the smallest budget the planner reaches, where the state is still 1.4x it or more), every
     iteration, 0 and 1 included, measures within 1.05x the budget, and training is bitwise
-    identical (passive.py Note [Persistent state under the guard]: the guard swaps them and
+    identical (guards/lru.py Note [Persistent state under the guard]: the guard swaps them and
     leaves them out across the step end; restoring them at the step end measured 1.78x)."""
     import capuchin
     from capuchin.errors import InfeasibleBudgetError
@@ -485,7 +485,7 @@ def test_first_planned_iteration_starts_with_the_optimizers_state_out(tmp_path):
     """Hugging Face ResNet-34 at batch 23 in 29.1 MiB (max-batch's case), planned with the
     persistent candidates: the parameters the plan swaps over the iteration boundary are named
     only at their first access, so left resident at iteration 0's end they started the first
-    planned iteration at 1.13x the budget; swapped out there (passive.py Note [Persistent state
+    planned iteration at 1.13x the budget; swapped out there (guards/lru.py Note [Persistent state
     under the guard]) it keeps the budget, and training is bitwise identical. Iteration 0, in
     dynamic mode, keeps it too (it measured 1.06-1.09x while a sample of candidates that freed
     too little was the last word: ``DynamicGuard.evict``)."""

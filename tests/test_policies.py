@@ -222,16 +222,25 @@ def test_dtr_skips_small_tensors():
 
 
 def test_union_find_sums_the_evicted_neighbourhood():
-    from capuchin.planner.policies.dtr import _UnionFind
+    from capuchin.dtr_score import Node, neighbourhood, union
 
-    uf = _UnionFind()
-    for name, v in (("a", 1.0), ("b", 2.0), ("c", 4.0)):
-        uf.add(name, v)
-    uf.union("a", "b")
-    assert uf.find("a") == uf.find("b") != uf.find("c")
-    assert uf.value[uf.find("b")] == 3.0
-    uf.union("c", "a")
-    assert uf.value[uf.find("a")] == 7.0
+    a, b, c = Node(1.0), Node(2.0), Node(4.0)
+    union(a, b)
+    assert a.root() is b.root() is not c.root()
+    assert a.root().value == 3.0
+    # each distinct set counts once, a neighbour not evicted (None) not at all
+    assert neighbourhood([a, b, None, c]) == 7.0
+    union(c, a)
+    assert a.root() is c.root() and c.root().value == 7.0
+    assert neighbourhood([b, a]) == 7.0
+
+
+def test_dtr_score_guards_both_divisors():
+    from capuchin.dtr_score import score
+
+    assert score(8.0, 4, 2) == 1.0
+    # an empty storage or one touched this instant counts as 1, never as 0
+    assert score(8.0, 0, 0) == 8.0
 
 
 # ---- checkpointing and vDNN -------------------------------------------------------------------------

@@ -3,7 +3,7 @@ iteration 0 under a plan (it builds the model and never matches the plan), a run
 iteration diverges (another batch size), and a run without a plan; where the budget is below what
 passive eviction can reach, the report says so (``passive_short_bytes``) and a warning is printed.
 Every run trains bitwise-identically to plain training (Note [Passive budget on CPU] in
-runtime/passive.py, Note [Watched iterations] in runtime/tracker.py)."""
+runtime/guards/lru.py, Note [Watched iterations] in runtime/tracker.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from functools import cache
 import pytest
 import torch
 from capuchin.runtime.engine import Runtime
-from capuchin.runtime.passive import PassiveTracker
+from capuchin.runtime.guards.lru import PassiveTracker
 from capuchin.testing.training import TRACES, train_mismatches
 
 SLACK = 1.05

@@ -8,17 +8,13 @@ plan: each evicted storage leaves after its last access before DTR evicted it an
 recomputation at its next access.
 
 # Note: [DTR's heuristic as implemented here]
-# Score of a resident candidate ``s`` (evict the smallest; capuchin.md §4.3 and its [ext] notes on
-# ``simrd``'s h_DTR^eq):
-#     h(s) = (C(s) + sum over distinct evicted-neighbourhood sets N of value(N)) / (M(s) * L(s))
-# ``C(s)``: the time to replay ``s`` for its next access with everything alive resident (its
-# producer, the in-place writes applied since, and any source the baseline has already freed,
-# regenerated on the way: DTR keeps such tensors as recomputable thunks and would pay for them
-# too), ns; ``M(s)``: its size in bytes; ``L(s)``: staleness, ns since its last access on the
-# simulated clock. Evicted storages are grouped by a union-find: evicting ``s`` creates a set of
-# value c(s) (its own producer and writes) merged with the sets of its evicted neighbours (the
-# storages its replay reads, and the storages whose replay reads it); rematerializing ``s``
-# subtracts c(s) from its set's value (sets never split: the approximation DTR accepts).
+# The score and its union-find are DTR's, shared with the runtime's dynamic mode (Note [DTR's
+# score] in dtr_score.py): h(s) = (C(s) + e*(s)) / (M(s) * L(s)), the smallest evicted first.
+# Here ``C(s)`` is the time to replay ``s`` for its next access with everything alive resident
+# (its producer, the in-place writes applied since, and any source the baseline has already
+# freed, regenerated on the way: DTR keeps such tensors as recomputable thunks and would pay for
+# them too), ns; ``L(s)``: ns since its last access on the simulated clock. The value a storage
+# adds to its evicted set is c(s), its own producer and writes.
 # Optimizations from the DTR slides: only a random sample of ``ceil(sqrt(n))`` of the ``n``
 # candidates is scored (fixed seed, so a plan is reproducible), and storages smaller than 0.01 x
 # the mean evictable size are never evicted.
@@ -44,6 +40,7 @@ import random
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
+from ...dtr_score import Node, neighbourhood, score, union
 from ..lineage import chain_ops, replay_for
 from ..plan import Decision, Method
 from ..problem import Problem
@@ -87,32 +84,6 @@ class DtrRun:
         return not self.oom_ops
 
 
-class _UnionFind:
-    """Sets of evicted storages with summed replay cost (DTR's evicted-neighbourhood estimate)."""
-
-    def __init__(self):
-        self.parent: dict[str, str] = {}
-        self.value: dict[str, float] = {}
-
-    def find(self, x: str) -> str:
-        root = x
-        while self.parent[root] != root:
-            root = self.parent[root]
-        while self.parent[x] != root:  # path compression
-            self.parent[x], x = root, self.parent[x]
-        return root
-
-    def add(self, x: str, value: float) -> None:
-        self.parent[x] = x
-        self.value[x] = value
-
-    def union(self, a: str, b: str) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[rb] = ra
-            self.value[ra] += self.value.pop(rb)
-
-
 class _Dtr:
     def __init__(
         self, problem: Problem, budget_bytes: int, seed: int, sample: bool, small_fraction: float
@@ -147,7 +118,7 @@ class _Dtr:
         self.peak = 0
         self.clock = 0
         self.last_access: dict[str, int] = {}
-        self.uf = _UnionFind()
+        self.node: dict[str, Node] = {}  # union-find nodes of the storages ever evicted
         self.uf_cost: dict[str, float] = {}  # what each evicted storage added to its set
         self.evictions: dict[tuple[str, int], list] = {}  # (storage, evict_op) -> record
         self.replayable: dict[tuple[str, int, int], int | None] = {}
@@ -207,13 +178,12 @@ class _Dtr:
     def _score(self, sid: str, e: int, b: int) -> float:
         s = self.p.storages[sid]
         cost = float(self._replay_cost(sid, e, b) or 0)
-        roots = set()
-        for n in (*self.parents.get(sid, ()), *self.children.get(sid, ())):
-            if n in self.evicted:
-                roots.add(self.uf.find(n))
-        cost += sum(self.uf.value[r] for r in roots)
-        stale = max(1, self.clock - self.last_access.get(sid, 0))
-        return cost / (max(1, s.size_bytes) * stale)
+        cost += neighbourhood(
+            self.node[n]
+            for n in (*self.parents.get(sid, ()), *self.children.get(sid, ()))
+            if n in self.evicted
+        )
+        return score(cost, s.size_bytes, self.clock - self.last_access.get(sid, 0))
 
     # -- memory -----------------------------------------------------------------------------------
     def _pick(self, pinned: set[str]) -> tuple[str, int, int] | None:
@@ -266,17 +236,17 @@ class _Dtr:
         self.evictions[(sid, e)] = [e, self.op, b, None]
         self.ever.add(sid)
         self.uf_cost[sid] = float(self._cost(sid, e))
-        self.uf.add(sid, self.uf_cost[sid])
+        node = self.node[sid] = Node(self.uf_cost[sid])
         for n in (*self.parents.get(sid, ()), *self.children.get(sid, ())):
             if n in self.evicted:
-                self.uf.union(sid, n)
+                union(node, self.node[n])
 
     def _back(self, sid: str) -> None:
         """``sid`` is resident again (its own replay, or kept from another's)."""
         e, _ = self.evicted.pop(sid)
         self.resident.add(sid)
         self.used += self.p.storages[sid].size_bytes
-        self.uf.value[self.uf.find(sid)] -= self.uf_cost.pop(sid, 0.0)
+        self.node[sid].root().value -= self.uf_cost.pop(sid, 0.0)
         self.evictions[(sid, e)][3] = self.op
         self.last_access[sid] = self.clock
         self._add_cand(sid)

@@ -1,6 +1,6 @@
 """The budget guard (paper §4.2 passive mode): when the run is not following a plan and resident
 bytes would exceed the budget, evict on demand and continue. Separate from the plan executor
-(tracker.py), which calls it through a few named hooks (``BudgetGuard``).
+(tracker.py), which calls it through the hooks of the ``Guard`` protocol (guards/__init__.py).
 
 It runs where no plan applies: a run without a plan (``Runtime(budget_bytes=...)``), the rest of an
 iteration that diverged from its plan, and iterations the plan does not cover. It tracks the
@@ -67,8 +67,9 @@ import weakref
 
 import torch
 
-from .memory import DeviceMemory, memory_for
-from .state import Entry, Reason, evictable, storage_key, storages
+from ...errors import RecomputeError
+from ..memory import DeviceMemory, memory_for
+from ..state import Entry, Reason, evictable, storage_key, storages
 
 
 class PassiveTracker:
@@ -185,19 +186,10 @@ class PassiveTracker:
 
 
 class BudgetGuard:
-    """Passive budget enforcement, device-neutral. The plan executor owns the evicted storages
-    (``ex.entries``: on-demand restores, step-end restores) and calls these hooks:
-
-    - ``new_iteration()``; ``start()`` where no plan applies (also at a divergence); ``stop()``
-      when a plan applies again; ``active``;
-    - ``before_op(func, args, kwargs, name, flat, keys)`` (room for what the op allocates) and
-      ``after_op(outs, in_keys, token)`` (count its new storages, evict if over);
-    - ``watch(outs, in_keys, token)``: count an op's new storages while a plan is followed;
-    - ``evicted(key)`` / ``restored(key, nbytes)``: a storage left or came back;
-    - ``on_oom(keys, need)``: a real out-of-memory error (CUDA), free ``need`` bytes and retry;
-    - ``check_all_resident()``: everything was restored at once (iteration or step end);
-    - ``discover(flat)``: count what an unwatched iteration left resident before a divergence.
-    """
+    """Passive budget enforcement, device-neutral: the ``Guard`` protocol (guards/__init__.py)
+    with least-recently-used victims, swapped synchronously. ``DynamicGuard`` (dtr.py) keeps its
+    accounting and chooses and evicts its own way. The plan executor owns the evicted storages
+    (``ex.entries``: on-demand restores, step-end restores)."""
 
     def __init__(
         self, budget_bytes: int | None, device: torch.device, memory: DeviceMemory, swap, executor
@@ -302,6 +294,10 @@ class BudgetGuard:
         """Whether evicted ``e`` may stay evicted at the step end (dynamic mode: a dropped
         storage only its own replays read); the LRU guard restores everything."""
         return False
+
+    def replay(self, e: Entry) -> None:
+        """The LRU guard drops nothing, so no entry of its own is ever replayed."""
+        raise RecomputeError(f"{e.sid}: the LRU guard swapped it; it has no replay")
 
     def on_oom(self, keys: set, need: int = 1) -> bool:
         """A real out-of-memory error: evict at least ``need`` bytes (not one victim per error:

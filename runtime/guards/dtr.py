@@ -9,14 +9,13 @@ When the next op would take resident bytes over the budget, the resident storage
 
     h(s) = C(s) / (M(s) * L(s))
 
-is evicted first (M: bytes, L: staleness in ops since its last access, C: the cheaper way back).
-C of a drop is the chain's measured time (plus a replay's measured overhead per op, and the time
-of the freed sources it regenerates, Note [Ghosts]) plus the value of every distinct set of dropped
-storages
-next to ``s`` (those its replay reads and those whose replay reads it), grouped by a union-find
-(DTR's e* approximation: sets merge when a neighbour is dropped, rematerializing ``s`` subtracts
-its cost, sets never split). C of a swap is its way out and back, each fitted to this run's own
-swaps as a fixed cost plus bytes over a bandwidth (Note [What a swap costs]).
+is evicted first (M: bytes, L: staleness in ops since its last access, C: the cheaper way back;
+the score and its union-find are DTR's, shared with the planner's ``dtr`` policy: Note [DTR's
+score] in dtr_score.py). C of a drop is the chain's measured time (plus a replay's measured
+overhead per op, and the time of the freed sources it regenerates, Note [Ghosts]) plus e*, the
+value of every distinct set of dropped storages next to ``s``. C of a swap is its way out and
+back, each fitted to this run's own swaps as a fixed cost plus bytes over a bandwidth (Note [What
+a swap costs]).
 An evicted storage comes back when an op reads it: a swapped one by copy, a dropped one by
 replaying its chain, after its dropped sources have come back first (ancestors first, each with
 room made under the budget, so nothing recurses deeply).
@@ -95,15 +94,16 @@ import weakref
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..errors import RecomputeError
-from ..planner.plan import Decision, Method
-from ..tracer.hooks import op_info, written_inputs
-from ..tracer.schema import is_collective
-from .backend import byte_view
-from .device import replays_exactly
-from .passive import BudgetGuard, PassiveTracker
-from .recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
-from .state import Entry, Reason, Residency, evictable, resize, storage_key, writes
+from ...dtr_score import Node, neighbourhood, score, union
+from ...errors import RecomputeError
+from ...planner.plan import Decision, Method
+from ...tracer.hooks import op_info, written_inputs
+from ...tracer.schema import is_collective
+from ..backend import byte_view
+from ..device import replays_exactly
+from ..recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
+from ..state import Entry, Reason, Residency, evictable, resize, storage_key, writes
+from .lru import BudgetGuard, PassiveTracker
 
 MAX_CHAIN = 64  # ops in one storage's chain (producer + in-place writes); longer: swap only
 # candidates ranked per eviction: more are sampled (at random, DTR's sqrt(n) sampling, at least
@@ -201,34 +201,6 @@ class _CopyTime:
         self.fixed_s, self.s_per_byte = a, b
 
 
-class _Node:
-    """A union-find node of one dropped storage (objects, not keys: a key may be reused after its
-    storage dies, a node stays reachable from the nodes that point through it)."""
-
-    __slots__ = ("parent", "value")
-
-    def __init__(self, value: float):
-        self.parent = self
-        self.value = value
-
-    def root(self) -> _Node:
-        r = self
-        while r.parent is not r:
-            r = r.parent
-        x = self
-        while x.parent is not r:
-            x.parent, x = r, x.parent
-        return r
-
-
-def _union(a: _Node, b: _Node) -> None:
-    ra, rb = a.root(), b.root()
-    if ra is not rb:
-        rb.parent = ra
-        ra.value += rb.value
-        rb.value = 0.0
-
-
 class DynamicTracker(PassiveTracker):
     """Passive mode's counting of storages, plus what DTR needs per storage: its chain (the
     recorded producer and in-place writers), measured cost, neighbours and last access."""
@@ -246,7 +218,7 @@ class DynamicTracker(PassiveTracker):
         self.wcount: dict[int, int] = {}  # storage key -> write counter after its chain's last op
         self.parents: dict[int, set[int]] = {}
         self.children: dict[int, set[int]] = {}
-        self.node: dict[int, _Node] = {}  # dropped storages' union-find nodes
+        self.node: dict[int, Node] = {}  # dropped storages' union-find nodes
         self.last_access: dict[int, int] = {}
         self.new_out: dict[int, int] = {}  # serial -> bytes of the new storages the op allocated
         # name -> (chain, write counter, seconds) of storages that died with a chain: a
@@ -487,16 +459,10 @@ class DynamicTracker(PassiveTracker):
 
     def neighbourhood_s(self, key: int) -> float:
         """Value of the distinct dropped sets next to ``key`` (DTR's e*)."""
-        roots = set()
-        total = 0.0
-        for k in (*self.parents.get(key, ()), *self.children.get(key, ())):
-            n = self.node.get(k)
-            if n is not None:
-                r = n.root()
-                if r not in roots:
-                    roots.add(r)
-                    total += r.value
-        return total
+        node = self.node.get
+        return neighbourhood(
+            node(k) for k in (*self.parents.get(key, ()), *self.children.get(key, ()))
+        )
 
 
 class DynamicGuard(BudgetGuard):
@@ -688,7 +654,7 @@ class DynamicGuard(BudgetGuard):
             stale = clock - last.get(key, 0)
             if stale < 1:
                 stale = 1
-            cands.append((cost / (n * stale), -stale, key, item[0], n, drop, c_swap))
+            cands.append((score(cost, n, stale), -stale, key, item[0], n, drop, c_swap))
         cands.sort(key=_rank)  # equal h: the least recently used first
         got = 0
         for _, _, key, ref, n, drop, c_swap in cands:
@@ -785,11 +751,11 @@ class DynamicGuard(BudgetGuard):
             ex.dependents.setdefault(k, set()).add(e.sid)  # R3
         resize(st, 0)
         e.state = Residency.OUT
-        node = tr.node[key] = _Node(cost)
+        node = tr.node[key] = Node(cost)
         for k in (*tr.parents.get(key, ()), *tr.children.get(key, ())):
             other = tr.node.get(k)
             if other is not None:
-                _union(node, other)
+                union(node, other)
         tr.evicted(key)
         ex.stats.passive_evictions += 1
         ex.stats.dynamic_drops += 1
