@@ -27,6 +27,7 @@ from torch import nn
 FRAMEWORKS = Path(__file__).resolve().parent / "frameworks"
 SCRIPT = FRAMEWORKS / "compiled_lm.py"
 GPT = FRAMEWORKS / "nanogpt_compiled.py"
+HF = FRAMEWORKS / "hf_gpt2_compiled.py"
 STEPS = ["--steps", "5"]
 
 
@@ -95,6 +96,58 @@ def test_compiled_gpt_trains_bitwise_within_the_budget(gpt_trace, budget):
     rt = Runtime(plan)
     got = run_example(GPT, STEPS, rt)
     assert state_mismatches(ref, got) == []
+    its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+    assert len(its) == 4 and not any(s.diverged for s in its)
+    assert all(s.evictions > 0 for s in its)
+    assert all(s.peak_bytes <= 1.05 * plan.budget_bytes for s in its), (
+        [s.peak_bytes for s in its],
+        plan.budget_bytes,
+    )
+
+
+def _hf_state(args: list[str], context=None) -> dict[str, torch.Tensor]:
+    """The HF script's final state (its ``opt`` and ``model`` globals), taken without the global
+    module hooks of ``run_example``: with them Dynamo compiles the model into other regions than
+    the trace saw (the hook is traced into the graph), and the run diverges from its plan."""
+    import contextlib
+    import io
+
+    from capuchin.runmain import run_as_main
+    from capuchin.runtime.snapshot import state_of
+
+    with contextlib.redirect_stdout(io.StringIO()), context or contextlib.nullcontext():
+        g = run_as_main(HF, args)
+    return state_of([g["opt"]], [("model", g["model"])])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "dropout",
+    [
+        "0.0",
+        pytest.param(
+            "0.1",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="with dropout in the compiled regions the steady peak is 1.07-1.10x the "
+                "budget (bitwise equal all the same); cause not found",
+            ),
+        ),
+    ],
+)
+def test_compiled_hf_gpt2_trains_bitwise_within_the_budget(tmp_path, dropout):
+    """A Hugging Face GPT-2 compiled whole (one forward and one backward region per step, whose
+    own inputs, outputs and scratch are a floor: 60% of the peak is below it, so the smallest
+    feasible budget): state equal to the compiled script without capuchin, peak within 1.05x."""
+    args = ["--steps", "6", "--dropout", dropout]
+    trace = trace_script(HF, args, output=tmp_path / "t.parquet", log=lambda m: None)
+    with pytest.raises(InfeasibleBudgetError):
+        make_plan(trace, "60%")
+    plan = make_plan(trace, _smallest(trace))
+    ref = _hf_state(STEPS + ["--dropout", dropout])
+    rt = Runtime(plan)
+    got = _hf_state(STEPS + ["--dropout", dropout], rt)
+    assert len(ref) > 50 and state_mismatches(ref, got) == []
     its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
     assert len(its) == 4 and not any(s.diverged for s in its)
     assert all(s.evictions > 0 for s in its)
