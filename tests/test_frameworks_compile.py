@@ -213,6 +213,23 @@ def test_global_settings_that_cannot_be_managed_are_refused_at_the_region(
             compiled(torch.randn(4, 8)).sum().backward()
 
 
+def test_a_compiled_function_under_the_scripts_own_dispatch_mode_is_refused():
+    """Dynamo would run it eagerly for the script's mode (which does not ignore compile
+    internals): refused at the call instead of a silent change."""
+    import torch._dynamo
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Own(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch._dynamo.reset()
+    with Runtime(device="cpu", budget_bytes=10**9, measure_memory=False):
+        f = torch.compile(lambda x: x.sin() + 1)
+        with Own(), pytest.raises(CapuchinError, match="ran under a dispatch mode"):
+            f(torch.randn(4))
+
+
 def test_another_higher_order_op_is_refused():
     """``torch.cond`` reaches the mode as a higher-order op that is not a compiled region."""
     x = torch.randn(4)
