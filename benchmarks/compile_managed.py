@@ -52,6 +52,12 @@ def main() -> None:
     ap.add_argument("--budgets", default="60%,smallest")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8, help="steps of each timed run")
+    ap.add_argument(
+        "--activation-budgets",
+        default="",
+        help="also compare with torch._functorch.config.activation_memory_budget at these "
+        "values (e.g. 0.5,0.0): its peak and step time, and capuchin's at that peak",
+    )
     ap.add_argument("script_args", nargs="*")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -101,6 +107,58 @@ def main() -> None:
             f"{predicted:.3f} | {measured / predicted:.3f} | {peak / plan.budget_bytes:.3f} | "
             f"{diverged} |"
         )
+    if args.activation_budgets:
+        compare_activation_budget(script, argv, out, args)
+
+
+def compare_activation_budget(script, argv, trace, args) -> None:
+    """PyTorch's own knob (a knapsack over each compiled region's saved activations, recompute
+    inside the region) at each value, against capuchin's plan at the peak the knob reached."""
+    import torch._functorch.config as fc
+
+    loads = [os.getloadavg()[0]]
+    rows = []
+    for value in (float(v) for v in args.activation_budgets.split(",")):
+        with fc.patch(activation_memory_budget=value):
+            t = min(_once(script, argv).steady_time_s() for _ in range(args.repeats))
+            peak = _once(script, argv, profile=True).steady_peak()
+        try:
+            plan = capuchin.make_plan(trace, budget=peak)
+        except InfeasibleBudgetError as exc:
+            rows.append(
+                (
+                    value,
+                    t,
+                    peak,
+                    None,
+                    None,
+                    f"infeasible (smallest {exc.smallest_feasible_bytes} B)",
+                )
+            )
+            continue
+        ct = min(
+            _once(script, argv, Runtime(plan, measure_memory=False)).steady_time_s()
+            for _ in range(args.repeats)
+        )
+        rt = Runtime(plan, measure_memory=True)
+        _once(script, argv, rt)
+        cpeak = max(x.peak_bytes for x in rt.report.iterations if x.complete and x.iteration >= 1)
+        rows.append((value, t, peak, ct, cpeak, ""))
+        loads.append(os.getloadavg()[0])
+        print(f"activation_memory_budget {value}: done", file=sys.stderr)
+    base = min(_once(script, argv).steady_time_s() for _ in range(args.repeats))
+    print(
+        f"\nactivation_memory_budget (plain compiled step {base * 1e3:.1f} ms at 1.0 default); "
+        f"load average {min(loads):.1f}-{max(loads):.1f}\n"
+    )
+    print(
+        "| activation_memory_budget | its steady peak B | its step ms | capuchin at that peak: "
+        "step ms | capuchin's steady peak B | note |"
+    )
+    print("|---" * 6 + "|")
+    for value, t, peak, ct, cpeak, note in rows:
+        cts = f"{ct * 1e3:.1f}" if ct is not None else "-"
+        print(f"| {value} | {peak} | {t * 1e3:.1f} | {cts} | {cpeak or '-'} | {note} |")
 
 
 if __name__ == "__main__":
