@@ -109,6 +109,7 @@ from ..errors import PlanFormatError, RecomputeError
 from ..planner.plan import Step
 from ..tracer.hooks import (
     SPLIT_SPECS,
+    call_info,
     flatten_outputs,
     flatten_tensors,
     join_outputs,
@@ -157,6 +158,12 @@ def _snapshot(st) -> torch.Tensor:
 
 class TrackerMode(TorchDispatchMode):
     """The mode object; all logic lives in ``Executor`` (it outlives re-entries of the mode)."""
+
+    supports_higher_order_operators = True  # compiled regions (Note [torch.compile])
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # Dynamo compiles under the mode (Note [torch.compile] in tracer/compiled.py)
 
     def __init__(self, executor: Executor):
         super().__init__()
@@ -331,7 +338,7 @@ class Executor:
                     for k in d.replay_ops:
                         self.op_refs[k] = self.op_refs.get(k, 0) + 1
 
-    def _switch_kind(self, k: int, func, flat: list) -> bool:
+    def _switch_kind(self, k: int, func, flat: list, info=None) -> bool:
         """Note [Iteration kinds]: op ``k`` does not match the current kind's plan; take the
         plan of another kind whose ops ``0..k-1`` are those of the current one and whose op
         ``k`` is this op (name, and shapes where it has actions). Everything evicted comes back
@@ -356,7 +363,7 @@ class Executor:
                 self._prefix[key] = n
             if self._prefix[key] < k:
                 continue
-            if func is not t.expected[k] and not t.late_match(k, func):
+            if func is not t.expected[k] and not t.late_match(k, func, info):
                 continue
             if t.ops.get(k) is not None:
                 sig = sig if sig is not None else shape_signature(x.shape for x in flat)
@@ -495,6 +502,8 @@ class Executor:
         info = op_info(func)
         if info.ignored:
             return func(*args, **kwargs)
+        if info.hop:  # a compiled region: matched by name (Note [torch.compile])
+            info = call_info(info, func, args)
         ix = self.ix
         if ix.iteration < 0 or (ix.step_pending and not ix.in_optimizer):
             ix._start_iteration()  # same boundary rule as OpIndexer.begin_op (tracer/hooks.py)
@@ -509,8 +518,10 @@ class Executor:
         extra = False  # Note [Resync after an unexpected op]
         if self.guided:
             tbl = self.table
-            if k >= tbl.n_ops or (func is not tbl.expected[k] and not tbl.late_match(k, func)):
-                if self._switch_kind(k, func, flat):
+            if k >= tbl.n_ops or (
+                func is not tbl.expected[k] and not tbl.late_match(k, func, info)
+            ):
+                if self._switch_kind(k, func, flat, info):
                     tbl = self.table
                     acts = tbl.ops.get(k)
                 elif self._may_skip(func, args, kwargs):
@@ -522,7 +533,7 @@ class Executor:
                 acts = tbl.ops.get(k)
                 check = acts is not None or self.watching or self.resync_left
                 if check and not tbl.shapes_match(k, flat):
-                    if self._switch_kind(k, func, flat):
+                    if self._switch_kind(k, func, flat, info):
                         acts = self.table.ops.get(k)
                     elif acts is None and not self.resync_left and _allocates_nothing(func):
                         pass  # Note [Watched iterations]: other shapes that allocate nothing
