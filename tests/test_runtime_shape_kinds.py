@@ -1,0 +1,95 @@
+"""Dynamic padding with two recurring batch shapes (tests/frameworks/dynamic_pad.py pads to 24 at
+odd steps, to 20 at even ones): the planner makes one plan per recurring shape within the plan's
+``kinds`` (Note [Shape kinds] in planner/api.py), and the runtime follows the plan of each
+batch's shape at every batch (Note [Shape kinds at run time] in runtime/tracker.py): no
+iteration diverges, every one carries out its kind's evictions within the budget, bitwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from capuchin.planner.api import make_plan, shape_kinds
+from capuchin.runtime.engine import Runtime
+from capuchin.testing.training import run_example, state_mismatches
+from capuchin.tracer.reader import load_trace
+from capuchin.tracer.schema import Col
+from capuchin.tracer.script import trace_script
+from capuchin.tracer.summary import iteration_kinds
+
+PAD = Path(__file__).resolve().parent / "frameworks" / "dynamic_pad.py"
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    path = trace_script(
+        PAD,
+        ["--steps", "6"],
+        output=tmp_path_factory.mktemp("shape_kinds") / "t.parquet",
+        iterations=4,
+        log=lambda m: None,
+        plain_steps=0,
+    )
+    loaded = load_trace(path)
+    # fixed costs (every op 100 us, copies at 10 GB/s): the same plan whatever the host's load
+    loaded.events.loc[loaded.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
+    return loaded
+
+
+def test_recurring_shapes_are_kinds_of_their_own(trace):
+    assert not trace.meta.regular  # the same op names, other shapes
+    assert iteration_kinds(trace) == [("train", [1, 2, 3, 4])]
+    # padded to 20 at iterations 2 and 4, to 24 at 1 and 3; within a bucket the samples'
+    # lengths differ (the collate copies' shapes), which tells no kind apart
+    assert shape_kinds(trace, iteration_kinds(trace)) == [("train", [2, 4]), ("kind1", [1, 3])]
+
+
+def test_every_batch_follows_the_plan_of_its_shape(trace, capsys):
+    plan = make_plan(trace, "60%", policy="capuchin", bandwidth="10GB/s")  # no --iteration
+    assert [k.kind for k in plan.kinds] == ["kind1"]
+    assert plan.decisions and plan.kinds[0].decisions
+    args = ["--steps", "9"]
+    rt = Runtime(plan, measure_memory=True)
+    got = run_example(PAD, args, rt)
+    assert state_mismatches(run_example(PAD, args), got) == []
+    its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+    assert len(its) == 8
+    assert [(s.iteration, s.diverged_at) for s in its if s.diverged] == []
+    assert [s.kind for s in its] == ["kind1", "train"] * 4  # 24 at odd steps, 20 at even
+    for s in its:
+        assert s.evictions > 0 and s.passive_evictions == 0, s
+        assert s.peak_bytes <= plan.budget_bytes, (s.iteration, s.peak_bytes / plan.budget_bytes)
+    assert "diverges" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_three_shapes_each_start_with_what_their_plan_keeps_out(tmp_path, capsys):
+    """Three buckets (20, 24, 28 in turn): the 28-long kind keeps more of the optimizer's state
+    out across the iteration boundary than the 20-long one before it; a switch to it swaps
+    that out at once, so every batch stays within the budget (Note [Shape kinds at run time])."""
+    args = ["--buckets", "3"]
+    path = trace_script(
+        PAD,
+        ["--steps", "9", *args],
+        output=tmp_path / "t.parquet",
+        iterations=6,
+        log=lambda m: None,
+        plain_steps=0,
+    )
+    trace = load_trace(path)
+    trace.events.loc[trace.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
+    kinds = shape_kinds(trace, iteration_kinds(trace))
+    assert kinds == [("train", [3, 6]), ("kind1", [2, 5]), ("kind2", [1, 4])]
+    plan = make_plan(trace, "60%", policy="capuchin", bandwidth="10GB/s")
+    wraps = [{d.storage_id for d in p.decisions if d.wraps} for p in (plan, *plan.kinds)]
+    assert wraps[2] - wraps[0], "the 28-long kind keeps nothing more out than the 20-long one"
+    run = ["--steps", "10", *args]
+    rt = Runtime(plan, measure_memory=True)
+    got = run_example(PAD, run, rt)
+    assert state_mismatches(run_example(PAD, run), got) == []
+    its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+    assert [(s.iteration, s.diverged_at) for s in its if s.diverged] == []
+    assert [s.kind for s in its] == ["kind2", "kind1", "train"] * 3
+    ratios = {s.iteration: round(s.peak_bytes / plan.budget_bytes, 3) for s in its}
+    assert all(r <= 1.0 for r in ratios.values()), ratios
+    assert "measured over the budget" not in capsys.readouterr().err
