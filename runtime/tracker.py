@@ -73,11 +73,15 @@
 # ``Executor.check_shape_kinds``), so the iteration switches to its kind there, before the
 # forward pass has left anything of the main kind's plan to undo. A switch on other shapes needs
 # the new kind's shapes at that op (with three buckets, a switch on names alone took the wrong
-# kind and diverged at its first action). A switch restores what the current kind evicted but
+# kind and diverged at its first action). Other shapes at an op with no action that allocates
+# nothing are let pass before any switch is tried: a sample copy of a length that happens to be
+# the other kind's would switch there and back, and the iteration lost one planned eviction. A
+# switch restores what the current kind evicted but
 # what is out across the iteration boundary (``restore_all`` keeps wrap-around entries out; the
 # new kind's decision of the same id takes it back). What only the new kind keeps out is named
 # in every kind's iterations (``check_shape_kinds`` adds the naming to the other kinds' tables)
-# and swapped out at the switch (``Executor._bind_kind_wraps``), before the forward pass: left
+# and swapped out at the switch (``Executor._bind_kind_wraps``; under the main kind, which every
+# iteration starts as, at the last op where the kinds part), before the forward pass: left
 # resident it measured 1.12x the budget in a 28-long batch after a 20-long
 # one of tests/frameworks/dynamic_pad.py --buckets 3.
 
@@ -599,15 +603,22 @@ class Executor:
                 acts = tbl.ops.get(k)
                 check = acts is not None or self.watching or self.resync_left
                 if (check or k < tbl.check_until) and not tbl.shapes_match(k, flat):
-                    if self._switch_kind(k, func, flat, shapes=True):
-                        acts = self.table.ops.get(k)
-                    elif acts is None and not self.resync_left and _allocates_nothing(func):
+                    if acts is None and not self.resync_left and _allocates_nothing(func):
                         pass  # Note [Watched iterations]: other shapes that allocate nothing
+                    elif self._switch_kind(k, func, flat, shapes=True):
+                        acts = self.table.ops.get(k)
                     else:
                         self._diverge(k, info.name, "shapes", flat)
                         acts = None
                 elif self.resync_left:
                     self.resync_left -= 1
+            if (  # Note [Shape kinds at run time]: still the main kind where the kinds part
+                self._kind_wraps
+                and self.guided
+                and k + 1 >= self.table.check_until
+                and self.table is self.kind_tables[0]
+            ):
+                self._bind_kind_wraps()
         if not self.guided and self._tail is not None:  # Note [Wrap-around storages ...]
             refs = []
             for t in flat:
