@@ -17,7 +17,7 @@ from capuchin.testing.training import run_example, state_mismatches
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.schema import Col
 from capuchin.tracer.script import trace_script
-from capuchin.tracer.summary import iteration_kinds
+from capuchin.tracer.summary import iteration_kinds, summarize
 
 PAD = Path(__file__).resolve().parent / "frameworks" / "dynamic_pad.py"
 
@@ -44,6 +44,8 @@ def test_recurring_shapes_are_kinds_of_their_own(trace):
     # padded to 20 at iterations 2 and 4, to 24 at 1 and 3; within a bucket the samples'
     # lengths differ (the collate copies' shapes), which tells no kind apart
     assert shape_kinds(trace, iteration_kinds(trace)) == [("train", [2, 4]), ("kind1", [1, 3])]
+    # ``capuchin show`` lists the kinds ``capuchin plan`` plans
+    assert summarize(trace).kinds == {"train": [2, 4], "kind1": [1, 3]}
 
 
 def test_every_batch_follows_the_plan_of_its_shape(trace, capsys):
