@@ -315,6 +315,7 @@ class Executor:
         # named in every iteration, and the storages the last iteration named so
         self._kind_wrap_sids: set[str] = set()
         self._kind_wraps: dict[str, weakref.ref] = {}
+        self._kind_wraps_from = None  # the table of the iteration that named them
         # Note [Wrap-around storages before the first planned iteration]
         wraps = [
             d.back_op for d in (table.decisions.values() if table is not None else ()) if d.wraps
@@ -404,6 +405,8 @@ class Executor:
         the iteration boundary and the last iteration's kind left resident is swapped out now,
         as that decision's entry (its prefetch and restore are the plan's)."""
         refs, self._kind_wraps = self._kind_wraps, {}
+        if self._kind_wraps_from is None or self._kind_wraps_from.names != self.table.names:
+            return  # ids name the same tensors only in kinds of the same ops
         with _disable_current_modes(), torch.no_grad():
             for sid, d in self.table.decisions.items():
                 ref = refs.get(sid)
@@ -471,6 +474,7 @@ class Executor:
             for sid in (self._kind_wrap_sids if self.guided else ())
             if (ref := self.live.get(sid)) is not None
         }
+        self._kind_wraps_from = self.table
         if self._tail:
             if not self.guided:  # Note [Wrap-around storages before the first planned ...]
                 with _disable_current_modes(), torch.no_grad():
