@@ -67,6 +67,9 @@ class ActionTable:
     # signature string per checked op; None where the string is ambiguous ("" is no tensor or
     # one 0-d tensor): those ops compare strings
     shapes: list = field(default_factory=list)
+    # ops ``0..check_until-1`` are checked by shapes in every iteration: where kinds of the
+    # same op names part (Note [Shape kinds at run time] in tracker.py)
+    check_until: int = 0
 
     @property
     def n_ops(self) -> int:
