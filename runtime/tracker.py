@@ -425,9 +425,7 @@ class Executor:
                 self.live.pop(sid, None)
         self._update_fast()
 
-    def _switch_kind(
-        self, k: int, func, flat: list, info=None, shapes: bool = False
-    ) -> bool:
+    def _switch_kind(self, k: int, func, flat: list, info=None, shapes: bool = False) -> bool:
         """Note [Iteration kinds]: op ``k`` does not match the current kind's plan; take the
         plan of another kind whose ops ``0..k-1`` are those of the current one and whose op
         ``k`` is this op (name, and shapes where it has actions). Everything evicted comes back
