@@ -47,6 +47,12 @@
 # ``torch.compile`` is a no-op and the script trains eagerly with and without capuchin alike.
 # The hooks (the wrapper flag, the ``inductor_compiled_code`` op, ``original_gm``,
 # ``ignore_compile_internals``) are private to torch and were checked on torch 2.13.0.
+#
+# Note: [Compile hooks by version]
+# ``hooks_missing`` names the hooks above that the installed torch lacks. Where one is missing,
+# the guard leaves Inductor's config alone and ``torch.compile``/``torch._dynamo.optimize``
+# raise ``CompileRefused`` at the call, naming the torch version: a compiled script is never run
+# unmanaged or eagerly in its place, and a script that does not compile runs as on any version.
 """
 
 from __future__ import annotations
@@ -61,6 +67,26 @@ from .schema import REGION_PREFIX
 
 REGION_OP = REGION_PREFIX[:-1]  # the higher-order op's name
 ALLOWED_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+CHECKED_ON = "2.13.0"  # the torch version the private hooks were checked on
+
+
+def hooks_missing() -> list[str]:
+    """The private hooks of Note [torch.compile] this torch lacks (empty: all present)."""
+    import torch._inductor.config as ic
+    from torch._dynamo.convert_frame import CatchErrorsWrapper
+
+    missing = []
+    if not hasattr(ic, "wrap_inductor_compiled_regions"):
+        missing.append("torch._inductor.config.wrap_inductor_compiled_regions")
+    if not hasattr(CatchErrorsWrapper, "_handle_skip"):
+        missing.append("CatchErrorsWrapper._handle_skip")
+    try:
+        from torch._higher_order_ops.wrap import inductor_compiled_code  # noqa: F401
+    except ImportError:
+        missing.append("the inductor_compiled_code higher-order op")
+    return missing
 
 
 class CompileRefused(CapuchinError):
@@ -244,14 +270,33 @@ class CompileGuard:
         import torch._inductor.config as ic
         from torch._dynamo.convert_frame import CatchErrorsWrapper
 
-        cls.saved = (torch.compile, torch._dynamo.optimize, CatchErrorsWrapper._handle_skip)
+        cls.saved = (
+            torch.compile,
+            torch._dynamo.optimize,
+            getattr(CatchErrorsWrapper, "_handle_skip", None),
+        )
         compile_, optimize, handle_skip = cls.saved
-        cls.wrap_was = ic.wrap_inductor_compiled_regions
-        if not cls.wrap_was:
-            ic.wrap_inductor_compiled_regions = True
-            torch._dynamo.reset()  # regions compiled without the wrapper (Note [torch.compile])
+        # Note [Compile hooks by version]: where this torch lacks a hook the management rests
+        # on, a compiled script is refused at its torch.compile call, never run unmanaged, and
+        # a script that does not compile runs as before
+        hooks = hooks_missing()
+        if not hooks:
+            cls.wrap_was = ic.wrap_inductor_compiled_regions
+            if not cls.wrap_was:
+                ic.wrap_inductor_compiled_regions = True
+                torch._dynamo.reset()  # regions compiled without the wrapper (Note [torch.compile])
+
+        def refuse_version() -> None:
+            if hooks and not _disabled():
+                raise CompileRefused(
+                    f"{_caller()}: torch.compile cannot run under capuchin with torch "
+                    f"{torch.__version__}, which lacks {', '.join(hooks)} (managed on torch "
+                    f"{CHECKED_ON}); set TORCHDYNAMO_DISABLE=1 to train eagerly both with "
+                    "and without capuchin"
+                )
 
         def capuchin_compile(model=None, **kwargs):
+            refuse_version()
             if not _disabled():
                 check_compile_call(
                     kwargs.get("backend", "inductor"), kwargs.get("mode"), kwargs.get("options")
@@ -259,6 +304,7 @@ class CompileGuard:
             return compile_(model, **kwargs) if model is not None else compile_(**kwargs)
 
         def capuchin_optimize(*args, **kwargs):
+            refuse_version()
             if not _disabled():
                 backend = args[0] if args else kwargs.get("backend", "inductor")
                 options = getattr(backend, "config", None)  # torch.compile's wrapper of inductor
@@ -279,7 +325,8 @@ class CompileGuard:
 
         torch.compile = capuchin_compile
         torch._dynamo.optimize = capuchin_optimize
-        CatchErrorsWrapper._handle_skip = capuchin_handle_skip
+        if handle_skip is not None:
+            CatchErrorsWrapper._handle_skip = capuchin_handle_skip
 
     @classmethod
     def uninstall(cls) -> None:
@@ -288,7 +335,9 @@ class CompileGuard:
             import torch._inductor.config as ic
             from torch._dynamo.convert_frame import CatchErrorsWrapper
 
-            torch.compile, torch._dynamo.optimize, CatchErrorsWrapper._handle_skip = cls.saved
+            torch.compile, torch._dynamo.optimize, handle_skip = cls.saved
+            if handle_skip is not None:
+                CatchErrorsWrapper._handle_skip = handle_skip
             cls.saved = ()
             if cls.wrap_was is not None:
                 ic.wrap_inductor_compiled_regions = cls.wrap_was
