@@ -96,7 +96,29 @@ class DeviceBackend(Protocol):
 
     def allocated_bytes(self) -> int | None: ...
 
+    def snapshot(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        """A copy of ``storage``'s bytes in host memory that the device's allocator does not
+        count (Note [Snapshots on the host]); synchronous."""
+        ...
+
     def close(self) -> None: ...
+
+
+# Note: [Snapshots on the host]
+# ``CAPUCHIN_VERIFY=1`` keeps a copy of every evicted storage to compare it with what comes back,
+# and compares through a second copy. Both live in host memory the device's allocator never
+# counts: on CUDA a device copy counts against the allocator cap set for the budget and turns
+# the check itself into out-of-memory errors; on CPU a copy through PyTorch's allocator is what
+# the runtime measures as the device's peak (numpy memory, as the host buffer pool, is not).
+
+
+def _host_copy(storage: torch.UntypedStorage) -> torch.Tensor:
+    """``storage``'s bytes in numpy memory (PyTorch's CPU allocator does not count it)."""
+    n = storage.nbytes()
+    out = torch.from_numpy(np.empty(n, dtype=np.uint8))
+    with _no_python_dispatch():
+        out.copy_(byte_view(storage, n))
+    return out
 
 
 # ---- host buffer pool ----------------------------------------------------------------------------
@@ -296,6 +318,9 @@ class CPUBackend:
     def allocated_bytes(self) -> int | None:
         return None  # the CPU allocator keeps no count outside the profiler
 
+    def snapshot(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        return _host_copy(storage)  # Note [Snapshots on the host]
+
     def close(self) -> None:
         self._d2h.close()
         self._h2d.close()
@@ -421,6 +446,11 @@ class CUDABackend:
 
     def allocated_bytes(self) -> int | None:
         return self.memory.allocated_bytes()  # Note [Cheap memory counter] in device.py
+
+    def snapshot(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        # pageable host memory: the caching allocator never sees it (Note [Snapshots on the host])
+        with _no_python_dispatch():
+            return byte_view(storage).to("cpu", copy=True)
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)

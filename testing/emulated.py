@@ -324,5 +324,10 @@ class EmulatedBackend:
     def allocated_bytes(self) -> int | None:
         return None
 
+    def snapshot(self, storage) -> torch.Tensor:
+        from ..runtime.backend import _host_copy
+
+        return _host_copy(storage)
+
     def close(self) -> None:
         self.timeline.run_until(max(self.timeline.stream_end.values(), default=0))

@@ -92,14 +92,12 @@ import time
 import weakref
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ...dtr_score import Node, neighbourhood, score, union
 from ...errors import RecomputeError
 from ...planner.plan import Decision, Method
 from ...tracer.hooks import op_info, written_inputs
 from ...tracer.schema import is_collective
-from ..backend import byte_view
 from ..device import replays_exactly
 from ..recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
 from ..state import Entry, Reason, Residency, evictable, resize, storage_key, writes
@@ -727,8 +725,7 @@ class DynamicGuard(BudgetGuard):
             f"dtr:{self.n_entries}", weakref.ref(st, ex.died(key)), n, swap, Reason.DYNAMIC, d
         )
         if ex.rt.verify:
-            with _disable_current_modes():
-                e.extra["copy"] = byte_view(st).to("cpu", copy=True)  # Note [Snapshots on the host]
+            e.extra["copy"] = self.swap.backend.snapshot(st)  # Note [Snapshots on the host]
         ex.adopt(key, e)
         return e
 
