@@ -1,4 +1,5 @@
-"""``torch.compile`` under capuchin: refused up front (Note [torch.compile]).
+"""``torch.compile`` and CUDA graph capture under capuchin: refused up front (Note [torch.compile],
+Note [CUDA graphs]).
 
 # Note: [torch.compile]
 # The tracer and the runtime are ``TorchDispatchMode``s that must see every op of the script:
@@ -20,6 +21,17 @@
 # reason). When Dynamo is disabled (``TORCHDYNAMO_DISABLE=1``, ``torch._dynamo.config.disable``),
 # ``torch.compile`` is a no-op and is let through: the script then trains eagerly with and
 # without capuchin alike.
+
+# Note: [CUDA graphs]
+# A captured CUDA graph replays its kernels without dispatching a single op: the tracer would
+# record the capture once and never the replays, and the runtime could neither evict nor
+# restore the tensors the replays read and write (they are the graph's static buffers, read by
+# address). The capture itself forbids what the runtime does around ops: querying and
+# synchronizing events, reading the RNG state, allocating outside the graph's private pool (an
+# error or a silently captured copy). So while a tracer or a runtime with a dispatch mode is
+# installed, entering ``torch.cuda.graph`` (which ``make_graphed_callables`` also uses) and
+# ``CUDAGraph.capture_begin`` raise ``CudaGraphRefused`` before anything is captured: one line
+# naming the script's line. The empty plan installs no dispatch mode and lets graphs be.
 """
 
 from __future__ import annotations
@@ -33,6 +45,10 @@ from ..errors import CapuchinError
 
 class CompileRefused(CapuchinError):
     """The script called torch.compile while capuchin traces or runs it."""
+
+
+class CudaGraphRefused(CapuchinError):
+    """The script began a CUDA graph capture while capuchin traces or runs it."""
 
 
 def _caller() -> str:
@@ -63,9 +79,49 @@ def _disabled() -> bool:
         return False
 
 
+def _graph_refusal(what: str) -> CudaGraphRefused:
+    return CudaGraphRefused(
+        f"{_caller()}: {what} cannot run under capuchin: a captured CUDA graph replays kernels "
+        "without dispatching ops, so capuchin could neither see nor evict and restore their "
+        "tensors, and the capture forbids the runtime's own event queries, syncs and "
+        "allocations; remove the capture to trace or run the script under capuchin"
+    )
+
+
+class GraphGuard:
+    """Replaces ``torch.cuda.graph.__init__`` and ``CUDAGraph.capture_begin`` while installed
+    (Note [CUDA graphs]); installed and removed with ``CompileGuard``."""
+
+    saved: tuple = ()
+
+    @classmethod
+    def install(cls) -> None:
+        graphs = getattr(torch.cuda, "graphs", None)
+        if graphs is None or cls.saved:
+            return
+        cls.saved = (graphs, graphs.graph.__init__, graphs.CUDAGraph.capture_begin)
+
+        def capuchin_graph(self, *args, **kwargs):
+            raise _graph_refusal("torch.cuda.graph")
+
+        def capuchin_capture_begin(self, *args, **kwargs):
+            raise _graph_refusal("CUDAGraph.capture_begin")
+
+        graphs.graph.__init__ = capuchin_graph
+        graphs.CUDAGraph.capture_begin = capuchin_capture_begin
+
+    @classmethod
+    def uninstall(cls) -> None:
+        if cls.saved:
+            graphs, init, capture_begin = cls.saved
+            graphs.graph.__init__ = init
+            graphs.CUDAGraph.capture_begin = capture_begin
+            cls.saved = ()
+
+
 class CompileGuard:
     """Replaces ``torch.compile`` and ``torch._dynamo.optimize`` while installed (nested
-    installs are counted)."""
+    installs are counted), and refuses CUDA graph capture (``GraphGuard``)."""
 
     depth = 0
     saved: tuple = ()
@@ -78,6 +134,7 @@ class CompileGuard:
         import torch._dynamo
         from torch._dynamo.convert_frame import CatchErrorsWrapper
 
+        GraphGuard.install()  # Note [CUDA graphs]
         cls.saved = (torch.compile, torch._dynamo.optimize, CatchErrorsWrapper._handle_skip)
         compile_, optimize, handle_skip = cls.saved
 
@@ -124,3 +181,4 @@ class CompileGuard:
 
             torch.compile, torch._dynamo.optimize, CatchErrorsWrapper._handle_skip = cls.saved
             cls.saved = ()
+            GraphGuard.uninstall()

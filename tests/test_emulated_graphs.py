@@ -1,0 +1,56 @@
+"""CUDA graph capture under capuchin (Note [CUDA graphs] in tracer/compiled.py): refused with one
+line naming the script's line, under the tracer and under the runtime, before anything is
+captured; the guard is gone after the run. On this CPU build PyTorch's graph classes exist but
+cannot capture: the refusal comes before any of their code runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from capuchin.cli import main
+from click.testing import CliRunner
+
+pytestmark = pytest.mark.emulated
+
+SCRIPT = """\
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(2):
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+{capture}
+    model(torch.randn(8, 4))
+"""
+CAPTURES = {
+    "torch.cuda.graph": "with torch.cuda.graph(None):",
+    "CUDAGraph.capture_begin": "if True:\n    torch.cuda.CUDAGraph.capture_begin(None)",
+}
+
+
+@pytest.mark.parametrize("what", sorted(CAPTURES))
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["trace", "--device", "cpu", "-o", "{tmp}/t.parquet"],
+        ["run", "--budget", "100M", "--device", "cpu", "--report", "{tmp}/r.json"],
+    ],
+)
+def test_a_cuda_graph_capture_is_refused_up_front(tmp_path, command, what):
+    graphs = torch.cuda.graphs
+    originals = (graphs.graph.__init__, graphs.CUDAGraph.capture_begin)
+    script = tmp_path / "src" / "graphed.py"
+    script.parent.mkdir()
+    script.write_text(SCRIPT.format(capture=CAPTURES[what]))
+    args = [a.format(tmp=tmp_path) for a in command]
+    r = CliRunner().invoke(main, [*args, str(script)])
+    assert r.exit_code == 1, r.output
+    err = [line for line in r.output.splitlines() if line.startswith("capuchin: error:")]
+    assert len(err) == 1, r.output
+    line = 10 if what == "torch.cuda.graph" else 11
+    assert f"{script}:{line}: {what} cannot run under capuchin" in err[0], err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"], "nothing written"
+    assert (graphs.graph.__init__, graphs.CUDAGraph.capture_begin) == originals, "guard gone"
