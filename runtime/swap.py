@@ -55,6 +55,7 @@ import time
 import torch
 
 from .backend import DeviceBackend
+from .device import caught_oom
 from .state import Entry, Residency, resize
 
 OVERDUE_FACTOR = 1.5
@@ -176,6 +177,7 @@ class SwapEngine:
         try:
             resize(st, e.nbytes)
         except torch.cuda.OutOfMemoryError:  # Note [Out of memory in the runtime]: skip it
+            caught_oom()
             return
         e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy)
         e.in_start_s = time.perf_counter()
@@ -244,6 +246,7 @@ class SwapEngine:
                 resize(st, nbytes)
                 return
             except torch.cuda.OutOfMemoryError:
+                caught_oom()  # Note [Out-of-memory errors caught inside an op] in device.py
                 if self.sync_earliest() > 0:
                     continue
                 if self.make_room is None or self.make_room(nbytes, st) <= 0:

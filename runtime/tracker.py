@@ -123,6 +123,7 @@ from ..tracer.schema import (
     id_kind,
     shape_signature,
 )
+from .device import caught_oom
 from .state import (
     Entry,
     Reason,
@@ -173,6 +174,7 @@ class TrackerMode(TorchDispatchMode):
                     try:
                         return func(*args, **kwargs) if kwargs else func(*args)
                     except torch.cuda.OutOfMemoryError:  # Note [Out of memory in the runtime]
+                        caught_oom()
                         return self.ex._run(func, args, kwargs or {})
             except IndexError:
                 pass
@@ -647,6 +649,7 @@ class Executor:
             try:
                 return func(*args, **kwargs)
             except torch.cuda.OutOfMemoryError:
+                caught_oom()  # Note [Out-of-memory errors caught inside an op] in device.py
                 # a real OOM under set_per_process_memory_fraction: finish the earliest swap-out,
                 # else evict what the op needs, and retry (paper §4.2, §5.3)
                 if self.swap.sync_earliest() > 0:
@@ -663,6 +666,7 @@ class Executor:
             try:
                 return alloc()
             except torch.cuda.OutOfMemoryError:
+                caught_oom()
                 if self.swap.sync_earliest() > 0:
                     continue
                 if self._make_room(need, st) <= 0:

@@ -98,7 +98,7 @@ from ...errors import RecomputeError
 from ...planner.plan import Decision, Method
 from ...tracer.hooks import op_info, written_inputs
 from ...tracer.schema import is_collective
-from ..device import replays_exactly
+from ..device import caught_oom, replays_exactly
 from ..recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
 from ..state import Entry, Reason, Residency, evictable, resize, storage_key, writes
 from .lru import BudgetGuard, PassiveTracker
@@ -852,6 +852,7 @@ class DynamicGuard(BudgetGuard):
                 tr.engine.replay(e.decision, st, e.nbytes, {})
                 break
             except torch.cuda.OutOfMemoryError:
+                caught_oom()  # Note [Out-of-memory errors caught inside an op] in device.py
                 if ex.swap.sync_earliest() <= 0 and self.evict(e.nbytes, protect) <= 0:
                     raise
         else:
