@@ -62,6 +62,32 @@ class Copy(Protocol):
         ...
 
 
+# Note: [Costs on the device's timeline]
+# Where the host runs ahead of the device (CUDA), host time around an op is its launch, not its
+# work, and a host wait for a copy drains every op queued before it: dynamic mode, which ranks
+# victims by what their replay or their swap costs, saw drops as nearly free and swaps as dear.
+# So such a backend has a ``clock``: ``mark()`` is a point on the compute stream (a timing
+# event), ``span_s(a, b)`` the device seconds between two marks once both are reached (None
+# before), and ``copy_s(copy)`` the seconds a copy took on its own stream, from its start there
+# to its end (None while it runs). The CPU backend has none: its "device" is the host, and host
+# time is what its ops and copies cost. Dynamic mode reads op times and replays when the device
+# has reached them, and before it ranks victims while it records, it waits for the device to
+# reach the op being dispatched (``wait``): the costs it ranks by are then device times, for one
+# device synchronization per eviction while it records (a swap-out waits for the device
+# anyway). A swap's way out or back costs the host's own part (its time without the wait, which
+# drained whatever compute was queued before the copy) plus the copy's time on its stream.
+class DeviceClock(Protocol):
+    def mark(self): ...
+
+    def wait(self, mark) -> None:
+        """Block the host until the device has reached ``mark``."""
+        ...
+
+    def span_s(self, a, b) -> float | None: ...
+
+    def copy_s(self, copy: Copy) -> float | None: ...
+
+
 class DeviceBackend(Protocol):
     device: torch.device
 
@@ -93,6 +119,10 @@ class DeviceBackend(Protocol):
         ...
 
     def free_after_copy_out(self, storage: torch.UntypedStorage, copy: Copy) -> bool: ...
+
+    # ``clock``: the device's timeline (``DeviceClock``), or None where the host is the device
+    # (CPU: host time is device time). Note [Costs on the device's timeline].
+    clock: DeviceClock | None
 
     def allocated_bytes(self) -> int | None: ...
 
@@ -260,6 +290,8 @@ class CPUBackend:
     copy thread would never be subtracted from the measured peak.
     """
 
+    clock = None  # the host is the device (Note [Costs on the device's timeline])
+
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self._pool = _HostPool(lambda n: torch.from_numpy(np.empty(n, dtype=np.uint8)))
@@ -330,12 +362,13 @@ class CPUBackend:
 
 
 class _EventCopy:
-    __slots__ = ("nbytes", "event", "keep")
+    __slots__ = ("nbytes", "event", "keep", "start")
 
-    def __init__(self, nbytes: int, event, keep):
+    def __init__(self, nbytes: int, event, keep, start=None):
         self.nbytes = nbytes
         self.event = event
         self.keep = keep  # tensors the copy reads/writes: alive until the event completes
+        self.start = start  # a timing event where the copy's stream began it
 
     def done(self) -> bool:
         return self.event.query()
@@ -346,6 +379,36 @@ class _EventCopy:
         t0 = time.perf_counter()
         self.event.synchronize()
         return time.perf_counter() - t0
+
+
+def _timing_event(stream):
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev
+
+
+class _CUDAClock:
+    """Timing events on the compute stream (Note [Costs on the device's timeline])."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mark(self):
+        return _timing_event(torch.cuda.current_stream(self.device))
+
+    def wait(self, mark) -> None:
+        mark.synchronize()
+
+    def span_s(self, a, b) -> float | None:
+        if not (b.query() and a.query()):
+            return None
+        return a.elapsed_time(b) / 1000.0
+
+    def copy_s(self, copy) -> float | None:
+        start = getattr(copy, "start", None)
+        if start is None or not copy.event.query():
+            return None
+        return start.elapsed_time(copy.event) / 1000.0
 
 
 class CUDABackend:
@@ -370,6 +433,7 @@ class CUDABackend:
         self._d2h = torch.cuda.Stream(self.device)
         self._h2d = torch.cuda.Stream(self.device)
         self._pool = _HostPool(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        self.clock = _CUDAClock(self.device)  # Note [Costs on the device's timeline]
         # buffers released while a copy may still touch them: (event, buf)
         self._releasing: collections.deque = collections.deque()
 
@@ -397,10 +461,11 @@ class CUDABackend:
             ready = torch.cuda.current_stream(self.device).record_event()
             self._d2h.wait_event(ready)
             with torch.cuda.stream(self._d2h):
+                start = _timing_event(self._d2h)  # Note [Costs on the device's timeline]
                 buf[:n].copy_(src, non_blocking=True)
                 src.record_stream(self._d2h)
-                done = self._d2h.record_event()
-        return _EventCopy(n, done, (src, buf))
+                done = _timing_event(self._d2h)
+        return _EventCopy(n, done, (src, buf), start)
 
     def copy_in(
         self,
@@ -417,11 +482,11 @@ class CUDABackend:
             if after is not None:
                 self._h2d.wait_event(after.event)  # the swap-out has filled the host buffer
             with torch.cuda.stream(self._h2d):
+                start = _timing_event(self._h2d)  # Note [Costs on the device's timeline]
                 dst.copy_(buf[:n], non_blocking=True)
                 dst.record_stream(self._h2d)
-                done = torch.cuda.Event(enable_timing=True)  # judge_late compares times
-                done.record(self._h2d)
-        return _EventCopy(n, done, (dst, buf))
+                done = _timing_event(self._h2d)  # judge_late compares times
+        return _EventCopy(n, done, (dst, buf), start)
 
     def wait_compute(self, copy: Copy) -> float:
         torch.cuda.current_stream(self.device).wait_event(copy.event)

@@ -78,6 +78,7 @@ class SwapEngine:
         self.prefetched: set[Entry] = set()  # SWAPPING_IN, for ``unprefetch``
         # planned back-accesses that found their prefetch in flight: (decision, bytes, judge)
         self.judging: list = []
+        self.last_restore: object | None = None  # the copy of the last on-demand restore
 
     # ---- out ------------------------------------------------------------------------------------
     def evict(self, e: Entry) -> None:
@@ -196,6 +197,7 @@ class SwapEngine:
             if st is not None:  # on demand: nothing was prefetched
                 self._alloc(st, e.nbytes)
                 e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy, now=True)
+                self.last_restore = e.in_copy  # its time on the device (dynamic mode's costs)
                 self.stats.swapped_in_bytes += e.nbytes
                 self.stats.stall_s += e.in_copy.wait()
                 self.backend.wait_compute(e.in_copy)
