@@ -154,22 +154,44 @@ def _host_copy(storage: torch.UntypedStorage) -> torch.Tensor:
 # ---- host buffer pool ----------------------------------------------------------------------------
 
 
-class _HostPool:
-    """Exact-size free lists: an iteration repeats the same sizes, so buffers are reused as is."""
+def pinned_size(nbytes: int) -> int:
+    """The block PyTorch's pinned host allocator hands out for ``nbytes``: the next power of two
+    (Note [Pinned buffers are powers of two])."""
+    return 1 << max(0, int(nbytes) - 1).bit_length()
 
-    def __init__(self, make):
+
+# Note: [Pinned buffers are powers of two]
+# PyTorch's CachingHostAllocator rounds every pinned block up to a power of two (its
+# ``pinned_max_round_threshold`` is unlimited by default), so a pinned buffer of n bytes holds up
+# to 2n of page-locked host memory. With exact-size free lists the pool kept a buffer per
+# distinct size, each rounded, none reusable for another size of its class, and
+# ``host_pool_bytes`` reported the unrounded sum. So the CUDA pool asks for the
+# rounded size itself and keeps one free list per power of two: a buffer serves every request of
+# its class (copies use its first n bytes), and ``host_pool_bytes`` is what is pinned. The rounding
+# itself stays (pinning exact sizes would need ``cudaHostRegister`` on pageable memory, which
+# has not run here).
+
+
+class _HostPool:
+    """Free lists by size class (``size``: exact on CPU; powers of two for pinned memory, Note
+    [Pinned buffers are powers of two]): an iteration repeats the same sizes, so buffers are
+    reused as is; a buffer may be larger than asked (copies use its first bytes)."""
+
+    def __init__(self, make, size=int):
         self._make = make
+        self._size = size
         self._free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
         self.allocated_bytes = 0  # host bytes ever allocated by the pool
         self.lock = threading.Lock()
 
     def get(self, nbytes: int) -> torch.Tensor:
+        n = self._size(nbytes)
         with self.lock:
-            free = self._free.get(nbytes)
+            free = self._free.get(n)
             if free:
                 return free.pop()
-            self.allocated_bytes += nbytes
-        return self._make(nbytes)
+            self.allocated_bytes += n
+        return self._make(n)
 
     def put(self, buf: torch.Tensor) -> None:
         with self.lock:
@@ -432,7 +454,9 @@ class CUDABackend:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._d2h = torch.cuda.Stream(self.device)
         self._h2d = torch.cuda.Stream(self.device)
-        self._pool = _HostPool(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        self._pool = _HostPool(  # Note [Pinned buffers are powers of two]
+            lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True), pinned_size
+        )
         self.clock = _CUDAClock(self.device)  # Note [Costs on the device's timeline]
         # buffers released while a copy may still touch them: (event, buf)
         self._releasing: collections.deque = collections.deque()
