@@ -54,3 +54,23 @@ def test_a_cuda_graph_capture_is_refused_up_front(tmp_path, command, what):
     assert f"{script}:{line}: {what} cannot run under capuchin" in err[0], err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"], "nothing written"
     assert (graphs.graph.__init__, graphs.CUDAGraph.capture_begin) == originals, "guard gone"
+
+
+def test_the_guards_install_where_dynamo_lacks_the_skip_handler(monkeypatch):
+    """A torch without ``CatchErrorsWrapper._handle_skip`` (older Dynamo; the GPU machine's
+    torch may be one): installing the guards must not fail, and torch.compile and CUDA graph
+    capture are still refused."""
+    import torch._dynamo.convert_frame as convert_frame
+    from capuchin.tracer.compiled import CompileGuard, CompileRefused, CudaGraphRefused
+
+    monkeypatch.delattr(convert_frame, "CatchErrorsWrapper")
+    original = torch.compile
+    CompileGuard.install()
+    try:
+        with pytest.raises(CompileRefused):
+            torch.compile(lambda x: x)
+        with pytest.raises(CudaGraphRefused):
+            torch.cuda.graph(None)
+    finally:
+        CompileGuard.uninstall()
+    assert torch.compile is original

@@ -132,11 +132,12 @@ class CompileGuard:
         if cls.depth > 1:
             return
         import torch._dynamo
-        from torch._dynamo.convert_frame import CatchErrorsWrapper
 
         GraphGuard.install()  # Note [CUDA graphs]
-        cls.saved = (torch.compile, torch._dynamo.optimize, CatchErrorsWrapper._handle_skip)
-        compile_, optimize, handle_skip = cls.saved
+        wrapper = _skip_handler_owner()
+        handle_skip = getattr(wrapper, "_handle_skip", None)
+        cls.saved = (torch.compile, torch._dynamo.optimize, wrapper, handle_skip)
+        compile_, optimize = torch.compile, torch._dynamo.optimize
 
         def capuchin_compile(*args, **kwargs):
             if _disabled():
@@ -171,14 +172,27 @@ class CompileGuard:
 
         torch.compile = capuchin_compile
         torch._dynamo.optimize = capuchin_optimize
-        CatchErrorsWrapper._handle_skip = capuchin_handle_skip
+        if handle_skip is not None:
+            wrapper._handle_skip = capuchin_handle_skip
 
     @classmethod
     def uninstall(cls) -> None:
         cls.depth = max(0, cls.depth - 1)
         if cls.depth == 0 and cls.saved:
-            from torch._dynamo.convert_frame import CatchErrorsWrapper
-
-            torch.compile, torch._dynamo.optimize, CatchErrorsWrapper._handle_skip = cls.saved
+            compile_, optimize, wrapper, handle_skip = cls.saved
+            torch.compile, torch._dynamo.optimize = compile_, optimize
+            if handle_skip is not None:
+                wrapper._handle_skip = handle_skip
             cls.saved = ()
             GraphGuard.uninstall()
+
+
+def _skip_handler_owner():
+    """Dynamo's ``CatchErrorsWrapper`` (whose ``_handle_skip`` sees a compiled frame about to be
+    skipped for the mode), or None in a torch without it: there only a function compiled before
+    capuchin started goes unrefused (Note [torch.compile])."""
+    try:
+        from torch._dynamo.convert_frame import CatchErrorsWrapper
+    except ImportError:
+        return None
+    return CatchErrorsWrapper if hasattr(CatchErrorsWrapper, "_handle_skip") else None
