@@ -2,6 +2,13 @@
 (Note [Plain step] in tracer/record.py, Note [Plain baseline] in planner/problem.py).
 
     python benchmarks/plain_prediction.py [--examples cnn,transformer,mlp,hf_gpt2] [--budget 50%]
+    python benchmarks/plain_prediction.py --examples nanogpt,hf_t5,hf_llama_ckpt --repeats 3 \
+        --script-args "--batch 16"
+
+An example is a bundled one (traces/), benchmarks/scripts/hf_gpt2.py, or a script of
+tests/frameworks/ in the style people write (nanoGPT, a Hugging Face T5 or Llama with gradient
+checkpointing, ...: the probe of ../shared/reports/real-scripts.md rebuilt); those train at
+module level and are timed as a whole run (their steady optimizer steps).
 
 Per example: trace the bundled script afresh (1 warm-up, 3 recorded, 1 plain warm-up, 3 timed
 plain iterations), plan it at ``--budget`` (or the smallest budget the planner reaches), then
@@ -17,6 +24,8 @@ shared and noisy: compare rows of one run only.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
 import os
 import sys
@@ -27,12 +36,26 @@ import capuchin
 import torch
 from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.problem import Problem
+from capuchin.runmain import run_as_main
 from capuchin.runtime.engine import Runtime
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.script import trace_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime import SCRIPTS, TRACES, time_once  # noqa: E402  (benchmarks/runtime.py)
+from runtime import SCRIPTS, TRACES, _Steps, time_once  # noqa: E402  (benchmarks/runtime.py)
+
+FRAMEWORKS = Path(__file__).resolve().parent.parent / "tests" / "frameworks"
+
+
+def _time_script(script: Path, argv: list[str], context=None) -> float:
+    """Median steady iteration time (s) of one run of a script that trains at module level."""
+    with (
+        _Steps(profile=False) as s,
+        contextlib.redirect_stdout(io.StringIO()),
+        context or contextlib.nullcontext(),
+    ):
+        run_as_main(script, argv)
+    return s.steady_time_s()
 
 
 def _plan(trace, budget):
@@ -48,6 +71,9 @@ def main() -> None:
     ap.add_argument("--budget", default="50%")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="steps of each timed run")
+    ap.add_argument(
+        "--script-args", default="", help="more arguments for every script (e.g. '--batch 16')"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="capuchin-plain-"))
@@ -57,19 +83,23 @@ def main() -> None:
         script = TRACES / f"{name}.py"
         if not script.exists():  # hf_gpt2: benchmarks/scripts/
             script = SCRIPTS / f"{name}.py"
+        timer = time_once
+        if not script.exists():  # the real-style scripts: tests/frameworks/
+            script, timer = FRAMEWORKS / f"{name}.py", _time_script
         out = tmp / f"{name}.trace.parquet"
-        trace_script(script, ["--steps", "12"], output=out, log=lambda _: None)
+        extra = args.script_args.split()
+        trace_script(script, ["--steps", "12", *extra], output=out, log=lambda _: None)
         trace = load_trace(out)
         plan = _plan(trace, args.budget)
         trace.meta.plain_iteration_ns = None  # the same plan as stated before: of the traced sum
         old = _plan(trace, plan.provenance.budget_bytes)
         traced_ns = Problem.from_trace(trace).time_ns
-        argv = ["--steps", str(args.steps)]
+        argv = ["--steps", str(args.steps), *extra]
         best = {"plain": math.inf, "capuchin": math.inf}
         for _ in range(args.repeats):
-            best["plain"] = min(best["plain"], time_once(script, argv))
+            best["plain"] = min(best["plain"], timer(script, argv))
             rt = Runtime(plan, measure_memory=False)
-            best["capuchin"] = min(best["capuchin"], time_once(script, argv, context=rt))
+            best["capuchin"] = min(best["capuchin"], timer(script, argv, context=rt))
         loads.append(os.getloadavg()[0])
         measured = best["capuchin"] / best["plain"]
         new = 1 + plan.predictions.predicted_overhead
@@ -78,7 +108,7 @@ def main() -> None:
         print(f"{name}: done", file=sys.stderr)
     print(
         f"\nbudget {args.budget} (or the smallest feasible); one intra-op thread; best of "
-        f"{args.repeats} interleaved rounds of --steps {args.steps}; load average "
+        f"{args.repeats} interleaved rounds of --steps {args.steps} {args.script_args}; load average "
         f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n"
     )
     print(

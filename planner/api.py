@@ -78,7 +78,7 @@ def make_plan(
     """
     if iteration is None and not isinstance(trace, Problem):
         tr = trace if isinstance(trace, Trace) else load_trace(trace)
-        kinds = iteration_kinds(tr)
+        kinds = shape_kinds(tr, iteration_kinds(tr))
         if len(kinds) > 1 and len(kinds[0][1]) > 1:  # Note [Iteration kinds]
             return _plan_kinds(
                 tr,
@@ -148,6 +148,40 @@ def make_plan(
 # in ``Plan.kinds`` ("kind1", "kind2", ... in order of frequency). The runtime picks the kind as
 # each iteration runs (Note [Iteration kinds] in runtime/tracker.py). A trace whose iterations
 # all differ is still refused (``--iteration N`` plans one of them).
+
+
+# Note: [Shape kinds]
+# Iterations with the same op names may still differ in shapes: dynamic padding pads each batch
+# to its longest sequence, and bucketing makes a few lengths recur. In a trace that is not
+# regular, ``shape_kinds`` splits each kind of ``iteration_kinds`` by the input shapes of the ops
+# that allocate (``OpInfo.signature`` where ``OpInfo.allocs``): an op that allocates nothing
+# (a view, a ``copy_`` of one sample into a slice of the padded batch) may have other shapes
+# within one bucket, and the runtime does not take those for a divergence either (Note [Watched
+# iterations] in runtime/tracker.py). Each recurring shape then gets a plan of its own, within
+# the existing ``kinds`` of the plan format (no new field); the runtime picks the kind at the
+# first op whose shapes tell the kinds apart (Note [Shape kinds at run time] in
+# runtime/tracker.py). As for kinds by op names, they are planned when the most frequent one was
+# recorded at least twice; a shape recorded once is then a kind of its own too.
+
+
+def shape_kinds(trace: Trace, kinds: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+    """``kinds`` (``iteration_kinds``), each split by the shapes of its allocating ops (Note
+    [Shape kinds]); unchanged for a regular trace. Ordered and named as ``iteration_kinds``."""
+    if trace.meta.regular:
+        return kinds
+    groups: list[list[int]] = []
+    for _, its in kinds:
+        if len(its) == 1:
+            groups.append(its)
+            continue
+        by_shape: dict[tuple, list[int]] = {}
+        for it in its:
+            ops = Problem.from_trace(trace, iteration=it).ops
+            key = tuple(o.signature if o.allocs else "" for o in ops)
+            by_shape.setdefault(key, []).append(it)
+        groups += by_shape.values()
+    order = sorted(groups, key=lambda its: (-len(its), -its[-1]))
+    return [("train" if i == 0 else f"kind{i}", its) for i, its in enumerate(order)]
 
 
 def _plan_kinds(

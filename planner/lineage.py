@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import PlanError
 from .plan import Decision, Method, new_decision
-from .problem import Problem, is_collective
+from .problem import Problem, never_replayed
 
 MAX_REPLAY_OPS = 5000
 
@@ -116,8 +116,8 @@ def _chain(problem: Problem, sid: str, upto: int) -> tuple[int, ...] | None:
     else:
         w = s.writers
         chain = (s.alloc_op, *(x for x in w[: bisect_right(w, upto)] if x > s.alloc_op))
-        if any(is_collective(problem.ops[k].name) for k in chain):
-            chain = None  # never replayed (Note [Collectives] in problem.py)
+        if any(never_replayed(problem.ops[k].name) for k in chain):
+            chain = None  # Note [Collectives] in problem.py, Note [torch.compile]
     memo[key] = chain
     return chain
 
@@ -482,12 +482,12 @@ class _Allocs:
         for x in self.sids:
             s = st[x]
             a = s.alloc_op
-            if is_collective(ops[a].name):
+            if never_replayed(ops[a].name):
                 lim.append(-1)
                 continue
             first = 1 << 62
             for w in s.writers:
-                if w > a and (w not in rs or is_collective(ops[w].name)):
+                if w > a and (w not in rs or never_replayed(ops[w].name)):
                     first = w
                     break
             lim.append(first)

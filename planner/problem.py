@@ -74,6 +74,7 @@ from ..tracer.schema import (  # noqa: F401 (is_collective: planner modules impo
     Role,
     communicates,
     is_collective,
+    never_replayed,
     shape_signature,
 )
 from .costs import NO_HOST_COST, HostCost, host_cost

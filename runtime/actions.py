@@ -67,6 +67,9 @@ class ActionTable:
     # signature string per checked op; None where the string is ambiguous ("" is no tensor or
     # one 0-d tensor): those ops compare strings
     shapes: list = field(default_factory=list)
+    # ops ``0..check_until-1`` are checked by shapes in every iteration: where kinds of the
+    # same op names part (Note [Shape kinds at run time] in tracker.py)
+    check_until: int = 0
 
     @property
     def n_ops(self) -> int:
@@ -89,10 +92,14 @@ class ActionTable:
                 self.guarded[k] = None
         return a
 
-    def late_match(self, k: int, func) -> bool:
+    def late_match(self, k: int, func, info=None) -> bool:
         """Op ``k`` is ``func`` although no OpOverload was known for its name when the plan was
         compiled: ops of libraries the script imports later (``torch.ops.fsdp.*`` exists once
-        FSDP2 is imported) resolve at their first call, by name."""
+        FSDP2 is imported) resolve at their first call, by name. A compiled region (``info``
+        of a higher-order op) matches by its name at every call and never takes the fast path:
+        one op serves every region (Note [torch.compile] in tracer/compiled.py)."""
+        if info is not None and info.hop:
+            return self.expected[k] is None and info.name == self.names[k]
         if self.expected[k] is not None or str(func) != self.names[k]:
             return False
         self.expected[k] = func

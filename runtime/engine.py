@@ -261,6 +261,7 @@ class Runtime:
         )
         if self.plan is not None:  # Note [Iteration kinds] in tracker.py
             self.ex.kind_tables += [compile_plan(k) for k in self.plan.kinds]
+            self.ex.check_shape_kinds()
         self._iters = []
         self.meter = MemoryMeter(self.device) if self.measure_memory else None
         if self.device.type == "cuda" and self.budget_bytes:

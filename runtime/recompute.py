@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import RecomputeError
 from ..planner.plan import Decision
+from ..tracer.compiled import is_hop
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
 from ..tracer.schema import is_collective
 from .device import replays_exactly
@@ -243,6 +244,8 @@ class RecomputeEngine:
                 return f"op {k} was not recorded"
             if is_collective(str(rec.func)):  # Note [Collectives] in planner/problem.py
                 return f"op {k} is a collective"
+            if is_hop(rec.func):  # Note [torch.compile] in tracer/compiled.py
+                return f"op {k} is a compiled region"
             if not replays_exactly(rec.func, self.device_type):
                 return f"op {k} ({rec.func}) is nondeterministic on {self.device_type}"
             for s in rec.slots:

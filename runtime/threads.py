@@ -58,6 +58,12 @@ _INTERNAL = ("capuchin-",)  # thread names of capuchin's own threads (runtime/ba
 class ForeignMode(TorchDispatchMode):
     """The dispatch mode of a thread that does not train (Note [Other threads])."""
 
+    supports_higher_order_operators = True  # compiled regions (Note [torch.compile])
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # Dynamo compiles under the mode (Note [torch.compile] in tracer/compiled.py)
+
     def __init__(self, executor):
         super().__init__()
         self.ex = executor

@@ -57,9 +57,9 @@ def test_a_cuda_graph_capture_is_refused_up_front(tmp_path, command, what):
 
 
 def test_the_guards_install_where_dynamo_lacks_the_skip_handler(monkeypatch):
-    """A torch without ``CatchErrorsWrapper._handle_skip`` (older Dynamo; the GPU machine's
-    torch may be one): installing the guards must not fail, and torch.compile and CUDA graph
-    capture are still refused."""
+    """A torch without ``CatchErrorsWrapper._handle_skip`` (an older Dynamo; the GPU machine's
+    torch may be one): installing the guards must not fail, and what they refuse stays
+    refused."""
     import torch._dynamo.convert_frame as convert_frame
     from capuchin.tracer.compiled import CompileGuard, CompileRefused, CudaGraphRefused
 
@@ -67,10 +67,29 @@ def test_the_guards_install_where_dynamo_lacks_the_skip_handler(monkeypatch):
     original = torch.compile
     CompileGuard.install()
     try:
-        with pytest.raises(CompileRefused):
-            torch.compile(lambda x: x)
+        with pytest.raises(CompileRefused, match="reduce-overhead"):
+            torch.compile(lambda x: x, mode="reduce-overhead")
         with pytest.raises(CudaGraphRefused):
             torch.cuda.graph(None)
     finally:
         CompileGuard.uninstall()
     assert torch.compile is original
+
+
+def test_torch_compile_is_refused_where_inductor_cannot_wrap_regions(monkeypatch):
+    """A torch whose Inductor config has no ``wrap_inductor_compiled_regions``: compiled regions
+    cannot be made ops, so torch.compile is refused with one line while the guard is
+    installed (it would otherwise run kernels capuchin cannot see)."""
+    import capuchin.tracer.compiled as compiled
+    import torch._inductor.config as ic
+
+    monkeypatch.setattr(compiled, "_region_wrapper", lambda: False)
+    wrap = ic.wrap_inductor_compiled_regions
+    compiled.CompileGuard.install()
+    try:
+        assert ic.wrap_inductor_compiled_regions == wrap  # left alone
+        with pytest.raises(compiled.CompileRefused, match="cannot make a compiled region one op"):
+            torch.compile(lambda x: x)
+    finally:
+        compiled.CompileGuard.uninstall()
+    assert ic.wrap_inductor_compiled_regions == wrap

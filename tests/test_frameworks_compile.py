@@ -1,6 +1,8 @@
-"""torch.compile under capuchin (Note [torch.compile] in tracer/compiled.py): refused up front
-with one line, since Dynamo would silently train eagerly under capuchin's dispatch mode; with
-Dynamo disabled the script trains eagerly with and without capuchin, bitwise alike."""
+"""torch.compile under capuchin (Note [torch.compile] in tracer/compiled.py): each compiled region
+is one op of the trace and of the run, swapped around exactly and never replayed; what cannot be
+managed exactly (CUDA graphs, compiled autograd, freezing, other backends, other higher-order
+ops) is refused up front with one line; with Dynamo disabled the script trains eagerly with and
+without capuchin, bitwise alike."""
 
 from __future__ import annotations
 
@@ -9,33 +11,242 @@ from pathlib import Path
 import pytest
 import torch
 from capuchin.cli import main
+from capuchin.errors import CapuchinError, InfeasibleBudgetError
 from capuchin.planner.api import make_plan
+from capuchin.planner.lineage import chain_ops
+from capuchin.planner.plan import Method
+from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
 from capuchin.testing.training import run_example, state_mismatches
+from capuchin.tracer.reader import load_trace
+from capuchin.tracer.schema import Phase, is_compiled_region
 from capuchin.tracer.script import trace_script
 from click.testing import CliRunner
+from torch import nn
 
-SCRIPT = Path(__file__).resolve().parent / "frameworks" / "compiled_lm.py"
+FRAMEWORKS = Path(__file__).resolve().parent / "frameworks"
+SCRIPT = FRAMEWORKS / "compiled_lm.py"
+GPT = FRAMEWORKS / "nanogpt_compiled.py"
+HF = FRAMEWORKS / "hf_gpt2_compiled.py"
+STEPS = ["--steps", "5"]
+
+
+@pytest.fixture(scope="module")
+def gpt_trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpt") / "t.parquet"
+    return trace_script(GPT, ["--steps", "6"], output=out, log=lambda m: None)
+
+
+@pytest.mark.slow
+def test_each_compiled_region_is_one_op_with_a_stable_name(gpt_trace):
+    """A forward region and a backward region per micro-batch, named by their graph: the same
+    names in every recorded iteration, the backward one in the backward phase; the region's
+    outputs are read by the backward region (the saved activations)."""
+    tr = load_trace(gpt_trace)
+    p = Problem.from_trace(tr)
+    regions = [o for o in p.ops if is_compiled_region(o.name)]
+    assert [o.phase for o in regions] == [Phase.FORWARD, Phase.BACKWARD] * 2, regions
+    assert regions[0].name == regions[2].name and regions[1].name == regions[3].name
+    assert regions[0].name != regions[1].name
+    ev = tr.events
+    names = (
+        ev[ev.op_name.fillna("").map(is_compiled_region)].groupby("iteration").op_name.apply(list)
+    )
+    assert len(names) == 3 and all(list(n) == list(names.iloc[0]) for n in names)
+    saved = [
+        x
+        for x in regions[0].outputs
+        if p.storages[x].evictable and regions[1].index in p.storages[x].accesses
+    ]
+    assert saved, "the backward region reads forward-region outputs"
+
+
+@pytest.mark.slow
+def test_a_compiled_region_is_never_replayed(gpt_trace):
+    """A region's outputs have no replay chain, so even the recompute-only policy swaps them."""
+    p = Problem.from_trace(load_trace(gpt_trace))
+    made = [
+        s
+        for s in p.storages.values()
+        if s.alloc_op is not None and is_compiled_region(p.ops[s.alloc_op].name)
+    ]
+    assert made and all(chain_ops(p, s.storage_id, len(p.ops)) is None for s in made)
+    plan = make_plan(p, "60%", "capuchin")
+    recomputed = [d for d in plan.decisions if d.method is Method.RECOMPUTE]
+    assert not any(is_compiled_region(p.ops[k].name) for d in recomputed for k in d.replay_ops)
+
+
+def _smallest(trace) -> int:
+    with pytest.raises(InfeasibleBudgetError) as e:
+        make_plan(trace, "1%")
+    return e.value.smallest_feasible_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", ["60%", "smallest"])
+def test_compiled_gpt_trains_bitwise_within_the_budget(gpt_trace, budget):
+    """The compiled nanoGPT script under a plan: every state tensor equal to the same compiled
+    script without capuchin, the steady peak within 1.05x the budget, the plan carried out
+    (evictions of region outputs, no divergence)."""
+    plan = make_plan(gpt_trace, _smallest(gpt_trace) if budget == "smallest" else budget)
+    problem = Problem.from_trace(load_trace(gpt_trace))
+    region_out = {x for o in problem.ops if is_compiled_region(o.name) for x in o.outputs}
+    assert any(d.storage_id in region_out for d in plan.decisions)
+    ref = run_example(GPT, STEPS)
+    rt = Runtime(plan)
+    got = run_example(GPT, STEPS, rt)
+    assert state_mismatches(ref, got) == []
+    its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+    assert len(its) == 4 and not any(s.diverged for s in its)
+    assert all(s.evictions > 0 for s in its)
+    assert all(s.peak_bytes <= 1.05 * plan.budget_bytes for s in its), (
+        [s.peak_bytes for s in its],
+        plan.budget_bytes,
+    )
+
+
+def _hf_state(args: list[str], context=None) -> dict[str, torch.Tensor]:
+    """The HF script's final state (its ``opt`` and ``model`` globals), taken without the global
+    module hooks of ``run_example``: with them Dynamo compiles the model into other regions than
+    the trace saw (the hook is traced into the graph), and the run diverges from its plan."""
+    import contextlib
+    import io
+
+    from capuchin.runmain import run_as_main
+    from capuchin.runtime.snapshot import state_of
+
+    with contextlib.redirect_stdout(io.StringIO()), context or contextlib.nullcontext():
+        g = run_as_main(HF, args)
+    return state_of([g["opt"]], [("model", g["model"])])
+
+
+@pytest.mark.slow
+def test_compiled_hf_gpt2_trains_bitwise_within_the_budget(tmp_path):
+    """A Hugging Face GPT-2 compiled whole (one forward and one backward region per step, whose
+    own inputs, outputs and scratch are a floor: 60% of the peak is below it, so the smallest
+    feasible budget), dropout drawn inside the regions: state equal to the compiled script
+    without capuchin, peak within 1.05x."""
+    args = ["--steps", "6"]
+    trace = trace_script(HF, args, output=tmp_path / "t.parquet", log=lambda m: None)
+    with pytest.raises(InfeasibleBudgetError):
+        make_plan(trace, "60%")
+    plan = make_plan(trace, _smallest(trace))
+    ref = _hf_state(STEPS)
+    rt = Runtime(plan)
+    got = _hf_state(STEPS, rt)
+    assert len(ref) > 50 and state_mismatches(ref, got) == []
+    its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+    assert len(its) == 4 and not any(s.diverged for s in its)
+    assert all(s.evictions > 0 for s in its)
+    assert all(s.peak_bytes <= 1.05 * plan.budget_bytes for s in its), (
+        [s.peak_bytes for s in its],
+        plan.budget_bytes,
+    )
+
+
+@pytest.mark.slow
+def test_the_compiled_reference_is_not_eager_training(monkeypatch):
+    """The comparison above can tell compiled from eager training: they differ on this script."""
+    import torch._dynamo
+
+    compiled = run_example(GPT, STEPS)
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    assert state_mismatches(compiled, run_example(GPT, STEPS)) != []
 
 
 @pytest.mark.parametrize(
-    "command",
-    [["trace", "-o", "{tmp}/t.parquet"], ["run", "--budget", "100M", "--report", "{tmp}/r.json"]],
+    "mode", ["reduce-overhead", "max-autotune"], ids=["reduce-overhead", "max-autotune"]
 )
-def test_compiled_script_is_refused_up_front(tmp_path, command):
+def test_cuda_graph_modes_are_refused_up_front(tmp_path, mode):
     original = torch.compile
-    args = [a.format(tmp=tmp_path) for a in command]
-    r = CliRunner().invoke(main, [*args, str(SCRIPT), "--steps", "2"])
+    args = ["trace", "-o", str(tmp_path / "t.parquet"), str(GPT), "--steps", "2", "--mode", mode]
+    r = CliRunner().invoke(main, args)
     assert r.exit_code == 1, r.output
     err = [line for line in r.output.splitlines() if line.startswith("capuchin: error:")]
     assert len(err) == 1, r.output
-    line = next(
-        i for i, t in enumerate(SCRIPT.read_text().splitlines(), 1) if "torch.compile(" in t
-    )
-    assert f"{SCRIPT}:{line}: torch.compile cannot run under capuchin" in err[0]
-    assert "TORCHDYNAMO_DISABLE=1" in err[0]
+    line = next(i for i, t in enumerate(GPT.read_text().splitlines(), 1) if "mode=args.mode" in t)
+    assert f'{GPT}:{line}: torch.compile with mode="{mode}" cannot run under capuchin' in err[0]
     assert list(tmp_path.iterdir()) == [], "nothing written"
     assert torch.compile is original, "the guard is gone after the run"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"options": {"triton.cudagraphs": True}}, "CUDA graphs cannot run"),
+        ({"backend": "cudagraphs"}, "CUDA graphs cannot run"),
+        ({"backend": lambda gm, inputs: gm}, "backend '<lambda>' cannot run"),
+        ({"options": {"freezing": True}}, "freezing cannot run"),
+    ],
+    ids=["cudagraphs-option", "cudagraphs-backend", "custom-backend", "freezing-option"],
+)
+def test_compile_arguments_that_cannot_be_managed_are_refused(kwargs, reason):
+    with Runtime(device="cpu", budget_bytes=10**9, measure_memory=False):
+        with pytest.raises(CapuchinError, match=rf"test_frameworks_compile.py:\d+: .*{reason}"):
+            torch.compile(nn.Linear(4, 2), **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("setting", "reason"),
+    [
+        ("torch._dynamo.config.compiled_autograd", "compiled autograd cannot run"),
+        ("torch._inductor.config.triton.cudagraphs", "CUDA graphs"),
+        ("torch._inductor.config.freezing", "freezing cannot run"),
+    ],
+    ids=["compiled-autograd", "cudagraphs-config", "freezing-config"],
+)
+def test_global_settings_that_cannot_be_managed_are_refused_at_the_region(
+    monkeypatch, setting, reason
+):
+    """Settings made outside torch.compile's arguments are read at each compiled region call."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._dynamo.reset()
+    model = nn.Linear(8, 2)
+    compiled = torch.compile(model)
+    owner, attr = setting.rsplit(".", 1)
+    with Runtime(device="cpu", budget_bytes=10**9, measure_memory=False):
+        monkeypatch.setattr(eval(owner), attr, True)
+        with pytest.raises(CapuchinError, match=reason):
+            compiled(torch.randn(4, 8)).sum().backward()
+
+
+def test_a_compiled_function_under_the_scripts_own_dispatch_mode_is_refused():
+    """Dynamo would run it eagerly for the script's mode (which does not ignore compile
+    internals): refused at the call instead of a silent change."""
+    import torch._dynamo
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Own(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch._dynamo.reset()
+    with Runtime(device="cpu", budget_bytes=10**9, measure_memory=False):
+        f = torch.compile(lambda x: x.sin() + 1)
+        with Own(), pytest.raises(CapuchinError, match="ran under a dispatch mode"):
+            f(torch.randn(4))
+
+
+def test_another_higher_order_op_is_refused():
+    """``torch.cond`` reaches the mode as a higher-order op that is not a compiled region."""
+    x = torch.randn(4)
+    with Runtime(device="cpu", budget_bytes=10**9, measure_memory=False):
+        with pytest.raises(CapuchinError, match="the higher-order op cond cannot run"):
+            torch.cond(x.sum() > 0, torch.sin, torch.cos, (x,))
+
+
+def test_the_wrapper_flag_is_restored_and_dynamo_reset():
+    """Installed, the guard turns Inductor's region wrapper on (regions compiled without it are
+    dropped from Dynamo's caches); uninstalled, the user's setting is back."""
+    import torch._inductor.config as ic
+
+    assert ic.wrap_inductor_compiled_regions is False
+    with Runtime(device="cpu", budget_bytes=10**9, measure_memory=False):
+        assert ic.wrap_inductor_compiled_regions is True
+    assert ic.wrap_inductor_compiled_regions is False
 
 
 @pytest.mark.slow
@@ -59,28 +270,9 @@ def test_dynamo_disabled_trains_bitwise_under_a_plan(tmp_path, monkeypatch):
     )
 
 
-def test_a_model_compiled_before_capuchin_started_is_refused_at_its_first_call():
-    """The Python API after torch.compile: Dynamo would skip the compiled model for the mode;
-    the first call raises instead, naming the script's line."""
-    from capuchin.errors import CapuchinError
-    from torch import nn
-    from torch._dynamo.convert_frame import CatchErrorsWrapper
-
-    torch._dynamo.reset()  # nothing compiled by an earlier test stands in for this model's frames
-    original = CatchErrorsWrapper._handle_skip
-    model = nn.Linear(8, 2)
-    compiled = torch.compile(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(CapuchinError, match=r"test_frameworks_compile.py:\d+: a function compiled"):
-        with Runtime(device="cpu", budget_bytes=10**9, measure_memory=False):
-            compiled(torch.randn(4, 8)).sum().backward()
-            opt.step()
-    assert CatchErrorsWrapper._handle_skip is original
-
-
 def test_an_empty_plan_lets_torch_compile_through(tmp_path, monkeypatch):
-    """A plan that evicts nothing installs no dispatch mode (Note [Empty plan]): Dynamo would
-    compile as without capuchin, so torch.compile is not refused."""
+    """A plan that evicts nothing installs no dispatch mode (Note [Empty plan]): Dynamo
+    compiles as without capuchin, and torch.compile is not even wrapped."""
     import torch._dynamo
 
     monkeypatch.setattr(torch._dynamo.config, "disable", True)  # trace quickly, eagerly

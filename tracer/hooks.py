@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from . import materialize
-from .compiled import CompileGuard
+from .compiled import CompileGuard, check_config, is_hop, is_region, region_facts, unsupported_hop
 from .schema import Phase, input_id, output_id, resident_id
 
 # Note: [Iteration boundaries]
@@ -121,6 +121,8 @@ class OpSchemaInfo:
     write_arg_names: tuple[str, ...]
     unannotated_write_args: tuple[int, ...] = ()
     training_arg: int = -1
+    hop: bool = False  # a higher-order op: the facts come per call (``call_info``)
+    region_writes: tuple[int, ...] = ()  # a compiled region's inputs written, by list position
 
 
 _OP_INFO: dict = {}
@@ -134,7 +136,34 @@ def op_info(func) -> OpSchemaInfo:
     return info
 
 
+def call_info(info: OpSchemaInfo, func, args: tuple) -> OpSchemaInfo:
+    """The facts of one call of a higher-order op (``info.hop``): a compiled region's, named by
+    its graph (Note [torch.compile] in tracer/compiled.py); any other higher-order op is refused."""
+    if not is_region(func):
+        raise unsupported_hop(func)
+    check_config()
+    facts = region_facts(args[0])
+    got = _REGION_INFO.get(facts)
+    if got is None:
+        name, seeded, writes = facts
+        got = _REGION_INFO[facts] = OpSchemaInfo(
+            name=name,
+            ignored=False,
+            seeded=seeded,
+            write_args=(),
+            write_arg_names=(),
+            hop=True,
+            region_writes=writes,
+        )
+    return got
+
+
+_REGION_INFO: dict = {}
+
+
 def _make_op_info(func) -> OpSchemaInfo:
+    if is_hop(func):
+        return OpSchemaInfo(str(func), False, False, (), (), hop=True)
     name = str(func)
     namespace = getattr(func, "namespace", name.split(".", 1)[0])
     schema = getattr(func, "_schema", None)
@@ -215,6 +244,9 @@ def written_inputs(
 ) -> tuple[int, ...]:
     """Flat input indices (positions in ``flat``, see ``flatten_tensors``) that the op writes in
     place: schema ``(a!)`` arguments plus ``UNANNOTATED_WRITES``. Empty for most ops (fast path)."""
+    if info.region_writes:  # list positions of a region's inputs -> flat positions
+        pos = [i for i, x in enumerate(args[1]) if isinstance(x, torch.Tensor)]
+        return tuple(pos.index(p) for p in info.region_writes if p in pos)
     if not info.write_args and not info.unannotated_write_args:
         return ()
     targets: list = []
@@ -694,6 +726,8 @@ class OpIndexer:
             info = op_info(func)
         if info.ignored:
             return None
+        if info.hop:
+            info = call_info(info, func, args)
         if self.iteration < 0 or (self.step_pending and not self.in_optimizer):
             self._start_iteration()
         self.op_index += 1

@@ -136,6 +136,12 @@ def _stderr(line: str) -> None:
 
 
 class _TraceMode(TorchDispatchMode):
+    supports_higher_order_operators = True  # compiled regions (Note [torch.compile])
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # Dynamo compiles under the mode (Note [torch.compile] in tracer/compiled.py)
+
     def __init__(self, tracer: Tracer):
         super().__init__()
         self.tracer = tracer
@@ -244,6 +250,12 @@ class _OtherThread(SystemExit):
 class _KernelMarkMode(TorchDispatchMode):
     """Below the runtime's mode: puts the script's op (``Tracer._pending``: marker, func, inputs)
     in its marker when the runtime runs it (Note [Tracing under a budget])."""
+
+    supports_higher_order_operators = True  # compiled regions (Note [torch.compile])
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # Dynamo compiles under the mode (Note [torch.compile] in tracer/compiled.py)
 
     def __init__(self, tracer: Tracer):
         super().__init__()

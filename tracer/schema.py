@@ -230,6 +230,22 @@ def is_collective(op_name: str) -> bool:
     return op_name.startswith(COLLECTIVE_NAMESPACES)
 
 
+# A compiled region's op (Note [torch.compile] in tracer/compiled.py): ``inductor_compiled_code.<hash>``
+REGION_PREFIX = "inductor_compiled_code."
+
+
+def is_compiled_region(op_name: str) -> bool:
+    """The op is a call of a ``torch.compile``d region."""
+    return op_name.startswith(REGION_PREFIX)
+
+
+def never_replayed(op_name: str) -> bool:
+    """The op ends every replay chain: a collective (Note [Collectives] in planner/problem.py)
+    or a compiled region (Note [torch.compile] in tracer/compiled.py); what only a replay of it
+    could regenerate is swapped instead."""
+    return op_name.startswith(COLLECTIVE_NAMESPACES) or op_name.startswith(REGION_PREFIX)
+
+
 def communicates(op_name: str) -> bool:
     """The op exchanges data with other ranks: a collective, or one of FSDP's own ops."""
     return op_name.startswith(COMMUNICATION_NAMESPACES)

@@ -143,11 +143,19 @@ def summarize(trace: Trace, iteration: int | None = None) -> TraceSummary:
         bandwidth_h2d_bytes_per_s=float(meta.bandwidth_h2d_bytes_per_s),
         trace_budget_bytes=meta.trace_budget_bytes,
         measured_peak_bytes=meta.measured_peak_bytes,
-        kinds=dict(iteration_kinds(trace)),
+        kinds=dict(_planned_kinds(trace)),
         op_time_ns=int(ops[Col.DURATION_NS].fillna(0).clip(lower=0).sum()),
         plain_iteration_ns=meta.plain_iteration_ns,
         plain_iteration_note=meta.extra.get("plain_iteration_note"),
     )
+
+
+def _planned_kinds(trace: Trace) -> list[tuple[str, list[int]]]:
+    """The kinds ``capuchin plan`` plans: ``iteration_kinds`` split by shapes (Note [Shape
+    kinds] in planner/api.py, which imports this module: imported here, not at the top)."""
+    from ..planner.api import shape_kinds
+
+    return shape_kinds(trace, iteration_kinds(trace))
 
 
 def iteration_kinds(trace: Trace) -> list[tuple[str, list[int]]]:

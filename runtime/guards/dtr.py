@@ -97,7 +97,8 @@ import torch
 from ...dtr_score import Node, neighbourhood, score, union
 from ...errors import RecomputeError
 from ...planner.plan import Decision, Method
-from ...tracer.hooks import op_info, written_inputs
+from ...tracer.compiled import is_hop
+from ...tracer.hooks import call_info, op_info, written_inputs
 from ...tracer.schema import is_collective
 from ..device import caught_oom, replays_exactly
 from ..recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
@@ -358,7 +359,9 @@ class DynamicTracker(PassiveTracker):
         )
         replayable = _REPLAYABLE.get(func)
         if replayable is None:
-            replayable = _REPLAYABLE[func] = not is_collective(func.namespace + ".")
+            replayable = _REPLAYABLE[func] = not (
+                is_hop(func) or is_collective(func.namespace + ".")
+            )
         for a in written:  # the write counts the op left (the executor bumped them)
             st = slots[a].weak()
             if st is not None:
@@ -557,6 +560,8 @@ class DynamicGuard(BudgetGuard):
         written = ()
         if recording or ex.dependents:
             info = op_info(func)
+            if info.hop:
+                info = call_info(info, func, args)
             written = tuple(written_inputs(info, args, kwargs, flat))
             if written:
                 self.writing = {keys[a] for a in written if keys[a] is not None}

@@ -1,0 +1,165 @@
+"""A compiled training script managed by capuchin: predicted against measured step time, and
+the steady peak against the budget (Note [torch.compile] in tracer/compiled.py).
+
+    python benchmarks/compile_managed.py [--script tests/frameworks/nanogpt_compiled.py]
+        [--budgets 60%,smallest] [--repeats 2] [--steps 8] [-- SCRIPT_ARGS...]
+
+Traces the script afresh (compiled: each compiled region one op), plans it at each budget
+(``smallest``: the smallest budget the planner reaches), then per plan times plain and managed
+training interleaved (``--repeats`` rounds, each the median steady iteration of one run without
+the profiler, best of the rounds; benchmarks/runtime.py's helpers) and measures the managed
+run's steady peak under the profiler. Every run is the compiled script (Inductor, CPU). Printed:
+the plan's ``1 + predicted_overhead`` (of the plain step the trace stored), the measured
+managed / plain ratio, and the steady peak / budget. The host is shared and noisy: compare rows
+of one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import capuchin
+import torch
+from capuchin.errors import InfeasibleBudgetError
+from capuchin.runmain import run_as_main
+from capuchin.runtime.engine import Runtime
+from capuchin.tracer.script import trace_script
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime import _Steps  # noqa: E402  (benchmarks/runtime.py)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _once(script, argv, context=None, profile=False) -> _Steps:
+    """One run of a top-level script (no ``main()``), its steps timed (and peaks measured)."""
+    with _Steps(profile=profile) as s:
+        with contextlib.redirect_stdout(io.StringIO()), context or contextlib.nullcontext():
+            run_as_main(script, argv)
+    return s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--script", default=str(ROOT / "tests" / "frameworks" / "nanogpt_compiled.py"))
+    ap.add_argument("--budgets", default="60%,smallest")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8, help="steps of each timed run")
+    ap.add_argument(
+        "--activation-budgets",
+        default="",
+        help="also compare with torch._functorch.config.activation_memory_budget at these "
+        "values (e.g. 0.5,0.0): its peak and step time, and capuchin's at that peak",
+    )
+    ap.add_argument("script_args", nargs="*")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    script = Path(args.script)
+    tmp = Path(tempfile.mkdtemp(prefix="capuchin-compile-"))
+    loads = [os.getloadavg()[0]]
+    out = tmp / "trace.parquet"
+    trace_script(script, ["--steps", "12", *args.script_args], output=out, log=lambda _: None)
+    argv = ["--steps", str(args.steps), *args.script_args]
+    rows = []
+    for budget in args.budgets.split(","):
+        if budget == "smallest":
+            try:
+                capuchin.make_plan(out, budget="1%")
+                raise SystemExit("1% of the peak is feasible: no smallest budget to find")
+            except InfeasibleBudgetError as exc:
+                budget = exc.smallest_feasible_bytes
+        plan = capuchin.make_plan(out, budget=budget)
+        best = {"plain": math.inf, "capuchin": math.inf}
+        for _ in range(args.repeats):
+            best["plain"] = min(best["plain"], _once(script, argv).steady_time_s())
+            rt = Runtime(plan, measure_memory=False)
+            best["capuchin"] = min(best["capuchin"], _once(script, argv, rt).steady_time_s())
+        rt = Runtime(plan, measure_memory=True)
+        _once(script, argv, rt)
+        steady = [x for x in rt.report.iterations if x.complete and x.iteration >= 1]
+        peak = max(x.peak_bytes for x in steady)
+        loads.append(os.getloadavg()[0])
+        rows.append((budget, plan, best, peak, any(s.diverged for s in steady)))
+        print(f"budget {budget}: done", file=sys.stderr)
+    print(
+        f"\n{script.name} {' '.join(args.script_args)}; one intra-op thread; best of "
+        f"{args.repeats} interleaved rounds of --steps {args.steps}; load average "
+        f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs; torch {torch.__version__}\n"
+    )
+    print(
+        "| budget | budget bytes | swaps | plain ms | managed ms | measured x plain | "
+        "predicted x plain | measured / predicted | steady peak / budget | diverged |"
+    )
+    print("|---" * 10 + "|")
+    for budget, plan, best, peak, diverged in rows:
+        measured = best["capuchin"] / best["plain"]
+        predicted = 1 + plan.predictions.predicted_overhead
+        print(
+            f"| {budget} | {plan.budget_bytes} | {len(plan.decisions)} | "
+            f"{best['plain'] * 1e3:.1f} | {best['capuchin'] * 1e3:.1f} | {measured:.3f} | "
+            f"{predicted:.3f} | {measured / predicted:.3f} | {peak / plan.budget_bytes:.3f} | "
+            f"{diverged} |"
+        )
+    if args.activation_budgets:
+        compare_activation_budget(script, argv, out, args)
+
+
+def compare_activation_budget(script, argv, trace, args) -> None:
+    """PyTorch's own knob (a knapsack over each compiled region's saved activations, recompute
+    inside the region) at each value, against capuchin's plan at the peak the knob reached."""
+    import torch._functorch.config as fc
+
+    loads = [os.getloadavg()[0]]
+    rows = []
+    for value in (float(v) for v in args.activation_budgets.split(",")):
+        with fc.patch(activation_memory_budget=value):
+            t = min(_once(script, argv).steady_time_s() for _ in range(args.repeats))
+            peak = _once(script, argv, profile=True).steady_peak()
+        try:
+            plan = capuchin.make_plan(trace, budget=peak)
+        except InfeasibleBudgetError as exc:
+            rows.append(
+                (
+                    value,
+                    t,
+                    peak,
+                    None,
+                    None,
+                    f"infeasible (smallest {exc.smallest_feasible_bytes} B)",
+                )
+            )
+            continue
+        ct = min(
+            _once(script, argv, Runtime(plan, measure_memory=False)).steady_time_s()
+            for _ in range(args.repeats)
+        )
+        rt = Runtime(plan, measure_memory=True)
+        _once(script, argv, rt)
+        cpeak = max(x.peak_bytes for x in rt.report.iterations if x.complete and x.iteration >= 1)
+        rows.append((value, t, peak, ct, cpeak, ""))
+        loads.append(os.getloadavg()[0])
+        print(f"activation_memory_budget {value}: done", file=sys.stderr)
+    base = min(_once(script, argv).steady_time_s() for _ in range(args.repeats))
+    print(
+        f"\nactivation_memory_budget (plain compiled step {base * 1e3:.1f} ms at 1.0 default); "
+        f"load average {min(loads):.1f}-{max(loads):.1f}\n"
+    )
+    print(
+        "| activation_memory_budget | its steady peak B | its step ms | capuchin at that peak: "
+        "step ms | capuchin's steady peak B | note |"
+    )
+    print("|---" * 6 + "|")
+    for value, t, peak, ct, cpeak, note in rows:
+        cts = f"{ct * 1e3:.1f}" if ct is not None else "-"
+        print(f"| {value} | {peak} | {t * 1e3:.1f} | {cts} | {cpeak or '-'} | {note} |")
+
+
+if __name__ == "__main__":
+    main()
