@@ -62,6 +62,32 @@ class Copy(Protocol):
         ...
 
 
+# Note: [Costs on the device's timeline]
+# Where the host runs ahead of the device (CUDA), host time around an op is its launch, not its
+# work, and a host wait for a copy drains every op queued before it: dynamic mode, which ranks
+# victims by what their replay or their swap costs, saw drops as nearly free and swaps as dear.
+# So such a backend has a ``clock``: ``mark()`` is a point on the compute stream (a timing
+# event), ``span_s(a, b)`` the device seconds between two marks once both are reached (None
+# before), and ``copy_s(copy)`` the seconds a copy took on its own stream, from its start there
+# to its end (None while it runs). The CPU backend has none: its "device" is the host, and host
+# time is what its ops and copies cost. Dynamic mode reads op times and replays when the device
+# has reached them, and before it ranks victims while it records, it waits for the device to
+# reach the op being dispatched (``wait``): the costs it ranks by are then device times, for one
+# device synchronization per eviction while it records (a swap-out waits for the device
+# anyway). A swap's way out or back costs the host's own part (its time without the wait, which
+# drained whatever compute was queued before the copy) plus the copy's time on its stream.
+class DeviceClock(Protocol):
+    def mark(self): ...
+
+    def wait(self, mark) -> None:
+        """Block the host until the device has reached ``mark``."""
+        ...
+
+    def span_s(self, a, b) -> float | None: ...
+
+    def copy_s(self, copy: Copy) -> float | None: ...
+
+
 class DeviceBackend(Protocol):
     device: torch.device
 
@@ -94,30 +120,78 @@ class DeviceBackend(Protocol):
 
     def free_after_copy_out(self, storage: torch.UntypedStorage, copy: Copy) -> bool: ...
 
+    # ``clock``: the device's timeline (``DeviceClock``), or None where the host is the device
+    # (CPU: host time is device time). Note [Costs on the device's timeline].
+    clock: DeviceClock | None
+
     def allocated_bytes(self) -> int | None: ...
 
+    def snapshot(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        """A copy of ``storage``'s bytes in host memory that the device's allocator does not
+        count (Note [Snapshots on the host]); synchronous."""
+        ...
+
     def close(self) -> None: ...
+
+
+# Note: [Snapshots on the host]
+# ``CAPUCHIN_VERIFY=1`` keeps a copy of every evicted storage to compare it with what comes back,
+# and compares through a second copy. Both live in host memory the device's allocator never
+# counts: on CUDA a device copy counts against the allocator cap set for the budget and turns
+# the check itself into out-of-memory errors; on CPU a copy through PyTorch's allocator is what
+# the runtime measures as the device's peak (numpy memory, as the host buffer pool, is not).
+
+
+def _host_copy(storage: torch.UntypedStorage) -> torch.Tensor:
+    """``storage``'s bytes in numpy memory (PyTorch's CPU allocator does not count it)."""
+    n = storage.nbytes()
+    out = torch.from_numpy(np.empty(n, dtype=np.uint8))
+    with _no_python_dispatch():
+        out.copy_(byte_view(storage, n))
+    return out
 
 
 # ---- host buffer pool ----------------------------------------------------------------------------
 
 
-class _HostPool:
-    """Exact-size free lists: an iteration repeats the same sizes, so buffers are reused as is."""
+def pinned_size(nbytes: int) -> int:
+    """The block PyTorch's pinned host allocator hands out for ``nbytes``: the next power of two
+    (Note [Pinned buffers are powers of two])."""
+    return 1 << max(0, int(nbytes) - 1).bit_length()
 
-    def __init__(self, make):
+
+# Note: [Pinned buffers are powers of two]
+# PyTorch's CachingHostAllocator rounds every pinned block up to a power of two (its
+# ``pinned_max_round_threshold`` is unlimited by default), so a pinned buffer of n bytes holds up
+# to 2n of page-locked host memory. With exact-size free lists the pool kept a buffer per
+# distinct size, each rounded, none reusable for another size of its class, and
+# ``host_pool_bytes`` reported the unrounded sum. So the CUDA pool asks for the
+# rounded size itself and keeps one free list per power of two: a buffer serves every request of
+# its class (copies use its first n bytes), and ``host_pool_bytes`` is what is pinned. The rounding
+# itself stays (pinning exact sizes would need ``cudaHostRegister`` on pageable memory, which
+# has not run here).
+
+
+class _HostPool:
+    """Free lists by size class (``size``: exact on CPU; powers of two for pinned memory, Note
+    [Pinned buffers are powers of two]): an iteration repeats the same sizes, so buffers are
+    reused as is; a buffer may be larger than asked (copies use its first bytes)."""
+
+    def __init__(self, make, size=int):
         self._make = make
+        self._size = size
         self._free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
         self.allocated_bytes = 0  # host bytes ever allocated by the pool
         self.lock = threading.Lock()
 
     def get(self, nbytes: int) -> torch.Tensor:
+        n = self._size(nbytes)
         with self.lock:
-            free = self._free.get(nbytes)
+            free = self._free.get(n)
             if free:
                 return free.pop()
-            self.allocated_bytes += nbytes
-        return self._make(nbytes)
+            self.allocated_bytes += n
+        return self._make(n)
 
     def put(self, buf: torch.Tensor) -> None:
         with self.lock:
@@ -238,6 +312,8 @@ class CPUBackend:
     copy thread would never be subtracted from the measured peak.
     """
 
+    clock = None  # the host is the device (Note [Costs on the device's timeline])
+
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self._pool = _HostPool(lambda n: torch.from_numpy(np.empty(n, dtype=np.uint8)))
@@ -296,6 +372,9 @@ class CPUBackend:
     def allocated_bytes(self) -> int | None:
         return None  # the CPU allocator keeps no count outside the profiler
 
+    def snapshot(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        return _host_copy(storage)  # Note [Snapshots on the host]
+
     def close(self) -> None:
         self._d2h.close()
         self._h2d.close()
@@ -305,12 +384,13 @@ class CPUBackend:
 
 
 class _EventCopy:
-    __slots__ = ("nbytes", "event", "keep")
+    __slots__ = ("nbytes", "event", "keep", "start")
 
-    def __init__(self, nbytes: int, event, keep):
+    def __init__(self, nbytes: int, event, keep, start=None):
         self.nbytes = nbytes
         self.event = event
         self.keep = keep  # tensors the copy reads/writes: alive until the event completes
+        self.start = start  # a timing event where the copy's stream began it
 
     def done(self) -> bool:
         return self.event.query()
@@ -321,6 +401,36 @@ class _EventCopy:
         t0 = time.perf_counter()
         self.event.synchronize()
         return time.perf_counter() - t0
+
+
+def _timing_event(stream):
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev
+
+
+class _CUDAClock:
+    """Timing events on the compute stream (Note [Costs on the device's timeline])."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mark(self):
+        return _timing_event(torch.cuda.current_stream(self.device))
+
+    def wait(self, mark) -> None:
+        mark.synchronize()
+
+    def span_s(self, a, b) -> float | None:
+        if not (b.query() and a.query()):
+            return None
+        return a.elapsed_time(b) / 1000.0
+
+    def copy_s(self, copy) -> float | None:
+        start = getattr(copy, "start", None)
+        if start is None or not copy.event.query():
+            return None
+        return start.elapsed_time(copy.event) / 1000.0
 
 
 class CUDABackend:
@@ -344,7 +454,10 @@ class CUDABackend:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._d2h = torch.cuda.Stream(self.device)
         self._h2d = torch.cuda.Stream(self.device)
-        self._pool = _HostPool(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        self._pool = _HostPool(  # Note [Pinned buffers are powers of two]
+            lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True), pinned_size
+        )
+        self.clock = _CUDAClock(self.device)  # Note [Costs on the device's timeline]
         # buffers released while a copy may still touch them: (event, buf)
         self._releasing: collections.deque = collections.deque()
 
@@ -372,10 +485,11 @@ class CUDABackend:
             ready = torch.cuda.current_stream(self.device).record_event()
             self._d2h.wait_event(ready)
             with torch.cuda.stream(self._d2h):
+                start = _timing_event(self._d2h)  # Note [Costs on the device's timeline]
                 buf[:n].copy_(src, non_blocking=True)
                 src.record_stream(self._d2h)
-                done = self._d2h.record_event()
-        return _EventCopy(n, done, (src, buf))
+                done = _timing_event(self._d2h)
+        return _EventCopy(n, done, (src, buf), start)
 
     def copy_in(
         self,
@@ -392,11 +506,11 @@ class CUDABackend:
             if after is not None:
                 self._h2d.wait_event(after.event)  # the swap-out has filled the host buffer
             with torch.cuda.stream(self._h2d):
+                start = _timing_event(self._h2d)  # Note [Costs on the device's timeline]
                 dst.copy_(buf[:n], non_blocking=True)
                 dst.record_stream(self._h2d)
-                done = torch.cuda.Event(enable_timing=True)  # judge_late compares times
-                done.record(self._h2d)
-        return _EventCopy(n, done, (dst, buf))
+                done = _timing_event(self._h2d)  # judge_late compares times
+        return _EventCopy(n, done, (dst, buf), start)
 
     def wait_compute(self, copy: Copy) -> float:
         torch.cuda.current_stream(self.device).wait_event(copy.event)
@@ -421,6 +535,11 @@ class CUDABackend:
 
     def allocated_bytes(self) -> int | None:
         return self.memory.allocated_bytes()  # Note [Cheap memory counter] in device.py
+
+    def snapshot(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        # pageable host memory: the caching allocator never sees it (Note [Snapshots on the host])
+        with _no_python_dispatch():
+            return byte_view(storage).to("cpu", copy=True)
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -243,3 +243,81 @@ def replays_exactly(func, device_type: str) -> bool:
         return True
     name = str(func)
     return name.rsplit(".", 1)[0] not in NONDETERMINISTIC_ON_CUDA
+
+
+# Note: [Out-of-memory errors caught inside an op]
+# Under the cap, an allocation can fail inside an op that catches the error itself: cuDNN's
+# convolution (aten/src/ATen/native/cudnn/Conv_v8.cpp ``try_plans``) catches the out-of-memory
+# error of its workspace, runs the next engine (other kernels, other bits) and caches that
+# choice for the rest of the process. The run is then no longer bit-identical to training
+# without capuchin, and nothing reaches capuchin's handlers. Whether a workspace fits is known
+# only when the op runs, so it cannot be refused up front; what can be done: every
+# out-of-memory error capuchin catches is counted (``caught_oom``), the allocator counts every
+# one it raises (``num_ooms``), and at each iteration's end a difference means an op swallowed
+# one: the run says so in one warning naming the iteration (``OOMWatch``). A plan whose ops
+# include convolutions gets a warning up front when it runs under a cap with cuDNN enabled
+# (``cudnn_problem``). The remedies (docs/runtime.md, On CUDA): a larger budget (the cap's
+# headroom grows with it), or cuDNN disabled (``torch.backends.cudnn.enabled = False``) in the
+# runs compared.
+_caught = [0]
+
+
+def caught_oom() -> None:
+    """Count an out-of-memory error that reached capuchin's handlers (whether it then made
+    room and retried or let it go to the script)."""
+    _caught[0] += 1
+
+
+def allocator_ooms(device: torch.device) -> int:
+    """The caching allocator's count of the out-of-memory errors it raised on ``device``."""
+    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    if stats is None:  # pragma: no cover - a torch without the binding
+        return int(torch.cuda.memory_stats(device).get("num_ooms", 0))
+    return int(stats(device.index).get("num_ooms", 0))
+
+
+class OOMWatch:
+    """Out-of-memory errors the allocator raised on ``device`` that never reached capuchin
+    (Note [Out-of-memory errors caught inside an op])."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._start = (allocator_ooms(device), _caught[0])
+        self.warned = False
+
+    def swallowed(self) -> int:
+        raised, caught = allocator_ooms(self.device) - self._start[0], _caught[0] - self._start[1]
+        return max(0, raised - caught)
+
+    def problem(self, iteration: int) -> str | None:
+        """The warning to give once, at the end of ``iteration``, or None."""
+        if self.warned:
+            return None
+        n = self.swallowed()
+        if n == 0:
+            return None
+        self.warned = True
+        return (
+            f"capuchin: warning: by iteration {iteration}, {n} out-of-memory error(s) under the "
+            "allocator cap were caught inside an op and never reached capuchin (cuDNN does this "
+            "with a convolution's workspace, then uses another algorithm for the rest of the "
+            "process): results may no longer be bit-identical to training without capuchin; "
+            "give the run a larger budget, or disable cuDNN in both runs (docs/runtime.md, On CUDA)"
+        )
+
+
+CUDNN_OPS = ("aten.convolution", "aten._convolution", "aten.cudnn_convolution")
+
+
+def cudnn_problem(device: torch.device, op_names, cap: int | None) -> str | None:
+    """The up-front warning of Note [Out-of-memory errors caught inside an op] for a run on
+    ``device`` under allocator cap ``cap`` whose ops are ``op_names``, or None."""
+    if device.type != "cuda" or cap is None or not torch.backends.cudnn.enabled:
+        return None
+    if not any(str(n).startswith(CUDNN_OPS) for n in op_names):
+        return None
+    return (
+        f"capuchin: warning: convolutions run under an allocator cap of {cap / 2**20:.0f} MiB: "
+        "where cuDNN's workspace does not fit, cuDNN catches the error and uses another "
+        "algorithm (other bits); capuchin warns if that happens (docs/runtime.md, On CUDA)"
+    )

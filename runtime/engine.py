@@ -38,8 +38,10 @@ from . import rawreads, threads
 from .actions import compile_plan
 from .backend import backend_for
 from .device import (
+    OOMWatch,
     cap_bytes,
     cublas_workspace_bytes,
+    cudnn_problem,
     determinism_problem,
     non_tensor_bytes,
     resolve_run_device,
@@ -215,6 +217,7 @@ class Runtime:
         self._entered = False
         # the CUDA allocator cap (Note [Budget and the allocator] in device.py)
         self.cap_bytes: int | None = None
+        self.oom_watch: OOMWatch | None = None  # Note [Out-of-memory errors caught inside an op]
 
     # ---- context manager ----------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
@@ -263,9 +266,15 @@ class Runtime:
         self.meter = MemoryMeter(self.device) if self.measure_memory else None
         if self.device.type == "cuda" and self.budget_bytes:
             self._set_cap()
-        why = determinism_problem(self.device, self._replays())
-        if why is not None:
-            say(why)
+        if self.device.type == "cuda":  # Note [Out-of-memory errors caught inside an op]
+            self.oom_watch = OOMWatch(self.device)
+        ops = (o[0] for p in (self.plan, *self.plan.kinds) for o in p.ops) if self.plan else ()
+        for why in (
+            determinism_problem(self.device, self._replays()),
+            cudnn_problem(self.device, ops, self.cap_bytes),
+        ):
+            if why is not None:
+                say(why)
         if self.meter is not None:
             self.meter.start()
         self.indexer.install()
@@ -456,6 +465,13 @@ class Runtime:
             self.meter.iteration_end(n)
         self._iters.append(s)
         self._cur = None
+        self._check_ooms(n)
+
+    def _check_ooms(self, n: int) -> None:
+        """Note [Out-of-memory errors caught inside an op] in device.py."""
+        why = self.oom_watch.problem(n) if self.oom_watch is not None else None
+        if why is not None:
+            say(why)
 
     def _step_end(self) -> None:
         self._t_step = time.perf_counter()

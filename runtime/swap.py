@@ -55,6 +55,7 @@ import time
 import torch
 
 from .backend import DeviceBackend
+from .device import caught_oom
 from .state import Entry, Residency, resize
 
 OVERDUE_FACTOR = 1.5
@@ -77,6 +78,7 @@ class SwapEngine:
         self.prefetched: set[Entry] = set()  # SWAPPING_IN, for ``unprefetch``
         # planned back-accesses that found their prefetch in flight: (decision, bytes, judge)
         self.judging: list = []
+        self.last_restore: object | None = None  # the copy of the last on-demand restore
 
     # ---- out ------------------------------------------------------------------------------------
     def evict(self, e: Entry) -> None:
@@ -176,6 +178,7 @@ class SwapEngine:
         try:
             resize(st, e.nbytes)
         except torch.cuda.OutOfMemoryError:  # Note [Out of memory in the runtime]: skip it
+            caught_oom()
             return
         e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy)
         e.in_start_s = time.perf_counter()
@@ -194,6 +197,7 @@ class SwapEngine:
             if st is not None:  # on demand: nothing was prefetched
                 self._alloc(st, e.nbytes)
                 e.in_copy = self.backend.copy_in(e.buf, st, after=e.out_copy, now=True)
+                self.last_restore = e.in_copy  # its time on the device (dynamic mode's costs)
                 self.stats.swapped_in_bytes += e.nbytes
                 self.stats.stall_s += e.in_copy.wait()
                 self.backend.wait_compute(e.in_copy)
@@ -244,6 +248,7 @@ class SwapEngine:
                 resize(st, nbytes)
                 return
             except torch.cuda.OutOfMemoryError:
+                caught_oom()  # Note [Out-of-memory errors caught inside an op] in device.py
                 if self.sync_earliest() > 0:
                     continue
                 if self.make_room is None or self.make_room(nbytes, st) <= 0:

@@ -146,7 +146,7 @@ from ..tracer.schema import (
     id_kind,
     shape_signature,
 )
-from .backend import byte_view
+from .device import caught_oom
 from .state import (
     Entry,
     Reason,
@@ -167,15 +167,6 @@ RESYNC_MAX_OPS = 8  # unexpected ops skipped per iteration; the next one is a di
 _EMPTY: list = []
 _NONE: dict = {}
 _ANY = {None: None}  # non-empty: guarded with nothing evicted (swap-outs in flight, records)
-
-
-# Note: [Snapshots on the host]
-# ``CAPUCHIN_VERIFY=1`` keeps a copy of every evicted storage to compare it with what comes back.
-# The copy lives in host memory: on CUDA a device copy would count against the allocator cap set
-# for the budget and turn the check itself into out-of-memory errors.
-def _snapshot(st) -> torch.Tensor:
-    with _disable_current_modes():
-        return byte_view(st).to("cpu", copy=True)  # host memory: Note [Snapshots on the host]
 
 
 class TrackerMode(TorchDispatchMode):
@@ -212,6 +203,7 @@ class TrackerMode(TorchDispatchMode):
                     try:
                         return func(*args, **kwargs) if kwargs else func(*args)
                     except torch.cuda.OutOfMemoryError:  # Note [Out of memory in the runtime]
+                        caught_oom()
                         return self.ex._run(func, args, kwargs or {})
             except IndexError:
                 pass
@@ -760,6 +752,7 @@ class Executor:
             try:
                 return func(*args, **kwargs)
             except torch.cuda.OutOfMemoryError:
+                caught_oom()  # Note [Out-of-memory errors caught inside an op] in device.py
                 # a real OOM under set_per_process_memory_fraction: finish the earliest swap-out,
                 # else evict what the op needs, and retry (paper §4.2, §5.3)
                 if self.swap.sync_earliest() > 0:
@@ -776,6 +769,7 @@ class Executor:
             try:
                 return alloc()
             except torch.cuda.OutOfMemoryError:
+                caught_oom()
                 if self.swap.sync_earliest() > 0:
                     continue
                 if self._make_room(need, st) <= 0:
@@ -848,7 +842,7 @@ class Executor:
                 self._done_with(d)
         e = Entry(sid, weakref.ref(st, self.died(key)), st.nbytes(), swap, Reason.PLANNED, d)
         if self.rt.verify:
-            e.extra["copy"] = _snapshot(st)
+            e.extra["copy"] = self.backend.snapshot(st)  # Note [Snapshots on the host]
         self.adopt(key, e)
         self.guard.evicted(key)  # a tracked storage (watched iteration) leaves the estimate
         if swap:
@@ -929,7 +923,7 @@ class Executor:
             self.rt.verify
             and "copy" in e.extra
             and st is not None
-            and not _snapshot(st).equal(e.extra["copy"])
+            and not self.backend.snapshot(st).equal(e.extra["copy"])
         ):
             raise RecomputeError(
                 f"verify: storage {e.sid} came back with other bytes "

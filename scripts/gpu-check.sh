@@ -9,7 +9,8 @@
 #   1. environment: versions, the device's name;
 #   2. the `gpu`-marked tests;
 #   3. the main job on the device: trace -> plan 80%/50% -> run, per bundled example (--device),
-#      and dynamic mode (run --budget --device), with per-iteration report lines;
+#      and dynamic mode (run --budget --device), with per-iteration report lines and, on CUDA,
+#      the allocator's counters after each run;
 #   4. benchmarks/runtime.py and benchmarks/dynamic.py on the device;
 #   5. bitwise: plain vs plain, plan, dynamic mode (scripts/gpu_bitwise.py), deterministic kernels.
 # Each step's output is OUTDIR/<step>.log; OUTDIR/gpu-check.md has the device, each step's exit
@@ -113,6 +114,29 @@ for it in r["iterations"]:
 EOF
 }
 
+cli() {  # the capuchin command in-process, then the CUDA allocator's counters: per run, the
+  # retries and full syncs that swap-outs freed in host time cost (docs/runtime.md, On CUDA)
+  "$PY" - "$@" <<'EOF'
+import runpy
+import sys
+
+import torch
+
+sys.argv = ["capuchin", *sys.argv[1:]]
+rc = 0
+try:
+    runpy.run_module("capuchin", run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+if torch.cuda.is_available() and torch.cuda.is_initialized():
+    s = torch.cuda.memory_stats()
+    keys = ("num_ooms", "num_alloc_retries", "num_sync_all_streams", "num_device_alloc")
+    print("  allocator: " + ", ".join(f"{k} {s.get(k, 'n/a')}" for k in keys)
+          + f", reserved peak {s.get('reserved_bytes.all.peak', 0)} B", flush=True)
+sys.exit(rc)
+EOF
+}
+
 main_job() {
   local rc=0 n pct
   for n in $EXAMPLES; do
@@ -124,14 +148,14 @@ main_job() {
       echo "---- $n: plan at $pct%, run"
       "$PY" -m capuchin plan "$OUT/$n.trace.parquet" --budget "$pct%" --force \
         -o "$OUT/$n.$pct.plan.json" || { rc=1; continue; }
-      "$PY" -m capuchin run --plan "$OUT/$n.$pct.plan.json" --report "$OUT/$n.$pct.report.json" \
+      cli run --plan "$OUT/$n.$pct.plan.json" --report "$OUT/$n.$pct.report.json" \
         --force "traces/$n.py" --steps "$STEPS" --device "$DEV" || { rc=1; continue; }
       summary_of "$OUT/$n.$pct.report.json" || rc=1
     done
     local budget
     budget=$("$PY" -c "import sys; from capuchin.planner.problem import Problem; from capuchin.tracer.reader import load_trace; print(Problem.from_trace(load_trace(sys.argv[1])).peak_bytes * 6 // 10)" "$OUT/$n.trace.parquet") || { rc=1; continue; }
     echo "---- $n: dynamic mode at 60% ($budget B)"
-    "$PY" -m capuchin run --budget "$budget" --device "$DEV" --report "$OUT/$n.dynamic.report.json" \
+    cli run --budget "$budget" --device "$DEV" --report "$OUT/$n.dynamic.report.json" \
       --force "traces/$n.py" --steps "$STEPS" --device "$DEV" || { rc=1; continue; }
     summary_of "$OUT/$n.dynamic.report.json" || rc=1
   done

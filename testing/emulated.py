@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime.device import SMALL_REQUEST_MAX, block_bytes, segment_bytes
 
@@ -207,16 +208,35 @@ class EmulatedTimeline:
     """The emulated device's progress. Each stream runs its work in order; work submitted on a
     stream starts when that stream is free and the host has issued it, and takes ``cost``
     ticks. The device's clock (``now``) advances only when the host waits (``run_until``) or
-    gives it time (``advance``): until then the host runs ahead and nothing is complete."""
+    gives it time (``advance``): until then the host runs ahead and nothing is complete.
+    Issuing work takes the host ``launch`` ticks (its launch cost); ``host_s()`` is the host's
+    clock in seconds (``tick_s`` per tick), for code that times itself on the host."""
 
-    def __init__(self):
+    def __init__(self, launch: int = 0, tick_s: float = 1e-6):
         self.now = 0
         self.host = 0  # the device time at which the host issues its next work
+        self.launch = launch
+        self.tick_s = tick_s
         self.stream_end: dict[str, int] = {}
         self.pending: list[tuple[int, object]] = []  # (tick, completion callback)
 
-    def submit(self, work=None, stream: str = "compute", cost: int = 1) -> _EmulatedEvent:
+    def host_s(self) -> float:
+        return self.host * self.tick_s
+
+    def submit(
+        self,
+        work=None,
+        stream: str = "compute",
+        cost: int = 1,
+        launch: int | None = None,
+        after: str | None = None,
+    ) -> _EmulatedEvent:
+        """Issue ``cost`` ticks of work on ``stream``; ``after``: a stream whose work issued so
+        far must end first (a ``wait_event`` on an event recorded there now)."""
+        self.host += self.launch if launch is None else launch
         start = max(self.stream_end.get(stream, 0), self.host)
+        if after is not None:
+            start = max(start, self.stream_end.get(after, 0))
         end = self.stream_end[stream] = start + cost
         if work is not None:
             self.pending.append((end, work))
@@ -240,18 +260,59 @@ class EmulatedTimeline:
 
 
 class _TimelineCopy:
-    __slots__ = ("nbytes", "event")
+    __slots__ = ("nbytes", "event", "cost")
 
-    def __init__(self, nbytes: int, event: _EmulatedEvent):
+    def __init__(self, nbytes: int, event: _EmulatedEvent, cost: int):
         self.nbytes = nbytes
         self.event = event
+        self.cost = cost  # ticks on its stream
 
     def done(self) -> bool:
         return self.event.query()
 
     def wait(self) -> float:
+        """Block the host until the copy is done; the host seconds that took."""
+        tl = self.event._device
+        before = tl.host
         self.event.synchronize()
-        return 0.0
+        return (tl.host - before) * tl.tick_s
+
+
+class EmulatedClock:
+    """The backend's ``clock`` on the emulated timeline (Note [Costs on the device's timeline]
+    in runtime/backend.py): marks on the compute stream, read once the device has reached them."""
+
+    def __init__(self, timeline: EmulatedTimeline):
+        self.timeline = timeline
+
+    def mark(self) -> _EmulatedEvent:
+        return self.timeline.submit(stream="compute", cost=0, launch=0)
+
+    def wait(self, mark: _EmulatedEvent) -> None:
+        mark.synchronize()
+
+    def span_s(self, a: _EmulatedEvent, b: _EmulatedEvent) -> float | None:
+        if not b.query():
+            return None
+        return (b.tick - a.tick) * self.timeline.tick_s
+
+    def copy_s(self, copy: _TimelineCopy) -> float | None:
+        return copy.cost * self.timeline.tick_s if copy.done() else None
+
+
+class EmulatedCompute(TorchDispatchMode):
+    """Every op dispatched below capuchin's mode takes ``ticks`` on the emulated compute stream
+    (and the timeline's launch cost on the host): the device time of a kernel the host does not
+    wait for. Enter it before the runtime, so that it sits under the runtime's mode."""
+
+    def __init__(self, timeline: EmulatedTimeline, ticks: int):
+        super().__init__()
+        self.timeline = timeline
+        self.ticks = ticks
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.timeline.submit(stream="compute", cost=self.ticks)
+        return func(*args, **(kwargs or {}))
 
 
 class EmulatedBackend:
@@ -264,6 +325,7 @@ class EmulatedBackend:
 
         self.device = torch.device("cpu")
         self.timeline = timeline or EmulatedTimeline()
+        self.clock = EmulatedClock(self.timeline)
         self.copy_cost = copy_cost  # ticks per copy on its stream
         self.memory = CPUMemory()
         self.host_pool_bytes = 0
@@ -284,32 +346,27 @@ class EmulatedBackend:
             with _no_python_dispatch(), torch.no_grad():
                 dst.copy_(src)
 
-        ev = self.timeline.submit(work, stream, self.copy_cost)
-        return _TimelineCopy(dst.numel(), ev)
+        # after the compute issued so far, as CUDABackend's copies wait for its ``ready`` event
+        ev = self.timeline.submit(work, stream, self.copy_cost, after="compute")
+        return _TimelineCopy(dst.numel(), ev, self.copy_cost)
 
     def copy_out(self, storage, buf, now: bool = False):
         from ..runtime.backend import _host, byte_view
 
         n = storage.nbytes()
-        c = self._copy(_host(buf, n), byte_view(storage, n), "d2h")
-        if now:
-            c.wait()
-        return c
+        return self._copy(_host(buf, n), byte_view(storage, n), "d2h")  # ``now``: caller waits
 
     def copy_in(self, buf, storage, after=None, now: bool = False):
         from ..runtime.backend import _host, byte_view
 
         n = storage.nbytes()
-        c = self._copy(byte_view(storage, n), _host(buf, n), "h2d", after)
-        if now:
-            c.wait()
-        return c
+        return self._copy(byte_view(storage, n), _host(buf, n), "h2d", after)  # as CUDA's
 
     def wait_compute(self, copy) -> float:
         return copy.wait()
 
     def judge_late(self, copy):
-        need = self.timeline.submit(stream="compute", cost=0)  # the consumer's turn
+        need = self.timeline.submit(stream="compute", cost=0, launch=0)  # the consumer's turn
         return lambda: copy.event.tick > need.tick
 
     def free_after_copy_out(self, storage, copy) -> bool:
@@ -323,6 +380,11 @@ class EmulatedBackend:
 
     def allocated_bytes(self) -> int | None:
         return None
+
+    def snapshot(self, storage) -> torch.Tensor:
+        from ..runtime.backend import _host_copy
+
+        return _host_copy(storage)
 
     def close(self) -> None:
         self.timeline.run_until(max(self.timeline.stream_end.values(), default=0))

@@ -6,7 +6,6 @@ without capuchin, bitwise alike."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -286,23 +285,3 @@ def test_an_empty_plan_lets_torch_compile_through(tmp_path, monkeypatch):
     original = torch.compile
     with Runtime(plan, measure_memory=False):
         assert torch.compile is original
-
-
-def test_a_torch_without_the_hooks_refuses_compile_and_runs_eager_scripts(monkeypatch):
-    """Note [Compile hooks by version]: where torch lacks a private hook, torch.compile is
-    refused at its call with the version named, the wrapper flag is left alone, and a script
-    that does not compile trains under the runtime as before."""
-    import capuchin.tracer.compiled as compiled
-    import torch._inductor.config as ic
-
-    monkeypatch.setattr(compiled, "hooks_missing", lambda: ["a hook"])
-    wrap_before = ic.wrap_inductor_compiled_regions
-    model = nn.Linear(4, 2)
-    with Runtime(device="cpu", budget_bytes=10**9, measure_memory=False):
-        assert ic.wrap_inductor_compiled_regions == wrap_before
-        with pytest.raises(
-            CapuchinError, match=rf"torch {re.escape(torch.__version__)}, which lacks a hook"
-        ):
-            torch.compile(model)
-        model(torch.ones(3, 4)).sum().backward()  # eager ops still run under the runtime
-    assert model.weight.grad is not None

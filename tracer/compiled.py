@@ -1,4 +1,5 @@
-"""``torch.compile`` under capuchin: each compiled region is one op (Note [torch.compile]).
+"""``torch.compile`` under capuchin: each compiled region is one op (Note [torch.compile]); CUDA
+graph capture refused (Note [CUDA graphs]).
 
 # Note: [torch.compile]
 # The tracer and the runtime are ``TorchDispatchMode``s that must see every op of the script:
@@ -46,13 +47,24 @@
 # When Dynamo is disabled (``TORCHDYNAMO_DISABLE=1``, ``torch._dynamo.config.disable``),
 # ``torch.compile`` is a no-op and the script trains eagerly with and without capuchin alike.
 # The hooks (the wrapper flag, the ``inductor_compiled_code`` op, ``original_gm``,
-# ``ignore_compile_internals``) are private to torch and were checked on torch 2.13.0.
-#
-# Note: [Compile hooks by version]
-# ``hooks_missing`` names the hooks above that the installed torch lacks. Where one is missing,
-# the guard leaves Inductor's config alone and ``torch.compile``/``torch._dynamo.optimize``
-# raise ``CompileRefused`` at the call, naming the torch version: a compiled script is never run
-# unmanaged or eagerly in its place, and a script that does not compile runs as on any version.
+# ``ignore_compile_internals``) are private to torch and were checked on torch 2.13.0. In a torch
+# whose Inductor config has no ``wrap_inductor_compiled_regions``, regions cannot be made ops,
+# so ``torch.compile`` is refused there while the guard is installed (``_region_wrapper``); where
+# Dynamo has no ``CatchErrorsWrapper._handle_skip``, a function compiled under the script's own
+# dispatch mode is not refused (``_skip_handler_owner``). Both are read, never assumed: the GPU
+# machine's torch is older than the one this was written on.
+
+# Note: [CUDA graphs]
+# A captured CUDA graph replays its kernels without dispatching a single op: the tracer would
+# record the capture once and never the replays, and the runtime could neither evict nor
+# restore the tensors the replays read and write (the graph's static buffers, read by address).
+# The capture itself forbids what the runtime does around ops: querying and synchronizing
+# events, reading the RNG state, allocating outside the graph's private pool. So while the
+# guard is installed (a tracer, a runtime with a dispatch mode), entering ``torch.cuda.graph``
+# (which ``make_graphed_callables`` also uses) and ``CUDAGraph.capture_begin`` raise
+# ``CudaGraphRefused`` before anything is captured: one line naming the script's line
+# (``GraphGuard``). torch.compile's own CUDA graphs are refused at the compile call (above).
+# The empty plan installs no dispatch mode and lets graphs be.
 """
 
 from __future__ import annotations
@@ -69,28 +81,12 @@ REGION_OP = REGION_PREFIX[:-1]  # the higher-order op's name
 ALLOWED_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
-CHECKED_ON = "2.13.0"  # the torch version the private hooks were checked on
-
-
-def hooks_missing() -> list[str]:
-    """The private hooks of Note [torch.compile] this torch lacks (empty: all present)."""
-    import torch._inductor.config as ic
-    from torch._dynamo.convert_frame import CatchErrorsWrapper
-
-    missing = []
-    if not hasattr(ic, "wrap_inductor_compiled_regions"):
-        missing.append("torch._inductor.config.wrap_inductor_compiled_regions")
-    if not hasattr(CatchErrorsWrapper, "_handle_skip"):
-        missing.append("CatchErrorsWrapper._handle_skip")
-    try:
-        from torch._higher_order_ops.wrap import inductor_compiled_code  # noqa: F401
-    except ImportError:
-        missing.append("the inductor_compiled_code higher-order op")
-    return missing
-
-
 class CompileRefused(CapuchinError):
     """The script uses torch.compile in a way capuchin cannot manage exactly."""
+
+
+class CudaGraphRefused(CapuchinError):
+    """The script began a CUDA graph capture while capuchin traces or runs it."""
 
 
 def _caller() -> str:
@@ -252,6 +248,68 @@ def region_facts(callable_) -> tuple[str, bool, tuple[int, ...]]:
     return facts
 
 
+def _graph_refusal(what: str) -> CudaGraphRefused:
+    return CudaGraphRefused(
+        f"{_caller()}: {what} cannot run under capuchin: a captured CUDA graph replays kernels "
+        "without dispatching ops, so capuchin could neither see nor evict and restore their "
+        "tensors, and the capture forbids the runtime's own event queries, syncs and "
+        "allocations; remove the capture to trace or run the script under capuchin"
+    )
+
+
+class GraphGuard:
+    """Replaces ``torch.cuda.graph.__init__`` and ``CUDAGraph.capture_begin`` while installed
+    (Note [CUDA graphs]); installed and removed with ``CompileGuard``."""
+
+    saved: tuple = ()
+
+    @classmethod
+    def install(cls) -> None:
+        graphs = getattr(torch.cuda, "graphs", None)
+        if graphs is None or cls.saved:
+            return
+        cls.saved = (graphs, graphs.graph.__init__, graphs.CUDAGraph.capture_begin)
+
+        def capuchin_graph(self, *args, **kwargs):
+            raise _graph_refusal("torch.cuda.graph")
+
+        def capuchin_capture_begin(self, *args, **kwargs):
+            raise _graph_refusal("CUDAGraph.capture_begin")
+
+        graphs.graph.__init__ = capuchin_graph
+        graphs.CUDAGraph.capture_begin = capuchin_capture_begin
+
+    @classmethod
+    def uninstall(cls) -> None:
+        if cls.saved:
+            graphs, init, capture_begin = cls.saved
+            graphs.graph.__init__ = init
+            graphs.CUDAGraph.capture_begin = capture_begin
+            cls.saved = ()
+
+
+def _skip_handler_owner():
+    """Dynamo's ``CatchErrorsWrapper`` (whose ``_handle_skip`` sees a compiled frame about to be
+    skipped for a dispatch mode), or None in a torch without it (Note [torch.compile])."""
+    try:
+        from torch._dynamo.convert_frame import CatchErrorsWrapper
+    except ImportError:
+        return None
+    return CatchErrorsWrapper if hasattr(CatchErrorsWrapper, "_handle_skip") else None
+
+
+def _region_wrapper() -> bool:
+    """Whether this torch's Inductor can wrap compiled regions into one op (Note
+    [torch.compile])."""
+    import torch._inductor.config as ic
+
+    try:
+        ic.wrap_inductor_compiled_regions  # noqa: B018 - a config read that may raise
+    except AttributeError:
+        return False
+    return True
+
+
 class CompileGuard:
     """While installed (nested installs are counted): ``torch.compile`` and
     ``torch._dynamo.optimize`` check their arguments, Inductor wraps its compiled regions,
@@ -268,44 +326,40 @@ class CompileGuard:
             return
         import torch._dynamo
         import torch._inductor.config as ic
-        from torch._dynamo.convert_frame import CatchErrorsWrapper
 
-        cls.saved = (
-            torch.compile,
-            torch._dynamo.optimize,
-            getattr(CatchErrorsWrapper, "_handle_skip", None),
-        )
-        compile_, optimize, handle_skip = cls.saved
-        # Note [Compile hooks by version]: where this torch lacks a hook the management rests
-        # on, a compiled script is refused at its torch.compile call, never run unmanaged, and
-        # a script that does not compile runs as before
-        hooks = hooks_missing()
-        if not hooks:
-            cls.wrap_was = ic.wrap_inductor_compiled_regions
-            if not cls.wrap_was:
-                ic.wrap_inductor_compiled_regions = True
-                torch._dynamo.reset()  # regions compiled without the wrapper (Note [torch.compile])
+        GraphGuard.install()  # Note [CUDA graphs]
+        wrapper = _skip_handler_owner()
+        handle_skip = getattr(wrapper, "_handle_skip", None)
+        cls.saved = (torch.compile, torch._dynamo.optimize, wrapper, handle_skip)
+        compile_, optimize = torch.compile, torch._dynamo.optimize
+        regions = _region_wrapper()
+        cls.wrap_was = ic.wrap_inductor_compiled_regions if regions else None
+        if regions and not cls.wrap_was:
+            ic.wrap_inductor_compiled_regions = True
+            torch._dynamo.reset()  # regions compiled without the wrapper (Note [torch.compile])
 
-        def refuse_version() -> None:
-            if hooks and not _disabled():
-                raise CompileRefused(
-                    f"{_caller()}: torch.compile cannot run under capuchin with torch "
-                    f"{torch.__version__}, which lacks {', '.join(hooks)} (managed on torch "
-                    f"{CHECKED_ON}); set TORCHDYNAMO_DISABLE=1 to train eagerly both with "
-                    "and without capuchin"
-                )
+        def no_regions(what: str) -> CompileRefused:
+            return CompileRefused(
+                f"{_caller()}: {what} cannot run under capuchin with torch {torch.__version__}: "
+                "its Inductor cannot make a compiled region one op "
+                "(torch._inductor.config.wrap_inductor_compiled_regions), so capuchin would "
+                "not see the region's tensors; remove it, or set TORCHDYNAMO_DISABLE=1 to "
+                "train eagerly both with and without capuchin"
+            )
 
         def capuchin_compile(model=None, **kwargs):
-            refuse_version()
             if not _disabled():
+                if not regions:
+                    raise no_regions("torch.compile")
                 check_compile_call(
                     kwargs.get("backend", "inductor"), kwargs.get("mode"), kwargs.get("options")
                 )
             return compile_(model, **kwargs) if model is not None else compile_(**kwargs)
 
         def capuchin_optimize(*args, **kwargs):
-            refuse_version()
             if not _disabled():
+                if not regions:
+                    raise no_regions("torch._dynamo.optimize")
                 backend = args[0] if args else kwargs.get("backend", "inductor")
                 options = getattr(backend, "config", None)  # torch.compile's wrapper of inductor
                 check_compile_call(backend, None, options if isinstance(options, dict) else None)
@@ -326,19 +380,20 @@ class CompileGuard:
         torch.compile = capuchin_compile
         torch._dynamo.optimize = capuchin_optimize
         if handle_skip is not None:
-            CatchErrorsWrapper._handle_skip = capuchin_handle_skip
+            wrapper._handle_skip = capuchin_handle_skip
 
     @classmethod
     def uninstall(cls) -> None:
         cls.depth = max(0, cls.depth - 1)
         if cls.depth == 0 and cls.saved:
             import torch._inductor.config as ic
-            from torch._dynamo.convert_frame import CatchErrorsWrapper
 
-            torch.compile, torch._dynamo.optimize, handle_skip = cls.saved
+            compile_, optimize, wrapper, handle_skip = cls.saved
+            torch.compile, torch._dynamo.optimize = compile_, optimize
             if handle_skip is not None:
-                CatchErrorsWrapper._handle_skip = handle_skip
+                wrapper._handle_skip = handle_skip
             cls.saved = ()
+            GraphGuard.uninstall()
             if cls.wrap_was is not None:
                 ic.wrap_inductor_compiled_regions = cls.wrap_was
                 cls.wrap_was = None

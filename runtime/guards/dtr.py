@@ -85,6 +85,7 @@ room made under the budget, so nothing recurses deeply).
 
 from __future__ import annotations
 
+import collections
 import math
 import operator
 import random
@@ -92,7 +93,6 @@ import time
 import weakref
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ...dtr_score import Node, neighbourhood, score, union
 from ...errors import RecomputeError
@@ -100,8 +100,7 @@ from ...planner.plan import Decision, Method
 from ...tracer.compiled import is_hop
 from ...tracer.hooks import call_info, op_info, written_inputs
 from ...tracer.schema import is_collective
-from ..backend import byte_view
-from ..device import replays_exactly
+from ..device import caught_oom, replays_exactly
 from ..recompute import RecomputeEngine, Record, _capture_rng, _Marker, _Slot
 from ..state import Entry, Reason, Residency, evictable, resize, storage_key, writes
 from .lru import BudgetGuard, PassiveTracker
@@ -313,14 +312,15 @@ class DynamicTracker(PassiveTracker):
         sid = tag[1] if tag is not None and tag[0] == self.engine.epoch else None
         return _Slot(t, sid, False, st)
 
-    def recorded(self, pending: tuple, dt: float, outs: list, in_keys: set) -> None:
+    def recorded(self, pending: tuple, dt: float, outs: list, in_keys: set):
         """The op ran (``dt`` seconds): name the storages it allocated, give them (or the
         storages it wrote) their chain, cost and neighbours. Most ops of a step allocate, so
         this runs for most ops: it keeps to one pass over the outputs and reuses the argument
-        keys that the op's preparation computed."""
+        keys that the op's preparation computed. Returns ``(record, keys charged dt)``, or None
+        where nothing was recorded."""
         func, args, kwargs, flat, keys, written, rng, wslots = pending
         if wslots is None:
-            return
+            return None
         chain = self.chain
         in_it = self.in_iteration
         fresh = []  # (output position, storage, key) of the storages the op allocated
@@ -334,7 +334,7 @@ class DynamicTracker(PassiveTracker):
                 fresh.append((j, st, key))
         extended = [a for a in wslots if keys[a] in chain] if wslots else ()
         if not fresh and not extended:
-            return  # a view, a read, or a write to storages nobody replays
+            return None  # a view, a read, or a write to storages nobody replays
         slot = self._slot
         try:
             if wslots:
@@ -342,7 +342,7 @@ class DynamicTracker(PassiveTracker):
             else:
                 slots = [slot(t) for t in flat]
         except (RuntimeError, NotImplementedError):
-            return
+            return None
         self.serial += 1
         op = self.serial
         counter = [0]
@@ -369,6 +369,7 @@ class DynamicTracker(PassiveTracker):
         src = [k for k in keys if k is not None]
         new_bytes = 0
         made = []
+        charged = []
         epoch = self.engine.epoch
         for j, st, key in fresh:
             if key in chain or key in self.sid:
@@ -383,6 +384,7 @@ class DynamicTracker(PassiveTracker):
                 chain[key] = [rec]
                 self.cost_s[key] = dt
                 self.wcount[key] = writes(st)
+                charged.append(key)
         self.new_out[op] = new_bytes
         for a in extended:  # R1: an in-place write extends the written storage's chain
             key = keys[a]
@@ -392,6 +394,7 @@ class DynamicTracker(PassiveTracker):
                 self.cost_s[key] += dt
                 self.wcount[key] = slots[a].writes
                 made.append(key)
+                charged.append(key)
             elif ch[-1] is not rec:
                 del chain[key]  # a write that cannot be replayed: swap only from now on
         parents, children = self.parents, self.children
@@ -407,6 +410,17 @@ class DynamicTracker(PassiveTracker):
                         children[k] = {key}
                     else:
                         cs.add(key)
+        return rec, charged
+
+    def settle(self, rec, keys, dt: float) -> None:
+        """Add ``dt`` seconds to the cost of ``keys`` whose chain still holds ``rec`` (its
+        device time, read after the op ran: Note [Costs on the device's timeline] in
+        backend.py); a storage that died since keeps the cost it had."""
+        chain, cost = self.chain, self.cost_s
+        for key in keys:
+            ch = chain.get(key)
+            if ch is not None and any(r is rec for r in ch):
+                cost[key] += dt
 
     # ---- what a drop would take -----------------------------------------------------------------
     def replay_plan(self, key: int):
@@ -502,6 +516,11 @@ class DynamicGuard(BudgetGuard):
         self.gain_s = 0.0  # what this iteration's drops saved against swapping, estimated
         self._clock0 = 0  # the op clock at this iteration's start
         self.n_entries = 0
+        # the device's timeline where the host runs ahead of it (Note [Costs on the device's
+        # timeline] in backend.py): op times and replays are read from it once the device has
+        # reached them, copies from their own streams
+        self.dclock = getattr(getattr(swap, "backend", None), "clock", None)
+        self._timed: collections.deque = collections.deque()  # (mark, mark, host s, what)
 
     def new_iteration(self) -> None:
         """A dropped storage can outlive its iteration (dropped while the step end made room for
@@ -524,6 +543,8 @@ class DynamicGuard(BudgetGuard):
             self.remat == "auto" and (self.iteration < 2 or paid or probe)
         )
         self.drops, self.gain_s, self._clock0 = 0, 0.0, clock
+        if self._timed:
+            self.settle_times()
         ex = self.ex
         for e in ex.entries.values():
             if e.reason is Reason.DYNAMIC and not e.swap and e.state is Residency.OUT:
@@ -565,17 +586,40 @@ class DynamicGuard(BudgetGuard):
         if written:
             self.writing = _NO_KEYS
         if not recording:
-            return pkey, None, 0.0
+            return pkey, None, 0.0, None
         pending = tr.prepare(func, args, kwargs, flat, keys, written, info.seeded)
-        return pkey, pending, seconds()
+        return pkey, pending, seconds(), self.dclock.mark() if self.dclock is not None else None
 
     def after_op(self, outs: list, in_keys: set, token) -> None:
-        pkey, pending, t0 = token
+        pkey, pending, t0, m0 = token
         dt = seconds() - t0 if pending is not None else 0.0
         self.tracker.track_outputs(outs, in_keys, pkey)
         if pending is not None:
-            self.tracker.recorded(pending, dt, outs, in_keys)
+            got = self.tracker.recorded(pending, dt, outs, in_keys)
+            if m0 is not None and got is not None:  # the host's dt until the device's is read
+                self._timed.append((m0, self.dclock.mark(), dt, ("op", *got)))
         self.enforce(in_keys, outs=outs)
+
+    def settle_times(self) -> None:
+        """Read the device times the device has reached, in order (Note [Costs on the
+        device's timeline] in backend.py): an op's replaces its host time in its storages'
+        costs; a replay's updates what a replay costs beyond its ops."""
+        q, clock = self._timed, self.dclock
+        while q:
+            a, b, host_s, what = q[0]
+            dt = clock.span_s(a, b)
+            if dt is None:
+                return  # the device has not got there yet (later marks are later still)
+            q.popleft()
+            if what[0] == "op":
+                self.tracker.settle(what[1], what[2], dt - host_s)
+            else:
+                self._replay_cost(dt, what[1], what[2])
+
+    def _replay_cost(self, dt: float, cost: float, ops: int) -> None:
+        """What a replay costs beyond its ops' measured times, per op (smoothed)."""
+        extra = (dt - cost) / ops
+        self.replay_op_s = max(0.0, 0.8 * self.replay_op_s + 0.2 * extra)
 
     def stays_out(self, e: Entry) -> bool:
         """A dropped storage nothing but dynamic mode holds (the source of a dropped storage's
@@ -622,6 +666,10 @@ class DynamicGuard(BudgetGuard):
         by a pass over every candidate: the sample may miss the few storages that would do."""
         tr = self.tracker
         dev = self.device_type
+        if self._timed:  # Note [Costs on the device's timeline] in backend.py
+            if self.recording:
+                self.dclock.wait(self._timed[-1][1])
+            self.settle_times()
         swap_fixed_s = self.copy_out.fixed_s + self.copy_in.fixed_s  # Note [What a swap costs]
         swap_s_per_byte = self.copy_out.s_per_byte + self.copy_in.s_per_byte
         lru, entries, last, clock = tr.lru, self.ex.entries, tr.last_access, tr.clock
@@ -732,8 +780,7 @@ class DynamicGuard(BudgetGuard):
             f"dtr:{self.n_entries}", weakref.ref(st, ex.died(key)), n, swap, Reason.DYNAMIC, d
         )
         if ex.rt.verify:
-            with _disable_current_modes():
-                e.extra["copy"] = byte_view(st).to("cpu", copy=True)  # Note [Snapshots on the host]
+            e.extra["copy"] = self.swap.backend.snapshot(st)  # Note [Snapshots on the host]
         ex.adopt(key, e)
         return e
 
@@ -770,9 +817,10 @@ class DynamicGuard(BudgetGuard):
         ex = self.ex
         t0 = seconds()
         e = self._entry(key, st, n, True, None)
-        ex.stats.stall_s += self.swap.evict_now(e)
+        waited = self.swap.evict_now(e)
+        ex.stats.stall_s += waited
         self.tracker.evicted(key)
-        self.copy_out.add(n, seconds() - t0)
+        self.copy_out.add(n, self._copy_time(seconds() - t0, waited, e.out_copy))
         ex.stats.passive_evictions += 1
         ex.stats.dynamic_swaps += 1
 
@@ -815,10 +863,23 @@ class DynamicGuard(BudgetGuard):
             if not e.swap:
                 need = max(need, e.extra.get("own_out", 0)) + e.extra.get("transient", 0)
             self.enforce(protect, need)
-            t0 = seconds()
+            t0, stall0 = seconds(), ex.stats.stall_s
+            self.swap.last_restore = None
             ex.restore(e)
             if e.swap:
-                self.copy_in.add(e.nbytes, seconds() - t0)
+                dt = self._copy_time(
+                    seconds() - t0, ex.stats.stall_s - stall0, self.swap.last_restore
+                )
+                self.copy_in.add(e.nbytes, dt)
+
+    def _copy_time(self, host_s: float, waited_s: float, copy) -> float:
+        """A swap's way out or back: its host time, where the host is the device; else the
+        host's own part (without the wait, which drained whatever compute was queued before the
+        copy) plus the copy's time on its stream (Note [Costs on the device's timeline])."""
+        if self.dclock is None or copy is None:
+            return host_s
+        dev = self.dclock.copy_s(copy)
+        return host_s if dev is None else max(0.0, host_s - waited_s) + dev
 
     def replayed_bytes(self, nbytes: int) -> int:
         """Resident bytes right after a replay refilled ``nbytes``: an allocator that counts
@@ -854,20 +915,24 @@ class DynamicGuard(BudgetGuard):
         tr.engine.stats = ex.stats
         tr.engine.ensure_resident = ex.ensure_resident
         t0 = seconds()
+        m0 = self.dclock.mark() if self.dclock is not None else None
         protect = set(pinned) | {storage_key(st)}
         for _ in range(64):  # Note [Out of memory in the runtime] in swap.py
             try:
                 tr.engine.replay(e.decision, st, e.nbytes, {})
                 break
             except torch.cuda.OutOfMemoryError:
+                caught_oom()  # Note [Out-of-memory errors caught inside an op] in device.py
                 if ex.swap.sync_earliest() <= 0 and self.evict(e.nbytes, protect) <= 0:
                     raise
         else:
             tr.engine.replay(e.decision, st, e.nbytes, {})
         ops = e.extra.get("recs", ())
-        if ops:  # what a replay costs beyond the ops' measured times (smoothed)
-            extra = (seconds() - t0 - e.extra.get("cost_s", 0.0)) / len(ops)
-            self.replay_op_s = max(0.0, 0.8 * self.replay_op_s + 0.2 * extra)
+        if ops and m0 is not None:  # read on the device's timeline, later
+            info = ("replay", e.extra.get("cost_s", 0.0), len(ops))
+            self._timed.append((m0, self.dclock.mark(), 0.0, info))
+        elif ops:
+            self._replay_cost(seconds() - t0, e.extra.get("cost_s", 0.0), len(ops))
         if self.budget_bytes is not None:  # unbudgeted paths (step end) count what they cost
             self.short(self.replayed_bytes(e.nbytes) - self.budget_bytes)
         key = storage_key(st)
