@@ -192,6 +192,24 @@ class StorageInfo:
         i = bisect_right(self.writers, lo)
         return i < len(self.writers) and self.writers[i] < hi
 
+    @property
+    def dead_gap(self) -> tuple[int, int] | None:
+        """(last access, free op) when the storage outlives its last access within the
+        iteration: a transient storage the script frees some ops after its last read (Note
+        [Dead storages] in dead.py); None otherwise."""
+        a = self.accesses
+        if (
+            self.persistent
+            or self.communicated
+            or self.size_bytes <= 0
+            or not a
+            or a[0] < 0
+            or self.free_op is None
+            or self.free_op <= a[-1]
+        ):
+            return None
+        return a[-1], self.free_op
+
     def gaps(self) -> list[tuple[int, int]]:
         """Consecutive access pairs (evicted-access, back-access) with at least one op between."""
         a = self.accesses
@@ -214,6 +232,7 @@ class Problem:
     trace_path: str = ""
     device: str = "cpu"
     persistent_candidates: bool = True  # Note [Wrap-around gaps]; False: activations etc. only
+    dead_evictions: bool = True  # dead.py Note [Dead storages]; False: none planned
     # the runtime's host work the simulator charges on the compute stream (costs.py Note [Host
     # work on the compute stream]): from the trace's device and source
     host: HostCost = NO_HOST_COST
@@ -388,6 +407,10 @@ class Problem:
                 else:
                     diff[a + 1] += s.size_bytes
                     diff[b] -= s.size_bytes
+            dead = s.dead_gap if self.dead_evictions else None
+            if dead is not None:  # out from its last access until it is freed
+                diff[dead[0] + 1] += s.size_bytes
+                diff[dead[1] + 1] -= s.size_bytes
         floor = self.live_bytes - np.cumsum(diff[:n])
         st = self.storages
         work = np.fromiter(
