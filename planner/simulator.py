@@ -30,6 +30,10 @@ What it models is Note [Simulation model]; how it runs fast, Note [Only the ops 
 #   simulated iteration it is out from the start until its prefetch (or on-demand restore) and
 #   from its swap-out to the end. Its prefetch runs at ``trigger_op`` of the next iteration when
 #   ``trigger_op <= back_op``, else late in this one (then it is resident at the start).
+# - A dead decision (``Decision.dead``, dead.py Note [Dead storages]) swaps out after its
+#   ``evict_op`` as any swap and never comes back; at its ``back_op`` (where the script frees
+#   the storage) the op's own free finds it out already, and compute waits there for its
+#   swap-out if still copying.
 # - The runtime's host work that runs on the compute stream (``Problem.host``; on CPU, zero on
 #   CUDA: costs.py Note [Host work on the compute stream]) is charged there: ``action_op_ns``
 #   before each op with an action, ``swap_ns`` after each swap-out's evicted-access (before its
