@@ -18,7 +18,7 @@ from ..tracer.reader import Trace, load_trace
 from ..tracer.schema import FILE_SUFFIX
 from ..tracer.summary import iteration_kinds
 from .budget import format_bytes, parse_budget, parse_rate
-from .build import build_plan, run_policy, with_dead
+from .build import build_plan, plans_dead, run_policy, with_dead
 from .improve import bisect_monotone
 from .plan import Plan
 from .problem import Problem
@@ -237,7 +237,10 @@ def smallest_feasible_budget(
 
     def peak_at(b: int) -> int | None:
         try:
-            ds = with_dead(problem, b, lambda p: policy_fn(p, b, **params)).decisions
+            if plans_dead(policy_fn):  # dead.py Note [Dead storages]
+                ds = with_dead(problem, b, lambda p: policy_fn(p, b, **params)).decisions
+            else:
+                ds = policy_fn(problem, b, **params).decisions
             _, sim = build_plan(problem, ds, policy="", budget_bytes=b)
         except Exception:  # noqa: BLE001 - a broken plan counts as not feasible
             return None

@@ -163,6 +163,16 @@ def baseline_note(problem: Problem) -> str:
 
 
 DEAD_ROUNDS = 3  # dead.py Note [Dead storages]: plans made at most, one more per round
+# the policies planned with dead decisions; the others are comparison baselines that plan as
+# published (swap- and recompute-only, checkpointing, DTR, vDNN) or their own model (the ILP)
+DEAD_POLICIES = ("capuchin", "capuchin-ls")
+
+
+def plans_dead(policy) -> bool:
+    """Whether ``policy`` (a registered name or its function) is planned with dead decisions."""
+    if isinstance(policy, str):
+        return policy in DEAD_POLICIES
+    return any(policy is get_policy(name) for name in DEAD_POLICIES)
 
 
 def with_dead(
@@ -225,9 +235,11 @@ def run_policy(
     t0 = time.perf_counter()
     if budget_bytes < problem.peak_bytes:
         fn = get_policy(policy)
-        result = with_dead(
-            problem, budget_bytes, lambda p: checked(policy, fn(p, budget_bytes, **params))
-        )
+
+        def call(p: Problem) -> PolicyResult:
+            return checked(policy, fn(p, budget_bytes, **params))
+
+        result = with_dead(problem, budget_bytes, call) if plans_dead(policy) else call(problem)
     plan, sim = build_plan(
         problem,
         result.decisions,

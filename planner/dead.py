@@ -35,7 +35,9 @@
 # dead one needs only its EVICT_SWAP action). While the simulated plan is still over the budget,
 # the dead gaps overlapping the ops over it join as well and the policy plans again
 # (``build.with_dead``). The simulator judges the whole plan on the problem as traced, copy times
-# included. ``Problem.dead_evictions = False`` plans none.
+# included. ``Problem.dead_evictions = False`` plans none. Only the ``capuchin`` policies plan
+# with them (``build.DEAD_POLICIES``): the others are comparison baselines that plan as published,
+# or the ILP, whose model does not hold them.
 """
 
 from __future__ import annotations
