@@ -173,6 +173,9 @@ def test_with_dead_adds_them_where_the_plan_is_over_the_budget():
     assert plan.predictions.feasible and any(d.dead for d in plan.decisions)
     plan, sim, _ = run_policy(replace(p, dead_evictions=False), "capuchin", 1500)
     assert not any(d.dead for d in plan.decisions)
+    for baseline in ("swap", "recompute"):  # comparison baselines plan as published
+        plan, sim, _ = run_policy(p, baseline, 1500)
+        assert not any(d.dead for d in plan.decisions), baseline
 
 
 def _fixed_costs(trace):
