@@ -95,12 +95,17 @@ def main(argv=None) -> int:
         action="store_true",
         help="benchmarks/bert_mlm.py with AdamW's loop, foreach, fused forms and HF Trainer's default",
     )
+    ap.add_argument(
+        "--bert-args",
+        default="",
+        help="--bert-optimizers: more options for bert_mlm.py, e.g. '--seq 32'",
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.optimizers:
         return optimizers(args.out, args.steps, args.batch, args.clip)
     if args.bert_optimizers:
-        return optimizers(args.out, args.steps, None, False, bert=True)
+        return optimizers(args.out, args.steps, None, False, bert=args.bert_args.split() or True)
 
     import capuchin
     from capuchin.planner.api import smallest_feasible_budget
@@ -202,10 +207,12 @@ def main(argv=None) -> int:
     return 1 if bad else 0
 
 
-def optimizers(out: Path, steps: int, batch: int | None, clip: bool, bert: bool = False) -> int:
+def optimizers(
+    out: Path, steps: int, batch: int | None, clip: bool, bert: bool | list[str] = False
+) -> int:
     """The mlp with AdamW as a per-tensor loop, foreach and fused (module docstring); with
     ``bert``, benchmarks/bert_mlm.py with those and Hugging Face ``Trainer``'s default optimizer
-    (its ``--optim``)."""
+    (its ``--optim``); ``bert`` a list: more options for it."""
     import capuchin
     import torch
     from capuchin.planner.api import make_plan, smallest_feasible_budget
@@ -218,7 +225,8 @@ def optimizers(out: Path, steps: int, batch: int | None, clip: bool, bert: bool 
 
     out.mkdir(parents=True, exist_ok=True)
     fn = get_policy("capuchin")
-    what = "bert_mlm.py (batch 8, sequence 128)" if bert else f"mlp batch {batch}"
+    extra = bert if isinstance(bert, list) else []
+    what = f"bert_mlm.py {' '.join(extra) or '(defaults)'}" if bert else f"mlp batch {batch}"
     print(f"load: {os.getloadavg()[0]:.1f}; {what}{', clip_grad_norm_' if clip else ''}")
     print(
         "| optimizer | ops | peak | floor (op: working set) | smallest feasible | plan "
@@ -229,7 +237,7 @@ def optimizers(out: Path, steps: int, batch: int | None, clip: bool, bert: bool 
     script = BERT if bert else MLP
     forms = ("adamw-loop", "adamw-foreach", "adamw-fused", "hf-trainer") if bert else None
     for optim in forms or ("adamw", "adamw-foreach", "adamw-fused"):
-        sargs = ["--optim", optim] if bert else ["--batch", str(batch), "--optim", optim]
+        sargs = ["--optim", optim, *extra] if bert else ["--batch", str(batch), "--optim", optim]
         sargs += ["--clip", "1.0"] if clip else []
         trace = out / f"{script.stem}-{optim}.trace.parquet"
         with (
