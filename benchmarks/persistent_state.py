@@ -246,7 +246,7 @@ def optimizers(
         ):
             run_as_main(script, [*sargs, "--steps", "3"])
         p = Problem.from_trace(load_trace(trace))
-        floor = p.floor_bytes()
+        floor = p.floor_bytes(dead=True)
         best = smallest_feasible_budget(p, fn, {}, start_bytes=floor, steps=10)
         b = p.floor_breakdown()
         plan = make_plan(trace, budget=str(best), policy="capuchin")

@@ -106,7 +106,7 @@ def make_plan(
     plan, sim, _ = run_policy(problem, policy, budget_bytes, params, notes)
     if plan.predictions.feasible:
         return plan
-    floor = problem.floor_bytes()
+    floor = problem.floor_bytes(dead=True)  # the lowest bound of every policy
     # the best effort's own peak is a good first guess, unless the policy gave up (an exact
     # policy such as the ilp returns no decisions when nothing fits): then search up from the floor
     gave_up = sim.peak_bytes >= problem.peak_bytes

@@ -70,23 +70,12 @@ def choose(problem: Problem, budget_bytes: int) -> list[Decision]:
     cands = candidates(problem)
     if not cands:
         return []
-    floor = _floor_without_dead(problem)
+    floor = problem.floor_curve()[0]  # without dead gaps
     out = []
     for sid, last, free, size in cands:
         if int(np.max(floor[last + 1 : free + 1])) > budget_bytes:
             out.append(new_decision(sid, Method.SWAP, size, last, free, dead=True))
     return out
-
-
-_FLOOR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _floor_without_dead(problem: Problem) -> np.ndarray:
-    """Per op, the floor of ``Problem.floor_curve`` when no dead storage is evicted."""
-    got = _FLOOR.get(problem)
-    if got is None:
-        got = _FLOOR[problem] = replace(problem, dead_evictions=False).floor_curve()[0]
-    return got
 
 
 _FREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

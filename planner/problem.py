@@ -387,15 +387,18 @@ class Problem:
             r = _RESTRICTED[self] = replace(self, persistent_candidates=False)
         return r
 
-    def floor_bytes(self) -> int:
+    def floor_bytes(self, dead: bool = False) -> int:
         """A lower bound on the peak of any plan: at each op, everything stays but evictable
         storages inside one of their access gaps (wrap-around gaps of persistent storages
-        included, Note [Wrap-around gaps]). Budgets below it are infeasible."""
-        return int(self.floor_curve()[0].max()) if self.n_ops else self.resident_bytes
+        included, Note [Wrap-around gaps]). Budgets below it are infeasible. ``dead``: storages
+        in their dead gaps count as out too (dead.py Note [Dead storages]; the bound of plans
+        with dead decisions, when ``dead_evictions``); without, the policies' own view."""
+        return int(self.floor_curve(dead)[0].max()) if self.n_ops else self.resident_bytes
 
-    def floor_curve(self) -> tuple[np.ndarray, np.ndarray]:
+    def floor_curve(self, dead: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Per op: the bytes no plan can move off the device (``floor_bytes`` is their
-        maximum), and of those the op's own working set (its inputs, outputs and scratch)."""
+        maximum), and of those the op's own working set (its inputs, outputs and scratch);
+        ``dead`` as in ``floor_bytes``."""
         n = self.n_ops
         diff = np.zeros(n + 1, dtype=np.int64)
         for s in self.storages.values():
@@ -407,10 +410,10 @@ class Problem:
                 else:
                     diff[a + 1] += s.size_bytes
                     diff[b] -= s.size_bytes
-            dead = s.dead_gap if self.dead_evictions else None
-            if dead is not None:  # out from its last access until it is freed
-                diff[dead[0] + 1] += s.size_bytes
-                diff[dead[1] + 1] -= s.size_bytes
+            g = s.dead_gap if dead and self.dead_evictions else None
+            if g is not None:  # out from its last access until it is freed
+                diff[g[0] + 1] += s.size_bytes
+                diff[g[1] + 1] -= s.size_bytes
         floor = self.live_bytes - np.cumsum(diff[:n])
         st = self.storages
         work = np.fromiter(
@@ -432,7 +435,7 @@ class Problem:
                 "working_set_bytes": 0,
                 "fixed_bytes": self.resident_bytes,
             }
-        floor, work = self.floor_curve()
+        floor, work = self.floor_curve(dead=True)
         k = int(floor.argmax())
         return {
             "floor_bytes": int(floor[k]),

@@ -86,8 +86,9 @@ def test_a_dead_storage_is_out_from_its_swap_out_until_the_script_frees_it():
     assert o.out_start_ns == 400 and o.freed_ns == 401 and o.in_start_ns == -1
     assert o.stall_ns == 0 and sim.time_ns == p.time_ns
     # the floor counts it out over its dead gap, and not without dead decisions
-    assert p.floor_bytes() == 1200  # V and W at op 7 (U is in an access gap)
-    assert replace(p, dead_evictions=False).floor_bytes() == 2200
+    assert p.floor_bytes(dead=True) == 1200  # V and W at op 7 (U is in an access gap)
+    assert replace(p, dead_evictions=False).floor_bytes(dead=True) == 2200
+    assert p.floor_bytes() == 2200  # the policies' view: no dead decision of theirs
 
 
 def test_freeing_a_dead_storage_waits_for_its_swap_out():
@@ -216,7 +217,8 @@ def test_a_temporary_held_after_its_last_read_trains_bitwise_under_a_dead_decisi
     best = {}
     for on in (True, False):
         q = p if on else dataclasses.replace(p, dead_evictions=False)
-        best[on] = smallest_feasible_budget(q, fn, {}, start_bytes=q.floor_bytes(), steps=10)
+        floor = q.floor_bytes(dead=True)
+        best[on] = smallest_feasible_budget(q, fn, {}, start_bytes=floor, steps=10)
     assert best[True] <= best[False] - 0.05 * p.peak_bytes, (best, p.peak_bytes)
     plan, _, _ = run_policy(p, "capuchin", best[True])
     assert plan.predictions.feasible
@@ -244,7 +246,7 @@ def test_foreach_adamw_floor_with_dead_decisions_is_the_loop_form_s(tmp_path):
     for optim in ("adamw", "adamw-foreach"):
         args = ["--batch", "512", "--optim", optim]
         p = _fixed_costs(_trace(tmp_path / f"{optim}.trace.parquet", mlp, args))
-        floors[optim] = (p.floor_bytes(), replace(p, dead_evictions=False).floor_bytes())
+        floors[optim] = (p.floor_bytes(dead=True), p.floor_bytes())
     loop, foreach = floors["adamw"][0], floors["adamw-foreach"]
     assert foreach[0] <= 1.01 * loop, floors
     assert foreach[1] >= 1.4 * loop, floors
