@@ -614,7 +614,7 @@ class _Search:
         problem = Problem.from_trace(trace)
         self.problems[value] = problem
         c.peak_bytes = int(problem.peak_bytes)
-        c.floor_bytes = int(problem.floor_bytes())
+        c.floor_bytes = int(problem.floor_bytes(dead=True))
         c.measured_peak_bytes = trace.meta.measured_peak_bytes
         c.iteration_time_s = problem.time_ns / 1e9
         c.trace_s = time.perf_counter() - t0

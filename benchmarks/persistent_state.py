@@ -90,10 +90,22 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizers", action="store_true", help="the mlp's AdamW forms only")
     ap.add_argument("--batch", type=int, default=512, help="--optimizers: the mlp's batch")
     ap.add_argument("--clip", action="store_true", help="--optimizers: with clip_grad_norm_")
+    ap.add_argument(
+        "--bert-optimizers",
+        action="store_true",
+        help="benchmarks/bert_mlm.py with AdamW's loop, foreach, fused forms and HF Trainer's default",
+    )
+    ap.add_argument(
+        "--bert-args",
+        default="",
+        help="--bert-optimizers: more options for bert_mlm.py, e.g. '--seq 32'",
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.optimizers:
         return optimizers(args.out, args.steps, args.batch, args.clip)
+    if args.bert_optimizers:
+        return optimizers(args.out, args.steps, None, False, bert=args.bert_args.split() or True)
 
     import capuchin
     from capuchin.planner.api import smallest_feasible_budget
@@ -195,8 +207,12 @@ def main(argv=None) -> int:
     return 1 if bad else 0
 
 
-def optimizers(out: Path, steps: int, batch: int, clip: bool) -> int:
-    """The mlp with AdamW as a per-tensor loop, foreach and fused (module docstring)."""
+def optimizers(
+    out: Path, steps: int, batch: int | None, clip: bool, bert: bool | list[str] = False
+) -> int:
+    """The mlp with AdamW as a per-tensor loop, foreach and fused (module docstring); with
+    ``bert``, benchmarks/bert_mlm.py with those and Hugging Face ``Trainer``'s default optimizer
+    (its ``--optim``); ``bert`` a list: more options for it."""
     import capuchin
     import torch
     from capuchin.planner.api import make_plan, smallest_feasible_budget
@@ -209,30 +225,35 @@ def optimizers(out: Path, steps: int, batch: int, clip: bool) -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     fn = get_policy("capuchin")
-    print(f"load: {os.getloadavg()[0]:.1f}; mlp batch {batch}{', clip_grad_norm_' if clip else ''}")
+    extra = bert if isinstance(bert, list) else []
+    what = f"bert_mlm.py {' '.join(extra) or '(defaults)'}" if bert else f"mlp batch {batch}"
+    print(f"load: {os.getloadavg()[0]:.1f}; {what}{', clip_grad_norm_' if clip else ''}")
     print(
         "| optimizer | ops | peak | floor (op: working set) | smallest feasible | plan "
         "| tensors differ | measured peak / budget, iterations 0.. |"
     )
     print("|---|---|---|---|---|---|---|---|")
     bad_any = 0
-    for optim in ("adamw", "adamw-foreach", "adamw-fused"):
-        sargs = ["--batch", str(batch), "--optim", optim, *(["--clip", "1.0"] if clip else [])]
-        trace = out / f"mlp-{optim}.trace.parquet"
+    script = BERT if bert else MLP
+    forms = ("adamw-loop", "adamw-foreach", "adamw-fused", "hf-trainer") if bert else None
+    for optim in forms or ("adamw", "adamw-foreach", "adamw-fused"):
+        sargs = ["--optim", optim, *extra] if bert else ["--batch", str(batch), "--optim", optim]
+        sargs += ["--clip", "1.0"] if clip else []
+        trace = out / f"{script.stem}-{optim}.trace.parquet"
         with (
             contextlib.redirect_stdout(io.StringIO()),
             capuchin.Tracer(trace, iterations=1, warmup=1, device="cpu", log=None),
         ):
-            run_as_main(MLP, [*sargs, "--steps", "3"])
+            run_as_main(script, [*sargs, "--steps", "3"])
         p = Problem.from_trace(load_trace(trace))
-        floor = p.floor_bytes()
+        floor = p.floor_bytes(dead=True)
         best = smallest_feasible_budget(p, fn, {}, start_bytes=floor, steps=10)
         b = p.floor_breakdown()
         plan = make_plan(trace, budget=str(best), policy="capuchin")
         run = [*sargs, "--steps", str(steps)]
-        ref = _state(MLP, run)
+        ref = _state(script, run)
         rt = Runtime(plan, measure_memory=True)
-        got = _state(MLP, run, rt)
+        got = _state(script, run, rt)
         bad = [k for k in ref if k not in got or not torch.equal(ref[k], got[k])]
         bad += [k for k in got if k not in ref]
         bad_any += len(bad)

@@ -18,7 +18,7 @@ from ..tracer.reader import Trace, load_trace
 from ..tracer.schema import FILE_SUFFIX
 from ..tracer.summary import iteration_kinds
 from .budget import format_bytes, parse_budget, parse_rate
-from .build import build_plan, run_policy
+from .build import build_plan, plans_dead, run_policy, with_dead
 from .improve import bisect_monotone
 from .plan import Plan
 from .problem import Problem
@@ -106,7 +106,7 @@ def make_plan(
     plan, sim, _ = run_policy(problem, policy, budget_bytes, params, notes)
     if plan.predictions.feasible:
         return plan
-    floor = problem.floor_bytes()
+    floor = problem.floor_bytes(dead=True)  # the lowest bound of every policy
     # the best effort's own peak is a good first guess, unless the policy gave up (an exact
     # policy such as the ilp returns no decisions when nothing fits): then search up from the floor
     gave_up = sim.peak_bytes >= problem.peak_bytes
@@ -271,7 +271,10 @@ def smallest_feasible_budget(
 
     def peak_at(b: int) -> int | None:
         try:
-            ds = policy_fn(problem, b, **params).decisions
+            if plans_dead(policy_fn):  # dead.py Note [Dead storages]
+                ds = with_dead(problem, b, lambda p: policy_fn(p, b, **params)).decisions
+            else:
+                ds = policy_fn(problem, b, **params).decisions
             _, sim = build_plan(problem, ds, policy="", budget_bytes=b)
         except Exception:  # noqa: BLE001 - a broken plan counts as not feasible
             return None

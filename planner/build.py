@@ -10,16 +10,21 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from .. import __version__
+from ..errors import PlanError
+from .budget import format_bytes
 from .costs import runtime_cost_ns
+from .dead import candidates as dead_candidates
+from .dead import choose as choose_dead
+from .dead import freed_early
 from .lineage import resolve_recompute
-from .plan import Action, Decision, Method, Plan, Predictions, Provenance, Step
+from .plan import Action, Decision, Method, Plan, Predictions, Provenance, Step, new_decision
 from .problem import Problem
 from .registry import PolicyResult, checked, get_policy
 from .simulator import SimResult, simulate
@@ -53,6 +58,8 @@ def action_table(decisions: Sequence[Decision]) -> list[Action]:
     for d in decisions:
         if d.method == Method.SWAP:
             acts.append(Action(d.evict_op, Step.EVICT_SWAP, d.storage_id))
+            if d.dead:  # Note [Dead storages]: never brought back by the plan
+                continue
             if d.trigger_op is not None and (
                 d.trigger_op < d.back_op or (d.wraps and d.trigger_op != d.back_op)
             ):  # wraps: Decision.wraps
@@ -155,6 +162,62 @@ def baseline_note(problem: Problem) -> str:
     return ""
 
 
+DEAD_ROUNDS = 3  # dead.py Note [Dead storages]: plans made at most, one more per round
+# the policies planned with dead decisions; the others are comparison baselines that plan as
+# published (swap- and recompute-only, checkpointing, DTR, vDNN) or their own model (the ILP)
+DEAD_POLICIES = ("capuchin", "capuchin-ls")
+
+
+def plans_dead(policy) -> bool:
+    """Whether ``policy`` (a registered name or its function) is planned with dead decisions."""
+    if isinstance(policy, str):
+        return policy in DEAD_POLICIES
+    return any(policy is get_policy(name) for name in DEAD_POLICIES)
+
+
+def with_dead(
+    problem: Problem, budget_bytes: int, call: Callable[[Problem], PolicyResult]
+) -> PolicyResult:
+    """``call(problem)``, a policy's result, with the dead decisions ``budget_bytes`` needs
+    (dead.py Note [Dead storages]): the policy plans on the problem with those storages freed at
+    their last access, its recompute lineage resolved there, and the dead decisions join its
+    own. While the simulated plan is over the budget, the dead gaps overlapping the ops over it
+    join and the policy plans again (at most ``DEAD_ROUNDS`` plans in all)."""
+    cands = dead_candidates(problem)
+    if not cands:
+        return call(problem)
+    dead = choose_dead(problem, budget_bytes)
+    result = None
+    for _ in range(DEAD_ROUNDS):
+        early = freed_early(problem, dead) if dead else problem
+        result = call(early)
+        ds = complete_decisions(early, result.decisions)
+        if dead:
+            note = (
+                f"{len(dead)} storages ({format_bytes(sum(d.size_bytes for d in dead))}) "
+                "swapped out after their last access, where the script still holds them "
+                "(dead decisions)"
+            )
+            result = replace(result, decisions=(*ds, *dead), notes=(*result.notes, note))
+        try:
+            sim = simulate(problem, complete_decisions(problem, result.decisions))
+        except PlanError:
+            break  # build_plan reports it
+        if sim.peak_bytes <= budget_bytes:
+            break
+        over = sim.op_peak_bytes > budget_bytes
+        have = {d.storage_id for d in dead}
+        more = [
+            new_decision(sid, Method.SWAP, size, last, free, dead=True)
+            for sid, last, free, size in cands
+            if sid not in have and over[last + 1 : free + 1].any()
+        ]
+        if not more:
+            break
+        dead = sorted([*dead, *more], key=lambda d: d.storage_id)
+    return result
+
+
 def run_policy(
     problem: Problem,
     policy: str,
@@ -171,7 +234,12 @@ def run_policy(
     result = PolicyResult()
     t0 = time.perf_counter()
     if budget_bytes < problem.peak_bytes:
-        result = checked(policy, get_policy(policy)(problem, budget_bytes, **params))
+        fn = get_policy(policy)
+
+        def call(p: Problem) -> PolicyResult:
+            return checked(policy, fn(p, budget_bytes, **params))
+
+        result = with_dead(problem, budget_bytes, call) if plans_dead(policy) else call(problem)
     plan, sim = build_plan(
         problem,
         result.decisions,

@@ -161,7 +161,7 @@ def smallest_feasible_budget(
     """The smallest budget (bytes) at which ``policy``'s plan is feasible, by bisection; see
     Note [Smallest feasible budget]. ``known``: records already evaluated for this policy."""
     peak = problem.peak_bytes
-    floor = min(problem.floor_bytes(), peak)
+    floor = min(problem.floor_bytes(dead=True), peak)
     ok = [r.budget_bytes for r in known if r.feasible]
     bad = [r.budget_bytes for r in known if not r.feasible and r.error is None]
     hi = min([peak, *ok])
@@ -228,7 +228,7 @@ def compare_policies(
         trace=problem.trace_path or str(trace),
         baseline_peak_bytes=problem.peak_bytes,
         baseline_time_ns=problem.time_ns,
-        floor_bytes=problem.floor_bytes(),
+        floor_bytes=problem.floor_bytes(dead=True),
         records=tuple(records),
         plans=plans,
         time_basis=problem.time_basis,

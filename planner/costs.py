@@ -152,7 +152,9 @@ def action_ops(decisions: Iterable[Decision], *, out_done: bool = False) -> set[
     swap-out waits (written from the simulation, so the simulator itself does not see them)."""
     action: set[int] = set()
     for d in decisions:
-        action.update((d.evict_op, d.back_op))
+        action.add(d.evict_op)
+        if not d.dead:  # a dead decision's back_op is where the script frees it: no action
+            action.add(d.back_op)
         if d.method == Method.SWAP:
             if d.trigger_op is not None:
                 action.add(d.trigger_op)

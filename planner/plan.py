@@ -79,6 +79,10 @@ class Decision:
         False  # evicted in iteration i, back before ``back_op`` of iteration i+1 (swap only)
     )
     out_done_op: int | None = None  # swap: the simulated swap-out is complete before this op
+    # swap, Note [Dead storages] in planner/dead.py: evicted after its last access, never
+    # brought back by the plan (no prefetch, no restore); ``back_op`` is the op after which the
+    # script frees it
+    dead: bool = False
 
     # Note: [Decision hash]
     # Searches simulate lists of mostly the same decisions again and again, and the simulation
@@ -104,6 +108,7 @@ class Decision:
                     self.predicted_recompute_ns,
                     self.wraps,
                     self.out_done_op,
+                    self.dead,
                 )
             )
             object.__setattr__(self, "_hash", h)
@@ -570,7 +575,8 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
     decisions = doc["decisions"]
     if not isinstance(decisions, list):
         raise _Bad(f"{at}decisions", f"expected a list, got {type(decisions).__name__}")
-    methods: dict[str, str] = {}
+    methods: dict[str, set[str]] = {}
+    seen_dead: dict[bool, set[str]] = {False: set(), True: set()}  # Note [Dead storages]
     for i, d in enumerate(decisions):
         where = f"{at}decisions[{i}]"
         _obj(
@@ -591,17 +597,22 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
                 "predicted_stall_ns": _int_min(0),
                 "predicted_recompute_ns": _int_min(0),
                 "wraps": _bool,
+                "dead": _bool,
             },
             Decision,
         )
         if d["method"] not in {m.value for m in Method}:
             raise _Bad(f"{where}.method", f"{d['method']!r} is not 'swap' or 'recompute'")
-        if d["storage_id"] in methods:
+        dead = d.get("dead", False)
+        if d["storage_id"] in seen_dead[dead]:  # one dead and one other decision at most
             raise _Bad(f"{where}.storage_id", f"{d['storage_id']!r} has two decisions")
-        methods[d["storage_id"]] = d["method"]
+        seen_dead[dead].add(d["storage_id"])
+        methods.setdefault(d["storage_id"], set()).add(d["method"])
         wraps = d.get("wraps", False)
         if wraps and d["method"] != Method.SWAP.value:
             raise _Bad(f"{where}.wraps", "only a swap decision may wrap around the iteration")
+        if dead and (d["method"] != Method.SWAP.value or wraps or d.get("trigger_op") is not None):
+            raise _Bad(f"{where}.dead", "a dead decision is a swap with no in-trigger, no wrap")
         if d["method"] == Method.RECOMPUTE.value:
             _check_chain(d, where)
         if not wraps and d["back_op"] <= d["evict_op"]:
@@ -630,7 +641,7 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
             raise _Bad(where + "[1]", f"{step!r} is not one of {', '.join(steps)}")
         if not isinstance(sid, str) or sid not in methods:
             raise _Bad(where + "[2]", f"storage {sid!r} has no decision in this plan")
-        if methods[sid] != steps[step]:
+        if steps[step] not in methods[sid]:
             raise _Bad(where, f"{step} on {sid!r}, whose decision is {methods[sid]}")
 
 

@@ -193,6 +193,24 @@ class StorageInfo:
         i = bisect_right(self.writers, lo)
         return i < len(self.writers) and self.writers[i] < hi
 
+    @property
+    def dead_gap(self) -> tuple[int, int] | None:
+        """(last access, free op) when the storage outlives its last access within the
+        iteration: a transient storage the script frees some ops after its last read (Note
+        [Dead storages] in dead.py); None otherwise."""
+        a = self.accesses
+        if (
+            self.persistent
+            or self.communicated
+            or self.size_bytes <= 0
+            or not a
+            or a[0] < 0
+            or self.free_op is None
+            or self.free_op <= a[-1]
+        ):
+            return None
+        return a[-1], self.free_op
+
     def gaps(self) -> list[tuple[int, int]]:
         """Consecutive access pairs (evicted-access, back-access) with at least one op between."""
         a = self.accesses
@@ -215,6 +233,7 @@ class Problem:
     trace_path: str = ""
     device: str = "cpu"
     persistent_candidates: bool = True  # Note [Wrap-around gaps]; False: activations etc. only
+    dead_evictions: bool = True  # dead.py Note [Dead storages]; False: none planned
     # the runtime's host work the simulator charges on the compute stream (costs.py Note [Host
     # work on the compute stream]): from the trace's device and source
     host: HostCost = NO_HOST_COST
@@ -369,15 +388,18 @@ class Problem:
             r = _RESTRICTED[self] = replace(self, persistent_candidates=False)
         return r
 
-    def floor_bytes(self) -> int:
+    def floor_bytes(self, dead: bool = False) -> int:
         """A lower bound on the peak of any plan: at each op, everything stays but evictable
         storages inside one of their access gaps (wrap-around gaps of persistent storages
-        included, Note [Wrap-around gaps]). Budgets below it are infeasible."""
-        return int(self.floor_curve()[0].max()) if self.n_ops else self.resident_bytes
+        included, Note [Wrap-around gaps]). Budgets below it are infeasible. ``dead``: storages
+        in their dead gaps count as out too (dead.py Note [Dead storages]; the bound of plans
+        with dead decisions, when ``dead_evictions``); without, the policies' own view."""
+        return int(self.floor_curve(dead)[0].max()) if self.n_ops else self.resident_bytes
 
-    def floor_curve(self) -> tuple[np.ndarray, np.ndarray]:
+    def floor_curve(self, dead: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Per op: the bytes no plan can move off the device (``floor_bytes`` is their
-        maximum), and of those the op's own working set (its inputs, outputs and scratch)."""
+        maximum), and of those the op's own working set (its inputs, outputs and scratch);
+        ``dead`` as in ``floor_bytes``."""
         n = self.n_ops
         diff = np.zeros(n + 1, dtype=np.int64)
         for s in self.storages.values():
@@ -389,6 +411,10 @@ class Problem:
                 else:
                     diff[a + 1] += s.size_bytes
                     diff[b] -= s.size_bytes
+            g = s.dead_gap if dead and self.dead_evictions else None
+            if g is not None:  # out from its last access until it is freed
+                diff[g[0] + 1] += s.size_bytes
+                diff[g[1] + 1] -= s.size_bytes
         floor = self.live_bytes - np.cumsum(diff[:n])
         st = self.storages
         work = np.fromiter(
@@ -410,7 +436,7 @@ class Problem:
                 "working_set_bytes": 0,
                 "fixed_bytes": self.resident_bytes,
             }
-        floor, work = self.floor_curve()
+        floor, work = self.floor_curve(dead=True)
         k = int(floor.argmax())
         return {
             "floor_bytes": int(floor[k]),

@@ -30,6 +30,10 @@ What it models is Note [Simulation model]; how it runs fast, Note [Only the ops 
 #   simulated iteration it is out from the start until its prefetch (or on-demand restore) and
 #   from its swap-out to the end. Its prefetch runs at ``trigger_op`` of the next iteration when
 #   ``trigger_op <= back_op``, else late in this one (then it is resident at the start).
+# - A dead decision (``Decision.dead``, dead.py Note [Dead storages]) swaps out after its
+#   ``evict_op`` as any swap and never comes back; at its ``back_op`` (where the script frees
+#   the storage) the op's own free finds it out already, and compute waits there for its
+#   swap-out if still copying.
 # - The runtime's host work that runs on the compute stream (``Problem.host``; on CPU, zero on
 #   CUDA: costs.py Note [Host work on the compute stream]) is charged there: ``action_op_ns``
 #   before each op with an action, ``swap_ns`` after each swap-out's evicted-access (before its
@@ -203,6 +207,22 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
         where = f"decision {d.storage_id} ({d.method.value} after op {d.evict_op})"
         if s is None:
             raise PlanError(f"{where}: no such storage in the planned iteration")
+        if d.dead:  # Note [Dead storages] in dead.py
+            if (
+                d.method != Method.SWAP
+                or d.wraps
+                or d.trigger_op is not None
+                or s.dead_gap != (d.evict_op, d.back_op)
+                or d.size_bytes != s.size_bytes
+            ):
+                raise PlanError(
+                    f"{where}: a dead decision must be a swap without in-trigger from the "
+                    f"storage's last access to the op that frees it, of its size (its dead "
+                    f"gap: {s.dead_gap}, {s.size_bytes} B)"
+                )
+            checked.add(d)
+            seen[id(d)] = d
+            continue
         if not s.swappable or (not s.evictable and not problem.persistent_candidates):
             raise PlanError(
                 f"{where}: storage is not evictable (a view, accessed once, or "
@@ -252,12 +272,28 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
             _check_replay(problem, d, where)
         checked.add(d)
         seen[id(d)] = d
+    dead = {d.storage_id: d.evict_op for d in decisions if d.dead}
+    for d in decisions if dead else ():
+        x = next((x for x in d.sources if x in dead and d.back_op > dead[x]), None)
+        if x is not None:  # a dead storage comes back on demand only, never for a replay
+            raise PlanError(
+                f"decision {d.storage_id}: source {x} of its replay at op {d.back_op} is "
+                f"evicted as dead after op {dead[x]}"
+            )
     if len({d.storage_id for d in decisions}) == len(decisions):
         return
     by_storage: dict[str, list[Decision]] = {}
     for d in decisions:
         by_storage.setdefault(d.storage_id, []).append(d)
     for sid, ds in by_storage.items():
+        if len(ds) == 2 and ds[0].dead != ds[1].dead:  # Note [Dead storages] in dead.py
+            dead, other = (ds[0], ds[1]) if ds[0].dead else (ds[1], ds[0])
+            if not other.wraps and other.back_op <= dead.evict_op:
+                continue
+            raise PlanError(
+                f"storage {sid}: its dead decision after op {dead.evict_op} overlaps its "
+                f"decision after op {other.evict_op} (back at op {other.back_op})"
+            )
         if len(ds) > 1:  # the plan format and the runtime key decisions by storage
             raise PlanError(
                 f"storage {sid}: {len(ds)} decisions evict it (after ops "
@@ -482,8 +518,12 @@ def _pass(
     evict_at: dict[int, list[int]] = {}
     trig_at: dict[int, list[int]] = {}
     back_at: dict[int, list[int]] = {}
+    free_at: dict[int, list[int]] = {}  # dead decisions by the op that frees the storage
     for i, d in enumerate(decisions):
         evict_at.setdefault(d.evict_op, []).append(i)
+        if d.dead:
+            free_at.setdefault(d.back_op, []).append(i)
+            continue
         back_at.setdefault(d.back_op, []).append(i)
         if (
             d.method == Method.SWAP
@@ -581,7 +621,7 @@ def _pass(
         if detail:
             spans.append((k, 1, ("h2d", f"swap-in {sid}", begin, end, -1, sid)))
 
-    visit = range(n) if check_access else sorted({*evict_at, *back_at, *trig_at})
+    visit = range(n) if check_access else sorted({*evict_at, *back_at, *trig_at, *free_at})
     for k in visit:
         t = t0 = start_l[k] + (cA[k] if cA is not None else 0) + shift
         for i in trig_at.get(k, ()):
@@ -706,6 +746,22 @@ def _pass(
                 if detail:
                     dsid.append((sid,))
                 inf["freed_ns"] = t
+        for i in free_at.get(k, ()):  # Note [Dead storages] in dead.py
+            d = decisions[i]
+            sid = d.storage_id
+            # the op's own free of the storage (in the problem) finds it out already
+            dk.append(5 * k + 4), dt.append(t), dev.append(_undo_free_event(d.size_bytes))
+            if detail:
+                dsid.append((sid,))
+            wait = out_end[sid] - t  # freeing it waits for its swap-out
+            if wait > 0:
+                if detail:
+                    spans.append((k, 3, ("compute", f"stall {sid}", t, t + wait, k, sid)))
+                stall[i] += wait
+                t += wait
+            state.pop(sid, None)
+            away.discard(sid)
+            del active[sid]
         if t != t_end:
             E[k] = t - t_end
         shift += t - t0 - dur_l[k]
@@ -849,6 +905,17 @@ def _drop_event(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         np.zeros(1, dtype=np.int64),
         np.full(1, -size, dtype=np.int64),
         np.full(1, _FREE, dtype=np.int8),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _undo_free_event(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A dead storage's event where the script frees it: its bytes back, as its swap-out
+    already freed them (Note [Dead storages] in dead.py)."""
+    return (
+        np.zeros(1, dtype=np.int64),
+        np.full(1, size, dtype=np.int64),
+        np.full(1, _ALLOC, dtype=np.int8),
     )
 
 

@@ -125,7 +125,10 @@ def compile_plan(plan: Plan) -> ActionTable:
     def at(k: int) -> OpActions:
         return ops.setdefault(k, OpActions())
 
-    decisions = {d.storage_id: d for d in plan.decisions}
+    # a storage's dead decision needs only its EVICT_SWAP action: its other decision, when it
+    # has one, is the one the runtime keys by storage (planner/dead.py Note [Dead storages])
+    decisions = {d.storage_id: d for d in plan.decisions if d.dead}
+    decisions.update((d.storage_id, d) for d in plan.decisions if not d.dead)
     named: set[str] = set()
     for d in plan.decisions:
         named.update((d.storage_id, *d.sources, *d.keep))

@@ -97,8 +97,12 @@ def oracle_pass(
     evict_at: dict[int, list[int]] = {}
     trig_at: dict[int, list[int]] = {}
     back_at: dict[int, list[int]] = {}
+    free_at: dict[int, list[int]] = {}  # dead decisions by the op that frees the storage
     for i, d in enumerate(decisions):
         evict_at.setdefault(d.evict_op, []).append(i)
+        if d.dead:
+            free_at.setdefault(d.back_op, []).append(i)
+            continue
         back_at.setdefault(d.back_op, []).append(i)
         if (
             d.method == Method.SWAP
@@ -265,6 +269,17 @@ def oracle_pass(
                 ct.append(t), cd.append(-d.size_bytes), ck.append(_FREE), cop.append(k)
                 csid.append(sid)
                 info[i]["freed_ns"] = t
+        for i in free_at.get(k, ()):  # a dead storage freed by the script: out already
+            sid = decisions[i].storage_id
+            ct.append(t), cd.append(decisions[i].size_bytes), ck.append(_ALLOC), cop.append(k)
+            csid.append(sid)
+            wait = max(0, out_end[sid] - t)  # the free waits for the swap-out
+            if wait:
+                spans.append(("compute", f"stall {sid}", t, t + wait, k, sid))
+            stall[i] += wait
+            t += wait
+            state.pop(sid, None)
+            del active[sid]
     left = [sid for sid, i in active.items() if not decisions[i].wraps]
     if left:
         raise PlanError(f"decision {left[0]}: still evicted at the end of the iteration")
