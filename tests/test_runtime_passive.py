@@ -203,3 +203,25 @@ def test_scratch_of_an_evicted_input_is_budgeted(eviction):
             s.passive_short_bytes,
             budget,
         )
+
+
+def test_the_step_end_keeps_out_what_does_not_fit_back():
+    """Note [Step end within the budget] (runtime/guards/lru.py): a loop that holds a 2 MiB
+    temporary after its last read until the step ends, at 44% of its peak without a plan. The
+    guard swaps the temporary; restored at every step end with everything else it measured
+    1.33x the budget. Left out where it does not fit, every iteration keeps the budget and
+    training is bitwise identical."""
+    from pathlib import Path
+
+    from capuchin.testing.training import run_example, state_mismatches
+
+    script = Path(__file__).resolve().parent / "data" / "held_after_last_read.py"
+    args = ["--steps", "3"]
+    rt = Runtime(None, device="cpu", budget_bytes=7_961_208, eviction="lru", measure_memory=True)
+    got = run_example(script, args, rt)
+    assert state_mismatches(run_example(script, args), got) == []
+    its = [s for s in rt.report.iterations if s.complete]
+    assert [s.iteration for s in its] == [0, 1, 2]
+    assert all(s.passive_evictions > 0 for s in its)
+    assert all(s.peak_bytes <= 1.05 * rt.budget_bytes for s in its), [s.peak_bytes for s in its]
+    assert all(s.passive_short_bytes == 0 for s in its)

@@ -121,7 +121,7 @@ def test_the_first_planned_iteration_starts_with_the_wrap_around_state_out(tmp_p
     """SGD with momentum makes its buffers in iteration 0 with ``clone`` where later steps run
     ``mul_``, so iteration 0's tail is not the plan's and ``_prebind_wraps`` cannot name the
     buffers the plan keeps out across the step; the guard swaps them out at the end of
-    iteration 0 (Note [Persistent state under the guard] in runtime/passive.py) and iteration
+    iteration 0 (Note [Persistent state under the guard] in runtime/guards/lru.py) and iteration
     1, planned at the smallest budget the plan reaches, stays within it (without that: 1.29x)."""
     args = ["--steps", "4"]  # the data tensor's size follows --steps: trace and run alike
     trace = load_trace(
