@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--budget", default="50%")
     args = ap.parse_args()
     import torch
-    from capuchin.runtime import swap, tracker
+    from capuchin.runtime import residency, swap, tracker
     from capuchin.runtime.engine import Runtime
 
     import runtime as bench
@@ -55,8 +55,9 @@ def main() -> None:
 
     for name in ("evict", "prefetch", "restore", "poll"):
         timed(swap.SwapEngine, name, f"SwapEngine.{name}")
-    for name in ("slow_op", "_evict", "_before"):
-        timed(tracker.Executor, name, f"Executor.{name}")
+    timed(tracker.Executor, "slow_op", "Executor.slow_op")
+    for name in ("_evict", "_before"):
+        timed(residency.StorageResidency, name, f"StorageResidency.{name}")
     script, trace, _ = bench._example(args.example, Path(tempfile.mkdtemp()))
     plan = bench._plan(trace, args.budget)
     plain = bench.time_once(script, ["--steps", "6"])

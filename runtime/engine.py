@@ -365,7 +365,7 @@ class Runtime:
             if self._cur is not None:  # ops after the last step: an incomplete iteration,
                 self._cur.complete = False  # no divergence (Note [End of run] in tracker.py)
                 self._cur.diverged, self._cur.diverged_at = False, None
-                self.ex.warning = self.ex.foreign = None
+                self.ex.cursor.warning = self.ex.cursor.foreign = None
                 self._iteration_end(self._cur.iteration, self.indexer.op_index)
             # the user's state is whole after the run, outside the budget: what the guard or
             # the plan keeps out across steps (parameters, optimizer state) may outweigh it

@@ -402,7 +402,7 @@ def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
     assert sum(s.late_prefetches for s in its) > 0
     assert sum(s.trigger_moves for s in its) > 0
     assert sum(s.stall_s for s in its) > 0
-    moved = rt.ex.trigger_now
+    moved = rt.ex.res.trigger_now
     assert moved and all(k < triggers[sid] for sid, k in moved.items())
 
 

@@ -1,5 +1,6 @@
 """Late-prefetch feedback never moves an in-trigger where it would take the plan over its budget
-(Note [Late prefetch feedback] in runtime/swap.py, ``Executor._fits_from``), in the fast tier.
+(Note [Late prefetch feedback] in runtime/swap.py, ``StorageResidency._fits_from``), in the fast
+tier.
 
 Lateness is forced rather than waited for: every planned back-access that finds its prefetch
 started counts as late, and the host-to-device bandwidth the feedback divides by is set to 1 B/s,

@@ -30,7 +30,7 @@ will allocate, what is resident) is the backend's ``memory`` (runtime/memory.py)
 # workspace get a default (``_CPU_SCRATCH`` in memory.py, from the bundled CNN's trace: a
 # convolution about its output again, its backward about its inputs, batch norm's backward its
 # output); without it the CNN in passive mode alone measured 1.09x its budget.
-# The storages tracked while a plan is followed (``Executor.watching``) make the estimate complete
+# The storages tracked while a plan is followed (``PlanCursor.watching``) make the estimate complete
 # when a diverged iteration switches to passive mode; at a first divergence in an unwatched
 # iteration the tensors autograd saved so far are found through the graph and counted
 # (``BudgetGuard.discover``, Note [Watched iterations] in tracker.py).
@@ -57,17 +57,16 @@ will allocate, what is resident) is the backend's ``memory`` (runtime/memory.py)
 # and the iteration end (``BudgetGuard.keeps_out``; restoring them all at the step end measured
 # 1.78x the budget in iteration 0 of the mlp with fused AdamW): any op that reads it restores it
 # on demand, ``torch.save`` and the end of the run restore everything. When a plan takes over
-# (iteration 1), one that the plan swaps across the iteration boundary becomes that decision's
-# entry (``Executor._prebind_wraps``: its prefetch and restore are the plan's); the others come
+# (iteration 1), one that the plan swaps across the iteration boundary becomes that decision's entry
+# (``StorageResidency._prebind_wraps``: its prefetch and restore are the plan's); the others come
 # back when first read, which only lowers the plan's curve. So at the end of iteration 0 under a
-# plan with wrap-around decisions every other resident storage of the optimizers is swapped out
-# too (``swap_out_persistent``): a parameter the plan swaps over the boundary is named only at
-# its first access in the next iteration (``x{f}:{a}``), and left resident it started the first
-# planned iteration over the plan's curve (Hugging Face ResNet-34 at batch 23: 1.13x the
-# budget). Each comes back at its first read, where the plan has it resident; the cost is one
-# swap-out and one on-demand swap-in of each, once. A read of such a storage through no
-# op (``.numpy()``, ``data_ptr()``) between steps is not seen, as for the plan's own wrap-around
-# decisions (docs/persistent-state.md).
+# plan with wrap-around decisions every other resident storage of the optimizers is swapped out too
+# (``swap_out_persistent``): a parameter the plan swaps over the boundary is named only at its first
+# access in the next iteration (``x{f}:{a}``), and left resident it started the first planned
+# iteration over the plan's curve (Hugging Face ResNet-34 at batch 23: 1.13x the budget). Each comes
+# back at its first read, where the plan has it resident; the cost is one swap-out and one on-demand
+# swap-in of each, once. A read of such a storage through no op (``.numpy()``, ``data_ptr()``)
+# between steps is not seen, as for the plan's own wrap-around decisions (docs/persistent-state.md).
 """
 
 from __future__ import annotations
