@@ -382,7 +382,7 @@ class StorageResidency:
         until their back-access in the next iteration or any access) unless ``wrapping``
         (the end of the run)."""
         restored = False
-        if not wrapping:  # Note [Persistent state under the guard] in passive.py
+        if not wrapping:  # Note [Persistent state under the guard] in guards/lru.py
             self.guard.adopt_persistent()
         for e in list(self.entries.values()):
             if not wrapping and e.decision is not None and e.decision.wraps and self.guided:
@@ -418,7 +418,7 @@ class StorageResidency:
         if e.swap:
             self.swap.restore(e, planned and e.decision is not None and self.guided)
         elif e.reason is Reason.DYNAMIC:
-            self.guard.replay(e)  # dynamic mode (runtime/dynamic.py)
+            self.guard.replay(e)  # dynamic mode (runtime/guards/dtr.py)
             e.state = Residency.RESIDENT
         elif st is not None:
             dropped = {

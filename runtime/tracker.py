@@ -35,7 +35,7 @@
 
 # Note: [Watched iterations]
 # Passive mode can only count and evict storages it saw allocated (Note [Passive budget on CPU] in
-# passive.py). An iteration that diverges midway switches to passive mode with the outputs of its
+# guards/lru.py). An iteration that diverges midway switches to passive mode with the outputs of its
 # guided ops unseen: their bytes are missing from the estimate and they cannot be evicted. A run
 # that diverged once usually diverges again (another batch size diverges every iteration), so
 # the iteration after a diverged one is *watched*: every op takes the slow path, is checked by
@@ -48,7 +48,7 @@
 # the planned shape) are no divergence: such an op allocates nothing, and an unwatched
 # iteration would not have checked it either; the plan's actions still check their own ops'
 # shapes, so a batch of another shape still diverges at its first op that allocates. In the first
-# diverged iteration, unwatched, ``BudgetGuard.discover`` (passive.py) counts what the ops
+# diverged iteration, unwatched, ``BudgetGuard.discover`` (guards/lru.py) counts what the ops
 # before the divergence left resident through the autograd graph (the tensors of a live graph
 # and what they saved): at a divergence at op 100 of the transformer the measured peak went
 # 1.24x -> 0.98x the budget. It misses resident tensors outside any graph (data made under
