@@ -86,7 +86,7 @@ def test_finer_grids_hold_the_coarser_targets(monkeypatch):
 
 
 def test_the_finest_grid_lowers_a_cell(monkeypatch):
-    # the bundled CNN at 40% of its peak: +35.5% of the iteration on the 19-step grid, +31.0%
+    # the bundled CNN at 40% of its peak: +32.3% of the iteration on the 19-step grid, +4.7%
     # on the 39-step one (benchmarks/capuchin_cells.py)
     from pathlib import Path
 
