@@ -164,7 +164,8 @@ plan gets faster without its peak rising above the bound it was given.
 # the policy monotone (Note [Targets]). On the bundled traces at 40% that takes the CNN from
 # +31.0% to +5.3% and the transformer from +46.2% to +27.9%, at or below the ILP's plans
 # (docs/planner.md, "Plans at tight budgets"); without the size order +5.7% and +31.9%, with
-# the host work alone +14.3% and +39.4%.
+# the host work alone +14.3% and +39.4%. With Note [Pruned up to the next target] as well:
+# +4.69% and +14.90%, and without the size order +5.70% and +19.22%.
 #
 # Note: [Pruned up to the next target]
 # A plan for a low target, pruned against the next grid target above its own, can beat the plan
