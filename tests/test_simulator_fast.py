@@ -154,7 +154,9 @@ def test_perturbed_plans_equal_the_reference():
     hosts = [problem.host, HostCost()]
     rng = random.Random(7)
     n = carried = 0
-    for f in (0.8, 0.6, 0.45):
+    # 30%: plans whose wrap-around swaps carry across the iteration boundary (the plans at the
+    # higher budgets carry none)
+    for f in (0.8, 0.6, 0.45, 0.3):
         base = get_policy("capuchin")(problem, int(problem.peak_bytes * f)).decisions
         # and the swap-only plan with recomputations for some of its swaps
         swaps = get_policy("swap")(problem, int(problem.peak_bytes * f)).decisions
