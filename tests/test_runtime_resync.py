@@ -9,9 +9,12 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from capuchin.planner.api import make_plan
+from capuchin.planner.api import load_problem, make_plan
+from capuchin.planner.build import build_plan
 from capuchin.runtime.engine import Runtime
 from capuchin.testing.training import run_example, state_mismatches
+from capuchin.tracer.reader import load_trace
+from capuchin.tracer.schema import Col
 from capuchin.tracer.script import trace_script
 
 SCRIPT = Path(__file__).resolve().parent / "frameworks" / "extra_ops.py"
@@ -24,11 +27,21 @@ def _plan(tmp: Path):
     trace = trace_script(
         SCRIPT, ["--steps", "3"], output=tmp / "t.parquet", iterations=1, log=lambda m: None
     )
-    # 70%: the plan's curve leaves room under the budget for the extra op's 32 kB (the
-    # headroom, less what moved in-triggers add); a plan that hugs the budget (50%: 163 kB of
-    # room on the 40-step target grid) leaves too little, and the op is then a divergence
-    plan = make_plan(trace, "70%", policy="capuchin")
-    assert plan.decisions, "the plan evicts something"
+    # The capuchin plan at 70%, from fixed op costs (every op 100 us, copies at 10 GB/s: the
+    # plan must not depend on op times measured under load), with its budget set to its own
+    # curve's peak plus 512 kB: room under the budget for the small extra op's 32 kB (the
+    # headroom, less what moved in-triggers add), far too little for the large one's 16 MB. A
+    # plan that hugs its budget leaves no room, and the small op is then a divergence too.
+    loaded = load_trace(trace)
+    loaded.events.loc[loaded.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
+    made = make_plan(loaded, "70%", policy="capuchin", bandwidth="10GB/s")
+    assert made.decisions, "the plan evicts something"
+    plan, _ = build_plan(
+        load_problem(loaded, bandwidth="10GB/s"),
+        made.decisions,
+        policy="capuchin",
+        budget_bytes=max(made.op_peak_bytes) + 512 * 1024,
+    )
     assert plan.budget_bytes - max(plan.op_peak_bytes) > 10 * 4096 * 8, "room for the extra op"
     return plan
 
