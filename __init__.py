@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (relative to this package)
 _EXPORTS = {
     "CapuchinError": ".errors",
-    "Tracer": ".tracer.record",
+    "Tracer": ".tracing",
     "step": ".tracer.hooks",
     "load_trace": ".tracer.reader",
     "Trace": ".tracer.reader",

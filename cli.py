@@ -149,7 +149,8 @@ def trace(output, force, iterations, warmup, device, budget, plain_steps, script
     steps (or capuchin.step()). After warm-up plus the recorded iterations the script is stopped
     and the trace written (after --plain-steps more, timed plain). Options after SCRIPT (or after `SCRIPT --`) are the script's.
     """
-    from .tracer.script import default_output, trace_script
+    from .tracer.script import default_output
+    from .tracing import trace_script
 
     budget_bytes = None
     if budget is not None:

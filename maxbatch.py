@@ -570,7 +570,7 @@ class _Search:
         from .planner.problem import Problem
         from .runmain import run_as_main
         from .tracer.reader import load_trace
-        from .tracer.record import Tracer
+        from .tracing import Tracer
 
         out = self.tmp / f"v{value}.trace.parquet"
         args = [*self.args, self.flag, str(value)]

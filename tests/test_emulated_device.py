@@ -25,7 +25,8 @@ from capuchin.runtime.engine import Runtime
 from capuchin.runtime.memory import CUDAMemory
 from capuchin.testing.emulated import CachingAllocatorModel, emulated_cuda
 from capuchin.tracer.reader import load_trace
-from capuchin.tracer.record import Tracer, _Iteration, non_tensor_at_start
+from capuchin.tracer.record import _Iteration, non_tensor_at_start
+from capuchin.tracing import Tracer
 from click.testing import CliRunner
 
 pytestmark = pytest.mark.emulated

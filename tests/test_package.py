@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import capuchin
 from capuchin.cli import main
@@ -55,3 +56,44 @@ def test_the_runtime_loads_neither_pandas_nor_the_planners_problem():
     )
     out = fresh_python(code)
     assert out == "[]"
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Every module ``path`` imports, at any depth of the file (lazy imports in functions too),
+    relative imports resolved against ``package``."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            found.update(f"{mod}.{a.name}" for a in node.names)
+    return found
+
+
+def _product_modules():
+    root = Path(capuchin.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("tests", "benchmarks", "testing", "scripts", "notebooks", "out"):
+            continue
+        package = ".".join(["capuchin", *rel.parts[:-1]])
+        yield rel, package, _imports(path, package)
+
+
+def test_layers_do_not_leak():
+    """The tracer never imports the runtime (tracing under a budget is composed one level up, in
+    capuchin/tracing.py), and product code never imports the test helpers (lazy imports count)."""
+    leaks = []
+    for rel, _, mods in _product_modules():
+        if rel.parts[0] == "tracer":
+            leaks += [f"{rel}: {m}" for m in mods if m.startswith("capuchin.runtime")]
+        leaks += [f"{rel}: {m}" for m in mods if m.startswith("capuchin.testing")]
+    assert leaks == []

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.schema import COLUMNS, Col, Role
-from capuchin.tracer.script import trace_script
 from capuchin.tracer.summary import summarize
+from capuchin.tracing import trace_script
 
 ROOT = Path(__file__).resolve().parent.parent
 CNN = ROOT / "traces" / "cnn.py"
@@ -168,7 +168,7 @@ def test_cuda_trace_under_a_real_cap(tmp_path):
 
 
 def capuchin_tracer(path, budget):
-    from capuchin.tracer.record import Tracer
+    from capuchin.tracing import Tracer
 
     return Tracer(path, iterations=2, warmup=1, device="cuda", log=None, budget_bytes=budget)
 

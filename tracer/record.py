@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pandas as pd
 import torch
@@ -178,8 +179,9 @@ class _TraceMode(TorchDispatchMode):
 
 # Note: [Tracing under a budget]
 # With ``budget_bytes`` the traced run is kept within the budget by the runtime's passive mode
-# (``capuchin.Runtime(budget_bytes=...)``: on demand, least recently used storages are evicted and
-# come back when an op reads them), while the trace records the *unmanaged* program. Three modes
+# (on demand, least recently used storages are evicted and come back when an op reads them; the
+# ``keeper`` the tracer is given, capuchin/tracing.py: the tracer never imports the runtime),
+# while the trace records the *unmanaged* program. Three modes
 # are stacked, innermost last:
 #
 #     _TraceMode (top)      sees the script's ops, indexes and records them (ids, accesses, frees)
@@ -307,9 +309,11 @@ class Tracer:
     device: ``"auto"`` | ``"cpu"`` | ``"cuda"``: the device whose memory and timeline are traced.
     force: overwrite an existing ``path`` (otherwise CapuchinError before anything runs).
     script, argv: provenance stored in the metadata (default ``sys.argv``).
-    budget_bytes: keep the traced run within this many bytes of device memory by passive eviction
-        (``capuchin.Runtime(budget_bytes=...)``), while the trace records the unmanaged program
-        (Note [Tracing under a budget]). None: no cap.
+    budget_bytes: keep the traced run within this many bytes of device memory by passive eviction,
+        while the trace records the unmanaged program (Note [Tracing under a budget]). None: no cap.
+    keeper: with ``budget_bytes``, ``keeper(budget_bytes, device)`` makes the context that keeps
+        the budget (the runtime's passive mode: ``capuchin.Tracer``, capuchin/tracing.py, supplies
+        it; the tracer does not import the runtime). Required with ``budget_bytes``.
     log: receives one progress line per iteration and warnings (default: stderr).
     plain_steps: after the recorded iterations, time this many iterations with neither the
         tracer's dispatch mode nor the profiler (Note [Plain step]); 0: stop right after them.
@@ -339,6 +343,7 @@ class Tracer:
         log: Callable[[str], None] | None = _stderr,
         budget_bytes: int | None = None,
         plain_steps: int = 3,
+        keeper: Callable[[int, str], Any] | None = None,
     ):
         if iterations < 1:
             raise CapuchinError(f"iterations must be at least 1, got {iterations}")
@@ -354,6 +359,12 @@ class Tracer:
         if budget_bytes is not None and int(budget_bytes) <= 0:
             raise CapuchinError(f"budget must be positive, got {budget_bytes}")
         self.budget_bytes = int(budget_bytes) if budget_bytes is not None else None
+        if self.budget_bytes is not None and keeper is None:
+            raise CapuchinError(
+                "tracing under a budget needs keeper=, the runtime that keeps it: use "
+                "capuchin.Tracer (capuchin/tracing.py), which supplies it"
+            )
+        self.keeper = keeper
         if plain_steps < 0:
             raise CapuchinError(f"plain_steps must be 0 or more, got {plain_steps}")
         self.plain_steps = int(plain_steps)
@@ -408,23 +419,15 @@ class Tracer:
             on_step=self._on_step,
         ).install()
         if self.budget_bytes is not None:  # Note [Tracing under a budget]
-            from ..runtime.engine import Runtime
-
             if self.device == "cpu":  # the allocator's count from before the script
                 self._start_profiler()
             self._mark_mode = _KernelMarkMode(self)
             self._mark_mode.__enter__()
-            # LRU swapping, not dynamic mode: a dropped storage's replay pins its sources, which
-            # would make them die later than in the unmanaged program the trace records
-            self.runtime = Runtime(
-                budget_bytes=self.budget_bytes,
-                device=self.device,
-                measure_memory=False,
-                eviction="lru",
-            )
             try:
+                self.runtime = self.keeper(self.budget_bytes, self.device)
                 self.runtime.__enter__()
             except BaseException:
+                self.runtime = None
                 self._mark_mode.__exit__(None, None, None)
                 self._thread_hook.remove()
                 self.indexer.uninstall()

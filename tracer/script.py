@@ -31,13 +31,15 @@ def trace_script(
     log: Callable[[str], None] | None = None,
     budget_bytes: int | None = None,
     plain_steps: int = 3,
+    keeper: Callable | None = None,
 ) -> Path:
     """Trace ``script`` (run with ``args``) into ``output`` (default ``<stem>.trace.parquet``).
 
     Returns the written path. Raises ScriptError when the script is missing, raises (its traceback
     is printed to stderr first), exits non-zero or never reaches a recorded iteration; no file is
     written then. ``budget_bytes``: trace under this memory cap (Note [Tracing under a budget] in
-    tracer/record.py). ``plain_steps``: Note [Plain step] there. See ``Tracer`` for the other arguments.
+    tracer/record.py), kept by ``keeper`` (capuchin/tracing.py supplies the runtime's).
+    ``plain_steps``: Note [Plain step] there. See ``Tracer`` for the other arguments.
     """
     from .record import Tracer
 
@@ -54,6 +56,7 @@ def trace_script(
         argv=list(args),
         budget_bytes=budget_bytes,
         plain_steps=plain_steps,
+        keeper=keeper,
         **kwargs,
     )
     with tracer:
