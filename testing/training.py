@@ -23,6 +23,27 @@ from ..runtime.launch import run_under
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
+# Note [Fixed op costs]
+# A test that plans from a real trace and then asserts something of the plan (it evicts, it fits
+# a budget, it trains within 1.05x of it) must check one plan, the same on every run. Op times
+# measured while tracing move with the host's load, and the plan with them. So such tests plan
+# from fixed costs: every op FIXED_OP_NS, copies at FIXED_BANDWIDTH.
+FIXED_OP_NS = 100_000
+FIXED_BANDWIDTH = "10GB/s"
+
+
+def with_fixed_costs(trace):
+    """``trace`` (a path or a loaded ``Trace``) with every op's duration ``FIXED_OP_NS`` (Note
+    [Fixed op costs]); plan it with ``bandwidth=FIXED_BANDWIDTH``. A loaded trace is changed in
+    place and returned."""
+    from ..tracer.reader import load_trace
+    from ..tracer.schema import Col
+
+    if not hasattr(trace, "events"):
+        trace = load_trace(trace)
+    trace.events.loc[trace.events[Col.OP] >= 0, Col.DURATION_NS] = FIXED_OP_NS
+    return trace
+
 
 def run_example(script: str | Path, args: list[str], context=None) -> dict[str, torch.Tensor]:
     """Run a training script in-process (optionally inside ``context``, e.g. a Runtime) and

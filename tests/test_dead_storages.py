@@ -181,12 +181,9 @@ def test_with_dead_adds_them_where_the_plan_is_over_the_budget():
 
 def _fixed_costs(trace):
     """Every op 100 us: a plan that does not rest on op times measured on a loaded host."""
-    from capuchin.tracer.reader import load_trace
-    from capuchin.tracer.schema import Col
+    from capuchin.testing.training import with_fixed_costs
 
-    t = load_trace(trace)
-    t.events.loc[t.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
-    return Problem.from_trace(t).with_bandwidth(10e9, 10e9)
+    return Problem.from_trace(with_fixed_costs(trace)).with_bandwidth(10e9, 10e9)
 
 
 def _trace(path: Path, script: Path, args: list[str]) -> Path:

@@ -22,9 +22,13 @@ import pytest
 from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.api import make_plan
 from capuchin.runtime.engine import Runtime
-from capuchin.testing.training import run_example, state_mismatches
+from capuchin.testing.training import (
+    FIXED_BANDWIDTH,
+    run_example,
+    state_mismatches,
+    with_fixed_costs,
+)
 from capuchin.tracer.reader import load_trace
-from capuchin.tracer.schema import Col
 from capuchin.tracer.script import trace_script
 from capuchin.tracer.summary import iteration_kinds
 
@@ -62,9 +66,8 @@ def _plan(name: str, tmp: Path):
     loaded = load_trace(trace)
     if iteration is None:  # a loop that repeats itself (workers included) has one kind
         assert len(iteration_kinds(loaded)) == 1, iteration_kinds(loaded)
-    # fixed op costs (every op 100 us, copies at 10 GB/s): one plan whatever the host's load
-    loaded.events.loc[loaded.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
-    kw = {"policy": "capuchin", "bandwidth": "10GB/s", "iteration": iteration}
+    with_fixed_costs(loaded)  # Note [Fixed op costs]
+    kw = {"policy": "capuchin", "bandwidth": FIXED_BANDWIDTH, "iteration": iteration}
     try:
         plan = make_plan(loaded, "50%", **kw)
     except InfeasibleBudgetError as exc:  # 5% above the smallest: the tail's scalars fit

@@ -20,9 +20,9 @@ from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
 from capuchin.runmain import run_as_main
 from capuchin.runtime.engine import Runtime
-from capuchin.testing.training import TRACES, state_mismatches
+from capuchin.testing.training import FIXED_BANDWIDTH, TRACES, state_mismatches, with_fixed_costs
 from capuchin.tracer.reader import load_trace
-from capuchin.tracer.schema import Col, Kind
+from capuchin.tracer.schema import Kind
 
 
 # ---- planner ---------------------------------------------------------------------------------
@@ -450,19 +450,16 @@ def test_state_larger_than_the_budget_from_the_first_step(optim, tmp_path):
     budget = int(_persistent_bytes(problem) / 1.5)
     assert budget > 1.2 * problem.floor_bytes()  # the largest op's working set fits
     ref = _state_dicts(TRACES / "mlp.py", args)
-    # the plan from fixed costs (every op 100 us, copies at 10 GB/s): from op times measured
-    # under load the smallest budget the planner reaches moved, and the test should check one
-    # plan, the same each run
-    loaded = load_trace(trace)
-    loaded.events.loc[loaded.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
+    # the plan from fixed costs (Note [Fixed op costs] in capuchin/testing/training.py)
+    loaded = with_fixed_costs(trace)
     try:
-        plan = make_plan(loaded, budget=str(budget), policy="capuchin", bandwidth="10GB/s")
+        plan = make_plan(loaded, budget=str(budget), policy="capuchin", bandwidth=FIXED_BANDWIDTH)
     except InfeasibleBudgetError as e:
         # foreach AdamW reads each state tensor in several sweeps of its step, and a plan gives
         # a storage one decision besides a dead one (docs/persistent-state.md, known limits)
         assert optim == "adamw-foreach"
         smallest = int(e.smallest_feasible_bytes * 1.002)
-        plan = make_plan(loaded, budget=str(smallest), bandwidth="10GB/s")
+        plan = make_plan(loaded, budget=str(smallest), bandwidth=FIXED_BANDWIDTH)
         assert _persistent_bytes(problem) > 1.4 * plan.budget_bytes
     # without a plan also at 2.2x: then parameters and AdamW state alone outweigh the budget
     # after zero_grad(set_to_none=True) has freed the gradients
@@ -507,11 +504,9 @@ def test_first_planned_iteration_starts_with_the_optimizers_state_out(tmp_path):
         capuchin.Tracer(trace, iterations=1, warmup=1, device="cpu", log=None, budget_bytes=memory),
     ):
         run_as_main(TRACES / "hf_resnet.py", args)
-    # the plan from fixed costs (every op 100 us, copies at 10 GB/s): op times measured under
-    # load made another plan in some runs, and the test should check one plan, the same each run
-    loaded = load_trace(trace)
-    loaded.events.loc[loaded.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
-    plan = make_plan(loaded, budget=str(memory), policy="capuchin", bandwidth="10GB/s")
+    # the plan from fixed costs (Note [Fixed op costs] in capuchin/testing/training.py)
+    loaded = with_fixed_costs(trace)
+    plan = make_plan(loaded, budget=str(memory), policy="capuchin", bandwidth=FIXED_BANDWIDTH)
     assert any(d.wraps for d in plan.decisions)
     ref = _state_dicts(TRACES / "hf_resnet.py", args)
     rt = Runtime(plan, measure_memory=True)

@@ -15,9 +15,13 @@ import pytest
 from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.api import make_plan
 from capuchin.runtime.engine import Runtime
-from capuchin.testing.training import run_example, state_mismatches
+from capuchin.testing.training import (
+    FIXED_BANDWIDTH,
+    run_example,
+    state_mismatches,
+    with_fixed_costs,
+)
 from capuchin.tracer.reader import load_trace
-from capuchin.tracer.schema import Col
 from capuchin.tracer.script import trace_script
 
 SCRIPT = Path(__file__).resolve().parent / "frameworks" / "shape_switch.py"
@@ -83,11 +87,8 @@ def pad_plan(tmp_path_factory):
         iterations=1,
         log=lambda m: None,
     )
-    # the plan from fixed costs (every op 100 us, copies at 10 GB/s): op times measured under
-    # load made another plan in some runs, and the test should check one plan, the same each run
-    loaded = load_trace(trace)
-    loaded.events.loc[loaded.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
-    return make_plan(loaded, "60%", policy="capuchin", bandwidth="10GB/s")
+    # the plan from fixed costs (Note [Fixed op costs] in capuchin/testing/training.py)
+    return make_plan(with_fixed_costs(trace), "60%", policy="capuchin", bandwidth=FIXED_BANDWIDTH)
 
 
 def test_dynamic_padding_follows_the_plan_at_every_batch_of_its_shape(pad_plan):
@@ -127,8 +128,8 @@ def test_the_first_planned_iteration_starts_with_the_wrap_around_state_out(tmp_p
     trace = load_trace(
         trace_script(LSTM, args, output=tmp_path / "t.parquet", iterations=1, log=lambda m: None)
     )
-    trace.events.loc[trace.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000  # fixed costs
-    kw = {"policy": "capuchin", "bandwidth": "10GB/s"}
+    with_fixed_costs(trace)  # Note [Fixed op costs]
+    kw = {"policy": "capuchin", "bandwidth": FIXED_BANDWIDTH}
     with pytest.raises(InfeasibleBudgetError) as exc:
         make_plan(trace, "10%", **kw)
     plan = make_plan(trace, str(exc.value.smallest_feasible_bytes), **kw)

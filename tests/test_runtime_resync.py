@@ -12,9 +12,12 @@ import pytest
 from capuchin.planner.api import load_problem, make_plan
 from capuchin.planner.build import build_plan
 from capuchin.runtime.engine import Runtime
-from capuchin.testing.training import run_example, state_mismatches
-from capuchin.tracer.reader import load_trace
-from capuchin.tracer.schema import Col
+from capuchin.testing.training import (
+    FIXED_BANDWIDTH,
+    run_example,
+    state_mismatches,
+    with_fixed_costs,
+)
 from capuchin.tracer.script import trace_script
 
 SCRIPT = Path(__file__).resolve().parent / "frameworks" / "extra_ops.py"
@@ -32,12 +35,11 @@ def _plan(tmp: Path):
     # curve's peak plus 512 kB: room under the budget for the small extra op's 32 kB (the
     # headroom, less what moved in-triggers add), far too little for the large one's 16 MB. A
     # plan that hugs its budget leaves no room, and the small op is then a divergence too.
-    loaded = load_trace(trace)
-    loaded.events.loc[loaded.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
-    made = make_plan(loaded, "70%", policy="capuchin", bandwidth="10GB/s")
+    loaded = with_fixed_costs(trace)
+    made = make_plan(loaded, "70%", policy="capuchin", bandwidth=FIXED_BANDWIDTH)
     assert made.decisions, "the plan evicts something"
     plan, _ = build_plan(
-        load_problem(loaded, bandwidth="10GB/s"),
+        load_problem(loaded, bandwidth=FIXED_BANDWIDTH),
         made.decisions,
         policy="capuchin",
         budget_bytes=max(made.op_peak_bytes) + 512 * 1024,

@@ -13,9 +13,12 @@ from capuchin.planner.api import make_plan, shape_kinds
 from capuchin.planner.build import build_plan
 from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
-from capuchin.testing.training import run_example, state_mismatches
-from capuchin.tracer.reader import load_trace
-from capuchin.tracer.schema import Col
+from capuchin.testing.training import (
+    FIXED_BANDWIDTH,
+    run_example,
+    state_mismatches,
+    with_fixed_costs,
+)
 from capuchin.tracer.script import trace_script
 from capuchin.tracer.summary import iteration_kinds, summarize
 
@@ -32,10 +35,7 @@ def trace(tmp_path_factory):
         log=lambda m: None,
         plain_steps=0,
     )
-    loaded = load_trace(path)
-    # fixed costs (every op 100 us, copies at 10 GB/s): the same plan whatever the host's load
-    loaded.events.loc[loaded.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
-    return loaded
+    return with_fixed_costs(path)  # Note [Fixed op costs]
 
 
 def test_recurring_shapes_are_kinds_of_their_own(trace):
@@ -49,7 +49,7 @@ def test_recurring_shapes_are_kinds_of_their_own(trace):
 
 
 def test_every_batch_follows_the_plan_of_its_shape(trace, capsys):
-    plan = make_plan(trace, "60%", policy="capuchin", bandwidth="10GB/s")  # no --iteration
+    plan = make_plan(trace, "60%", policy="capuchin", bandwidth=FIXED_BANDWIDTH)  # no --iteration
     assert [k.kind for k in plan.kinds] == ["kind1"]
     assert plan.decisions and plan.kinds[0].decisions
     args = ["--steps", "11"]
@@ -76,7 +76,7 @@ def test_the_main_kind_swaps_out_what_the_other_kind_left_resident(trace, capsys
     kinds keep out across the boundary resident instead: after such a batch the 20-long (main)
     kind, which every iteration starts as, swaps it out where the kinds part (without that:
     1.07x the budget in every 20-long batch)."""
-    plan = make_plan(trace, "60%", policy="capuchin", bandwidth="10GB/s")
+    plan = make_plan(trace, "60%", policy="capuchin", bandwidth=FIXED_BANDWIDTH)
     other = plan.kinds[0]
     main_wraps = {d.storage_id for d in plan.decisions if d.wraps}
     both = [d for d in other.decisions if d.wraps and d.storage_id in main_wraps]
@@ -114,11 +114,10 @@ def test_three_shapes_each_start_with_what_their_plan_keeps_out(tmp_path, capsys
         log=lambda m: None,
         plain_steps=0,
     )
-    trace = load_trace(path)
-    trace.events.loc[trace.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
+    trace = with_fixed_costs(path)
     kinds = shape_kinds(trace, iteration_kinds(trace))
     assert kinds == [("train", [3, 6]), ("kind1", [2, 5]), ("kind2", [1, 4])]
-    plan = make_plan(trace, "60%", policy="capuchin", bandwidth="10GB/s")
+    plan = make_plan(trace, "60%", policy="capuchin", bandwidth=FIXED_BANDWIDTH)
     wraps = [{d.storage_id for d in p.decisions if d.wraps} for p in (plan, *plan.kinds)]
     assert wraps[2] - wraps[0], "the 28-long kind keeps nothing more out than the 20-long one"
     run = ["--steps", "10", *args]
