@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 
 import torch
 
@@ -166,7 +167,7 @@ def patched() -> list[str]:
     """The functionals now running per chunk (``module.name``)."""
     out = []
     for mod_name, name, _ in CHUNKED:
-        mod = getattr(torch.optim, mod_name, None)
+        mod = sys.modules.get(f"torch.optim.{mod_name}")
         if hasattr(getattr(mod, name, None), "__capuchin_chunked__"):
             out.append(f"{mod_name}.{name}")
     return out
