@@ -281,3 +281,39 @@ def test_foreach_adamw_plans_within_3_points_of_the_loop_form_and_trains_bitwise
     assert not any(s.diverged for s in its[1:])
     for s in its:
         assert s.peak_bytes <= 1.05 * plan.budget_bytes, (s.iteration, s.peak_bytes)
+
+
+@pytest.mark.slow
+def test_a_trace_without_chunks_diverges_at_the_step_and_says_trace_again(
+    tmp_path, monkeypatch, capsys
+):
+    """A trace recorded with the foreach step whole (as before the chunks) and run with them:
+    each planned iteration diverges at the optimizer step, the warning says to trace again, and
+    training stays bitwise."""
+    import capuchin
+    from capuchin.planner.api import make_plan
+    from capuchin.runmain import run_as_main
+    from capuchin.runtime.engine import Runtime
+    from capuchin.testing.training import TRACES, run_example, state_mismatches
+
+    args = ["--batch", "64", "--optim", "adamw-foreach"]
+    trace = tmp_path / "whole.trace.parquet"
+    with monkeypatch.context() as m:
+        m.setattr(optimizer_chunks, "CHUNKED", ())
+        with (
+            contextlib.redirect_stdout(io.StringIO()),
+            capuchin.Tracer(trace, iterations=1, warmup=1, device="cpu", log=None),
+        ):
+            run_as_main(TRACES / "mlp.py", [*args, "--steps", "3"])
+    p = _fixed_cost_problem(trace)
+    plan = make_plan(p, budget=str(int(0.8 * p.peak_bytes)), policy="capuchin")
+    run = [*args, "--steps", "3"]
+    ref = run_example(TRACES / "mlp.py", run)
+    capsys.readouterr()
+    rt = Runtime(plan)
+    got = run_example(TRACES / "mlp.py", run, rt)
+    assert state_mismatches(ref, got) == []
+    its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+    assert its and all(s.diverged for s in its)
+    err = capsys.readouterr().err
+    assert "_foreach_" in err and "trace the script again" in err, err
