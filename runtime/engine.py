@@ -33,6 +33,7 @@ from ..errors import CapuchinError, PlanFormatError
 from ..outputs import check_output
 from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
+from ..tracer.optimizer_chunks import ChunkedOptimizers
 from ..units import BudgetError
 from . import rawreads, threads
 from .actions import compile_plan
@@ -283,6 +284,8 @@ class Runtime:
         self.thread_id = threading.get_ident()
         self.refusal = None
         threads.install(self, self.ex)
+        # Note [Multi-tensor optimizers per chunk] in tracer/optimizer_chunks.py: as the tracer
+        self._chunks = ChunkedOptimizers().__enter__()
         self.ex.mode.__enter__()
         return self
 
@@ -381,6 +384,7 @@ class Runtime:
                 raise  # otherwise the script's own error is the one to report
         finally:
             self.ex.mode.__exit__(exc_type, exc, tb)
+            self._chunks.__exit__(None, None, None)
             rawreads.uninstall(self.ex)
             threads.uninstall(self)
             torch.save = self._save

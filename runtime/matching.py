@@ -289,6 +289,12 @@ class PlanCursor:
                 "rest of the iteration, evicted storages come back on demand"
                 + (", passive mode keeps the budget" if self.rt.passive_enabled else "")
             )
+            if "_foreach_" in name and "_foreach_" in exp_name:
+                # Note [Multi-tensor optimizers per chunk] in tracer/optimizer_chunks.py
+                self.warning += (
+                    " (if the trace was recorded before foreach optimizer steps ran per chunk "
+                    "of parameters, trace the script again)"
+                )
         res = self.res
         for sid in list(res.pending):  # decisions not dropped yet will not be
             e = res.by_sid.get(sid)

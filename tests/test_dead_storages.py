@@ -234,10 +234,15 @@ def test_a_temporary_held_after_its_last_read_trains_bitwise_under_a_dead_decisi
 
 
 @pytest.mark.slow
-def test_foreach_adamw_floor_with_dead_decisions_is_the_loop_form_s(tmp_path):
+def test_foreach_adamw_floor_with_dead_decisions_is_the_loop_form_s(tmp_path, monkeypatch):
     """foreach AdamW's ``exp_avg_sq_sqrt`` list lives until ``step`` returns, after each
     element's last read: with dead decisions the floor of the mlp's foreach form is the loop
-    form's (within 1%); without them it is 1.4x it."""
+    form's (within 1%); without them it is 1.4x it. Traced with the step whole (no chunks:
+    tracer/optimizer_chunks.py, where each chunk's temporaries die with the chunk), as a
+    script that calls the multi-tensor ops itself would hold them."""
+    from capuchin.tracer import optimizer_chunks
+
+    monkeypatch.setattr(optimizer_chunks, "CHUNKED", ())
     mlp = ROOT / "traces" / "mlp.py"
     floors = {}
     for optim in ("adamw", "adamw-foreach"):

@@ -361,6 +361,22 @@ def split_spec(func):
     return spec
 
 
+def group_bounds(sizes: list[int], cap: int = SPLIT_GROUP_BYTES) -> list[tuple[int, int]]:
+    """Consecutive groups ``[(lo, hi), ...]`` of elements of ``sizes`` bytes: each takes elements
+    in order while its bytes stay within ``cap``; an element larger than that is a group of its
+    own (Note [Multi-tensor op split])."""
+    bounds = []
+    lo = 0
+    total = 0
+    for i, b in enumerate(sizes):
+        if i > lo and total + b > cap:
+            bounds.append((lo, i))
+            lo, total = i, 0
+        total += b
+    bounds.append((lo, len(sizes)))
+    return bounds
+
+
 def split_calls(func, args: tuple, kwargs: dict, cap: int = SPLIT_GROUP_BYTES):
     """The calls ``[(args, kwargs), ...]`` that run ``func`` in groups of consecutive list
     elements, or None to run it whole (Note [Multi-tensor op split])."""
@@ -393,15 +409,7 @@ def split_calls(func, args: tuple, kwargs: dict, cap: int = SPLIT_GROUP_BYTES):
             for i, t in enumerate(v):
                 if isinstance(t, torch.Tensor):
                     sizes[i] += t.numel() * t.element_size()
-    bounds = []
-    lo = 0
-    total = 0
-    for i, b in enumerate(sizes):
-        if i > lo and total + b > cap:
-            bounds.append((lo, i))
-            lo, total = i, 0
-        total += b
-    bounds.append((lo, n))
+    bounds = group_bounds(sizes, cap)
     if len(bounds) == 1:
         return None
     calls = []

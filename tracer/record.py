@@ -34,6 +34,7 @@ from ..outputs import check_output
 from ..units import format_bytes
 from .bandwidth import measure_bandwidth
 from .hooks import OpEvent, OpIndexer, describe_args, flatten_tensors, join_outputs, split_calls
+from .optimizer_chunks import ChunkedOptimizers
 from .reader import write_trace
 from .schema import COLUMNS, Col, Kind, Phase, Role, TraceMeta, scratch_id, shape_signature
 from .timing import marker_name, parse_profile, profiler_quiet, start_profiler_quietly
@@ -433,6 +434,8 @@ class Tracer:
                 self.indexer.uninstall()
                 self._stop_profiler()
                 raise
+        # Note [Multi-tensor optimizers per chunk] in optimizer_chunks.py: as the runtime does
+        self._chunks = ChunkedOptimizers().__enter__()
         self._mode = _TraceMode(self)
         self._mode.__enter__()
         self._mode_on = True
@@ -454,6 +457,7 @@ class Tracer:
         if self._mode_on:  # Note [Plain step]: popped already while the plain step was timed
             self._mode_on = False
             self._mode.__exit__(None, None, None)
+        self._chunks.__exit__(None, None, None)
         try:
             if self.runtime is not None:  # restores what it evicted; out of the modes below
                 try:
@@ -613,6 +617,7 @@ class Tracer:
                 return  # the next iteration's first op stops the script
             self._mode_on = False
             self._mode.__exit__(None, None, None)
+            self._chunks.__exit__(None, None, None)  # the plain step is the script's own
             self._plain_state = "timing"
             self._plain_marks = [self._now()]
         elif self._plain_state == "timing":
