@@ -2,7 +2,9 @@
 the steady peak against the budget (Note [torch.compile] in tracer/compiled.py).
 
     python benchmarks/compile_managed.py [--script tests/frameworks/nanogpt_compiled.py]
-        [--budgets 60%,smallest] [--repeats 2] [--steps 8] [-- SCRIPT_ARGS...]
+        [--budgets 60%,smallest] [--repeats 2] [--steps 8] [--activation-budgets 1.0,0.5,0.0]
+        [--equal-time 1.0,0.8,0.6,0.4,0.2,0.0 [--sweep-budgets 100%,90%,...,smallest]]
+        [-- SCRIPT_ARGS...]
 
 Traces the script afresh (compiled: each compiled region one op), plans it at each budget
 (``smallest``: the smallest budget the planner reaches), then per plan times plain and managed
@@ -11,7 +13,10 @@ the profiler, best of the rounds; benchmarks/runtime.py's helpers) and measures 
 run's steady peak under the profiler. Every run is the compiled script (Inductor, CPU). Printed:
 the plan's ``1 + predicted_overhead`` (of the plain step the trace stored), the measured
 managed / plain ratio, and the steady peak / budget. The host is shared and noisy: compare rows
-of one run only.
+of one run only. ``--activation-budgets``: compile's own knob at each value against capuchin's
+plan at the peak the knob reached (equal peak: compare step times). ``--equal-time``: the knob's
+values and capuchin's budgets all timed interleaved, and for each value the smallest capuchin
+budget whose step is no slower (equal step time: compare peaks).
 """
 
 from __future__ import annotations
@@ -46,6 +51,17 @@ def _once(script, argv, context=None, profile=False) -> _Steps:
     return s
 
 
+def _plan(trace, budget: str):
+    """(budget, plan) at ``budget`` (``smallest``: the smallest the planner reaches, in bytes)."""
+    if budget == "smallest":
+        try:
+            capuchin.make_plan(trace, budget="1%")
+            raise SystemExit("1% of the peak is feasible: no smallest budget to find")
+        except InfeasibleBudgetError as exc:
+            budget = exc.smallest_feasible_bytes
+    return budget, capuchin.make_plan(trace, budget=budget)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--script", default=str(ROOT / "tests" / "frameworks" / "nanogpt_compiled.py"))
@@ -58,6 +74,20 @@ def main() -> None:
         help="also compare with torch._functorch.config.activation_memory_budget at these "
         "values (e.g. 0.5,0.0): its peak and step time, and capuchin's at that peak",
     )
+    ap.add_argument(
+        "--equal-time",
+        default="",
+        help="memory at equal step time: activation_memory_budget at these values (e.g. "
+        "1.0,0.8,0.6,0.4,0.2,0.0) and capuchin's plans at --sweep-budgets, timed interleaved; "
+        "for each value, the smallest capuchin budget whose step is no slower",
+    )
+    ap.add_argument("--sweep-budgets", default="100%,90%,80%,70%,60%,smallest")
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.0,
+        help="--equal-time: a capuchin step counts as no slower up to this fraction above",
+    )
     ap.add_argument("script_args", nargs="*")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -68,14 +98,8 @@ def main() -> None:
     trace_script(script, ["--steps", "12", *args.script_args], output=out, log=lambda _: None)
     argv = ["--steps", str(args.steps), *args.script_args]
     rows = []
-    for budget in args.budgets.split(","):
-        if budget == "smallest":
-            try:
-                capuchin.make_plan(out, budget="1%")
-                raise SystemExit("1% of the peak is feasible: no smallest budget to find")
-            except InfeasibleBudgetError as exc:
-                budget = exc.smallest_feasible_bytes
-        plan = capuchin.make_plan(out, budget=budget)
+    for budget in args.budgets.split(",") if args.budgets else []:
+        budget, plan = _plan(out, budget)
         best = {"plain": math.inf, "capuchin": math.inf}
         for _ in range(args.repeats):
             best["plain"] = min(best["plain"], _once(script, argv).steady_time_s())
@@ -88,6 +112,19 @@ def main() -> None:
         loads.append(os.getloadavg()[0])
         rows.append((budget, plan, best, peak, any(s.diverged for s in steady)))
         print(f"budget {budget}: done", file=sys.stderr)
+    print(
+        f"\n{script.name} {' '.join(args.script_args)}; torch {torch.__version__}; load average "
+        f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs"
+    )
+    if rows:
+        _budget_table(script, args, loads, rows)
+    if args.activation_budgets:
+        compare_activation_budget(script, argv, out, args)
+    if args.equal_time:
+        equal_step_time(script, argv, out, args)
+
+
+def _budget_table(script, args, loads, rows) -> None:
     print(
         f"\n{script.name} {' '.join(args.script_args)}; one intra-op thread; best of "
         f"{args.repeats} interleaved rounds of --steps {args.steps}; load average "
@@ -107,8 +144,6 @@ def main() -> None:
             f"{predicted:.3f} | {measured / predicted:.3f} | {peak / plan.budget_bytes:.3f} | "
             f"{diverged} |"
         )
-    if args.activation_budgets:
-        compare_activation_budget(script, argv, out, args)
 
 
 def compare_activation_budget(script, argv, trace, args) -> None:
@@ -159,6 +194,67 @@ def compare_activation_budget(script, argv, trace, args) -> None:
     for value, t, peak, ct, cpeak, note in rows:
         cts = f"{ct * 1e3:.1f}" if ct is not None else "-"
         print(f"| {value} | {peak} | {t * 1e3:.1f} | {cts} | {cpeak or '-'} | {note} |")
+
+
+def equal_step_time(script, argv, trace, args) -> None:
+    """Memory at equal step time: each ``activation_memory_budget`` value and each capuchin plan
+    (on the default compile) timed once per round, all interleaved, best of ``--repeats``
+    rounds; peaks measured once each (the profiler for compile's knob, the runtime's meter for
+    capuchin). For each value: the smallest capuchin budget whose best step is no slower than
+    the value's, and the steady peak capuchin measured there."""
+    import torch._functorch.config as fc
+
+    values = [float(v) for v in args.equal_time.split(",")]
+    plans = [_plan(trace, b) for b in args.sweep_budgets.split(",")]
+    loads = [os.getloadavg()[0]]
+    amb_t = {v: math.inf for v in values}
+    cap_t = [math.inf] * len(plans)
+    for r in range(args.repeats):
+        for v in values:
+            with fc.patch(activation_memory_budget=v):
+                amb_t[v] = min(amb_t[v], _once(script, argv).steady_time_s())
+        for i, (_, plan) in enumerate(plans):
+            rt = Runtime(plan, measure_memory=False)
+            cap_t[i] = min(cap_t[i], _once(script, argv, rt).steady_time_s())
+        loads.append(os.getloadavg()[0])
+        print(f"equal step time: round {r + 1} done", file=sys.stderr)
+    amb_p = {}
+    for v in values:
+        with fc.patch(activation_memory_budget=v):
+            amb_p[v] = _once(script, argv, profile=True).steady_peak()
+    cap_p = []
+    for _, plan in plans:
+        rt = Runtime(plan, measure_memory=True)
+        _once(script, argv, rt)
+        cap_p.append(
+            max(x.peak_bytes for x in rt.report.iterations if x.complete and x.iteration >= 1)
+        )
+    loads.append(os.getloadavg()[0])
+    print(
+        f"\nmemory at equal step time; one intra-op thread; best of {args.repeats} interleaved "
+        f"rounds of --steps {args.steps}; load average {min(loads):.1f}-{max(loads):.1f} on "
+        f"{os.cpu_count()} CPUs; a capuchin step counts as no slower up to {args.tolerance:.0%} "
+        "above the knob's\n"
+    )
+    print("| capuchin budget | budget bytes | decisions | step ms | steady peak B |")
+    print("|---" * 5 + "|")
+    for (b, plan), t, p in zip(plans, cap_t, cap_p, strict=True):
+        print(f"| {b} | {plan.budget_bytes} | {len(plan.decisions)} | {t * 1e3:.1f} | {p} |")
+    print(
+        "\n| activation_memory_budget | its step ms | its steady peak B | capuchin's smallest "
+        "budget no slower | its step ms | its steady peak B | capuchin peak / knob peak |"
+    )
+    print("|---" * 7 + "|")
+    for v in values:
+        ok = [i for i in range(len(plans)) if cap_t[i] <= amb_t[v] * (1 + args.tolerance)]
+        if not ok:
+            print(f"| {v} | {amb_t[v] * 1e3:.1f} | {amb_p[v]} | none | - | - | - |")
+            continue
+        i = min(ok, key=lambda i: plans[i][1].budget_bytes)
+        print(
+            f"| {v} | {amb_t[v] * 1e3:.1f} | {amb_p[v]} | {plans[i][0]} | "
+            f"{cap_t[i] * 1e3:.1f} | {cap_p[i]} | {cap_p[i] / amb_p[v]:.3f} |"
+        )
 
 
 if __name__ == "__main__":
