@@ -48,6 +48,8 @@ def test_each_compiled_region_is_one_op_with_a_stable_name(gpt_trace):
     assert [o.phase for o in regions] == [Phase.FORWARD, Phase.BACKWARD] * 2, regions
     assert regions[0].name == regions[2].name and regions[1].name == regions[3].name
     assert regions[0].name != regions[1].name
+    # no random numbers inside (attention with dropout_p 0 draws none), no input written
+    assert set(tr.meta.replayable_regions) == {o.name for o in regions}
     ev = tr.events
     names = (
         ev[ev.op_name.fillna("").map(is_compiled_region)].groupby("iteration").op_name.apply(list)
@@ -362,3 +364,38 @@ def test_a_region_with_dropout_is_swapped_not_replayed(dropout_trace):
     assert any(d.storage_id in region_out and d.method is Method.SWAP for d in plan.decisions)
     assert not _region_replays(p, plan)
     _run_bitwise_within(plan, [*STEPS, "--dropout", "0.1"])
+
+
+@pytest.mark.slow
+def test_the_runtime_refuses_a_planned_replay_of_a_region_with_dropout(dropout_trace):
+    """A plan file is input: one that replays the dropout region (made here by listing it
+    replayable against the trace's word) is not followed there; the runtime swaps those
+    storages instead (rule R9 of runtime/recompute.py), and training stays bitwise."""
+    from dataclasses import replace
+
+    p = Problem.from_trace(load_trace(dropout_trace))
+    forced = replace(p, replayable_regions=frozenset(o.name for o in p.ops))
+    plan = make_plan(forced, "80%", "recompute")
+    assert _region_replays(p, plan)
+    ref = _hf_state([*STEPS, "--dropout", "0.1"], script=BLOCKS)
+    rt = Runtime(plan)
+    got = _hf_state([*STEPS, "--dropout", "0.1"], rt, script=BLOCKS)
+    assert state_mismatches(ref, got) == []
+    its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+    assert len(its) == 4 and not any(s.diverged for s in its)
+    assert all(s.fallback_swaps > 0 for s in its), its
+
+
+@pytest.mark.slow
+def test_a_region_that_writes_its_inputs_is_not_replayable(tmp_path):
+    """Batch norm inside the blocks' regions: the forward region writes the running statistics
+    (its inputs) in place, so a replay would write them twice: not listed replayable, and the
+    recompute-only policy has no replay through it."""
+    args = ["--steps", "4", "--norm", "batch"]
+    tr = load_trace(trace_script(BLOCKS, args, output=tmp_path / "t.parquet", log=lambda m: None))
+    p = Problem.from_trace(tr)
+    fwd = [o for o in p.ops if is_compiled_region(o.name) and o.phase is Phase.FORWARD]
+    assert fwd and all(o.writes for o in fwd)
+    assert not {o.name for o in fwd} & set(tr.meta.replayable_regions)
+    made = [x for o in fwd for x in o.allocs]
+    assert made and all(chain_ops(p, x, len(p.ops)) is None for x in made)

@@ -1,6 +1,7 @@
 """A residual MLP language model whose blocks are compiled one by one (torchtitan's per-block
 ``torch.compile``): each block is a forward and a backward region, the embedding, the head and
-the loss run eagerly between them. ``--dropout`` puts dropout inside every block's region."""
+the loss run eagerly between them. ``--dropout`` puts dropout inside every block's region,
+``--norm batch`` batch norm (whose running statistics the region writes in place)."""
 
 import argparse
 
@@ -14,19 +15,21 @@ parser.add_argument("--dim", type=int, default=64)
 parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--block", type=int, default=32)
 parser.add_argument("--dropout", type=float, default=0.0)
+parser.add_argument("--norm", choices=["layer", "batch"], default="layer")
 args = parser.parse_args()
 
 
 class Block(nn.Module):
     def __init__(self, dim, p):
         super().__init__()
-        self.norm = nn.LayerNorm(dim)
+        self.norm = nn.LayerNorm(dim) if args.norm == "layer" else nn.BatchNorm1d(dim)
         self.up = nn.Linear(dim, 4 * dim)
         self.down = nn.Linear(4 * dim, dim)
         self.drop = nn.Dropout(p)
 
     def forward(self, x):
-        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+        h = self.norm(x) if args.norm == "layer" else self.norm(x.transpose(1, 2)).transpose(1, 2)
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(h))))
 
 
 torch.manual_seed(0)
