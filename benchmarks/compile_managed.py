@@ -240,6 +240,13 @@ def equal_step_time(script, argv, trace, args) -> None:
     print("|---" * 5 + "|")
     for (b, plan), t, p in zip(plans, cap_t, cap_p, strict=True):
         print(f"| {b} | {plan.budget_bytes} | {len(plan.decisions)} | {t * 1e3:.1f} | {p} |")
+    same = [i for i, (_, plan) in enumerate(plans) if not plan.decisions]
+    if same and 1.0 in amb_t:  # the same program twice: how far apart this host times it
+        print(
+            f"\nnoise: capuchin's empty plan ({plans[same[0]][0]}) and activation_memory_budget "
+            f"1.0 run the same compiled program: {cap_t[same[0]] * 1e3:.1f} vs "
+            f"{amb_t[1.0] * 1e3:.1f} ms ({cap_t[same[0]] / amb_t[1.0]:.2f}x)"
+        )
     print(
         "\n| activation_memory_budget | its step ms | its steady peak B | capuchin's smallest "
         "budget no slower | its step ms | its steady peak B | capuchin peak / knob peak |"

@@ -206,17 +206,15 @@ class RecomputeEngine:
     def recorded_outputs(self, rec: Record, out, input_keys: set[int]) -> None:
         """Name the storages op ``rec.op_index`` allocated (``"k:j"``, Note [Tensor and storage
         ids]); outputs sharing an input's storage (in-place, views) get None."""
-        seen: set[int] = set()
         for j, t in enumerate(flatten_outputs(out)):
             try:
                 key = storage_key(t.untyped_storage())
             except (RuntimeError, NotImplementedError):
                 rec.out_sids.append(None)
                 continue
-            if key in input_keys or key in seen:  # a storage is named by its first output
+            if key in input_keys:
                 rec.out_sids.append(None)
             else:
-                seen.add(key)
                 sid = f"{rec.op_index}:{j}"
                 setattr(t.untyped_storage(), _NAME_ATTR, (self.epoch, sid))
                 rec.out_sids.append(sid)
