@@ -2,7 +2,7 @@
 the steady peak against the budget (Note [torch.compile] in tracer/compiled.py).
 
     python benchmarks/compile_managed.py [--script tests/frameworks/nanogpt_compiled.py]
-        [--budgets 60%,smallest] [--repeats 2] [--steps 8] [--activation-budgets 1.0,0.5,0.0]
+        [--budgets 60%,smallest] [--policy capuchin] [--repeats 2] [--steps 8] [--activation-budgets 1.0,0.5,0.0]
         [--equal-time 1.0,0.8,0.6,0.4,0.2,0.0 [--sweep-budgets 100%,90%,...,smallest]]
         [-- SCRIPT_ARGS...]
 
@@ -33,6 +33,7 @@ from pathlib import Path
 import capuchin
 import torch
 from capuchin.errors import InfeasibleBudgetError
+from capuchin.planner.plan import Method
 from capuchin.runmain import run_as_main
 from capuchin.runtime.engine import Runtime
 from capuchin.tracer.script import trace_script
@@ -51,21 +52,22 @@ def _once(script, argv, context=None, profile=False) -> _Steps:
     return s
 
 
-def _plan(trace, budget: str):
-    """(budget, plan) at ``budget`` (``smallest``: the smallest the planner reaches, in bytes)."""
+def _plan(trace, budget: str, policy: str = "capuchin"):
+    """(budget, plan) at ``budget`` (``smallest``: the smallest the policy reaches, in bytes)."""
     if budget == "smallest":
         try:
-            capuchin.make_plan(trace, budget="1%")
+            capuchin.make_plan(trace, budget="1%", policy=policy)
             raise SystemExit("1% of the peak is feasible: no smallest budget to find")
         except InfeasibleBudgetError as exc:
             budget = exc.smallest_feasible_bytes
-    return budget, capuchin.make_plan(trace, budget=budget)
+    return budget, capuchin.make_plan(trace, budget=budget, policy=policy)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--script", default=str(ROOT / "tests" / "frameworks" / "nanogpt_compiled.py"))
     ap.add_argument("--budgets", default="60%,smallest")
+    ap.add_argument("--policy", default="capuchin", help="the planner's policy for --budgets")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8, help="steps of each timed run")
     ap.add_argument(
@@ -99,7 +101,7 @@ def main() -> None:
     argv = ["--steps", str(args.steps), *args.script_args]
     rows = []
     for budget in args.budgets.split(",") if args.budgets else []:
-        budget, plan = _plan(out, budget)
+        budget, plan = _plan(out, budget, args.policy)
         best = {"plain": math.inf, "capuchin": math.inf}
         for _ in range(args.repeats):
             best["plain"] = min(best["plain"], _once(script, argv).steady_time_s())
@@ -131,15 +133,17 @@ def _budget_table(script, args, loads, rows) -> None:
         f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs; torch {torch.__version__}\n"
     )
     print(
-        "| budget | budget bytes | swaps | plain ms | managed ms | measured x plain | "
+        f"policy {args.policy}\n\n"
+        "| budget | budget bytes | decisions | recomputed | plain ms | managed ms | measured x plain | "
         "predicted x plain | measured / predicted | steady peak / budget | diverged |"
     )
-    print("|---" * 10 + "|")
+    print("|---" * 11 + "|")
     for budget, plan, best, peak, diverged in rows:
         measured = best["capuchin"] / best["plain"]
         predicted = 1 + plan.predictions.predicted_overhead
+        recomputed = sum(d.method is Method.RECOMPUTE for d in plan.decisions)
         print(
-            f"| {budget} | {plan.budget_bytes} | {len(plan.decisions)} | "
+            f"| {budget} | {plan.budget_bytes} | {len(plan.decisions)} | {recomputed} | "
             f"{best['plain'] * 1e3:.1f} | {best['capuchin'] * 1e3:.1f} | {measured:.3f} | "
             f"{predicted:.3f} | {measured / predicted:.3f} | {peak / plan.budget_bytes:.3f} | "
             f"{diverged} |"
