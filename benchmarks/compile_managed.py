@@ -26,8 +26,10 @@ import contextlib
 import io
 import math
 import os
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import capuchin
@@ -44,9 +46,26 @@ from runtime import _Steps  # noqa: E402  (benchmarks/runtime.py)
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _once(script, argv, context=None, profile=False) -> _Steps:
+class _CpuSteps(_Steps):
+    """``_Steps`` that also takes the process's CPU time at each optimizer step: with one
+    intra-op thread, the CPU work of a step, which other jobs on a loaded host disturb less than
+    its wall time (the runtime's own threads count too, whether they overlap the step or not)."""
+
+    def __enter__(self):
+        self.cpu = [time.process_time()]
+        return super().__enter__()
+
+    def _hook(self, *a):
+        self.cpu.append(time.process_time())
+        super()._hook(*a)
+
+    def steady_cpu_s(self) -> float:
+        return statistics.median([b - a for a, b in zip(self.cpu, self.cpu[1:], strict=False)][1:])
+
+
+def _once(script, argv, context=None, profile=False) -> _CpuSteps:
     """One run of a top-level script (no ``main()``), its steps timed (and peaks measured)."""
-    with _Steps(profile=profile) as s:
+    with _CpuSteps(profile=profile) as s:
         with contextlib.redirect_stdout(io.StringIO()), context or contextlib.nullcontext():
             run_as_main(script, argv)
     return s
@@ -213,13 +232,18 @@ def equal_step_time(script, argv, trace, args) -> None:
     loads = [os.getloadavg()[0]]
     amb_t = {v: math.inf for v in values}
     cap_t = [math.inf] * len(plans)
+    amb_c = dict(amb_t)
+    cap_c = list(cap_t)
     for r in range(args.repeats):
         for v in values:
             with fc.patch(activation_memory_budget=v):
-                amb_t[v] = min(amb_t[v], _once(script, argv).steady_time_s())
+                s = _once(script, argv)
+            amb_t[v] = min(amb_t[v], s.steady_time_s())
+            amb_c[v] = min(amb_c[v], s.steady_cpu_s())
         for i, (_, plan) in enumerate(plans):
-            rt = Runtime(plan, measure_memory=False)
-            cap_t[i] = min(cap_t[i], _once(script, argv, rt).steady_time_s())
+            s = _once(script, argv, Runtime(plan, measure_memory=False))
+            cap_t[i] = min(cap_t[i], s.steady_time_s())
+            cap_c[i] = min(cap_c[i], s.steady_cpu_s())
         loads.append(os.getloadavg()[0])
         print(f"equal step time: round {r + 1} done", file=sys.stderr)
     amb_p = {}
@@ -240,32 +264,42 @@ def equal_step_time(script, argv, trace, args) -> None:
         f"{os.cpu_count()} CPUs; a capuchin step counts as no slower up to {args.tolerance:.0%} "
         "above the knob's\n"
     )
-    print("| capuchin budget | budget bytes | decisions | step ms | steady peak B |")
-    print("|---" * 5 + "|")
-    for (b, plan), t, p in zip(plans, cap_t, cap_p, strict=True):
-        print(f"| {b} | {plan.budget_bytes} | {len(plan.decisions)} | {t * 1e3:.1f} | {p} |")
+    print("| capuchin budget | budget bytes | decisions | step ms | step CPU ms | steady peak B |")
+    print("|---" * 6 + "|")
+    for (b, plan), t, c, p in zip(plans, cap_t, cap_c, cap_p, strict=True):
+        print(
+            f"| {b} | {plan.budget_bytes} | {len(plan.decisions)} | {t * 1e3:.1f} | "
+            f"{c * 1e3:.1f} | {p} |"
+        )
     same = [i for i, (_, plan) in enumerate(plans) if not plan.decisions]
     if same and 1.0 in amb_t:  # the same program twice: how far apart this host times it
         print(
             f"\nnoise: capuchin's empty plan ({plans[same[0]][0]}) and activation_memory_budget "
             f"1.0 run the same compiled program: {cap_t[same[0]] * 1e3:.1f} vs "
-            f"{amb_t[1.0] * 1e3:.1f} ms ({cap_t[same[0]] / amb_t[1.0]:.2f}x)"
+            f"{amb_t[1.0] * 1e3:.1f} ms ({cap_t[same[0]] / amb_t[1.0]:.2f}x); CPU "
+            f"{cap_c[same[0]] * 1e3:.1f} vs {amb_c[1.0] * 1e3:.1f} ms "
+            f"({cap_c[same[0]] / amb_c[1.0]:.2f}x)"
         )
-    print(
-        "\n| activation_memory_budget | its step ms | its steady peak B | capuchin's smallest "
-        "budget no slower | its step ms | its steady peak B | capuchin peak / knob peak |"
-    )
-    print("|---" * 7 + "|")
-    for v in values:
-        ok = [i for i in range(len(plans)) if cap_t[i] <= amb_t[v] * (1 + args.tolerance)]
-        if not ok:
-            print(f"| {v} | {amb_t[v] * 1e3:.1f} | {amb_p[v]} | none | - | - | - |")
-            continue
-        i = min(ok, key=lambda i: plans[i][1].budget_bytes)
+    for what, at, ct in (("step", amb_t, cap_t), ("step CPU", amb_c, cap_c)):
         print(
-            f"| {v} | {amb_t[v] * 1e3:.1f} | {amb_p[v]} | {plans[i][0]} | "
-            f"{cap_t[i] * 1e3:.1f} | {cap_p[i]} | {cap_p[i] / amb_p[v]:.3f} |"
+            f"\nequal {what} time:\n\n| activation_memory_budget | its {what} ms | its steady "
+            f"peak B | its peak / plain peak | capuchin's smallest budget no slower | its {what} "
+            "ms | its steady peak B | capuchin peak / knob peak |"
         )
+        print("|---" * 8 + "|")
+        plain = amb_p.get(1.0, 0)
+        for v in values:
+            rel = f"{amb_p[v] / plain:.3f}" if plain else "-"
+            head = f"| {v} | {at[v] * 1e3:.1f} | {amb_p[v]} | {rel} |"
+            ok = [i for i in range(len(plans)) if ct[i] <= at[v] * (1 + args.tolerance)]
+            if not ok:
+                print(f"{head} none | - | - | - |")
+                continue
+            i = min(ok, key=lambda i: plans[i][1].budget_bytes)
+            print(
+                f"{head} {plans[i][0]} | {ct[i] * 1e3:.1f} | {cap_p[i]} | "
+                f"{cap_p[i] / amb_p[v]:.3f} |"
+            )
 
 
 if __name__ == "__main__":
