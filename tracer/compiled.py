@@ -64,8 +64,10 @@ replayed whole where that is exact (Note [Region replay]); CUDA graph capture re
 # - it draws no random numbers (``seeded``: a node of its FX graph tagged
 #   ``nondeterministic_seeded``, dropout's ``rand``/``bernoulli``, except an attention op whose
 #   ``dropout_p`` is 0, tagged for its dropout alone: ``_no_dropout``). Inductor draws its own
-#   seeds inside the compiled code from the global generator, which the replay would advance
-#   and whose state it cannot pin to the call's kernels, so a seeded region is not replayed;
+#   seeds inside the compiled code, from the default generator on CPU; the replay of a seeded
+#   op restores the generator's state at the call (rule R4), and a replay of a dropout region
+#   forced past this rule was bitwise in one test, but how Inductor draws is private and
+#   unproven here, so a seeded region is not replayed;
 # - it writes none of its inputs (``copy_`` into a placeholder: batch norm's running
 #   statistics, a compiled optimizer step): a replay would write them a second time;
 # - it runs on CPU: Inductor's CPU kernels are deterministic for a fixed thread count (the
