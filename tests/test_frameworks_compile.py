@@ -1,5 +1,6 @@
 """torch.compile under capuchin (Note [torch.compile] in tracer/compiled.py): each compiled region
-is one op of the trace and of the run, swapped around exactly and never replayed; what cannot be
+is one op of the trace and of the run, swapped around exactly, replayed whole only where that
+is exact (Note [Region replay]: no random numbers inside, no input written); what cannot be
 managed exactly (CUDA graphs, compiled autograd, freezing, other backends, other higher-order
 ops) is refused up front with one line; with Dynamo disabled the script trains eagerly with and
 without capuchin, bitwise alike."""
@@ -117,6 +118,10 @@ def test_compiled_hf_gpt2_trains_bitwise_within_the_budget(tmp_path):
     trace = trace_script(HF, args, output=tmp_path / "t.parquet", log=lambda m: None)
     with pytest.raises(InfeasibleBudgetError):
         make_plan(trace, "60%")
+    tr = load_trace(trace)
+    # the region that draws dropout's random numbers is not replayable
+    seeded = {o.name for o in Problem.from_trace(tr).ops if is_compiled_region(o.name) and o.seeded}
+    assert seeded and not seeded & set(tr.meta.replayable_regions)
     plan = make_plan(trace, _smallest(trace))
     ref = _hf_state(STEPS)
     rt = Runtime(plan)
