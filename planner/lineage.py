@@ -116,7 +116,7 @@ def _chain(problem: Problem, sid: str, upto: int) -> tuple[int, ...] | None:
     else:
         w = s.writers
         chain = (s.alloc_op, *(x for x in w[: bisect_right(w, upto)] if x > s.alloc_op))
-        if any(never_replayed(problem.ops[k].name) for k in chain):
+        if any(never_replayed(problem.ops[k].name, problem.replayable_regions) for k in chain):
             chain = None  # Note [Collectives] in problem.py, Note [torch.compile]
     memo[key] = chain
     return chain
@@ -482,12 +482,14 @@ class _Allocs:
         for x in self.sids:
             s = st[x]
             a = s.alloc_op
-            if never_replayed(ops[a].name):
+            if never_replayed(ops[a].name, problem.replayable_regions):
                 lim.append(-1)
                 continue
             first = 1 << 62
             for w in s.writers:
-                if w > a and (w not in rs or never_replayed(ops[w].name)):
+                if w > a and (
+                    w not in rs or never_replayed(ops[w].name, problem.replayable_regions)
+                ):
                     first = w
                     break
             lim.append(first)

@@ -244,6 +244,9 @@ class Problem:
     # every op duration (1.0: as traced)
     plain_time_ns: int | None = None
     duration_scale: float = 1.0
+    # the compiled regions a replay may run (the trace's ``replayable_regions``, Note [Region
+    # replay] in tracer/compiled.py); every other region ends replay chains (``never_replayed``)
+    replayable_regions: frozenset[str] = frozenset()
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -691,6 +694,7 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
         non_tensor_bytes=int((meta.extra or {}).get("cuda_non_tensor_bytes") or 0),
         plain_time_ns=plain,
         duration_scale=scale,
+        replayable_regions=frozenset(getattr(meta, "replayable_regions", None) or ()),
     )
 
 

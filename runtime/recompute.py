@@ -21,6 +21,9 @@ Rules from the prototype (reference/runtime-prototype.md §3), each needed for b
   storage's own write counter, less its value when the producer allocated it, must equal the
   writes the chain's recorded ops make to it. Otherwise it is swapped (``check_replayable``).
 - R8 grad mode: each op replays under the grad mode it ran in (Note [Replay grad mode]).
+- R9 compiled regions: a recorded region is replayed only where its replay is exact: no random
+  numbers drawn inside, no input written, on CPU (Note [Region replay] in tracer/compiled.py,
+  ``region_refusal``); the plan's word is not taken for it.
 # Note: [Replay grad mode]
 # Some ops return other outputs with grad mode off: ``aten.mkldnn_rnn_layer`` (nn.LSTM on CPU)
 # returns no training workspace (its fourth output) under ``no_grad``, so a replay under
@@ -44,7 +47,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import RecomputeError
 from ..planner.plan import Decision
-from ..tracer.compiled import is_hop
+from ..tracer.compiled import is_hop, is_region, region_facts, replay_refusal
 from ..tracer.hooks import flatten_outputs, flatten_tensors, op_info, written_inputs
 from ..tracer.schema import is_collective
 from .device import replays_exactly
@@ -244,8 +247,10 @@ class RecomputeEngine:
                 return f"op {k} was not recorded"
             if is_collective(str(rec.func)):  # Note [Collectives] in planner/problem.py
                 return f"op {k} is a collective"
-            if is_hop(rec.func):  # Note [torch.compile] in tracer/compiled.py
-                return f"op {k} is a compiled region"
+            if is_hop(rec.func):  # Note [Region replay] in tracer/compiled.py
+                why = region_refusal(rec, self.device_type)
+                if why is not None:
+                    return f"op {k} is a compiled region that is not replayed exactly: {why}"
             if not replays_exactly(rec.func, self.device_type):
                 return f"op {k} ({rec.func}) is nondeterministic on {self.device_type}"
             for s in rec.slots:
@@ -366,6 +371,15 @@ class RecomputeEngine:
                 f"written after op {rec.op_index} read it; replaying would give a wrong value"
             )
         return st
+
+
+def region_refusal(rec: Record, device_type: str) -> str | None:
+    """Why the recorded call of a compiled region cannot be replayed exactly (Note [Region
+    replay] in tracer/compiled.py), or None; any other higher-order op is never replayed."""
+    if not is_region(rec.func) or not rec.args:
+        return "it is not a compiled region"
+    _name, seeded, region_writes = region_facts(rec.args[0])
+    return replay_refusal(seeded, region_writes, device_type)
 
 
 def record_inputs(func, args, kwargs):

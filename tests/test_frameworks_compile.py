@@ -1,5 +1,6 @@
 """torch.compile under capuchin (Note [torch.compile] in tracer/compiled.py): each compiled region
-is one op of the trace and of the run, swapped around exactly and never replayed; what cannot be
+is one op of the trace and of the run, swapped around exactly, replayed whole only where that
+is exact (Note [Region replay]: no random numbers inside, no input written); what cannot be
 managed exactly (CUDA graphs, compiled autograd, freezing, other backends, other higher-order
 ops) is refused up front with one line; with Dynamo disabled the script trains eagerly with and
 without capuchin, bitwise alike."""
@@ -48,6 +49,8 @@ def test_each_compiled_region_is_one_op_with_a_stable_name(gpt_trace):
     assert [o.phase for o in regions] == [Phase.FORWARD, Phase.BACKWARD] * 2, regions
     assert regions[0].name == regions[2].name and regions[1].name == regions[3].name
     assert regions[0].name != regions[1].name
+    # no random numbers inside (attention with dropout_p 0 draws none), no input written
+    assert set(tr.meta.replayable_regions) == {o.name for o in regions}
     ev = tr.events
     names = (
         ev[ev.op_name.fillna("").map(is_compiled_region)].groupby("iteration").op_name.apply(list)
@@ -59,21 +62,6 @@ def test_each_compiled_region_is_one_op_with_a_stable_name(gpt_trace):
         if p.storages[x].evictable and regions[1].index in p.storages[x].accesses
     ]
     assert saved, "the backward region reads forward-region outputs"
-
-
-@pytest.mark.slow
-def test_a_compiled_region_is_never_replayed(gpt_trace):
-    """A region's outputs have no replay chain, so even the recompute-only policy swaps them."""
-    p = Problem.from_trace(load_trace(gpt_trace))
-    made = [
-        s
-        for s in p.storages.values()
-        if s.alloc_op is not None and is_compiled_region(p.ops[s.alloc_op].name)
-    ]
-    assert made and all(chain_ops(p, s.storage_id, len(p.ops)) is None for s in made)
-    plan = make_plan(p, "60%", "capuchin")
-    recomputed = [d for d in plan.decisions if d.method is Method.RECOMPUTE]
-    assert not any(is_compiled_region(p.ops[k].name) for d in recomputed for k in d.replay_ops)
 
 
 def _smallest(trace) -> int:
@@ -105,8 +93,8 @@ def test_compiled_gpt_trains_bitwise_within_the_budget(gpt_trace, budget):
     )
 
 
-def _hf_state(args: list[str], context=None) -> dict[str, torch.Tensor]:
-    """The HF script's final state (its ``opt`` and ``model`` globals), taken without the global
+def _hf_state(args: list[str], context=None, script=HF) -> dict[str, torch.Tensor]:
+    """The script's final state (its ``opt`` and ``model`` globals), taken without the global
     module hooks of ``run_example``: with them Dynamo compiles the model into other regions than
     the trace saw (the hook is traced into the graph), and the run diverges from its plan."""
     import contextlib
@@ -116,7 +104,7 @@ def _hf_state(args: list[str], context=None) -> dict[str, torch.Tensor]:
     from capuchin.runtime.snapshot import state_of
 
     with contextlib.redirect_stdout(io.StringIO()), context or contextlib.nullcontext():
-        g = run_as_main(HF, args)
+        g = run_as_main(script, args)
     return state_of([g["opt"]], [("model", g["model"])])
 
 
@@ -130,6 +118,10 @@ def test_compiled_hf_gpt2_trains_bitwise_within_the_budget(tmp_path):
     trace = trace_script(HF, args, output=tmp_path / "t.parquet", log=lambda m: None)
     with pytest.raises(InfeasibleBudgetError):
         make_plan(trace, "60%")
+    tr = load_trace(trace)
+    # the region that draws dropout's random numbers is not replayable
+    seeded = {o.name for o in Problem.from_trace(tr).ops if is_compiled_region(o.name) and o.seeded}
+    assert seeded and not seeded & set(tr.meta.replayable_regions)
     plan = make_plan(trace, _smallest(trace))
     ref = _hf_state(STEPS)
     rt = Runtime(plan)
@@ -285,3 +277,130 @@ def test_an_empty_plan_lets_torch_compile_through(tmp_path, monkeypatch):
     original = torch.compile
     with Runtime(plan, measure_memory=False):
         assert torch.compile is original
+
+
+# ---- whole-region replay (Note [Region replay] in tracer/compiled.py) ----------------------------
+
+BLOCKS = FRAMEWORKS / "blocks_compiled.py"
+
+
+@pytest.fixture(scope="module")
+def blocks_trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("blocks") / "t.parquet"
+    return trace_script(BLOCKS, ["--steps", "6"], output=out, log=lambda m: None)
+
+
+def _region_replays(problem: Problem, plan) -> list:
+    return [
+        d
+        for d in plan.decisions
+        if d.method is Method.RECOMPUTE
+        and any(is_compiled_region(problem.ops[k].name) for k in d.replay_ops)
+    ]
+
+
+@pytest.fixture(scope="module")
+def dropout_trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dropout") / "t.parquet"
+    args = ["--steps", "6", "--dropout", "0.1"]
+    return trace_script(BLOCKS, args, output=out, log=lambda m: None)
+
+
+def _run_bitwise_within(plan, args: list[str]):
+    """The blocks script under ``plan``: every state tensor equal to the same compiled script
+    without capuchin, no divergence, steady peak within 1.05x the budget; the run's report."""
+    ref = _hf_state(args, script=BLOCKS)
+    rt = Runtime(plan)
+    got = _hf_state(args, rt, script=BLOCKS)
+    assert len(ref) > 20 and state_mismatches(ref, got) == []
+    its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+    assert len(its) == 4 and not any(s.diverged for s in its)
+    assert all(s.peak_bytes <= 1.05 * plan.budget_bytes for s in its), (
+        [s.peak_bytes for s in its],
+        plan.budget_bytes,
+    )
+    return rt.report
+
+
+@pytest.mark.slow
+def test_replayable_regions_are_in_the_trace_and_recomputed(blocks_trace):
+    """Blocks compiled one by one, without random numbers: both regions are listed replayable,
+    and the recompute-only policy regenerates a forward region's saved activations by replaying
+    that region (a swap is not what it plans)."""
+    tr = load_trace(blocks_trace)
+    p = Problem.from_trace(tr)
+    names = {o.name for o in p.ops if is_compiled_region(o.name)}
+    assert len(names) == 2 and set(tr.meta.replayable_regions) == names
+    plan = make_plan(p, "80%", "recompute")
+    assert _region_replays(p, plan)
+
+
+@pytest.mark.slow
+def test_a_compiled_region_replayed_trains_bitwise_within_the_budget(blocks_trace):
+    """The recompute-only plan carried out: the runtime replays forward regions (their saved
+    activations dropped after the forward, regenerated before the backward region reads them),
+    bitwise and within the budget."""
+    p = Problem.from_trace(load_trace(blocks_trace))
+    plan = make_plan(p, "80%", "recompute")
+    assert _region_replays(p, plan) and all(d.method is Method.RECOMPUTE for d in plan.decisions)
+    report = _run_bitwise_within(plan, STEPS)
+    its = [s for s in report.iterations if s.complete and s.iteration >= 1]
+    # every planned drop was replayed (none swapped instead for want of a replay)
+    assert all(s.recomputed_ops > 0 and s.fallback_swaps == 0 for s in its), its
+
+
+@pytest.mark.slow
+def test_a_region_with_dropout_is_swapped_not_replayed(dropout_trace):
+    """Dropout inside the blocks' regions: the forward region draws random numbers, so it is
+    not listed replayable, its outputs have no replay chain, the recompute-only policy cannot
+    lower the peak and capuchin's plan swaps them; carried out bitwise within the budget."""
+    tr = load_trace(dropout_trace)
+    p = Problem.from_trace(tr)
+    fwd = {o.name for o in p.ops if is_compiled_region(o.name) and o.phase is Phase.FORWARD}
+    assert len(fwd) == 1 and not fwd & set(tr.meta.replayable_regions)
+    made = [
+        s for s in p.storages.values() if s.alloc_op is not None and p.ops[s.alloc_op].name in fwd
+    ]
+    assert made and all(chain_ops(p, s.storage_id, len(p.ops)) is None for s in made)
+    with pytest.raises(InfeasibleBudgetError):
+        make_plan(p, "80%", "recompute")
+    plan = make_plan(p, "80%")
+    region_out = {x for s in made for x in [s.storage_id]}
+    assert any(d.storage_id in region_out and d.method is Method.SWAP for d in plan.decisions)
+    assert not _region_replays(p, plan)
+    _run_bitwise_within(plan, [*STEPS, "--dropout", "0.1"])
+
+
+@pytest.mark.slow
+def test_the_runtime_refuses_a_planned_replay_of_a_region_with_dropout(dropout_trace):
+    """A plan file is input: one that replays the dropout region (made here by listing it
+    replayable against the trace's word) is not followed there; the runtime swaps those
+    storages instead (rule R9 of runtime/recompute.py), and training stays bitwise."""
+    from dataclasses import replace
+
+    p = Problem.from_trace(load_trace(dropout_trace))
+    forced = replace(p, replayable_regions=frozenset(o.name for o in p.ops))
+    plan = make_plan(forced, "80%", "recompute")
+    assert _region_replays(p, plan)
+    ref = _hf_state([*STEPS, "--dropout", "0.1"], script=BLOCKS)
+    rt = Runtime(plan)
+    got = _hf_state([*STEPS, "--dropout", "0.1"], rt, script=BLOCKS)
+    assert state_mismatches(ref, got) == []
+    its = [s for s in rt.report.iterations if s.complete and s.iteration >= 1]
+    assert len(its) == 4 and not any(s.diverged for s in its)
+    assert all(s.fallback_swaps > 0 for s in its), its
+
+
+@pytest.mark.slow
+def test_a_region_that_writes_its_inputs_is_not_replayable(tmp_path):
+    """Batch norm inside the blocks' regions: the forward region writes the running statistics
+    (its inputs) in place, so a replay would write them twice: not listed replayable, and the
+    recompute-only policy has no replay through it."""
+    args = ["--steps", "4", "--norm", "batch"]
+    tr = load_trace(trace_script(BLOCKS, args, output=tmp_path / "t.parquet", log=lambda m: None))
+    p = Problem.from_trace(tr)
+    fwd = [o for o in p.ops if is_compiled_region(o.name) and o.phase is Phase.FORWARD]
+    assert fwd and all(o.writes for o in fwd)
+    assert not {o.name for o in fwd} & set(tr.meta.replayable_regions)
+    made = [x for o in fwd for x in o.allocs]
+    assert made and all(chain_ops(p, x, len(p.ops)) is None for x in made)

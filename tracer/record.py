@@ -33,6 +33,7 @@ from ..errors import CapuchinError, ScriptError
 from ..outputs import check_output
 from ..units import format_bytes
 from .bandwidth import measure_bandwidth
+from .compiled import replay_refusal
 from .hooks import OpEvent, OpIndexer, describe_args, flatten_tensors, join_outputs, split_calls
 from .optimizer_chunks import ChunkedOptimizers
 from .reader import write_trace
@@ -386,6 +387,7 @@ class Tracer:
         self._cur: _Iteration | None = None
         self._done: dict[int, _Iteration] = {}
         self._params_seen: dict[int, torch.Tensor] = {}
+        self._replayable_regions: set[str] = set()  # Note [Region replay] in compiled.py
         # persistent kind of a storage, remembered across iterations: last iteration's gradients
         # are resident (and often freed by zero_grad before any access) in the next one
         self._rec_kind: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -677,6 +679,9 @@ class Tracer:
     # ---- per-op recording -------------------------------------------------------------------
     def _record_op(self, op: OpEvent) -> None:
         written = op.written
+        info = op.info
+        if info.hop and replay_refusal(info.seeded, info.region_writes, self.device) is None:
+            self._replayable_regions.add(info.name)
         ins = []
         for a, t in enumerate(op.inputs):
             rec = op.input_storages[a]
@@ -818,6 +823,7 @@ class Tracer:
             trace_budget_bytes=self.budget_bytes,
             measured_peak_bytes=measured,
             plain_iteration_ns=plain_ns,
+            replayable_regions=sorted(self._replayable_regions),
             extra=extra,
         )
         write_trace(events, meta, self.path, force=self.force)

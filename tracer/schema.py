@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
@@ -206,6 +207,10 @@ class TraceMeta:
     # tracer's dispatch mode or the profiler (Note [Plain step] in tracer/record.py); None: not
     # timed (the reason in extra["plain_iteration_note"]), or a trace from before the field
     plain_iteration_ns: int | None = None
+    # the compiled regions (their ``op_name``) that a replay regenerates exactly (Note [Region
+    # replay] in tracer/compiled.py): no random numbers drawn inside, no input written in place,
+    # traced on CPU. Every other region is never replayed; empty in a trace from before the field
+    replayable_regions: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
@@ -239,11 +244,14 @@ def is_compiled_region(op_name: str) -> bool:
     return op_name.startswith(REGION_PREFIX)
 
 
-def never_replayed(op_name: str) -> bool:
+def never_replayed(op_name: str, replayable_regions: Collection[str] = ()) -> bool:
     """The op ends every replay chain: a collective (Note [Collectives] in planner/problem.py)
-    or a compiled region (Note [torch.compile] in tracer/compiled.py); what only a replay of it
-    could regenerate is swapped instead."""
-    return op_name.startswith(COLLECTIVE_NAMESPACES) or op_name.startswith(REGION_PREFIX)
+    or a compiled region that is not in ``replayable_regions`` (the trace's, Note [Region
+    replay] in tracer/compiled.py); what only a replay of it could regenerate is swapped
+    instead."""
+    if op_name.startswith(REGION_PREFIX):
+        return op_name not in replayable_regions
+    return op_name.startswith(COLLECTIVE_NAMESPACES)
 
 
 def communicates(op_name: str) -> bool:
