@@ -206,6 +206,10 @@ class TraceMeta:
     # tracer's dispatch mode or the profiler (Note [Plain step] in tracer/record.py); None: not
     # timed (the reason in extra["plain_iteration_note"]), or a trace from before the field
     plain_iteration_ns: int | None = None
+    # the runtime's host costs (ns: ``hot_op_ns``, ``slow_op_ns``, ``swap_action_ns``) measured
+    # right after the plain step, on CPU (Note [Calibrated host costs] in runtime/calibrate.py);
+    # None: not measured (CUDA, no plain step, or a trace from before the field)
+    host_costs: dict | None = None
     extra: dict = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
