@@ -97,6 +97,7 @@ def main() -> None:
         # the same trace with the quiet host's constants (Note [Calibrated host costs])
         trace.meta.host_costs = None
         old = _plan(trace, plan.provenance.budget_bytes)
+        trace.meta.plain_iteration_ns = None  # the traced iteration's own sum
         traced_ns = Problem.from_trace(trace).time_ns
         argv = ["--steps", str(args.steps), *extra]
         best = {"plain": math.inf, "capuchin": math.inf}
