@@ -67,21 +67,15 @@ def _plan(trace, budget):
         return capuchin.make_plan(trace, budget=exc.smallest_feasible_bytes)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--examples", default="cnn,transformer,mlp")
-    ap.add_argument("--budget", default="50%")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6, help="steps of each timed run")
-    ap.add_argument(
-        "--script-args", default="", help="more arguments for every script (e.g. '--batch 16')"
-    )
-    args = ap.parse_args()
+def measure(names, budget="50%", repeats=2, steps=6, script_args="") -> tuple[list, list]:
+    """Per example: trace, plan, time plain and managed interleaved (module docstring). Returns
+    the table's rows and the load averages seen."""
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="capuchin-plain-"))
     loads = [os.getloadavg()[0]]
     rows = []
-    for name in args.examples.split(","):
+    extra = script_args.split()
+    for name in names:
         script = TRACES / f"{name}.py"
         if not script.exists():  # hf_gpt2: benchmarks/scripts/
             script = SCRIPTS / f"{name}.py"
@@ -89,19 +83,18 @@ def main() -> None:
         if not script.exists():  # the real-style scripts: tests/frameworks/
             script, timer = FRAMEWORKS / f"{name}.py", _time_script
         out = tmp / f"{name}.trace.parquet"
-        extra = args.script_args.split()
         trace_script(script, ["--steps", "12", *extra], output=out, log=lambda _: None)
         trace = load_trace(out)
-        plan = _plan(trace, args.budget)
+        plan = _plan(trace, budget)
         hot = (trace.meta.host_costs or {}).get("hot_op_ns")
         # the same trace with the quiet host's constants (Note [Calibrated host costs])
         trace.meta.host_costs = None
         old = _plan(trace, plan.provenance.budget_bytes)
         trace.meta.plain_iteration_ns = None  # the traced iteration's own sum
         traced_ns = Problem.from_trace(trace).time_ns
-        argv = ["--steps", str(args.steps), *extra]
+        argv = ["--steps", str(steps), *extra]
         best = {"plain": math.inf, "capuchin": math.inf}
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             best["plain"] = min(best["plain"], timer(script, argv))
             rt = Runtime(plan, measure_memory=False)
             best["capuchin"] = min(best["capuchin"], timer(script, argv, context=rt))
@@ -113,9 +106,13 @@ def main() -> None:
             (name, traced_ns, plan.predictions.plain_time_ns, hot, best, measured, new, before)
         )
         print(f"{name}: done", file=sys.stderr)
+    return rows, loads
+
+
+def print_table(rows, loads, budget, repeats, steps, script_args) -> None:
     print(
-        f"\nbudget {args.budget} (or the smallest feasible); one intra-op thread; best of "
-        f"{args.repeats} interleaved rounds of --steps {args.steps} {args.script_args}; load average "
+        f"\nbudget {budget} (or the smallest feasible); one intra-op thread; best of "
+        f"{repeats} interleaved rounds of --steps {steps} {script_args}; load average "
         f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n"
     )
     print(
@@ -132,6 +129,20 @@ def main() -> None:
             f"{best['capuchin'] * 1e3:.1f} | {measured:.3f} | {new:.3f} | {measured / new:.3f} | "
             f"{before:.3f} | {measured / before:.3f} |"
         )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--examples", default="cnn,transformer,mlp")
+    ap.add_argument("--budget", default="50%")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6, help="steps of each timed run")
+    ap.add_argument(
+        "--script-args", default="", help="more arguments for every script (e.g. '--batch 16')"
+    )
+    a = ap.parse_args()
+    rows, loads = measure(a.examples.split(","), a.budget, a.repeats, a.steps, a.script_args)
+    print_table(rows, loads, a.budget, a.repeats, a.steps, a.script_args)
 
 
 if __name__ == "__main__":
