@@ -123,21 +123,21 @@ HOST_COST_KEYS = ("hot_op_ns",)
 # Note: [Calibrated host costs]
 # The constants above are the runtime's host costs on a quiet host, timed in loops of tiny ops;
 # the plain step a plan's overhead is stated against is timed at trace time, at whatever load
-# the host has then. On the 2-core CPU host the per-op cost of a dispatch mode inside a real
-# script under load is several times the quiet loop's 3.4 µs (nanoGPT at load 8: 13-17 µs
-# over 1,469 ops a step; the same loop of tiny ops timed then still measured 3.1 µs: it stays
-# in the caches), so the constant under-charged every op of every managed step. The tracer
-# measures it where it arises: after the plain steps it times as many steps again with every
-# op through a dispatch mode that only passes it on (``_CountingMode``, tracer/record.py;
-# Note [Plain step]); the extra time per op over the plain step is ``host_costs["hot_op_ns"]``,
-# what ``CPU.hot_op_ns`` is on the quiet host (a passthrough mode less no mode), and
-# ``calibrated`` charges it in its place. Only that figure: the slow path's, the swaps' and the
-# replays' have no such measurement at trace time (they need a plan), and scaling them by the
-# hot path's ratio to its constant over-charged (predicted 3.65x and 3.79x where nanoGPT and
-# the Llama measured 2.66x and 2.72x: benchmarks/results/plain_prediction_real.txt), so they
-# stay the constants. Limits: the figure is a difference of two medians of a few steps, run
-# one after the other: noisy on a loaded host; a figure of 0 or less is not used (the
-# constant is); the trace's load is assumed to be the run's.
+# the host has then. Inside a real script on a busy host a dispatch mode costs several times
+# the loop's figure per op (nanoGPT: 12-17 µs over its ~1,490 ops a step, where the loop
+# measured 4.3 µs in the same hour: benchmarks/results/plain_prediction_real.txt), so the
+# constant under-charged every op of every managed step. The tracer measures it where it
+# arises: after the plain steps it times as many steps again with every op through a dispatch
+# mode that only passes it on (``_CountingMode``, tracer/record.py; Note [Plain step]); the
+# extra time per op of the recorded iteration over the plain step is
+# ``host_costs["hot_op_ns"]``, what ``CPU.hot_op_ns`` is on the quiet host (a passthrough mode
+# less no mode), and ``calibrated`` charges it in its place. Only that figure: the slow path's,
+# the swaps' and the replays' have no such measurement at trace time (they need a plan), and
+# scaling them by the hot path's ratio to its constant over-charged (predicted 3.65x and 3.79x
+# where nanoGPT and the Llama measured 2.66x and 2.72x, same file), so they stay the
+# constants. Limits: the figure is a difference of two medians of a few steps, run one after
+# the other: noisy on a busy host; a figure of 0 or less is not used (the constant is); the
+# trace's load is assumed to be the run's.
 
 
 def calibrated(measured: dict | None) -> RuntimeCosts | None:
