@@ -10,15 +10,17 @@ tests/frameworks/ in the style people write (nanoGPT, a Hugging Face T5 or Llama
 checkpointing, ...: the probe of ../shared/reports/real-scripts.md rebuilt); those train at
 module level and are timed as a whole run (their steady optimizer steps).
 
-Per example: trace the bundled script afresh (1 warm-up, 3 recorded, 1 plain warm-up, 3 timed
-plain iterations), plan it at ``--budget`` (or the smallest budget the planner reaches), then
+Per example: trace the script afresh (1 warm-up, 3 recorded, 1 plain warm-up, 3 timed plain
+iterations, 3 more through a passthrough dispatch mode: Note [Calibrated host costs] in
+planner/costs.py), plan it at ``--budget`` (or the smallest budget the planner reaches), then
 time plain and managed training interleaved (``--repeats`` rounds, each the median steady
 iteration of one run, best of the rounds; benchmarks/runtime.py's helpers). Printed: the traced
-iteration (summed op times under the profiler), the plain step the trace stored, the plan's
-``1 + predicted_overhead`` as ``capuchin plan`` states it now (of the plain step), the same plan's
-prediction as it was stated before (of the traced iteration: a plan of the same trace without
-its plain step), the measured managed / plain ratio, and measured / predicted. The host is
-shared and noisy: compare rows of one run only.
+iteration (summed op times under the profiler), the plain step the trace stored, the dispatch
+mode's cost per op the trace measured, the plan's ``1 + predicted_overhead`` as ``capuchin
+plan`` states it (of the plain step, host costs at the trace's measured speed), the same
+trace's plan with the quiet host's constants (the trace's ``host_costs`` dropped), the measured
+managed / plain ratio, and measured / predicted for both. The host is shared and noisy: compare
+rows of one run only.
 """
 
 from __future__ import annotations
@@ -65,6 +67,70 @@ def _plan(trace, budget):
         return capuchin.make_plan(trace, budget=exc.smallest_feasible_bytes)
 
 
+def measure(names, budget="50%", repeats=2, steps=6, script_args="") -> tuple[list, list]:
+    """Per example: trace, plan, time plain and managed interleaved (module docstring). Returns
+    the table's rows and the load averages seen."""
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="capuchin-plain-"))
+    loads = [os.getloadavg()[0]]
+    rows = []
+    extra = script_args.split()
+    for name in names:
+        script = TRACES / f"{name}.py"
+        if not script.exists():  # hf_gpt2: benchmarks/scripts/
+            script = SCRIPTS / f"{name}.py"
+        timer = time_once
+        if not script.exists():  # the real-style scripts: tests/frameworks/
+            script, timer = FRAMEWORKS / f"{name}.py", _time_script
+        out = tmp / f"{name}.trace.parquet"
+        trace_script(script, ["--steps", "12", *extra], output=out, log=lambda _: None)
+        trace = load_trace(out)
+        plan = _plan(trace, budget)
+        hot = (trace.meta.host_costs or {}).get("hot_op_ns")
+        # the same trace with the quiet host's constants (Note [Calibrated host costs])
+        trace.meta.host_costs = None
+        old = _plan(trace, plan.provenance.budget_bytes)
+        trace.meta.plain_iteration_ns = None  # the traced iteration's own sum
+        traced_ns = Problem.from_trace(trace).time_ns
+        argv = ["--steps", str(steps), *extra]
+        best = {"plain": math.inf, "capuchin": math.inf}
+        for _ in range(repeats):
+            best["plain"] = min(best["plain"], timer(script, argv))
+            rt = Runtime(plan, measure_memory=False)
+            best["capuchin"] = min(best["capuchin"], timer(script, argv, context=rt))
+        loads.append(os.getloadavg()[0])
+        measured = best["capuchin"] / best["plain"]
+        new = 1 + plan.predictions.predicted_overhead
+        before = 1 + old.predictions.predicted_overhead
+        rows.append(
+            (name, traced_ns, plan.predictions.plain_time_ns, hot, best, measured, new, before)
+        )
+        print(f"{name}: done", file=sys.stderr)
+    return rows, loads
+
+
+def print_table(rows, loads, budget, repeats, steps, script_args) -> None:
+    print(
+        f"\nbudget {budget} (or the smallest feasible); one intra-op thread; best of "
+        f"{repeats} interleaved rounds of --steps {steps} {script_args}; load average "
+        f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n"
+    )
+    print(
+        "| example | traced ms | plain (trace) ms | mode µs/op (trace) | plain ms | managed ms | "
+        "measured x plain | predicted (calibrated) | measured / predicted | predicted "
+        "(constants) | measured / predicted (constants) |"
+    )
+    print("|---" * 11 + "|")
+    for name, traced_ns, plain_ns, hot, best, measured, new, before in rows:
+        plain = f"{plain_ns / 1e6:.1f}" if plain_ns else "not timed"
+        mode = f"{hot / 1e3:.1f}" if hot else "not measured"
+        print(
+            f"| {name} | {traced_ns / 1e6:.1f} | {plain} | {mode} | {best['plain'] * 1e3:.1f} | "
+            f"{best['capuchin'] * 1e3:.1f} | {measured:.3f} | {new:.3f} | {measured / new:.3f} | "
+            f"{before:.3f} | {measured / before:.3f} |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--examples", default="cnn,transformer,mlp")
@@ -74,56 +140,9 @@ def main() -> None:
     ap.add_argument(
         "--script-args", default="", help="more arguments for every script (e.g. '--batch 16')"
     )
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    tmp = Path(tempfile.mkdtemp(prefix="capuchin-plain-"))
-    loads = [os.getloadavg()[0]]
-    rows = []
-    for name in args.examples.split(","):
-        script = TRACES / f"{name}.py"
-        if not script.exists():  # hf_gpt2: benchmarks/scripts/
-            script = SCRIPTS / f"{name}.py"
-        timer = time_once
-        if not script.exists():  # the real-style scripts: tests/frameworks/
-            script, timer = FRAMEWORKS / f"{name}.py", _time_script
-        out = tmp / f"{name}.trace.parquet"
-        extra = args.script_args.split()
-        trace_script(script, ["--steps", "12", *extra], output=out, log=lambda _: None)
-        trace = load_trace(out)
-        plan = _plan(trace, args.budget)
-        trace.meta.plain_iteration_ns = None  # the same plan as stated before: of the traced sum
-        old = _plan(trace, plan.provenance.budget_bytes)
-        traced_ns = Problem.from_trace(trace).time_ns
-        argv = ["--steps", str(args.steps), *extra]
-        best = {"plain": math.inf, "capuchin": math.inf}
-        for _ in range(args.repeats):
-            best["plain"] = min(best["plain"], timer(script, argv))
-            rt = Runtime(plan, measure_memory=False)
-            best["capuchin"] = min(best["capuchin"], timer(script, argv, context=rt))
-        loads.append(os.getloadavg()[0])
-        measured = best["capuchin"] / best["plain"]
-        new = 1 + plan.predictions.predicted_overhead
-        before = 1 + old.predictions.predicted_overhead
-        rows.append((name, traced_ns, plan.predictions.plain_time_ns, best, measured, new, before))
-        print(f"{name}: done", file=sys.stderr)
-    print(
-        f"\nbudget {args.budget} (or the smallest feasible); one intra-op thread; best of "
-        f"{args.repeats} interleaved rounds of --steps {args.steps} {args.script_args}; load average "
-        f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n"
-    )
-    print(
-        "| example | traced ms | plain (trace) ms | plain ms | managed ms | measured x plain "
-        "| predicted (plain step) | measured / predicted | predicted before (traced) | "
-        "measured / predicted before |"
-    )
-    print("|---" * 10 + "|")
-    for name, traced_ns, plain_ns, best, measured, new, before in rows:
-        plain = f"{plain_ns / 1e6:.1f}" if plain_ns else "not timed"
-        print(
-            f"| {name} | {traced_ns / 1e6:.1f} | {plain} | {best['plain'] * 1e3:.1f} | "
-            f"{best['capuchin'] * 1e3:.1f} | {measured:.3f} | {new:.3f} | {measured / new:.3f} | "
-            f"{before:.3f} | {measured / before:.3f} |"
-        )
+    a = ap.parse_args()
+    rows, loads = measure(a.examples.split(","), a.budget, a.repeats, a.steps, a.script_args)
+    print_table(rows, loads, a.budget, a.repeats, a.steps, a.script_args)
 
 
 if __name__ == "__main__":

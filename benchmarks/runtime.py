@@ -6,6 +6,12 @@ a plan that evicts nothing (the traced peak as budget), a capuchin plan at 50% o
 tracker's per-op cost.
 
     python benchmarks/runtime.py [--steps 6] [--repeats 3] [--examples cnn,transformer,mlp,hf_gpt2]
+    python benchmarks/runtime.py --examples mlp --real nanogpt,hf_t5,hf_llama_ckpt \
+        --script-args "--batch 16"
+
+``--real``: scripts of tests/frameworks/ (nanoGPT, a Hugging Face T5, a Llama with gradient
+checkpointing, ...), each traced afresh and timed as benchmarks/plain_prediction.py does (its
+table: the plan's predicted slowdown of the plain step against the measured one).
 
 Peaks are PyTorch's CPU allocator accounting (profiler "Total Allocated", max over the steady
 iterations; Note [Measured peak] in runtime/report.py). Times are the median steady iteration,
@@ -332,6 +338,17 @@ def main() -> None:
         action="store_true",
         help="keep glibc's dynamic mmap threshold (see _steady_malloc)",
     )
+    ap.add_argument(
+        "--real",
+        default="",
+        metavar="NAMES",
+        help="scripts of tests/frameworks/ in the styles people write (e.g. "
+        "nanogpt,hf_t5,hf_llama_ckpt), each traced afresh and planned at --budget, timed plain "
+        "and managed as benchmarks/plain_prediction.py does; their table follows",
+    )
+    ap.add_argument(
+        "--script-args", default="", help="more arguments for every --real script (--batch 16)"
+    )
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -441,6 +458,13 @@ def main() -> None:
             c = costs_for(p.provenance.device).swap_action_ns
             implied.append(f"{name} {((t - pred) * 1e9 / (2 * swaps) + c) / 1e3:.0f} µs")
     print(f"implied swap cost per direction: {', '.join(implied)}")
+    if args.real:  # measured/predicted on real-style scripts (benchmarks/plain_prediction.py)
+        import plain_prediction
+
+        real = (args.real.split(","), args.budget, args.repeats, args.steps, args.script_args)
+        rows, real_loads = plain_prediction.measure(*real)
+        plain_prediction.print_table(rows, real_loads, *real[1:])
+        print()
     if DEVICE != "cpu":
         return  # the per-op and swap-cycle costs below are the CPU backend's
     for k, v in per_op_us().items():

@@ -3,10 +3,14 @@ main thread's CPU time side by side (their difference is time the main thread wa
 waiting for the interpreter lock, a copy thread, or a core).
 
     OMP_NUM_THREADS=1 python benchmarks/runtime_profile.py [transformer] [--budget 50%]
+    OMP_NUM_THREADS=1 python benchmarks/runtime_profile.py nanogpt --script-args "--batch 16"
 
-One run of 6 steps of the example (the bundled ones, or hf_gpt2) under the capuchin plan at the
-budget; per steady iteration: the calls, ms and µs per call of the slow path, planned evictions
-and before-steps, and the swap engine's swap-out, prefetch, restore and poll.
+One run of 6 steps of the example (the bundled ones, hf_gpt2, or a script of tests/frameworks/,
+traced afresh) under the capuchin plan at the budget; per iteration: the calls, ms and µs per
+call of the slow path, planned evictions and before-steps, the swap engine's swap-out,
+prefetch, restore and poll, the residency's steps before and after an op, replays and the
+plan cursor's match. For a tests/frameworks script also the median steady step of a plain and
+a managed run, wall and main-thread CPU time (without the timers).
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("example", nargs="?", default="transformer")
     ap.add_argument("--budget", default="50%")
+    ap.add_argument(
+        "--script-args", default="", help="more arguments for a tests/frameworks script"
+    )
     args = ap.parse_args()
     import torch
-    from capuchin.runtime import residency, swap, tracker
+    from capuchin.runtime import matching, recompute, residency, swap, tracker
     from capuchin.runtime.engine import Runtime
 
     import runtime as bench
@@ -51,20 +58,51 @@ def main() -> None:
                 cpu[label] += time.thread_time() - c
                 calls[label] += 1
 
+        originals.append((cls, name, f))
+        wrapped.append((cls, name, g))
         setattr(cls, name, g)
 
+    originals: list = []
+    wrapped: list = []
     for name in ("evict", "prefetch", "restore", "poll"):
         timed(swap.SwapEngine, name, f"SwapEngine.{name}")
     timed(tracker.Executor, "slow_op", "Executor.slow_op")
-    for name in ("_evict", "_before"):
+    for name in ("_evict", "_before", "before_op", "after_op"):
         timed(residency.StorageResidency, name, f"StorageResidency.{name}")
-    script, trace, _ = bench._example(args.example, Path(tempfile.mkdtemp()))
+    timed(recompute.RecomputeEngine, "replay", "RecomputeEngine.replay")
+    timed(matching.PlanCursor, "match", "PlanCursor.match")
+    argv = ["--steps", "6", *args.script_args.split()]
+    script = FRAMEWORKS / f"{args.example}.py"
+    if script.exists():  # a real-style script: traced afresh, timed as plain_prediction.py does
+        from capuchin.tracer.script import trace_script
+
+        trace = Path(tempfile.mkdtemp()) / "t.parquet"
+        trace_script(script, ["--steps", "12", *argv[2:]], output=trace, log=lambda _: None)
+        timer = _steps_wall_cpu
+    else:
+        script, trace, _ = bench._example(args.example, Path(tempfile.mkdtemp()))
+        timer = None
     plan = bench._plan(trace, args.budget)
-    plain = bench.time_once(script, ["--steps", "6"])
+    if timer is not None:  # without the timers: restore the originals for these two runs
+        for cls, name, f in originals:
+            setattr(cls, name, f)
+        pw, pc = timer(script, argv, None)
+        mw, mc = timer(script, argv, Runtime(plan, measure_memory=False))
+        print(
+            f"{args.example}, median steady step without the timers: plain {pw * 1e3:.1f} ms wall "
+            f"({pc * 1e3:.1f} ms main-thread CPU), plan {mw * 1e3:.1f} ms wall ({mc * 1e3:.1f} ms "
+            f"CPU); predicted {1 + plan.predictions.predicted_overhead:.3f}x the trace's plain step"
+        )
+        for cls, name, g in wrapped:
+            setattr(cls, name, g)
+    plain = bench.time_once(script, argv) if timer is None else _steps_wall_cpu(script, argv)[0]
     for c in (wall, cpu, calls):
         c.clear()
     rt = Runtime(plan, measure_memory=False)
-    t = bench.time_once(script, ["--steps", "6"], context=rt)
+    if timer is None:
+        t = bench.time_once(script, argv, context=rt)
+    else:
+        t = _steps_wall_cpu(script, argv, rt)[0]
     n = len(rt.report.iterations)
     print(
         f"{args.example}: plain {plain * 1e3:.1f} ms, plan {t * 1e3:.1f} ms, predicted "
@@ -80,6 +118,35 @@ def main() -> None:
             f"| {k} | {calls[k] / n:.0f} | {wall[k] / n * 1e3:.2f} | {cpu[k] / n * 1e3:.2f} | "
             f"{wall[k] / calls[k] * 1e6:.1f} | {cpu[k] / calls[k] * 1e6:.1f} |"
         )
+
+
+FRAMEWORKS = Path(__file__).resolve().parent.parent / "tests" / "frameworks"
+
+
+def _steps_wall_cpu(script, argv, context=None) -> tuple[float, float]:
+    """Median steady step (s) of one run of a script that trains at module level: wall and the
+    main thread's CPU time, optimizer step to step (the first step left out)."""
+    import contextlib
+    import io
+    import statistics
+
+    from capuchin.runmain import run_as_main
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    marks: list = []
+    h = register_optimizer_step_post_hook(
+        lambda *a: marks.append((time.perf_counter(), time.thread_time()))
+    )
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), context or contextlib.nullcontext():
+            run_as_main(script, argv)
+    finally:
+        h.remove()
+    steps = list(zip(marks, marks[1:], strict=False))[1:]
+    return (
+        statistics.median(b[0] - a[0] for a, b in steps),
+        statistics.median(b[1] - a[1] for a, b in steps),
+    )
 
 
 if __name__ == "__main__":

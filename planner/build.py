@@ -19,7 +19,7 @@ import numpy as np
 from .. import __version__
 from ..errors import PlanError
 from .budget import format_bytes
-from .costs import runtime_cost_ns
+from .costs import CPU, calibrated, runtime_cost_ns
 from .dead import candidates as dead_candidates
 from .dead import choose as choose_dead
 from .dead import freed_early
@@ -104,6 +104,13 @@ def build_plan(
     basis = baseline_note(problem)
     if basis:
         notes.append(basis)
+    measured = calibrated(problem.host_costs) if ds and problem.device == "cpu" else None
+    if measured is not None:  # Note [Calibrated host costs] in costs.py
+        notes.append(
+            f"the runtime's per-op cost charged at {measured.hot_op_ns / 1e3:.1f} us an op, "
+            f"measured in the script when it was traced (the quiet host's constant: "
+            f"{CPU.hot_op_ns / 1e3:.1f} us)"
+        )
     prov = Provenance(
         policy=policy,
         parameters=_jsonable(parameters or {}),

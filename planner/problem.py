@@ -237,6 +237,10 @@ class Problem:
     # the runtime's host work the simulator charges on the compute stream (costs.py Note [Host
     # work on the compute stream]): from the trace's device and source
     host: HostCost = NO_HOST_COST
+    # the runtime's host costs the trace measured on its host (``TraceMeta.host_costs``; Note
+    # [Calibrated host costs] in planner/costs.py): ``host`` and ``runtime_cost_ns`` charge
+    # them in place of costs.py's constants; None: not measured
+    host_costs: Mapping[str, int] | None = None
     # device memory outside tensor storages the trace measured (the trace's extra
     # "cuda_non_tensor_bytes"); carried into the plan's provenance, never planned
     non_tensor_bytes: int = 0
@@ -690,7 +694,8 @@ def _build(ev: pd.DataFrame, trace: Trace, iteration: int, name: str) -> Problem
         iteration=int(iteration),
         trace_path=str(trace.path) if trace.path else "",
         device=meta.device,
-        host=host_cost(meta.device, meta.source),
+        host=host_cost(meta.device, meta.source, getattr(meta, "host_costs", None)),
+        host_costs=getattr(meta, "host_costs", None),
         non_tensor_bytes=int((meta.extra or {}).get("cuda_non_tensor_bytes") or 0),
         plain_time_ns=plain,
         duration_scale=scale,

@@ -243,6 +243,11 @@ def meta_problem(meta: TraceMeta) -> str | None:
         not _is_int(meta.plain_iteration_ns) or meta.plain_iteration_ns < 1
     ):
         return f"plain_iteration_ns {meta.plain_iteration_ns!r} is not null or an integer >= 1"
+    if meta.host_costs is not None and not (
+        isinstance(meta.host_costs, dict)
+        and all(_is_int(v) and v >= 0 for v in meta.host_costs.values())
+    ):
+        return f"host_costs {meta.host_costs!r} is not null or an object of integers >= 0"
     if not isinstance(meta.extra, dict):
         return f"extra {meta.extra!r} is not an object"
     return None

@@ -138,6 +138,25 @@ def _stderr(line: str) -> None:
     say(line)
 
 
+class _CountingMode(TorchDispatchMode):
+    """Passes every op on and counts it: the cheapest dispatch mode, timed after the plain steps
+    (Note [Calibrated host costs] in planner/costs.py)."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+
 class _TraceMode(TorchDispatchMode):
     supports_higher_order_operators = True  # compiled regions (Note [torch.compile])
 
@@ -220,8 +239,11 @@ class _TraceMode(TorchDispatchMode):
 # hooks run outside any dispatch, where the tracer's mode is the top of the stack; if another
 # mode is above it, nothing is timed). Then ``plain_steps`` iterations run with no mode and no
 # profiler; the time from one optimizer step to the next is one plain iteration (data loading
-# and the script's own work between steps included, as the user measures a step), and at the
-# last one's step ``StopScript`` ends the script. The median is ``TraceMeta.plain_iteration_ns``
+# and the script's own work between steps included, as the user measures a step). On CPU as
+# many steps again run through a dispatch mode that only passes ops on (``_CountingMode``:
+# the runtime's per-op cost in this script, Note [Calibrated host costs] in planner/costs.py;
+# not where another mode is on the stack), and at the last one's step ``StopScript`` ends the
+# script. The median is ``TraceMeta.plain_iteration_ns``
 # (the intervals in ``extra["plain_iteration_wall_s"]``). None, with the reason in
 # ``extra["plain_iteration_note"]`` and a log line, when the script ended before one interval,
 # when traced under a budget (the runtime's passive mode would be in every step), under torchrun
@@ -374,6 +396,10 @@ class Tracer:
         self._plain_state: str | None = None  # Note [Plain step]: None, warm-up, timing, done
         self._plain_marks: list[float] = []  # perf_counter() at each plain optimizer step
         self._plain_note: str | None = None  # why the plain step was not timed
+        # Note [Calibrated host costs] in planner/costs.py: the steps timed through a dispatch
+        # mode after the plain ones
+        self._pt: _CountingMode | None = None
+        self._pt_marks: list[float] = []
         self._mode_on = False
         self.runtime = None  # the Runtime that keeps the budget (Note [Tracing under a budget])
         self._pending = None
@@ -456,6 +482,9 @@ class Tracer:
             )
             self._plain_note = self._plain_note or "the script failed before one was timed"
             stopped = True
+        if self._pt_on():  # the script ended while steps were timed through the counting mode
+            self._pop_counting_mode()
+            self._plain_state = "done"
         if self._mode_on:  # Note [Plain step]: popped already while the plain step was timed
             self._mode_on = False
             self._mode.__exit__(None, None, None)
@@ -625,8 +654,28 @@ class Tracer:
         elif self._plain_state == "timing":
             self._plain_marks.append(self._now())
             if len(self._plain_marks) > self.plain_steps:
+                if self.device != "cpu" or torch._C._len_torch_dispatch_stack():
+                    self._plain_state = "done"  # CUDA: no host cost; or a mode of the script's
+                    raise StopScript()
+                # Note [Calibrated host costs] in planner/costs.py: as many steps again, each op
+                # through a dispatch mode that only passes it on
+                self._plain_state = "mode-timing"
+                self._pt = _CountingMode()
+                self._pt.__enter__()
+                self._pt_marks = [self._plain_marks[-1]]
+        elif self._plain_state == "mode-timing":
+            self._pt_marks.append(self._now())
+            if len(self._pt_marks) > self.plain_steps:
+                self._pop_counting_mode()
                 self._plain_state = "done"
                 raise StopScript()
+
+    def _pop_counting_mode(self) -> None:
+        if self._pt is not None and self._pt_on():
+            self._pt.__exit__(None, None, None)
+
+    def _pt_on(self) -> bool:
+        return self._plain_state == "mode-timing"
 
     def _now(self) -> float:
         if self.device == "cuda":  # pragma: no cover - needs a GPU
@@ -656,6 +705,39 @@ class Tracer:
                 "their overhead against the traced iteration, whose op times the profiler inflates"
             )
         return None
+
+    def _calibrate(self, plain_ns: int | None, extra: dict) -> dict | None:
+        """The per-op cost of a dispatch mode in this script on this host, from the steps timed
+        through ``_CountingMode`` after the plain ones (Note [Calibrated host costs] in
+        planner/costs.py), as ``TraceMeta.host_costs``; None (and ``extra["host_costs_note"]``
+        says why) where it was not measured or came out at 0 or below (noise)."""
+        m, pt = self._plain_marks, self._pt_marks
+        if plain_ns is None or len(pt) < 2 or self._pt is None or not self._pt.ops:
+            if plain_ns is not None and self.device == "cpu":
+                extra["host_costs_note"] = (
+                    "the script ended before the steps through a dispatch mode were timed"
+                )
+            return None
+        moded = statistics.median(b - a for a, b in zip(pt, pt[1:], strict=False))
+        plain = statistics.median(b - a for a, b in zip(m, m[1:], strict=False))
+        extra["mode_iteration_wall_s"] = [round(b - a, 6) for a, b in zip(pt, pt[1:], strict=False)]
+        extra["mode_iteration_calls"] = round(self._pt.ops / (len(pt) - 1), 1)
+        # per op of the recorded iteration, as the planner charges it (``runtime_cost_ns``: every
+        # op of the planned iteration); the calls the trace does not index are in the figure
+        ops = max(1, len(self._done[self.recorded[-1]].ops))
+        hot_ns = int(round((moded - plain) / ops * 1e9))
+        if hot_ns <= 0:
+            extra["host_costs_note"] = (
+                f"the steps through a dispatch mode took no longer than the plain ones "
+                f"({moded * 1e3:.2f} ms against {plain * 1e3:.2f} ms): noise; not used"
+            )
+            return None
+        self.log(
+            f"capuchin: a dispatch mode costs {hot_ns / 1e3:.1f} us per op in this script "
+            f"({ops:.0f} ops a step, {moded * 1e3:.2f} ms a step through it; the runtime's host "
+            "costs are charged at this speed)"
+        )
+        return {"hot_op_ns": hot_ns}
 
     # ---- profiler ---------------------------------------------------------------------------
     def _start_profiler(self) -> None:
@@ -769,6 +851,7 @@ class Tracer:
             },
         }
         plain_ns = self._plain_iteration_ns()
+        host_costs = self._calibrate(plain_ns, extra)
         if self._plain_marks[1:]:
             m = self._plain_marks
             extra["plain_iteration_wall_s"] = [
@@ -824,6 +907,7 @@ class Tracer:
             measured_peak_bytes=measured,
             plain_iteration_ns=plain_ns,
             replayable_regions=sorted(self._replayable_regions),
+            host_costs=host_costs,
             extra=extra,
         )
         write_trace(events, meta, self.path, force=self.force)

@@ -211,6 +211,10 @@ class TraceMeta:
     # replay] in tracer/compiled.py): no random numbers drawn inside, no input written in place,
     # traced on CPU. Every other region is never replayed; empty in a trace from before the field
     replayable_regions: list[str] = field(default_factory=list)
+    # the runtime's host costs measured in the script (ns: ``hot_op_ns``), right after the plain
+    # step, on CPU (Note [Calibrated host costs] in planner/costs.py); None: not measured (CUDA,
+    # no plain step, or a trace from before the field)
+    host_costs: dict | None = None
     extra: dict = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:

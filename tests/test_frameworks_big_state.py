@@ -1,0 +1,63 @@
+"""A script whose parameters, gradients and Adam state dominate its memory
+(tests/frameworks/big_state.py; the probe's big_state of ../shared/reports/real-scripts.md):
+planned from fixed op costs at the smallest budget the planner reaches, run bitwise, every
+iteration (the first included) within 1.05x the budget and every one over it named by a
+warning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from capuchin.errors import InfeasibleBudgetError
+from capuchin.planner.api import make_plan
+from capuchin.runtime.engine import Runtime
+from capuchin.testing.training import run_example, state_mismatches
+from capuchin.tracer.reader import load_trace
+from capuchin.tracer.schema import Col
+from capuchin.tracer.script import trace_script
+
+from .test_frameworks_real import _named_over_budget
+
+SCRIPT = Path(__file__).resolve().parent / "frameworks" / "big_state.py"
+STEPS = 6
+
+
+@pytest.mark.slow
+def test_big_state_at_the_smallest_feasible_budget(tmp_path, capsys):
+    trace = trace_script(
+        SCRIPT,
+        ["--steps", "4"],
+        output=tmp_path / "t.parquet",
+        iterations=2,
+        log=lambda m: None,
+        plain_steps=0,
+    )
+    loaded = load_trace(trace)
+    # fixed op costs (every op 100 us, copies at 10 GB/s): one plan whatever the host's load
+    loaded.events.loc[loaded.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
+    kw = {"policy": "capuchin", "bandwidth": "10GB/s"}
+    with pytest.raises(InfeasibleBudgetError) as exc:
+        make_plan(loaded, "1%", **kw)
+    smallest = exc.value.smallest_feasible_bytes
+    plan = make_plan(loaded, str(smallest), **kw)
+    peak = plan.predictions.baseline_peak_bytes
+    # the state is what must move: the smallest budget is well below the peak
+    assert plan.budget_bytes < 0.75 * peak, (plan.budget_bytes, peak)
+    assert any(d.wraps for d in plan.decisions), "parameters or Adam state kept out across steps"
+
+    args = ["--steps", str(STEPS)]
+    capsys.readouterr()
+    rt = Runtime(plan, measure_memory=True)
+    got = run_example(SCRIPT, args, rt)
+    err = capsys.readouterr().err
+    assert state_mismatches(run_example(SCRIPT, args), got) == []
+    its = [s for s in rt.report.iterations if s.complete]
+    assert [s.iteration for s in its] == list(range(STEPS))
+    # every iteration, the first included: iteration 0 follows no plan, and the budget guard
+    # keeps the optimizer state it swapped out across its step end (Note [Persistent state
+    # under the guard] in runtime/guards/lru.py)
+    ratios = {s.iteration: round(s.peak_bytes / plan.budget_bytes, 3) for s in its}
+    assert all(r <= 1.05 for r in ratios.values()), ratios
+    assert {i for i, r in ratios.items() if r > 1.0} <= _named_over_budget(err), (ratios, err)
+    assert all(not s.diverged and s.evictions > 0 for s in its[1:]), ratios
