@@ -408,7 +408,8 @@ SLOW_WRITE = (
         _write(table, where, **kwargs)
         Path("writing.part").write_text(str(where))
         Path("writing.part").rename("writing")  # whole, for the test that waits for it
-        time.sleep(120)
+        for _ in range(1200):  # short sleeps: the main thread sees a signal that reached
+            time.sleep(0.1)  # another thread of the process at its next bytecode
     pq.write_table = slow_write
 """)
     + TRAIN
@@ -451,7 +452,7 @@ def test_10_signal_during_the_write_leaves_no_temporary_and_the_target_intact(wo
         assert tmp.parent.resolve() == work.resolve() and tmp.name.startswith(".t.parquet.")
         assert tmp.exists()
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=110)  # under the write's 120 s, over a loaded exit
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -537,7 +538,12 @@ def test_12_import_dtr_names_a_line_without_an_instruction(work):
 
 @pytest.mark.slow
 def test_12_sigint_exits_130(work):
-    (work / "stop.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
+    # the script waits for the signal it sent: a signal the kernel hands to another thread is
+    # seen by the main thread at its next bytecode, which must be the script's, not after it
+    (work / "stop.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\n"
+        "for _ in range(600):\n    time.sleep(0.1)\n"
+    )
     r = cli_process("trace", "-o", "s.parquet", "stop.py", cwd=work)
     assert r.returncode == EXIT_INTERRUPTED and "capuchin: interrupted" in r.stderr
     assert not (work / "s.parquet").exists()
