@@ -120,6 +120,9 @@ CUDA = RuntimeCosts(
 HOST_COST_KEYS = ("hot_op_ns", "slow_op_ns", "swap_action_ns", "replay_op_ns")
 # the figures the runtime's calibration times in loops, charged at least at their constants
 FLOORED_KEYS = ("slow_op_ns", "swap_action_ns", "replay_op_ns")
+# the loops' per-op figures, charged at the script's hot path over the loop's (``LOOP_HOT_KEY``)
+SCALED_KEYS = ("slow_op_ns", "replay_op_ns")
+LOOP_HOT_KEY = "loop_hot_op_ns"  # the runtime's hot path in the calibration's loop
 
 
 # Note: [Calibrated host costs]
@@ -148,7 +151,12 @@ FLOORED_KEYS = ("slow_op_ns", "swap_action_ns", "replay_op_ns")
 # misses what a run adds to them (a swap's copy thread contending with compute for the core and
 # the interpreter lock; small swap-outs copy inline and only restores hand over), so a loop's
 # figure below the constant says the loop missed part of the cost, not that the host is faster
-# than the quiet one. The host's load raises them above it. Scaling the constants
+# than the quiet one. The host's load raises them above it. And the slow path's and a replayed
+# op's figures are per-op Python bookkeeping of the same dispatch mode as the hot path, which
+# the script slows alike: the calibration also times the runtime's hot path in its loop
+# (``host_costs["loop_hot_op_ns"]``), and the two are charged at the script's hot path over the
+# loop's (``SCALED_KEYS``; never below 1). The swap's is not scaled: its cost is the copy
+# thread's handoff, not the op's bookkeeping. Scaling the constants
 # by the hot path's ratio to its constant instead over-charged (predicted 3.65x and 3.79x where
 # nanoGPT and the Llama measured 2.66x and 2.72x: benchmarks/results/plain_prediction_real.txt).
 # Limits: the hot path is a difference of two medians of a few steps, run one after the other,
@@ -158,17 +166,29 @@ FLOORED_KEYS = ("slow_op_ns", "swap_action_ns", "replay_op_ns")
 
 def calibrated(measured: dict | None) -> RuntimeCosts | None:
     """The CPU runtime's costs with each figure a trace measured (Note [Calibrated host costs];
-    ``HOST_COST_KEYS``) in place of its constant in ``CPU``, the calibration's never below it
-    (``FLOORED_KEYS``); None where nothing usable was measured (a figure of 0 or less, or not
-    an integer, is not used)."""
+    ``HOST_COST_KEYS``) in place of its constant in ``CPU``: the loops' per-op figures scaled by
+    how much slower the script's hot path was than the loop's (``SCALED_KEYS``), the loops'
+    figures never below their constants (``FLOORED_KEYS``); None where nothing usable was
+    measured (a figure of 0 or less, or not an integer, is not used)."""
+    m = measured or {}
+
+    def figure(key: str) -> int | None:
+        try:
+            v = int(m[key])
+        except (KeyError, TypeError, ValueError):
+            return None
+        return v if v > 0 else None
+
+    hot, loop_hot = figure("hot_op_ns"), figure(LOOP_HOT_KEY)
+    scale = max(1.0, hot / loop_hot) if hot and loop_hot else 1.0
     found = {}
     for key in HOST_COST_KEYS:
-        try:
-            v = int((measured or {})[key])
-        except (KeyError, TypeError, ValueError):
+        v = figure(key)
+        if v is None:
             continue
-        if v > 0:
-            found[key] = max(v, getattr(CPU, key)) if key in FLOORED_KEYS else v
+        if key in SCALED_KEYS:
+            v = int(round(v * scale))
+        found[key] = max(v, getattr(CPU, key)) if key in FLOORED_KEYS else v
     return replace(CPU, **found) if found else None
 
 

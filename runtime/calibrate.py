@@ -16,7 +16,10 @@ imports the runtime); the tracer calls it after the script's timed steps.
 #   CPU backend (copy out to a pooled host buffer, free, resize back, copy in), less the copies
 #   as the planner charges them (the trace's bandwidth or ``copy_ns_per_byte``, whichever is
 #   slower, per byte and direction), halved: what
-#   each direction costs beyond its copy.
+#   each direction costs beyond its copy;
+# - ``loop_hot_op_ns``: the hot path less the add without a mode, the loop's own figure of what
+#   the tracer measured in the script as ``hot_op_ns``: their ratio scales the loop's per-op
+#   figures to the script (Note [Calibrated host costs] in planner/costs.py).
 # Each loop is timed ``reps`` times and the fastest kept (the host's other jobs only ever add
 # time). A figure that comes out at 0 or below is left out, and the planner keeps the constant
 # for it. The plans are made for the loop (no trace); a plan with actions but no decisions
@@ -123,6 +126,7 @@ def figures(
         "slow_op_ns": lines["slow path"] - lines["hot path"],
         "replay_op_ns": lines["passive mode"] - lines["no mode"],
         "swap_action_ns": (cycle_ns - copies) / 2,
+        "loop_hot_op_ns": lines["hot path"] - lines["no mode"],
     }
     return {k: int(round(v)) for k, v in raw.items() if int(round(v)) > 0}
 

@@ -16,6 +16,7 @@ from capuchin.errors import TraceFormatError
 from capuchin.planner.api import make_plan
 from capuchin.planner.costs import (
     CPU,
+    LOOP_HOT_KEY,
     NO_HOST_COST,
     HostCost,
     calibrated,
@@ -95,6 +96,20 @@ def test_calibrated_replaces_each_measured_constant_and_only_those():
     assert host_cost("cuda", "capuchin", every) == NO_HOST_COST
 
 
+def test_the_loops_per_op_figures_are_scaled_to_the_scripts_hot_path():
+    loops = {"slow_op_ns": 4_000, "swap_action_ns": 100_000, "replay_op_ns": 50_000}
+    # the script's dispatch mode cost 2.5x the loop's: its slow path and replays alike, the
+    # swap's handoff not
+    c = calibrated({**loops, "hot_op_ns": 7_500, LOOP_HOT_KEY: 3_000})
+    assert c == replace(
+        CPU, hot_op_ns=7_500, slow_op_ns=10_000, swap_action_ns=100_000, replay_op_ns=125_000
+    )
+    # never scaled down; without either hot path, not scaled
+    assert calibrated({**loops, "hot_op_ns": 1_000, LOOP_HOT_KEY: 3_000}).slow_op_ns == 4_000
+    assert calibrated(loops).replay_op_ns == 50_000
+    assert calibrated({**loops, LOOP_HOT_KEY: 3_000}).slow_op_ns == 4_000
+
+
 def test_the_plan_charges_the_measured_slow_path_swaps_and_replays():
     measured = {"slow_op_ns": 50_000, "swap_action_ns": 400_000, "replay_op_ns": 120_000}
     tr = _trace(measured)
@@ -121,6 +136,7 @@ def test_the_calibration_figures_are_the_differences_of_its_lines():
         "slow_op_ns": 5_500,
         "replay_op_ns": 30_000,
         "swap_action_ns": round((1_000_000 - 2 * 0.1 * (1 << 20)) / 2),
+        "loop_hot_op_ns": 3_000,
     }
     # a copy cost below the runtime's own is charged at the runtime's (``copy_ns_per_byte``)
     slow_bw = figures(lines, 1_000_000, 1 << 20, (0.0, 0.0))["swap_action_ns"]
