@@ -156,12 +156,14 @@ LOOP_HOT_KEY = "loop_hot_op_ns"  # the runtime's hot path in the calibration's l
 # the script slows alike: the calibration also times the runtime's hot path in its loop
 # (``host_costs["loop_hot_op_ns"]``), and the two are charged at the script's hot path over the
 # loop's (``SCALED_KEYS``; never below 1). The swap's is not scaled: its cost is the copy
-# thread's handoff, not the op's bookkeeping. Scaling the constants
-# by the hot path's ratio to its constant instead over-charged (predicted 3.65x and 3.79x where
-# nanoGPT and the Llama measured 2.66x and 2.72x: benchmarks/results/plain_prediction_real.txt).
-# Limits: the hot path is a difference of two medians of a few steps, run one after the other,
-# and the others are differences of loops of tiny ops: noisy on a busy host; a figure of 0 or
-# less is not used (the constant is); the trace's load is assumed to be the run's.
+# thread's handoff, not the op's bookkeeping. Scaling every constant, the swap's too, by the
+# hot path over its quiet-host constant (a ratio against another host state, 3-5x) instead
+# over-charged (predicted 3.65x and 3.79x where nanoGPT and the Llama measured 2.66x and 2.72x:
+# benchmarks/results/plain_prediction_real.txt). Limits: the hot path is a difference of two
+# medians of a few steps, run one after the other, and the others are differences of loops of
+# tiny ops: noisy on a busy host, and a hot path measured high also raises the scaled figures;
+# a figure of 0 or less is not used (the constant is); the trace's load is assumed to be the
+# run's.
 
 
 def calibrated(measured: dict | None) -> RuntimeCosts | None:
