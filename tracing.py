@@ -26,10 +26,20 @@ def budget_keeper(budget_bytes: int, device: str) -> Any:
     return Runtime(budget_bytes=budget_bytes, device=device, measure_memory=False, eviction="lru")
 
 
+def host_calibration(nbytes: int, ns_per_byte: tuple[float, float]) -> tuple[dict, dict]:
+    """The runtime's slow path, swaps and replays timed on this host now (Note [Calibration of
+    the runtime's slow path] in runtime/calibrate.py), for the tracer's ``calibrate_host``."""
+    from .runtime.calibrate import host_calibration as calibrate
+
+    return calibrate(nbytes, ns_per_byte)
+
+
 class Tracer(record.Tracer):
-    """``tracer.record.Tracer`` with the runtime as its keeper when ``budget_bytes`` is given."""
+    """``tracer.record.Tracer`` with the runtime as its keeper when ``budget_bytes`` is given,
+    and the runtime's host-cost calibration (``host_calibration``)."""
 
     def __init__(self, *args: Any, budget_bytes: int | None = None, **kwargs: Any):
+        kwargs.setdefault("calibrate_host", host_calibration)
         if budget_bytes is not None:
             kwargs.setdefault("keeper", budget_keeper)
         super().__init__(*args, budget_bytes=budget_bytes, **kwargs)
@@ -42,7 +52,9 @@ def trace_script(
     budget_bytes: int | None = None,
     **kwargs: Any,
 ) -> Path:
-    """``tracer.script.trace_script`` with the runtime as keeper when ``budget_bytes`` is given."""
+    """``tracer.script.trace_script`` with the runtime as keeper when ``budget_bytes`` is given,
+    and the runtime's host-cost calibration (``host_calibration``)."""
+    kwargs.setdefault("calibrate_host", host_calibration)
     if budget_bytes is not None:
         kwargs.setdefault("keeper", budget_keeper)
     return _script.trace_script(script, args, budget_bytes=budget_bytes, **kwargs)

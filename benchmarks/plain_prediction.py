@@ -16,8 +16,9 @@ planner/costs.py), plan it at ``--budget`` (or the smallest budget the planner r
 time plain and managed training interleaved (``--repeats`` rounds, each the median steady
 iteration of one run, best of the rounds; benchmarks/runtime.py's helpers). Printed: the traced
 iteration (summed op times under the profiler), the plain step the trace stored, the dispatch
-mode's cost per op the trace measured, the plan's ``1 + predicted_overhead`` as ``capuchin
-plan`` states it (of the plain step, host costs at the trace's measured speed), the same
+mode's cost per op and the runtime's slow path, swap and replay costs the trace measured
+(Note [Calibration of the runtime's slow path] in runtime/calibrate.py), the plan's
+``1 + predicted_overhead`` as ``capuchin plan`` states it (of the plain step, host costs at the trace's measured speed), the same
 trace's plan with the quiet host's constants (the trace's ``host_costs`` dropped), the measured
 managed / plain ratio, and measured / predicted for both. The host is shared and noisy: compare
 rows of one run only.
@@ -41,7 +42,7 @@ from capuchin.planner.problem import Problem
 from capuchin.runmain import run_as_main
 from capuchin.runtime.engine import Runtime
 from capuchin.tracer.reader import load_trace
-from capuchin.tracer.script import trace_script
+from capuchin.tracing import trace_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime import SCRIPTS, TRACES, _Steps, time_once  # noqa: E402  (benchmarks/runtime.py)
@@ -86,7 +87,7 @@ def measure(names, budget="50%", repeats=2, steps=6, script_args="") -> tuple[li
         trace_script(script, ["--steps", "12", *extra], output=out, log=lambda _: None)
         trace = load_trace(out)
         plan = _plan(trace, budget)
-        hot = (trace.meta.host_costs or {}).get("hot_op_ns")
+        hot = dict(trace.meta.host_costs or {})
         # the same trace with the quiet host's constants (Note [Calibrated host costs])
         trace.meta.host_costs = None
         old = _plan(trace, plan.provenance.budget_bytes)
@@ -116,14 +117,17 @@ def print_table(rows, loads, budget, repeats, steps, script_args) -> None:
         f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n"
     )
     print(
-        "| example | traced ms | plain (trace) ms | mode µs/op (trace) | plain ms | managed ms | "
+        "| example | traced ms | plain (trace) ms | host µs: op/loop op/slow/swap/replay (trace) | plain ms | managed ms | "
         "measured x plain | predicted (calibrated) | measured / predicted | predicted "
         "(constants) | measured / predicted (constants) |"
     )
     print("|---" * 11 + "|")
     for name, traced_ns, plain_ns, hot, best, measured, new, before in rows:
         plain = f"{plain_ns / 1e6:.1f}" if plain_ns else "not timed"
-        mode = f"{hot / 1e3:.1f}" if hot else "not measured"
+        mode = "/".join(
+            f"{hot[k] / 1e3:.1f}" if hot.get(k) else "-"
+            for k in ("hot_op_ns", "loop_hot_op_ns", "slow_op_ns", "swap_action_ns", "replay_op_ns")
+        )
         print(
             f"| {name} | {traced_ns / 1e6:.1f} | {plain} | {mode} | {best['plain'] * 1e3:.1f} | "
             f"{best['capuchin'] * 1e3:.1f} | {measured:.3f} | {new:.3f} | {measured / new:.3f} | "

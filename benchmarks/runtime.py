@@ -275,7 +275,7 @@ def _example(name: str, tmp: Path):
     """(script, trace, sqrt(n) checkpointing as (prepare, extra argv)) of an example; the Hugging
     Face one is traced on first use (into ``tmp``)."""
     if name == "hf_gpt2":
-        from capuchin.tracer.script import trace_script
+        from capuchin.tracing import trace_script
 
         script = SCRIPTS / "hf_gpt2.py"
         trace = tmp / "hf_gpt2.trace.parquet"
@@ -285,7 +285,7 @@ def _example(name: str, tmp: Path):
     script = TRACES / f"{name}.py"
     if DEVICE == "cpu":
         return script, TRACES / f"{name}.trace.parquet", (_checkpointed, [])
-    from capuchin.tracer.script import trace_script
+    from capuchin.tracing import trace_script
 
     trace = tmp / f"{name}.{DEVICE}.trace.parquet"
     if not trace.exists():  # the bundled traces are CPU ones

@@ -29,6 +29,14 @@ from .problem import Problem
 from .registry import PolicyResult, checked, get_policy
 from .simulator import SimResult, simulate
 
+# what each measured host cost is charged for, in a plan's notes (Note [Calibrated host costs])
+_HOST_COST_LABELS = {
+    "hot_op_ns": "an op",
+    "slow_op_ns": "more an op on the slow path",
+    "swap_action_ns": "a swap and direction",
+    "replay_op_ns": "a replayed op",
+}
+
 _STEP_ORDER = {
     Step.PREFETCH: 0,
     Step.RESTORE: 1,
@@ -106,10 +114,14 @@ def build_plan(
         notes.append(basis)
     measured = calibrated(problem.host_costs) if ds and problem.device == "cpu" else None
     if measured is not None:  # Note [Calibrated host costs] in costs.py
+        shown = [
+            f"{getattr(measured, k) / 1e3:.1f} us {label} ({getattr(CPU, k) / 1e3:.1f})"
+            for k, label in _HOST_COST_LABELS.items()
+            if getattr(measured, k) != getattr(CPU, k)
+        ]
         notes.append(
-            f"the runtime's per-op cost charged at {measured.hot_op_ns / 1e3:.1f} us an op, "
-            f"measured in the script when it was traced (the quiet host's constant: "
-            f"{CPU.hot_op_ns / 1e3:.1f} us)"
+            "the runtime's host costs charged as measured in the script when it was traced "
+            "(the quiet host's constants in brackets): " + ", ".join(shown)
         )
     prov = Provenance(
         policy=policy,

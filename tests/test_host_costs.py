@@ -1,6 +1,7 @@
-"""The runtime's hot-path cost measured in the script when it is traced (Note [Calibrated host
-costs] in planner/costs.py): the trace field, the tracer's measurement (an injected clock: no
-wall-clock time in any premise), and what the planner charges with it."""
+"""The runtime's host costs measured in the script when it is traced (Note [Calibrated host
+costs] in planner/costs.py; Note [Calibration of the runtime's slow path] in
+runtime/calibrate.py): the trace field, the tracer's measurements (injected clocks and figures:
+no wall-clock time in any premise), and what the planner charges with them."""
 
 from __future__ import annotations
 
@@ -9,11 +10,23 @@ import textwrap
 from dataclasses import asdict, replace
 
 import pytest
+from capuchin import tracing
 from capuchin.cli import main
 from capuchin.errors import TraceFormatError
 from capuchin.planner.api import make_plan
-from capuchin.planner.costs import CPU, calibrated, costs_for, host_cost, runtime_cost_ns
+from capuchin.planner.costs import (
+    CPU,
+    LOOP_HOT_KEY,
+    NO_HOST_COST,
+    HostCost,
+    calibrated,
+    costs_for,
+    host_cost,
+    runtime_cost_ns,
+    simulated_host_ns,
+)
 from capuchin.planner.problem import Problem
+from capuchin.runtime.calibrate import figures, host_calibration
 from capuchin.tracer import record
 from capuchin.tracer.reader import load_trace, write_trace
 from capuchin.tracer.schema import TraceMeta
@@ -57,7 +70,7 @@ def test_field_round_trips_old_traces_load_and_bad_values_are_refused(tmp_path):
             load_trace(tmp_path / "bad.parquet")
 
 
-def test_calibrated_replaces_the_hot_path_constant_only():
+def test_calibrated_replaces_each_measured_constant_and_only_those():
     c = calibrated({"hot_op_ns": 17_000})
     assert c == replace(CPU, hot_op_ns=17_000)
     for unusable in (None, {}, {"hot_op_ns": 0}, {"other": 5}, {"hot_op_ns": "x"}):
@@ -65,6 +78,92 @@ def test_calibrated_replaces_the_hot_path_constant_only():
         assert costs_for("cpu", unusable) is CPU
     assert costs_for("cuda", {"hot_op_ns": 17_000}).hot_op_ns == 0
     assert host_cost("cpu", "capuchin", {"hot_op_ns": 17_000}) == host_cost("cpu")
+    every = {
+        "hot_op_ns": 1_100,
+        "slow_op_ns": 22_000,
+        "swap_action_ns": 330_000,
+        "replay_op_ns": 440_000,
+    }
+    assert calibrated(every) == replace(CPU, **every)
+    # a figure without the hot path's is used too; an unusable one keeps its constant
+    assert calibrated({"slow_op_ns": 9_000, "replay_op_ns": 0}) == replace(CPU, slow_op_ns=9_000)
+    # the loops' figures are charged at least at their constants (the hot path's as measured)
+    low = {"hot_op_ns": 11, "slow_op_ns": 22, "swap_action_ns": 33, "replay_op_ns": 44}
+    assert calibrated(low) == replace(CPU, hot_op_ns=11)
+    # the simulator's host work on the compute stream is charged at the measured figures
+    assert host_cost("cpu", "capuchin", every) == HostCost(330_000, 440_000, 22_000)
+    assert host_cost("cpu", "synthetic", every) == NO_HOST_COST
+    assert host_cost("cuda", "capuchin", every) == NO_HOST_COST
+
+
+def test_the_loops_per_op_figures_are_scaled_to_the_scripts_hot_path():
+    loops = {"slow_op_ns": 4_000, "swap_action_ns": 100_000, "replay_op_ns": 50_000}
+    # the script's dispatch mode cost 2.5x the loop's: its slow path and replays alike, the
+    # swap's handoff not
+    c = calibrated({**loops, "hot_op_ns": 7_500, LOOP_HOT_KEY: 3_000})
+    assert c == replace(
+        CPU, hot_op_ns=7_500, slow_op_ns=10_000, swap_action_ns=100_000, replay_op_ns=125_000
+    )
+    # never scaled down; without either hot path, not scaled
+    assert calibrated({**loops, "hot_op_ns": 1_000, LOOP_HOT_KEY: 3_000}).slow_op_ns == 4_000
+    assert calibrated(loops).replay_op_ns == 50_000
+    assert calibrated({**loops, LOOP_HOT_KEY: 3_000}).slow_op_ns == 4_000
+
+
+def test_the_plan_charges_the_measured_slow_path_swaps_and_replays():
+    measured = {"slow_op_ns": 50_000, "swap_action_ns": 400_000, "replay_op_ns": 120_000}
+    tr = _trace(measured)
+    p = Problem.from_trace(tr)
+    assert p.host == HostCost(400_000, 120_000, 50_000)
+    plan = make_plan(_trace(measured), budget=10 << 20)
+    assert plan.decisions
+    # what the plan predicts is charged at the measured figures, not the constants
+    assert plan.predictions.runtime_cost_ns == runtime_cost_ns(
+        p, plan.decisions, replace(CPU, **measured)
+    )
+    quiet = Problem.from_trace(_trace())
+    assert simulated_host_ns(p, plan.decisions) > simulated_host_ns(quiet, plan.decisions)
+    notes = " ".join(plan.predictions.notes)
+    assert "400.0 us a swap and direction (90.0)" in notes
+    assert "120.0 us a replayed op (40.0)" in notes
+
+
+def test_the_calibration_figures_are_the_differences_of_its_lines():
+    lines = {"no mode": 1_000, "hot path": 4_000, "slow path": 9_500, "passive mode": 31_000}
+    # 2 x 1 MiB of copies at 0.1 ns a byte each way, charged as the planner charges them
+    got = figures(lines, cycle_ns=1_000_000, nbytes=1 << 20, ns_per_byte=(0.1, 0.1))
+    assert got == {
+        "slow_op_ns": 5_500,
+        "replay_op_ns": 30_000,
+        "swap_action_ns": round((1_000_000 - 2 * 0.1 * (1 << 20)) / 2),
+        "loop_hot_op_ns": 3_000,
+    }
+    # a copy cost below the runtime's own is charged at the runtime's (``copy_ns_per_byte``)
+    slow_bw = figures(lines, 1_000_000, 1 << 20, (0.0, 0.0))["swap_action_ns"]
+    assert slow_bw == round((1_000_000 - 2 * CPU.copy_ns_per_byte * (1 << 20)) / 2)
+    # figures at 0 or below are left out: the planner keeps the constants for them
+    flat = {k: 1_000 for k in lines}
+    assert figures(flat, cycle_ns=10, nbytes=1 << 20, ns_per_byte=(1.0, 1.0)) == {}
+
+
+def test_the_calibration_runs_the_runtime_paths_with_an_injected_clock():
+    t = [0.0]
+
+    def clock():
+        t[0] += 1e-3  # every timed loop, whatever runs in it, takes 1 ms
+        return t[0]
+
+    found, lines = host_calibration(256 << 10, (0.0, 0.0), clock=clock, n=50, reps=1)
+    assert set(lines) == {
+        "no mode ns/op",
+        "hot path ns/op",
+        "slow path ns/op",
+        "passive mode ns/op",
+        f"swap cycle {256 << 10} B ns",
+    }
+    assert all(v == 1e6 / 50 for k, v in lines.items() if k.endswith("ns/op"))
+    # equal lines: no slow path or replay figure; the swap cycle's 1 ms less its copies
+    assert found == {"swap_action_ns": round((1e6 - 2 * CPU.copy_ns_per_byte * (256 << 10)) / 2)}
 
 
 def test_the_plan_charges_the_measured_hot_path_and_says_so():
@@ -79,12 +178,14 @@ def test_the_plan_charges_the_measured_hot_path_and_says_so():
     # every op of the iteration pays the measured cost instead of the constant's
     assert want - quiet.predictions.runtime_cost_ns == len(OPS) * (40_000 - CPU.hot_op_ns)
     notes = " ".join(plan.predictions.notes)
-    assert "40.0 us an op, measured in the script" in notes
+    assert "measured in the script" in notes and "40.0 us an op (3.4)" in notes
     assert "measured in the script" not in " ".join(quiet.predictions.notes)
     # on CUDA the host runs ahead: nothing is charged, measured or not
     gpu = make_plan(_trace({"hot_op_ns": 40_000}, device="cuda"), budget=10 << 20)
     assert gpu.predictions.runtime_cost_ns == 0
 
+
+calls: list = []
 
 _TRAIN = """
 import sys
@@ -99,16 +200,23 @@ for step in range(int(sys.argv[1])):
 """
 
 
-def _traced(tmp_path, monkeypatch, plain_ms, moded_ms, steps=50):
+def _traced(tmp_path, monkeypatch, plain_ms, moded_ms, steps=50, measured=None):
     """Trace the script with a clock that makes each plain step ``plain_ms`` and each step
-    through the counting mode ``moded_ms`` long."""
+    through the counting mode ``moded_ms`` long, and a runtime calibration that returns
+    ``measured`` (its calls in ``calls``)."""
     t = [0.0]
 
     def now(self):
         t[0] += (moded_ms if self._plain_state == "mode-timing" else plain_ms) / 1e3
         return t[0]
 
+    def calibration(nbytes, ns_per_byte):
+        calls.append((nbytes, ns_per_byte))
+        return dict(measured or {}), {"line": 1.0}
+
+    calls.clear()
     monkeypatch.setattr(record.Tracer, "_now", now)
+    monkeypatch.setattr(tracing, "host_calibration", calibration)
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_TRAIN))
     out = tmp_path / "o.parquet"
@@ -133,8 +241,39 @@ def test_the_tracer_measures_a_dispatch_mode_per_op_after_the_plain_steps(tmp_pa
     assert "a dispatch mode costs" in r.stderr
 
 
+def test_the_traced_script_carries_the_runtimes_calibration(tmp_path, monkeypatch):
+    measured = {"slow_op_ns": 20_000, "swap_action_ns": 150_000, "replay_op_ns": 0}
+    trace, r = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=13, measured=measured)
+    ops = len(Problem.from_trace(trace).ops)
+    # the hot path and the calibration's usable figures; its 0 is left out
+    assert trace.meta.host_costs == {
+        "hot_op_ns": round(3_000_000 / ops),
+        "slow_op_ns": 20_000,
+        "swap_action_ns": 150_000,
+    }
+    assert trace.meta.extra["host_calibration_ns"] == {"line": 1.0}
+    assert "host costs measured now" in r.stderr
+    # called once, after the steps, with a size within its bounds and the trace's copy costs
+    ((nbytes, per_byte),) = calls
+    assert 64 << 10 <= nbytes <= 64 << 20
+    bw = (trace.meta.bandwidth_d2h_bytes_per_s, trace.meta.bandwidth_h2d_bytes_per_s)
+    assert per_byte == pytest.approx(tuple(1e9 / b for b in bw))
+    # the tracer alone (no runtime composed in) calibrates nothing
+    assert record.Tracer(tmp_path / "x.parquet").calibrate_host is None
+    assert tracing.Tracer(tmp_path / "y.parquet").calibrate_host is not None
+
+
+def test_a_calibration_without_the_hot_path_is_kept(tmp_path, monkeypatch):
+    trace, _ = _traced(
+        tmp_path, monkeypatch, plain_ms=10, moded_ms=9, measured={"slow_op_ns": 7_000}
+    )
+    assert trace.meta.host_costs == {"slow_op_ns": 7_000}
+    assert "noise" in trace.meta.extra["host_costs_note"]
+
+
 def test_a_mode_step_no_longer_than_the_plain_one_is_not_used(tmp_path, monkeypatch):
     trace, _ = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=9)
+    assert calls  # the calibration ran and measured nothing usable
     assert trace.meta.host_costs is None and "noise" in trace.meta.extra["host_costs_note"]
     assert Problem.from_trace(trace).host_costs is None
 

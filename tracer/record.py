@@ -338,6 +338,10 @@ class Tracer:
     keeper: with ``budget_bytes``, ``keeper(budget_bytes, device)`` makes the context that keeps
         the budget (the runtime's passive mode: ``capuchin.Tracer``, capuchin/tracing.py, supplies
         it; the tracer does not import the runtime). Required with ``budget_bytes``.
+    calibrate_host: ``calibrate_host(nbytes, (d2h, h2d) ns per byte)`` times the runtime's slow path,
+        swaps and replays on this host and returns (``host_costs`` keys, lines for ``extra``);
+        called on CPU after the plain steps were timed (Note [Calibrated host costs] in
+        planner/costs.py; ``capuchin.Tracer`` supplies the runtime's). None: not measured.
     log: receives one progress line per iteration and warnings (default: stderr).
     plain_steps: after the recorded iterations, time this many iterations with neither the
         tracer's dispatch mode nor the profiler (Note [Plain step]); 0: stop right after them.
@@ -368,6 +372,7 @@ class Tracer:
         budget_bytes: int | None = None,
         plain_steps: int = 3,
         keeper: Callable[[int, str], Any] | None = None,
+        calibrate_host: Callable[[int, tuple], tuple[dict, dict]] | None = None,
     ):
         if iterations < 1:
             raise CapuchinError(f"iterations must be at least 1, got {iterations}")
@@ -389,6 +394,7 @@ class Tracer:
                 "capuchin.Tracer (capuchin/tracing.py), which supplies it"
             )
         self.keeper = keeper
+        self.calibrate_host = calibrate_host
         if plain_steps < 0:
             raise CapuchinError(f"plain_steps must be 0 or more, got {plain_steps}")
         self.plain_steps = int(plain_steps)
@@ -707,10 +713,39 @@ class Tracer:
         return None
 
     def _calibrate(self, plain_ns: int | None, extra: dict) -> dict | None:
-        """The per-op cost of a dispatch mode in this script on this host, from the steps timed
-        through ``_CountingMode`` after the plain ones (Note [Calibrated host costs] in
-        planner/costs.py), as ``TraceMeta.host_costs``; None (and ``extra["host_costs_note"]``
-        says why) where it was not measured or came out at 0 or below (noise)."""
+        """The runtime's host costs in this script on this host (Note [Calibrated host costs] in
+        planner/costs.py), as ``TraceMeta.host_costs``: the per-op cost of a dispatch mode, from
+        the steps timed through ``_CountingMode`` after the plain ones, and what
+        ``calibrate_host`` times (the slow path, swaps, replays); None (and
+        ``extra["host_costs_note"]`` says why) where nothing was measured or every figure came
+        out at 0 or below (noise)."""
+        costs = dict(self._hot_path(plain_ns, extra) or {})
+        if plain_ns is not None and self.device == "cpu" and self.calibrate_host is not None:
+            nbytes = self._typical_bytes()
+            bw = self.bandwidth
+            per_byte = tuple(
+                1e9 / b if b else 0.0 for b in (bw.d2h_bytes_per_s, bw.h2d_bytes_per_s)
+            )
+            found, lines = self.calibrate_host(nbytes, per_byte)
+            extra["host_calibration_ns"] = lines
+            found = {k: int(v) for k, v in found.items() if int(v) > 0}
+            costs.update(found)
+            self.log(
+                "capuchin: the runtime's host costs measured now: "
+                + (", ".join(f"{k} {v / 1e3:.1f} us" for k, v in sorted(found.items())) or "none")
+            )
+        return costs or None
+
+    def _typical_bytes(self) -> int:
+        """The median size of the storages the recorded iteration allocated on the device, within
+        64 KiB-64 MiB: what a swap of this script typically moves."""
+        sizes = [
+            o[3] for op in self._done[self.recorded[-1]].ops for o in op[6] if o[7] and o[3] > 0
+        ]
+        mid = int(statistics.median(sizes)) if sizes else 1 << 20
+        return min(max(mid, 64 << 10), 64 << 20)
+
+    def _hot_path(self, plain_ns: int | None, extra: dict) -> dict | None:
         m, pt = self._plain_marks, self._pt_marks
         if plain_ns is None or len(pt) < 2 or self._pt is None or not self._pt.ops:
             if plain_ns is not None and self.device == "cpu":

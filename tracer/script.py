@@ -32,13 +32,15 @@ def trace_script(
     budget_bytes: int | None = None,
     plain_steps: int = 3,
     keeper: Callable | None = None,
+    calibrate_host: Callable | None = None,
 ) -> Path:
     """Trace ``script`` (run with ``args``) into ``output`` (default ``<stem>.trace.parquet``).
 
     Returns the written path. Raises ScriptError when the script is missing, raises (its traceback
     is printed to stderr first), exits non-zero or never reaches a recorded iteration; no file is
     written then. ``budget_bytes``: trace under this memory cap (Note [Tracing under a budget] in
-    tracer/record.py), kept by ``keeper`` (capuchin/tracing.py supplies the runtime's).
+    tracer/record.py), kept by ``keeper`` (capuchin/tracing.py supplies the runtime's, and its
+    ``calibrate_host``: Note [Calibrated host costs] in planner/costs.py).
     ``plain_steps``: Note [Plain step] there. See ``Tracer`` for the other arguments.
     """
     from .record import Tracer
@@ -57,6 +59,7 @@ def trace_script(
         budget_bytes=budget_bytes,
         plain_steps=plain_steps,
         keeper=keeper,
+        calibrate_host=calibrate_host,
         **kwargs,
     )
     with tracer:

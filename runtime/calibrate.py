@@ -1,0 +1,148 @@
+"""The runtime's own host costs timed in the traced process (Note [Calibrated host costs] in
+planner/costs.py): its slow path, a swap's bookkeeping and a replayed op's, on this host at
+this load. capuchin/tracing.py passes ``host_calibration`` to the tracer (the tracer never
+imports the runtime); the tracer calls it after the script's timed steps.
+
+# Note: [Calibration of the runtime's slow path]
+# Each figure is what ``RuntimeCosts`` (planner/costs.py) names, timed the way its quiet-host
+# constant was (benchmarks/runtime.py, "per-op cost" and "swap cycle" lines), but in the
+# traced process, right after its steps, so the host's speed and load then are in it:
+# - ``slow_op_ns``: a 16-float ``aten.add`` through a runtime whose plan has an action (a
+#   prefetch of a storage that is not out: the slow path's bookkeeping, no copy) at every op,
+#   less the same add through a plan without actions at those ops (the hot path);
+# - ``replay_op_ns``: the add through passive mode (every op inspected, its outputs tracked;
+#   the constant's own upper bound of a replayed op's bookkeeping), less the add without a mode;
+# - ``swap_action_ns``: one swap cycle of a storage of the script's typical size through the
+#   CPU backend (copy out to a pooled host buffer, free, resize back, copy in), less the copies
+#   as the planner charges them (the trace's bandwidth or ``copy_ns_per_byte``, whichever is
+#   slower, per byte and direction), halved: what
+#   each direction costs beyond its copy;
+# - ``loop_hot_op_ns``: the hot path less the add without a mode, the loop's own figure of what
+#   the tracer measured in the script as ``hot_op_ns``: their ratio scales the loop's per-op
+#   figures to the script (Note [Calibrated host costs] in planner/costs.py).
+# Each loop is timed ``reps`` times and the fastest kept (the host's other jobs only ever add
+# time). A figure that comes out at 0 or below is left out, and the planner keeps the constant
+# for it. The plans are made for the loop (no trace); a plan with actions but no decisions
+# would install nothing (Note [Empty plan] in engine.py), so ``_installed`` lets it install
+# its mode for the loop's duration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..planner.costs import CPU
+from ..planner.plan import Action, Plan, Predictions, Provenance, Step
+from . import engine
+from .backend import backend_for
+from .engine import Runtime
+from .state import resize
+
+_OP = ["aten.add.Tensor", "16;16"]
+
+
+def _loop_plan(n: int, acting: bool) -> Plan:
+    prov = Provenance("none", {}, 1 << 40, "", "", 0, "cpu", 12e9, 12e9, "", 0.0)
+    # the hot plan's one action is past the loop: a non-empty plan, no action in the loop
+    actions = [Action(k, Step.PREFETCH, "0:0") for k in (range(n) if acting else [n])]
+    return Plan(prov, Predictions(0, 0, 0, 0), [], [_OP] * (n + 1), actions=actions)
+
+
+@contextlib.contextmanager
+def _installed() -> Iterator[None]:
+    saved = engine._empty
+    engine._empty = lambda plan: False
+    try:
+        yield
+    finally:
+        engine._empty = saved
+
+
+def per_op_ns(
+    n: int = 2000, reps: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
+    """ns per 16-float add: without a mode, on the runtime's hot path, on its slow path, and
+    through passive mode (Note [Calibration of the runtime's slow path])."""
+    a, b = torch.ones(16), torch.ones(16)
+    add = torch.ops.aten.add.Tensor
+    hot, acting = _loop_plan(n, False), _loop_plan(n, True)
+    lines = {
+        "no mode": contextlib.nullcontext,
+        "hot path": lambda: Runtime(hot, measure_memory=False),
+        "slow path": lambda: Runtime(acting, measure_memory=False),
+        "passive mode": lambda: Runtime(budget_bytes=1 << 40, measure_memory=False),
+    }
+    out = {}
+    with _installed():
+        for name, ctx in lines.items():
+            best = math.inf
+            for _ in range(reps):
+                with ctx():
+                    t0 = clock()
+                    for _ in range(n):
+                        add(a, b)
+                    best = min(best, clock() - t0)
+            out[name] = best / n * 1e9
+    return out
+
+
+def swap_cycle_ns(
+    nbytes: int, reps: int = 5, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """ns of one swap-out and swap-in of an ``nbytes`` storage through the CPU backend, the
+    fastest of ``reps``."""
+    be = backend_for("cpu")
+    try:
+        st = torch.ones(max(1, nbytes // 4)).untyped_storage()
+        n = st.nbytes()
+        buf = be.host_buffer(n)
+        best = math.inf
+        for _ in range(reps):
+            t0 = clock()
+            c = be.copy_out(st, buf)
+            c.wait()
+            be.free_after_copy_out(st, c)
+            resize(st, n)
+            be.copy_in(buf, st).wait()
+            best = min(best, clock() - t0)
+    finally:
+        be.close()
+    return best * 1e9
+
+
+def figures(
+    lines: dict[str, float], cycle_ns: float, nbytes: int, ns_per_byte: tuple[float, float]
+) -> dict:
+    """``TraceMeta.host_costs`` keys from the timed lines (ns; Note [Calibration of the
+    runtime's slow path]); ``ns_per_byte``: the trace's measured copy cost out and in, charged
+    as ``runtime_cost_ns`` charges a swap's copies. A figure of 0 or less is left out."""
+    copies = nbytes * sum(max(x, CPU.copy_ns_per_byte) for x in ns_per_byte)
+    raw = {
+        "slow_op_ns": lines["slow path"] - lines["hot path"],
+        "replay_op_ns": lines["passive mode"] - lines["no mode"],
+        "swap_action_ns": (cycle_ns - copies) / 2,
+        "loop_hot_op_ns": lines["hot path"] - lines["no mode"],
+    }
+    return {k: int(round(v)) for k, v in raw.items() if int(round(v)) > 0}
+
+
+def host_calibration(
+    nbytes: int,
+    ns_per_byte: tuple[float, float],
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    n: int = 2000,
+    reps: int = 3,
+) -> tuple[dict, dict]:
+    """The runtime's host costs on this host now, for a script whose typical storage is
+    ``nbytes``: (``host_costs`` keys, the timed lines in µs for ``TraceMeta.extra``)."""
+    lines = per_op_ns(n, reps, clock)
+    cycle = swap_cycle_ns(nbytes, reps + 2, clock)
+    shown = {f"{k} ns/op": round(v, 1) for k, v in lines.items()}
+    shown[f"swap cycle {nbytes} B ns"] = round(cycle, 1)
+    return figures(lines, cycle, nbytes, ns_per_byte), shown
