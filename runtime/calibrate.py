@@ -73,9 +73,10 @@ def per_op_ns(
     hot, acting = _loop_plan(n, False), _loop_plan(n, True)
     lines = {
         "no mode": contextlib.nullcontext,
-        "hot path": lambda: Runtime(hot, measure_memory=False),
-        "slow path": lambda: Runtime(acting, measure_memory=False),
-        "passive mode": lambda: Runtime(budget_bytes=1 << 40, measure_memory=False),
+        # the CPU named: on a host with CUDA a plan-less budget must name its device
+        "hot path": lambda: Runtime(hot, measure_memory=False, device="cpu"),
+        "slow path": lambda: Runtime(acting, measure_memory=False, device="cpu"),
+        "passive mode": lambda: Runtime(budget_bytes=1 << 40, measure_memory=False, device="cpu"),
     }
     out = {}
     with _installed():
