@@ -26,22 +26,28 @@ TRACES = Path(__file__).resolve().parent.parent / "traces"
 # Note [Fixed op costs]
 # A test that plans from a real trace and then asserts something of the plan (it evicts, it fits
 # a budget, it trains within 1.05x of it) must check one plan, the same on every run. Op times
-# measured while tracing move with the host's load, and the plan with them. So such tests plan
-# from fixed costs: every op FIXED_OP_NS, copies at FIXED_BANDWIDTH.
+# measured while tracing move with the host's load, and the plan with them; so do the runtime's
+# host costs the tracer measures in the script (``TraceMeta.host_costs``, Note [Calibrated host
+# costs] in planner/costs.py), and the plain step the tracer times (to which the planner scales
+# every op's duration: Note [Plain baseline] in planner/problem.py). So such tests plan from
+# fixed costs: every op FIXED_OP_NS, copies at FIXED_BANDWIDTH, the host costs the planner's
+# constants, no plain step.
 FIXED_OP_NS = 100_000
 FIXED_BANDWIDTH = "10GB/s"
 
 
 def with_fixed_costs(trace):
-    """``trace`` (a path or a loaded ``Trace``) with every op's duration ``FIXED_OP_NS`` (Note
-    [Fixed op costs]); plan it with ``bandwidth=FIXED_BANDWIDTH``. A loaded trace is changed in
-    place and returned."""
+    """``trace`` (a path or a loaded ``Trace``) with every op's duration ``FIXED_OP_NS``, no
+    measured host costs and no plain step (Note [Fixed op costs]); plan it with ``bandwidth=FIXED_BANDWIDTH``. A
+    loaded trace is changed in place and returned."""
     from ..tracer.reader import load_trace
     from ..tracer.schema import Col
 
     if not hasattr(trace, "events"):
         trace = load_trace(trace)
     trace.events.loc[trace.events[Col.OP] >= 0, Col.DURATION_NS] = FIXED_OP_NS
+    trace.meta.host_costs = None  # the planner's constants, not the host's load when traced
+    trace.meta.plain_iteration_ns = None  # durations as set, not scaled to a timed step
     return trace
 
 

@@ -12,9 +12,12 @@ import pytest
 from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.api import make_plan
 from capuchin.runtime.engine import Runtime
-from capuchin.testing.training import run_example, state_mismatches
-from capuchin.tracer.reader import load_trace
-from capuchin.tracer.schema import Col
+from capuchin.testing.training import (
+    FIXED_BANDWIDTH,
+    run_example,
+    state_mismatches,
+    with_fixed_costs,
+)
 from capuchin.tracer.script import trace_script
 
 from .test_frameworks_real import _named_over_budget
@@ -33,10 +36,8 @@ def test_big_state_at_the_smallest_feasible_budget(tmp_path, capsys):
         log=lambda m: None,
         plain_steps=0,
     )
-    loaded = load_trace(trace)
-    # fixed op costs (every op 100 us, copies at 10 GB/s): one plan whatever the host's load
-    loaded.events.loc[loaded.events[Col.OP] >= 0, Col.DURATION_NS] = 100_000
-    kw = {"policy": "capuchin", "bandwidth": "10GB/s"}
+    loaded = with_fixed_costs(trace)  # Note [Fixed op costs]: one plan whatever the host's load
+    kw = {"policy": "capuchin", "bandwidth": FIXED_BANDWIDTH}
     with pytest.raises(InfeasibleBudgetError) as exc:
         make_plan(loaded, "1%", **kw)
     smallest = exc.value.smallest_feasible_bytes
