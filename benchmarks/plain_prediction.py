@@ -117,7 +117,7 @@ def print_table(rows, loads, budget, repeats, steps, script_args) -> None:
         f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n"
     )
     print(
-        "| example | traced ms | plain (trace) ms | host µs: op/loop op/slow/swap/replay (trace) | plain ms | managed ms | "
+        "| example | traced ms | plain (trace) ms | host µs: op/loop op/slow/swap/replay/drop (trace) | plain ms | managed ms | "
         "measured x plain | predicted (calibrated) | measured / predicted | predicted "
         "(constants) | measured / predicted (constants) |"
     )
@@ -126,7 +126,14 @@ def print_table(rows, loads, budget, repeats, steps, script_args) -> None:
         plain = f"{plain_ns / 1e6:.1f}" if plain_ns else "not timed"
         mode = "/".join(
             f"{hot[k] / 1e3:.1f}" if hot.get(k) else "-"
-            for k in ("hot_op_ns", "loop_hot_op_ns", "slow_op_ns", "swap_action_ns", "replay_op_ns")
+            for k in (
+                "hot_op_ns",
+                "loop_hot_op_ns",
+                "slow_op_ns",
+                "swap_action_ns",
+                "replay_op_ns",
+                "drop_action_ns",
+            )
         )
         print(
             f"| {name} | {traced_ns / 1e6:.1f} | {plain} | {mode} | {best['plain'] * 1e3:.1f} | "
