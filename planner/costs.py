@@ -128,17 +128,19 @@ CUDA = RuntimeCosts(
 # record and source), registers its sources for copy-on-write and drops the storage (an entry,
 # a weak reference, the resize), and every op it replays was recorded when it ran (argument
 # slots, a call template, RNG state, the outputs named) on top of the slow path. On T5 (tests/
-# frameworks/hf_t5.py, batch 16, 50%) a drop's after-step cost ~40 µs and a recorded op ~14 µs
-# more than an op on the slow path with no record, ~30-60 µs a decision in all (the constant:
-# 40 µs), where the model charged a decision only its replayed ops (``replay_op_ns``) and its
-# action ops (``slow_op_ns``, 3 µs). The replay itself was charged right (243 µs of CPU per
-# replay measured, ~4.3 ops of ~55 µs each and their compute charged), but a plan of drops
-# alone measured 1.30x its prediction where the same trace's swap-only plan measured 1.05x:
-# benchmarks/results/plain_prediction_real.txt. ``drop_action_ns`` is charged once per
-# recompute decision, and the simulator charges it (``HostCost.drop_ns``) on the compute
-# stream after the drop, so the policies weigh it against a swap's host work. The
-# calibration times the recompute engine's own steps in a loop (runtime/calibrate.py), scaled
-# to the script's hot path like the other per-op figures and floored at the constant.
+# frameworks/hf_t5.py, batch 16, 50%) a drop cost ~42 µs of CPU (23 µs of it the R7 check) and
+# a recorded op ~12 µs more than an op on the slow path: ~30-60 µs a decision in all (the
+# constant: 40 µs), where the model charged a decision its replayed ops (``replay_op_ns``) and
+# its action ops (``slow_op_ns``, 3 µs) only. The replays themselves were charged about right
+# (~250 µs of CPU per replay of ~4.5 ops, ~55 µs per op scaled plus their compute), but T5's
+# plans of drops measured 1.21-1.28x their prediction where the same host's swap-only plan
+# measured 1.05x (benchmarks/results/plain_prediction_real.txt, runtime_profile_real.txt).
+# ``drop_action_ns`` is charged once per recompute decision, and the simulator charges it
+# (``HostCost.drop_ns``) on the compute stream after the drop, so the policies weigh it
+# against a swap's host work. The calibration times the recompute engine's own steps in a
+# loop (runtime/calibrate.py), scaled to the script's hot path like the other per-op figures
+# and floored at the constant (the loop leaves out the residency's entry and the slow path's
+# recorded-op steps, so it reads low: 17-19 µs scaled on the hosts above).
 
 # the figures a trace may carry (``TraceMeta.host_costs``; Note [Calibrated host costs])
 HOST_COST_KEYS = ("hot_op_ns", "slow_op_ns", "swap_action_ns", "replay_op_ns", "drop_action_ns")
