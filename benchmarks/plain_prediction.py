@@ -4,6 +4,8 @@
     python benchmarks/plain_prediction.py [--examples cnn,transformer,mlp,hf_gpt2] [--budget 50%]
     python benchmarks/plain_prediction.py --examples nanogpt,hf_t5,hf_llama_ckpt --repeats 3 \
         --script-args "--batch 16"
+    python benchmarks/plain_prediction.py --examples hf_t5 --repeats 3 --policy recompute \
+        --script-args "--batch 16"
 
 An example is a bundled one (traces/), benchmarks/scripts/hf_gpt2.py, or a script of
 tests/frameworks/ in the style people write (nanoGPT, a Hugging Face T5 or Llama with gradient
@@ -61,14 +63,16 @@ def _time_script(script: Path, argv: list[str], context=None) -> float:
     return s.steady_time_s()
 
 
-def _plan(trace, budget):
+def _plan(trace, budget, policy="capuchin"):
     try:
-        return capuchin.make_plan(trace, budget=budget)
+        return capuchin.make_plan(trace, budget=budget, policy=policy)
     except InfeasibleBudgetError as exc:
-        return capuchin.make_plan(trace, budget=exc.smallest_feasible_bytes)
+        return capuchin.make_plan(trace, budget=exc.smallest_feasible_bytes, policy=policy)
 
 
-def measure(names, budget="50%", repeats=2, steps=6, script_args="") -> tuple[list, list]:
+def measure(
+    names, budget="50%", repeats=2, steps=6, script_args="", policy="capuchin"
+) -> tuple[list, list]:
     """Per example: trace, plan, time plain and managed interleaved (module docstring). Returns
     the table's rows and the load averages seen."""
     torch.set_num_threads(1)
@@ -86,11 +90,11 @@ def measure(names, budget="50%", repeats=2, steps=6, script_args="") -> tuple[li
         out = tmp / f"{name}.trace.parquet"
         trace_script(script, ["--steps", "12", *extra], output=out, log=lambda _: None)
         trace = load_trace(out)
-        plan = _plan(trace, budget)
+        plan = _plan(trace, budget, policy)
         hot = dict(trace.meta.host_costs or {})
         # the same trace with the quiet host's constants (Note [Calibrated host costs])
         trace.meta.host_costs = None
-        old = _plan(trace, plan.provenance.budget_bytes)
+        old = _plan(trace, plan.provenance.budget_bytes, policy)
         trace.meta.plain_iteration_ns = None  # the traced iteration's own sum
         traced_ns = Problem.from_trace(trace).time_ns
         argv = ["--steps", str(steps), *extra]
@@ -110,14 +114,14 @@ def measure(names, budget="50%", repeats=2, steps=6, script_args="") -> tuple[li
     return rows, loads
 
 
-def print_table(rows, loads, budget, repeats, steps, script_args) -> None:
+def print_table(rows, loads, budget, repeats, steps, script_args, policy="capuchin") -> None:
     print(
-        f"\nbudget {budget} (or the smallest feasible); one intra-op thread; best of "
+        f"\n{policy} plans, budget {budget} (or the smallest feasible); one intra-op thread; best of "
         f"{repeats} interleaved rounds of --steps {steps} {script_args}; load average "
         f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n"
     )
     print(
-        "| example | traced ms | plain (trace) ms | host µs: op/loop op/slow/swap/replay (trace) | plain ms | managed ms | "
+        "| example | traced ms | plain (trace) ms | host µs: op/loop op/slow/swap/replay/drop (trace) | plain ms | managed ms | "
         "measured x plain | predicted (calibrated) | measured / predicted | predicted "
         "(constants) | measured / predicted (constants) |"
     )
@@ -126,7 +130,14 @@ def print_table(rows, loads, budget, repeats, steps, script_args) -> None:
         plain = f"{plain_ns / 1e6:.1f}" if plain_ns else "not timed"
         mode = "/".join(
             f"{hot[k] / 1e3:.1f}" if hot.get(k) else "-"
-            for k in ("hot_op_ns", "loop_hot_op_ns", "slow_op_ns", "swap_action_ns", "replay_op_ns")
+            for k in (
+                "hot_op_ns",
+                "loop_hot_op_ns",
+                "slow_op_ns",
+                "swap_action_ns",
+                "replay_op_ns",
+                "drop_action_ns",
+            )
         )
         print(
             f"| {name} | {traced_ns / 1e6:.1f} | {plain} | {mode} | {best['plain'] * 1e3:.1f} | "
@@ -144,9 +155,16 @@ def main() -> None:
     ap.add_argument(
         "--script-args", default="", help="more arguments for every script (e.g. '--batch 16')"
     )
+    ap.add_argument(
+        "--policy",
+        default="capuchin",
+        help="the planner's policy (swap or recompute: one mechanism's costs alone)",
+    )
     a = ap.parse_args()
-    rows, loads = measure(a.examples.split(","), a.budget, a.repeats, a.steps, a.script_args)
-    print_table(rows, loads, a.budget, a.repeats, a.steps, a.script_args)
+    rows, loads = measure(
+        a.examples.split(","), a.budget, a.repeats, a.steps, a.script_args, a.policy
+    )
+    print_table(rows, loads, a.budget, a.repeats, a.steps, a.script_args, a.policy)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ waiting for the interpreter lock, a copy thread, or a core).
 One run of 6 steps of the example (the bundled ones, hf_gpt2, or a script of tests/frameworks/,
 traced afresh) under the capuchin plan at the budget; per iteration: the calls, ms and µs per
 call of the slow path, planned evictions and before-steps, the swap engine's swap-out,
-prefetch, restore and poll, the residency's steps before and after an op, replays and the
-plan cursor's match. For a tests/frameworks script also the median steady step of a plain and
+prefetch, restore and poll, the residency's steps before and after an op, replays, the records
+for them and the exact-replay check before a drop, and the plan cursor's match. ``--policy``
+plans with another policy (``recompute``: drops alone). For a tests/frameworks script also the median steady step of a plain and
 a managed run, wall and main-thread CPU time (without the timers).
 """
 
@@ -30,6 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("example", nargs="?", default="transformer")
     ap.add_argument("--budget", default="50%")
+    ap.add_argument("--policy", default="capuchin")
     ap.add_argument(
         "--script-args", default="", help="more arguments for a tests/frameworks script"
     )
@@ -69,7 +71,8 @@ def main() -> None:
     timed(tracker.Executor, "slow_op", "Executor.slow_op")
     for name in ("_evict", "_before", "before_op", "after_op"):
         timed(residency.StorageResidency, name, f"StorageResidency.{name}")
-    timed(recompute.RecomputeEngine, "replay", "RecomputeEngine.replay")
+    for name in ("replay", "record", "recorded_outputs", "check_replayable"):
+        timed(recompute.RecomputeEngine, name, f"RecomputeEngine.{name}")
     timed(matching.PlanCursor, "match", "PlanCursor.match")
     argv = ["--steps", "6", *args.script_args.split()]
     script = FRAMEWORKS / f"{args.example}.py"
@@ -82,7 +85,7 @@ def main() -> None:
     else:
         script, trace, _ = bench._example(args.example, Path(tempfile.mkdtemp()))
         timer = None
-    plan = bench._plan(trace, args.budget)
+    plan = bench._plan(trace, args.budget, args.policy)
     if timer is not None:  # without the timers: restore the originals for these two runs
         for cls, name, f in originals:
             setattr(cls, name, f)

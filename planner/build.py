@@ -35,6 +35,7 @@ _HOST_COST_LABELS = {
     "slow_op_ns": "more an op on the slow path",
     "swap_action_ns": "a swap and direction",
     "replay_op_ns": "a replayed op",
+    "drop_action_ns": "a recompute decision's drop",
 }
 
 _STEP_ORDER = {

@@ -13,15 +13,17 @@ adds ``runtime_cost_ns`` to the simulated iteration for the plan's predicted tim
 #   guarded hot path (``guarded_op_ns`` more: one storage-key lookup per tensor argument);
 # - ops with an action (evict, prefetch, back-access, recorded for a replay, a planned swap-out
 #   wait) and in-place ops inside a window take the slow path (``slow_op_ns`` more);
-# - each swap pays its host-side bookkeeping twice (out and in, ``swap_action_ns``), and each
-#   replayed op the replay machinery (``replay_op_ns``);
+# - each swap pays its host-side bookkeeping twice (out and in, ``swap_action_ns``), each
+#   replayed op the replay machinery (``replay_op_ns``), and each recompute decision its drop
+#   and its replay's records (``drop_action_ns``, Note [Recompute decisions on the host]);
 # - on CPU there is no copy engine: the copy threads share the cores with compute, so a swap's
 #   copies (both directions, at the trace's measured bandwidth or the runtime's measured copy
 #   cost per byte, whichever is slower) are added to the compute time
 #   (``copies_share_compute``); on CUDA the copy engines are separate and the simulator's copy
 #   channels already model them.
 # Where the host is the device (CPU), the part of this cost that grows with the plan's decisions
-# (per swap direction, per replayed op, per op with an action) is host work on the compute
+# (per swap direction, per replayed op, per recompute decision, per op with an action) is host
+# work on the compute
 # stream itself; the simulator charges it there (Note [Host work on the compute stream]), so the
 # policies, which compare the simulator's streams (``SimResult``), see it at every budget. The
 # rest (the per-op dispatch cost, the same for every non-empty plan; the guarded path; in-place
@@ -36,8 +38,9 @@ adds ``runtime_cost_ns`` to the simulated iteration for the plan's predicted tim
 # as fast as one of few large swaps and measured up to 1.6x slower. ``HostCost`` is this cost as
 # the simulator charges it on the compute stream: ``swap_ns`` when a swap-out is handed over
 # (after its evicted-access) and when a swap-in starts (prefetch or on-demand restore),
-# ``replay_op_ns`` per replayed op, ``action_op_ns`` before each op with an action (evict,
-# prefetch, back-access, recorded for a replay; ``action_ops``). It is a property of the problem
+# ``replay_op_ns`` per replayed op, ``drop_ns`` after each recompute decision's drop,
+# ``action_op_ns`` before each op with an action (evict, prefetch, back-access, recorded for a
+# replay; ``action_ops``). It is a property of the problem
 # (``Problem.host``), the same at every budget, so a policy that is monotone in the simulated
 # time stays so. On CUDA the host runs ahead of the device (kernel launches are asynchronous), so
 # its work overlaps the device's and nothing is charged (``NO_HOST_COST``); synthetic traces
@@ -77,6 +80,8 @@ class RuntimeCosts:
     copies_share_compute: bool  # no separate copy engine (CPU)
     copy_ns_per_byte: float = 0.0  # the runtime's own copy path, when slower than the trace's
     #                                measured bandwidth (fresh pages after a resize, thread handoff)
+    drop_action_ns: int = 0  # per recompute decision: its drop and its replay's records, beyond
+    #                          the slow path (Note [Recompute decisions on the host])
 
 
 # Where each figure comes from (benchmarks/runtime.py; its table and the host it ran on are in
@@ -89,7 +94,7 @@ class RuntimeCosts:
 # leaves out the copy thread's wake-up and interpreter-lock handoff while compute runs.
 # copy_ns_per_byte: the 2-8 MiB swap-cycle lines. replay_op_ns has no line of its own: about
 # passive mode's per-op line (every op inspected, its outputs tracked), an upper bound of a
-# replayed op's bookkeeping.
+# replayed op's bookkeeping. drop_action_ns: Note [Recompute decisions on the host].
 CPU = RuntimeCosts(
     hot_op_ns=3_400,
     guarded_op_ns=400,
@@ -98,6 +103,7 @@ CPU = RuntimeCosts(
     replay_op_ns=40_000,
     copies_share_compute=True,
     copy_ns_per_byte=0.06,
+    drop_action_ns=40_000,
 )
 # CUDA: the host runs ahead of the device (kernel launches are asynchronous), so the runtime's
 # host work overlaps the device's and the prediction charges none of it, as the simulator charges
@@ -116,12 +122,33 @@ CUDA = RuntimeCosts(
 )
 
 
+# Note: [Recompute decisions on the host]
+# A recompute decision costs the runtime more than its replay: at its evicted-access the slow
+# path checks that the replay is exact (rule R7 in runtime/recompute.py: every replayed op's
+# record and source), registers its sources for copy-on-write and drops the storage (an entry,
+# a weak reference, the resize), and every op it replays was recorded when it ran (argument
+# slots, a call template, RNG state, the outputs named) on top of the slow path. On T5 (tests/
+# frameworks/hf_t5.py, batch 16, 50%) a drop cost ~42 µs of CPU (23 µs of it the R7 check;
+# 32 and 13 µs once the check named each op once: ``_collective`` in runtime/recompute.py) and
+# a recorded op ~12 µs more than an op on the slow path: ~30-60 µs a decision in all (the
+# constant: 40 µs), where the model charged a decision its replayed ops (``replay_op_ns``) and
+# its action ops (``slow_op_ns``, 3 µs) only. The replays themselves were charged about right
+# (~250 µs of CPU per replay of ~4.5 ops, ~55 µs per op scaled plus their compute), but T5's
+# plans of drops measured 1.21-1.28x their prediction where the same host's swap-only plan
+# measured 1.05x (benchmarks/results/plain_prediction_real.txt, runtime_profile_real.txt).
+# ``drop_action_ns`` is charged once per recompute decision, and the simulator charges it
+# (``HostCost.drop_ns``) on the compute stream after the drop, so the policies weigh it
+# against a swap's host work. The calibration times the recompute engine's own steps in a
+# loop (runtime/calibrate.py), scaled to the script's hot path like the other per-op figures
+# and floored at the constant (the loop leaves out the residency's entry and the slow path's
+# recorded-op steps, so it reads low: 17-19 µs scaled on the hosts above).
+
 # the figures a trace may carry (``TraceMeta.host_costs``; Note [Calibrated host costs])
-HOST_COST_KEYS = ("hot_op_ns", "slow_op_ns", "swap_action_ns", "replay_op_ns")
+HOST_COST_KEYS = ("hot_op_ns", "slow_op_ns", "swap_action_ns", "replay_op_ns", "drop_action_ns")
 # the figures the runtime's calibration times in loops, charged at least at their constants
-FLOORED_KEYS = ("slow_op_ns", "swap_action_ns", "replay_op_ns")
+FLOORED_KEYS = ("slow_op_ns", "swap_action_ns", "replay_op_ns", "drop_action_ns")
 # the loops' per-op figures, charged at the script's hot path over the loop's (``LOOP_HOT_KEY``)
-SCALED_KEYS = ("slow_op_ns", "replay_op_ns")
+SCALED_KEYS = ("slow_op_ns", "replay_op_ns", "drop_action_ns")
 LOOP_HOT_KEY = "loop_hot_op_ns"  # the runtime's hot path in the calibration's loop
 
 
@@ -210,9 +237,10 @@ class HostCost:
     swap_ns: int = 0  # per swap-out (after its evicted-access) and per swap-in (at its start)
     replay_op_ns: int = 0  # per replayed op
     action_op_ns: int = 0  # before each op with an action (``action_ops``)
+    drop_ns: int = 0  # per recompute decision, after its evicted-access (its drop)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_ns or self.replay_op_ns or self.action_op_ns)
+        return bool(self.swap_ns or self.replay_op_ns or self.action_op_ns or self.drop_ns)
 
 
 NO_HOST_COST = HostCost()
@@ -226,7 +254,7 @@ def host_cost(device: str, source: str = "capuchin", measured: dict | None = Non
     c = costs_for(device, measured)
     if not c.copies_share_compute or source == "synthetic":
         return NO_HOST_COST
-    return HostCost(c.swap_action_ns, c.replay_op_ns, c.slow_op_ns)
+    return HostCost(c.swap_action_ns, c.replay_op_ns, c.slow_op_ns, c.drop_action_ns)
 
 
 def action_ops(decisions: Iterable[Decision], *, out_done: bool = False) -> set[int]:
@@ -256,7 +284,10 @@ def simulated_host_ns(problem: Problem, decisions: Sequence[Decision]) -> int:
     swaps = sum(d.method == Method.SWAP for d in decisions)
     replays = sum(len(d.replay_ops) for d in decisions if d.method != Method.SWAP)
     acts = sum(0 <= k < problem.n_ops for k in action_ops(decisions))
-    return 2 * swaps * h.swap_ns + replays * h.replay_op_ns + acts * h.action_op_ns
+    drops = len(decisions) - swaps
+    return (
+        2 * swaps * h.swap_ns + replays * h.replay_op_ns + acts * h.action_op_ns + drops * h.drop_ns
+    )
 
 
 def runtime_cost_ns(
@@ -299,6 +330,7 @@ def runtime_cost_ns(
         + slow * c.slow_op_ns
         + 2 * swaps * c.swap_action_ns
         + replays * c.replay_op_ns
+        + (len(decisions) - swaps) * c.drop_action_ns
     )
     if c.copies_share_compute:
         total += copy_ns

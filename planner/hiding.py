@@ -172,9 +172,9 @@ def _switches(
             if regenerated[d.storage_id] or replayed[producer] > (producer in d.replay_ops):
                 continue
         # what the switch adds on the compute stream (Problem.host): the trigger's action, and
-        # a swap's two host hand-overs where a replay was
+        # a swap's two host hand-overs where a replay and its drop were
         host = problem.host.action_op_ns + (
-            2 * problem.host.swap_ns if d.method == Method.RECOMPUTE else 0
+            2 * problem.host.swap_ns - problem.host.drop_ns if d.method == Method.RECOMPUTE else 0
         )
         saving = o.stall_ns + o.recompute_ns + due.get(d.storage_id, (0, 0))[1]
         if saving > host:

@@ -37,7 +37,8 @@ What it models is Note [Simulation model]; how it runs fast, Note [Only the ops 
 # - The runtime's host work that runs on the compute stream (``Problem.host``; on CPU, zero on
 #   CUDA: costs.py Note [Host work on the compute stream]) is charged there: ``action_op_ns``
 #   before each op with an action, ``swap_ns`` after each swap-out's evicted-access (before its
-#   copy starts) and at each swap-in's start, ``replay_op_ns`` per replayed op.
+#   copy starts) and at each swap-in's start, ``replay_op_ns`` per replayed op, ``drop_ns`` after
+#   each recompute decision's drop.
 #
 # Note: [Only the ops of decisions]
 # The pass visits only the ops where a decision evicts, prefetches or brings back. Every other
@@ -584,7 +585,7 @@ def _pass(
                 resident -= d.size_bytes
 
     host = problem.host  # Note [Simulation model]: the runtime's host work on compute
-    swap_ns, replay_op_ns = host.swap_ns, host.replay_op_ns
+    swap_ns, replay_op_ns, drop_ns = host.swap_ns, host.replay_op_ns, host.drop_ns
     if host.action_op_ns:
         A = np.zeros(n, dtype=np.int64)
         acts = [k for k in action_ops(decisions) if 0 <= k < n]
@@ -746,6 +747,12 @@ def _pass(
                 if detail:
                     dsid.append((sid,))
                 inf["freed_ns"] = t
+                if drop_ns:
+                    if detail:
+                        spans.append(
+                            (k, 3, ("compute", f"drop call {sid}", t, t + drop_ns, k, sid))
+                        )
+                    t += drop_ns
         for i in free_at.get(k, ()):  # Note [Dead storages] in dead.py
             d = decisions[i]
             sid = d.storage_id

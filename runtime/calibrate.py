@@ -17,6 +17,13 @@ imports the runtime); the tracer calls it after the script's timed steps.
 #   as the planner charges them (the trace's bandwidth or ``copy_ns_per_byte``, whichever is
 #   slower, per byte and direction), halved: what
 #   each direction costs beyond its copy;
+# - ``drop_action_ns``: what the runtime does for a recompute decision besides its replay and
+#   the slow path (Note [Recompute decisions on the host] in planner/costs.py): the add recorded
+#   for a replay (``RecomputeEngine.record``: argument slots, call template), run, its output
+#   named (``recorded_outputs``), the decision checked for an exact replay (rule R7,
+#   ``check_replayable``), its sources looked up and its storage dropped (resized to 0), less
+#   the add without a mode; the recompute engine's own steps, timed apart from a plan (the
+#   residency's entry for the dropped storage is left out: the constant is the floor);
 # - ``loop_hot_op_ns``: the hot path less the add without a mode, the loop's own figure of what
 #   the tracer measured in the script as ``hot_op_ns``: their ratio scales the loop's per-op
 #   figures to the script (Note [Calibrated host costs] in planner/costs.py).
@@ -37,11 +44,12 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..planner.costs import CPU
-from ..planner.plan import Action, Plan, Predictions, Provenance, Step
+from ..planner.plan import Action, Decision, Method, Plan, Predictions, Provenance, Step
 from . import engine
 from .backend import backend_for
 from .engine import Runtime
-from .state import resize
+from .recompute import RecomputeEngine
+from .state import resize, storage_key
 
 _OP = ["aten.add.Tensor", "16;16"]
 
@@ -89,7 +97,32 @@ def per_op_ns(
                         add(a, b)
                     best = min(best, clock() - t0)
             out[name] = best / n * 1e9
+    out["recompute drop"] = drop_cycle_ns(n, reps, clock)
     return out
+
+
+def drop_cycle_ns(n: int, reps: int, clock: Callable[[], float]) -> float:
+    """ns per 16-float add recorded for a replay, its output named, its decision checked and
+    its storage dropped, the fastest of ``reps`` loops (``drop_action_ns``)."""
+    a, b = torch.ones(16), torch.ones(16)
+    add = torch.ops.aten.add.Tensor
+    eng = RecomputeEngine(lambda st: None, lambda nbytes: False)
+    d = Decision("0:0", Method.RECOMPUTE, 64, 0, 1, replay_ops=(0,))
+    inputs = {storage_key(a.untyped_storage()), storage_key(b.untyped_storage())}
+    best = math.inf
+    for _ in range(reps):
+        t0 = clock()
+        for _ in range(n):
+            eng.reset()
+            rec = eng.record(0, add, (a, b), {}, [a, b], (), False)
+            out = add(a, b)
+            eng.recorded_outputs(rec, out, inputs)
+            st = out.untyped_storage()
+            eng.check_replayable(d, st)
+            eng.source_keys(d)
+            resize(st, 0)
+        best = min(best, clock() - t0)
+    return best / n * 1e9
 
 
 def swap_cycle_ns(
@@ -129,6 +162,8 @@ def figures(
         "swap_action_ns": (cycle_ns - copies) / 2,
         "loop_hot_op_ns": lines["hot path"] - lines["no mode"],
     }
+    if "recompute drop" in lines:
+        raw["drop_action_ns"] = lines["recompute drop"] - lines["no mode"]
     return {k: int(round(v)) for k, v in raw.items() if int(round(v)) > 0}
 
 

@@ -269,6 +269,9 @@ def oracle_pass(
                 ct.append(t), cd.append(-d.size_bytes), ck.append(_FREE), cop.append(k)
                 csid.append(sid)
                 info[i]["freed_ns"] = t
+                if host.drop_ns:
+                    spans.append(("compute", f"drop call {sid}", t, t + host.drop_ns, k, sid))
+                    t += host.drop_ns
         for i in free_at.get(k, ()):  # a dead storage freed by the script: out already
             sid = decisions[i].storage_id
             ct.append(t), cd.append(decisions[i].size_bytes), ck.append(_ALLOC), cop.append(k)

@@ -83,26 +83,43 @@ def test_calibrated_replaces_each_measured_constant_and_only_those():
         "slow_op_ns": 22_000,
         "swap_action_ns": 330_000,
         "replay_op_ns": 440_000,
+        "drop_action_ns": 550_000,
     }
     assert calibrated(every) == replace(CPU, **every)
     # a figure without the hot path's is used too; an unusable one keeps its constant
     assert calibrated({"slow_op_ns": 9_000, "replay_op_ns": 0}) == replace(CPU, slow_op_ns=9_000)
     # the loops' figures are charged at least at their constants (the hot path's as measured)
-    low = {"hot_op_ns": 11, "slow_op_ns": 22, "swap_action_ns": 33, "replay_op_ns": 44}
+    low = {
+        "hot_op_ns": 11,
+        "slow_op_ns": 22,
+        "swap_action_ns": 33,
+        "replay_op_ns": 44,
+        "drop_action_ns": 55,
+    }
     assert calibrated(low) == replace(CPU, hot_op_ns=11)
     # the simulator's host work on the compute stream is charged at the measured figures
-    assert host_cost("cpu", "capuchin", every) == HostCost(330_000, 440_000, 22_000)
+    assert host_cost("cpu", "capuchin", every) == HostCost(330_000, 440_000, 22_000, 550_000)
     assert host_cost("cpu", "synthetic", every) == NO_HOST_COST
     assert host_cost("cuda", "capuchin", every) == NO_HOST_COST
 
 
 def test_the_loops_per_op_figures_are_scaled_to_the_scripts_hot_path():
-    loops = {"slow_op_ns": 4_000, "swap_action_ns": 100_000, "replay_op_ns": 50_000}
-    # the script's dispatch mode cost 2.5x the loop's: its slow path and replays alike, the
-    # swap's handoff not
+    loops = {
+        "slow_op_ns": 4_000,
+        "swap_action_ns": 100_000,
+        "replay_op_ns": 50_000,
+        "drop_action_ns": 20_000,
+    }
+    # the script's dispatch mode cost 2.5x the loop's: its slow path, replays and drops alike,
+    # the swap's handoff not
     c = calibrated({**loops, "hot_op_ns": 7_500, LOOP_HOT_KEY: 3_000})
     assert c == replace(
-        CPU, hot_op_ns=7_500, slow_op_ns=10_000, swap_action_ns=100_000, replay_op_ns=125_000
+        CPU,
+        hot_op_ns=7_500,
+        slow_op_ns=10_000,
+        swap_action_ns=100_000,
+        replay_op_ns=125_000,
+        drop_action_ns=50_000,
     )
     # never scaled down; without either hot path, not scaled
     assert calibrated({**loops, "hot_op_ns": 1_000, LOOP_HOT_KEY: 3_000}).slow_op_ns == 4_000
@@ -111,10 +128,15 @@ def test_the_loops_per_op_figures_are_scaled_to_the_scripts_hot_path():
 
 
 def test_the_plan_charges_the_measured_slow_path_swaps_and_replays():
-    measured = {"slow_op_ns": 50_000, "swap_action_ns": 400_000, "replay_op_ns": 120_000}
+    measured = {
+        "slow_op_ns": 50_000,
+        "swap_action_ns": 400_000,
+        "replay_op_ns": 120_000,
+        "drop_action_ns": 70_000,
+    }
     tr = _trace(measured)
     p = Problem.from_trace(tr)
-    assert p.host == HostCost(400_000, 120_000, 50_000)
+    assert p.host == HostCost(400_000, 120_000, 50_000, 70_000)
     plan = make_plan(_trace(measured), budget=10 << 20)
     assert plan.decisions
     # what the plan predicts is charged at the measured figures, not the constants
@@ -126,10 +148,35 @@ def test_the_plan_charges_the_measured_slow_path_swaps_and_replays():
     notes = " ".join(plan.predictions.notes)
     assert "400.0 us a swap and direction (90.0)" in notes
     assert "120.0 us a replayed op (40.0)" in notes
+    assert "70.0 us a recompute decision's drop (40.0)" in notes
+
+
+def test_each_recompute_decision_is_charged_its_drop():
+    # Note [Recompute decisions on the host]: a drop costs the runtime host work beyond its
+    # replayed ops; the plan's predicted time grows by the figure once per recompute decision
+    quiet = make_plan(_trace(), budget=10 << 20, policy="recompute")
+    dear = make_plan(_trace({"drop_action_ns": 1_040_000}), budget=10 << 20, policy="recompute")
+    drops = [d for d in dear.decisions if d.method.value == "recompute"]
+    assert drops and dear.decisions == quiet.decisions
+    grown = dear.predictions.predicted_time_ns - quiet.predictions.predicted_time_ns
+    assert grown == len(drops) * (1_040_000 - CPU.drop_action_ns)
+    # charged on the compute stream by the simulator, not again in the runtime's cost
+    p = Problem.from_trace(_trace({"drop_action_ns": 1_040_000}))
+    assert p.host.drop_ns == 1_040_000
+    assert dear.predictions.runtime_cost_ns == quiet.predictions.runtime_cost_ns
+    assert simulated_host_ns(p, dear.decisions) - simulated_host_ns(
+        Problem.from_trace(_trace()), quiet.decisions
+    ) == len(drops) * (1_040_000 - CPU.drop_action_ns)
 
 
 def test_the_calibration_figures_are_the_differences_of_its_lines():
-    lines = {"no mode": 1_000, "hot path": 4_000, "slow path": 9_500, "passive mode": 31_000}
+    lines = {
+        "no mode": 1_000,
+        "hot path": 4_000,
+        "slow path": 9_500,
+        "passive mode": 31_000,
+        "recompute drop": 13_000,
+    }
     # 2 x 1 MiB of copies at 0.1 ns a byte each way, charged as the planner charges them
     got = figures(lines, cycle_ns=1_000_000, nbytes=1 << 20, ns_per_byte=(0.1, 0.1))
     assert got == {
@@ -137,6 +184,7 @@ def test_the_calibration_figures_are_the_differences_of_its_lines():
         "replay_op_ns": 30_000,
         "swap_action_ns": round((1_000_000 - 2 * 0.1 * (1 << 20)) / 2),
         "loop_hot_op_ns": 3_000,
+        "drop_action_ns": 12_000,
     }
     # a copy cost below the runtime's own is charged at the runtime's (``copy_ns_per_byte``)
     slow_bw = figures(lines, 1_000_000, 1 << 20, (0.0, 0.0))["swap_action_ns"]
@@ -159,6 +207,7 @@ def test_the_calibration_runs_the_runtime_paths_with_an_injected_clock():
         "hot path ns/op",
         "slow path ns/op",
         "passive mode ns/op",
+        "recompute drop ns/op",
         f"swap cycle {256 << 10} B ns",
     }
     assert all(v == 1e6 / 50 for k, v in lines.items() if k.endswith("ns/op"))

@@ -611,3 +611,18 @@ def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, sl
         assert sum(s.trigger_moves_refused for s in its) > 0, "the check never had to refuse"
     for s in its:
         assert s.peak_bytes <= budget, (s.iteration, s.peak_bytes, budget)
+
+
+def test_a_collective_in_a_replay_chain_is_refused_at_every_drop():
+    # Note [Collectives] in planner/problem.py: the op's name is looked up once per op
+    # (``_collective``), and the refusal holds on every later check of the same op
+    from dataclasses import replace as dc_replace
+
+    eng = _engine()
+    x = torch.randn(8)
+    y = _record_and_run(eng, 0, torch.ops.aten.mul.Tensor, x, x)
+    d = Decision("0:0", Method.RECOMPUTE, y.untyped_storage().nbytes(), 0, 3, replay_ops=(0,))
+    assert eng.check_replayable(d) is None
+    eng.records[0] = dc_replace(eng.records[0], func=torch.ops._c10d_functional.all_reduce.default)
+    for _ in range(2):
+        assert eng.check_replayable(d) == "op 0 is a collective"

@@ -72,8 +72,8 @@ def test_late_prefetch_stalls_and_channel_serializes():
 def test_host_work_is_charged_on_the_compute_stream():
     # costs.py Note [Host work on the compute stream]: 3 ns before each op with an action,
     # 7 ns per swap-out (after its evicted-access) and per swap-in (at its start), 11 ns per
-    # replayed op
-    p = replace(chain(), host=HostCost(swap_ns=7, replay_op_ns=11, action_op_ns=3))
+    # replayed op, 13 ns after each recompute decision's drop
+    p = replace(chain(), host=HostCost(swap_ns=7, replay_op_ns=11, action_op_ns=3, drop_ns=13))
     r = simulate(p, [Decision("A", Method.SWAP, 100, 1, 6, trigger_op=5)])
     (o,) = r.outcomes
     assert (o.out_start_ns, o.out_end_ns) == (210, 310)  # op 1 runs 103-203, then the call
@@ -81,7 +81,9 @@ def test_host_work_is_charged_on_the_compute_stream():
     assert o.stall_ns == 0 and r.time_ns == 700 + 3 * 3 + 2 * 7
     r = simulate(p, [Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,), sources=("A",))])
     (o,) = r.outcomes
-    assert o.recompute_ns == 100 + 11 and r.time_ns == 700 + 100 + 11 + 3 * 3  # ops 1, 2, 5
+    assert o.recompute_ns == 100 + 11 and r.time_ns == 700 + 100 + 11 + 13 + 3 * 3  # ops 1, 2, 5
+    assert o.freed_ns == 306  # op 2 runs 206-306 (both slow paths before it), then the call
+    assert r.op_start_ns[3] == 306 + 13
 
 
 def test_host_work_moves_from_the_runtime_cost_into_the_simulation():
@@ -90,6 +92,14 @@ def test_host_work_moves_from_the_runtime_cost_into_the_simulation():
     ds = complete_decisions(plain, [Decision("A", Method.SWAP, 100, 1, 6, trigger_op=5)])
     a, b = simulate(plain, ds), simulate(charged, ds)
     assert b.time_ns - a.time_ns == simulated_host_ns(charged, ds) > 0  # the swap stays hidden
+    assert runtime_cost_ns(plain, ds) - runtime_cost_ns(charged, ds) == b.time_ns - a.time_ns
+    # a recompute decision's drop too (Note [Recompute decisions on the host])
+    ds = complete_decisions(
+        plain, [Decision("B", Method.RECOMPUTE, 100, 2, 5, replay_ops=(1,), sources=("A",))]
+    )
+    a, b = simulate(plain, ds), simulate(charged, ds)
+    assert charged.host.drop_ns > 0
+    assert b.time_ns - a.time_ns == simulated_host_ns(charged, ds) > 0
     assert runtime_cost_ns(plain, ds) - runtime_cost_ns(charged, ds) == b.time_ns - a.time_ns
     assert host_cost("cuda") == NO_HOST_COST and host_cost("cpu", "synthetic") == NO_HOST_COST
     assert plain.host == NO_HOST_COST  # a synthetic trace

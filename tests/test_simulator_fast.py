@@ -128,7 +128,10 @@ def test_every_search_pass_equals_the_reference_on_a_dtr_trace(monkeypatch):
     check = _search_checked(monkeypatch, problem, (0.6,))
     assert check.passes > 500 and check.decisions > 20_000
     # and with the host costs of a CPU run charged on the same plans' problem
-    hosted = replace(problem, host=HostCost(swap_ns=30_000, replay_op_ns=5_000, action_op_ns=7_000))
+    hosted = replace(
+        problem,
+        host=HostCost(swap_ns=30_000, replay_op_ns=5_000, action_op_ns=7_000, drop_ns=9_000),
+    )
     check = _search_checked(monkeypatch, hosted, (0.6,))
     assert check.passes > 500
 
