@@ -104,6 +104,12 @@ def test_verified_says_how_many_steps_ran(tmp_path):
     assert "verified: 3 steps (of --steps 50: the script stopped) at --batch 4" in r.summary()
 
 
+def _default_sigint() -> None:
+    """SIGINT back to its default in the child (tests/test_cli_faults.py, ``_default_sigint``:
+    a background shell command starts with it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sig, code, says",
@@ -122,6 +128,7 @@ def test_a_signal_during_the_search_is_the_users_not_the_scripts(tmp_path, sig, 
          "--compare", "", "--max", "4", str(script), "--steps", "30"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "SLOW": str(mark)},
+        preexec_fn=_default_sigint,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
