@@ -24,6 +24,7 @@ from capuchin.runtime.device import (
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.memory import CUDAMemory
 from capuchin.testing.emulated import CachingAllocatorModel, emulated_cuda
+from capuchin.tracer import record
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.record import _Iteration, non_tensor_at_start
 from capuchin.tracing import Tracer
@@ -60,7 +61,7 @@ def test_auto_traces_the_device_the_script_trains_on(tmp_path):
 def test_a_trace_whose_device_saw_no_allocation_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "t.parquet"
     # the profiler's CUDA activity on a CPU build is slow and not what is tested here
-    monkeypatch.setattr(Tracer, "_start_profiler", lambda self: None)
+    monkeypatch.setattr(record.Tracer, "_start_profiler", lambda self: None)
     with emulated_cuda(), pytest.raises(CapuchinError, match="nothing was allocated on cuda"):
         _trace_mlp(out, "cuda")
     assert not out.exists()
@@ -272,7 +273,9 @@ def test_trace_command_on_a_cuda_host_traces_a_cpu_script_or_refuses(tmp_path, m
     with emulated_cuda():
         r = CliRunner().invoke(main, ["trace", *args, "-o", str(auto), *script])
         assert r.exit_code == 0, r.output
-        monkeypatch.setattr(Tracer, "_start_profiler", lambda self: None)  # slow on a CPU build
+        monkeypatch.setattr(
+            record.Tracer, "_start_profiler", lambda self: None
+        )  # slow on a CPU build
         r = CliRunner().invoke(main, ["trace", "--device", "cuda", *args, "-o", str(cuda), *script])
     assert load_trace(auto).meta.device == "cpu"
     assert r.exit_code != 0 and not cuda.exists()
