@@ -33,16 +33,10 @@ from capuchin.tracer.schema import TraceMeta
 from capuchin.tracer.synthetic import trace_from_ops
 from click.testing import CliRunner
 
-OPS = [  # a chain whose backward reads the forward's activations again
-    ("f1", 1_000_000, ["X"], ["A"]),
-    ("f2", 3_000_000, ["A"], ["B"]),
-    ("f3", 2_000_000, ["B"], ["C"]),
-    ("b3", 2_000_000, ["C", "B"], ["D"]),
-    ("b2", 1_500_000, ["D", "A"], ["E"]),
-    ("b1", 500_000, ["E", "X"], ["F"]),
-]
-SIZES = {"X": 1 << 20, "A": 4 << 20, "B": 4 << 20, "C": 4 << 20, "D": 1 << 20, "E": 1 << 20}
-SIZES["F"] = 1 << 20
+from .test_plain_baseline import (  # a chain whose backward reads the forward's activations again
+    OPS,
+    SIZES,
+)
 
 
 def _trace(host_costs=None, device="cpu"):
