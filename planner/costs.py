@@ -129,7 +129,7 @@ CUDA = RuntimeCosts(
 # a weak reference, the resize), and every op it replays was recorded when it ran (argument
 # slots, a call template, RNG state, the outputs named) on top of the slow path. On T5 (tests/
 # frameworks/hf_t5.py, batch 16, 50%) a drop cost ~42 µs of CPU (23 µs of it the R7 check;
-# 32 and 13 µs once the check named each op once: ``_collective`` in runtime/recompute.py) and
+# 32 and 13 µs once the check took each op's name from ``op_info``'s per-op cache) and
 # a recorded op ~12 µs more than an op on the slow path: ~30-60 µs a decision in all (the
 # constant: 40 µs), where the model charged a decision its replayed ops (``replay_op_ns``) and
 # its action ops (``slow_op_ns``, 3 µs) only. The replays themselves were charged about right

@@ -245,7 +245,9 @@ class RecomputeEngine:
             rec = self.records.get(k)
             if rec is None:
                 return f"op {k} was not recorded"
-            if _collective(rec.func):  # Note [Collectives] in planner/problem.py
+            # the name from op_info's per-op cache: this runs at every drop, for every op of the
+            # replay (Note [Recompute decisions on the host] in planner/costs.py)
+            if is_collective(op_info(rec.func).name):  # Note [Collectives] in planner/problem.py
                 return f"op {k} is a collective"
             if is_hop(rec.func):  # Note [Region replay] in tracer/compiled.py
                 why = region_refusal(rec, self.device_type)
@@ -371,19 +373,6 @@ class RecomputeEngine:
                 f"written after op {rec.op_index} read it; replaying would give a wrong value"
             )
         return st
-
-
-_COLLECTIVE: dict = {}
-
-
-def _collective(func) -> bool:
-    """``is_collective`` of ``func``'s name, once per op: ``check_replayable`` runs at every drop
-    of every iteration, for every op of the decision's replay (Note [Recompute decisions on the
-    host] in planner/costs.py), and naming an op is a Python call per op."""
-    got = _COLLECTIVE.get(func)
-    if got is None:
-        got = _COLLECTIVE[func] = is_collective(str(func))
-    return got
 
 
 def region_refusal(rec: Record, device_type: str) -> str | None:

@@ -614,8 +614,8 @@ def test_tight_plan_never_goes_over_its_budget(monkeypatch, tmp_path_factory, sl
 
 
 def test_a_collective_in_a_replay_chain_is_refused_at_every_drop():
-    # Note [Collectives] in planner/problem.py: the op's name is looked up once per op
-    # (``_collective``), and the refusal holds on every later check of the same op
+    # Note [Collectives] in planner/problem.py: the op's name comes from a per-op cache
+    # (``op_info``), and the refusal holds on every later check of the same op
     from dataclasses import replace as dc_replace
 
     eng = _engine()
