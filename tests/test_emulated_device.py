@@ -273,9 +273,8 @@ def test_trace_command_on_a_cuda_host_traces_a_cpu_script_or_refuses(tmp_path, m
     with emulated_cuda():
         r = CliRunner().invoke(main, ["trace", *args, "-o", str(auto), *script])
         assert r.exit_code == 0, r.output
-        monkeypatch.setattr(
-            record.Tracer, "_start_profiler", lambda self: None
-        )  # slow on a CPU build
+        # the profiler's CUDA activity is slow on a CPU build
+        monkeypatch.setattr(record.Tracer, "_start_profiler", lambda self: None)
         r = CliRunner().invoke(main, ["trace", "--device", "cuda", *args, "-o", str(cuda), *script])
     assert load_trace(auto).meta.device == "cpu"
     assert r.exit_code != 0 and not cuda.exists()

@@ -16,6 +16,8 @@ from capuchin.errors import EXIT_INTERRUPTED, EXIT_TERMINATED
 from capuchin.maxbatch import MaxBatchError, max_batch
 from click.testing import CliRunner
 
+from .test_cli_faults import _default_sigint
+
 # parse_known_args: any option is accepted, --batch included, and only --steps is used
 IGNORES = """
 import argparse
@@ -102,12 +104,6 @@ def test_verified_says_how_many_steps_ran(tmp_path):
     assert r.verify_steps == 50 and r.verified_steps == 3
     assert r.runs["capuchin"]["steps"] == 3
     assert "verified: 3 steps (of --steps 50: the script stopped) at --batch 4" in r.summary()
-
-
-def _default_sigint() -> None:
-    """SIGINT back to its default in the child (tests/test_cli_faults.py, ``_default_sigint``:
-    a background shell command starts with it ignored)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.slow

@@ -274,10 +274,9 @@ def test_smallest_budget_named_when_a_policy_gives_up_is_met(monkeypatch):
     capuchin = registry.get_policy("capuchin")
 
     def gives_up(problem, budget_bytes, **kw):
-        result = capuchin(problem, budget_bytes, **kw)
         if budget_bytes < problem.floor_bytes():
             return registry.PolicyResult((), status="INFEASIBLE")
-        return result
+        return capuchin(problem, budget_bytes, **kw)
 
     monkeypatch.setitem(registry._POLICIES, "gives-up", gives_up)
     p = Problem.from_trace(_small_trace())
