@@ -37,9 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import capuchin
 import torch
-from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.problem import Problem
 from capuchin.runmain import run_as_main
 from capuchin.runtime.engine import Runtime
@@ -47,7 +45,7 @@ from capuchin.tracer.reader import load_trace
 from capuchin.tracing import trace_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime import SCRIPTS, TRACES, _Steps, time_once  # noqa: E402  (benchmarks/runtime.py)
+from runtime import SCRIPTS, TRACES, _plan, _Steps, time_once  # noqa: E402  (benchmarks/runtime.py)
 
 FRAMEWORKS = Path(__file__).resolve().parent.parent / "tests" / "frameworks"
 
@@ -61,13 +59,6 @@ def _time_script(script: Path, argv: list[str], context=None) -> float:
     ):
         run_as_main(script, argv)
     return s.steady_time_s()
-
-
-def _plan(trace, budget, policy="capuchin"):
-    try:
-        return capuchin.make_plan(trace, budget=budget, policy=policy)
-    except InfeasibleBudgetError as exc:
-        return capuchin.make_plan(trace, budget=exc.smallest_feasible_bytes, policy=policy)
 
 
 def measure(

@@ -6,13 +6,13 @@ waiting for the interpreter lock, a copy thread, or a core).
     OMP_NUM_THREADS=1 python benchmarks/runtime_profile.py nanogpt --script-args "--batch 16"
 
 One run of 6 steps of the example (the bundled ones, hf_gpt2, or a script of tests/frameworks/,
-traced afresh) under the capuchin plan at the budget; per steady iteration (from iteration 2 on): the ops and
-how many took the slow path, the calls, ms and µs per
-call of the slow path, planned evictions and before-steps, the swap engine's swap-out,
-prefetch, restore and poll, the residency's steps before and after an op, replays, the records
-for them and the exact-replay check before a drop, and the plan cursor's match. ``--policy``
-plans with another policy (``recompute``: drops alone). For a tests/frameworks script also the median steady step of a plain and
-a managed run, wall and main-thread CPU time (without the timers).
+traced afresh) under the capuchin plan at the budget; per steady iteration (iteration 2 on):
+the ops and how many took the slow path, then the calls, ms and µs per call of the slow path,
+planned evictions and before-steps, the swap engine's swap-out, prefetch, restore and poll,
+the residency's steps before and after an op, replays, the records for them and the
+exact-replay check before a drop, and the plan cursor's match. ``--policy`` plans with another
+policy (``recompute``: drops alone). For a tests/frameworks script also the median steady step
+of a plain and a managed run, wall and main-thread CPU time (without the timers).
 """
 
 from __future__ import annotations
@@ -108,14 +108,13 @@ def main() -> None:
     # op on the slow path; one optimizer step per iteration, as in these scripts)
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    steps, first = [0], [0]
+    steps = [0]
 
     def restart(*_):
         steps[0] += 1
         if steps[0] == 2:
             for c in (wall, cpu, calls):
                 c.clear()
-            first[0] = 2
 
     hook = register_optimizer_step_post_hook(restart)
     try:
@@ -125,7 +124,8 @@ def main() -> None:
             t = _steps_wall_cpu(script, argv, rt)[0]
     finally:
         hook.remove()
-    steady = rt.report.iterations[first[0] :]
+    first = 2 if steps[0] >= 2 else 0  # where the counters restarted
+    steady = rt.report.iterations[first:]
     n = max(1, len(steady))
     ops = sum(s.ops for s in steady) / n
     print(
@@ -134,7 +134,7 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"per steady iteration (iterations {first[0]}-{first[0] + n - 1}; the last may be "
+        f"per steady iteration (iterations {first}-{first + n - 1}; the last may be "
         f"partial): {ops:.0f} ops, {calls['Executor.slow_op'] / n:.0f} of them on the slow path"
     )
     print(
