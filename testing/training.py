@@ -38,8 +38,8 @@ FIXED_BANDWIDTH = "10GB/s"
 
 def with_fixed_costs(trace):
     """``trace`` (a path or a loaded ``Trace``) with every op's duration ``FIXED_OP_NS``, no
-    measured host costs and no plain step (Note [Fixed op costs]); plan it with ``bandwidth=FIXED_BANDWIDTH``. A
-    loaded trace is changed in place and returned."""
+    measured host costs and no plain step (Note [Fixed op costs]); plan it with
+    ``bandwidth=FIXED_BANDWIDTH``. A loaded trace is changed in place and returned."""
     from ..tracer.reader import load_trace
     from ..tracer.schema import Col
 
