@@ -34,12 +34,21 @@ def host_calibration(nbytes: int, ns_per_byte: tuple[float, float]) -> tuple[dic
     return calibrate(nbytes, ns_per_byte)
 
 
+def runtime_probe(ops: list, leader: Any, acting: bool) -> Any:
+    """The runtime over the script's own steps (Note [The runtime in the script's steps] in
+    runtime/calibrate.py), for the tracer's ``runtime_probe``."""
+    from .runtime.calibrate import runtime_probe as probe
+
+    return probe(ops, leader, acting)
+
+
 class Tracer(record.Tracer):
     """``tracer.record.Tracer`` with the runtime as its keeper when ``budget_bytes`` is given,
-    and the runtime's host-cost calibration (``host_calibration``)."""
+    and the runtime's host-cost calibration (``host_calibration``, ``runtime_probe``)."""
 
     def __init__(self, *args: Any, budget_bytes: int | None = None, **kwargs: Any):
         kwargs.setdefault("calibrate_host", host_calibration)
+        kwargs.setdefault("runtime_probe", runtime_probe)
         if budget_bytes is not None:
             kwargs.setdefault("keeper", budget_keeper)
         super().__init__(*args, budget_bytes=budget_bytes, **kwargs)
@@ -53,8 +62,9 @@ def trace_script(
     **kwargs: Any,
 ) -> Path:
     """``tracer.script.trace_script`` with the runtime as keeper when ``budget_bytes`` is given,
-    and the runtime's host-cost calibration (``host_calibration``)."""
+    and the runtime's host-cost calibration (``host_calibration``, ``runtime_probe``)."""
     kwargs.setdefault("calibrate_host", host_calibration)
+    kwargs.setdefault("runtime_probe", runtime_probe)
     if budget_bytes is not None:
         kwargs.setdefault("keeper", budget_keeper)
     return _script.trace_script(script, args, budget_bytes=budget_bytes, **kwargs)

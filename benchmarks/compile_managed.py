@@ -38,7 +38,7 @@ from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.plan import Method
 from capuchin.runmain import run_as_main
 from capuchin.runtime.engine import Runtime
-from capuchin.tracer.script import trace_script
+from capuchin.tracing import trace_script  # as `capuchin trace`: calibrated
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime import _Steps  # noqa: E402  (benchmarks/runtime.py)
@@ -116,7 +116,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="capuchin-compile-"))
     loads = [os.getloadavg()[0]]
     out = tmp / "trace.parquet"
-    trace_script(script, ["--steps", "12", *args.script_args], output=out, log=lambda _: None)
+    trace_script(script, ["--steps", "16", *args.script_args], output=out, log=lambda _: None)
     argv = ["--steps", str(args.steps), *args.script_args]
     rows = []
     for budget in args.budgets.split(",") if args.budgets else []:

@@ -79,7 +79,7 @@ def measure(
         if not script.exists():  # the real-style scripts: tests/frameworks/
             script, timer = FRAMEWORKS / f"{name}.py", _time_script
         out = tmp / f"{name}.trace.parquet"
-        trace_script(script, ["--steps", "12", *extra], output=out, log=lambda _: None)
+        trace_script(script, ["--steps", "16", *extra], output=out, log=lambda _: None)
         trace = load_trace(out)
         plan = _plan(trace, budget, policy)
         hot = dict(trace.meta.host_costs or {})

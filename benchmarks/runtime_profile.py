@@ -78,10 +78,10 @@ def main() -> None:
     argv = ["--steps", "6", *args.script_args.split()]
     script = FRAMEWORKS / f"{args.example}.py"
     if script.exists():  # a real-style script: traced afresh, timed as plain_prediction.py does
-        from capuchin.tracer.script import trace_script
+        from capuchin.tracing import trace_script  # as `capuchin trace`: calibrated
 
         trace = Path(tempfile.mkdtemp()) / "t.parquet"
-        trace_script(script, ["--steps", "12", *argv[2:]], output=trace, log=lambda _: None)
+        trace_script(script, ["--steps", "16", *argv[2:]], output=trace, log=lambda _: None)
         timer = _steps_wall_cpu
     else:
         script, trace, _ = bench._example(args.example, Path(tempfile.mkdtemp()))
@@ -137,6 +137,7 @@ def main() -> None:
         f"per steady iteration (iterations {first}-{first + n - 1}; the last may be "
         f"partial): {ops:.0f} ops, {calls['Executor.slow_op'] / n:.0f} of them on the slow path"
     )
+    _model_parts(trace, plan)
     print(
         "| function | calls/iteration | wall ms/iteration | CPU ms/iteration | wall µs/call | CPU µs/call |"
     )
@@ -149,6 +150,29 @@ def main() -> None:
 
 
 FRAMEWORKS = Path(__file__).resolve().parent.parent / "tests" / "frameworks"
+
+
+def _model_parts(trace, plan) -> None:
+    """What the plan's prediction charges per step for the runtime's host work, by part
+    (``runtime_cost_parts``, before the simulator's share is taken off), and the simulated
+    iteration's time over the baseline (stalls, replays and the host work it charges)."""
+    from capuchin.planner.api import load_problem
+    from capuchin.planner.costs import costs_for, runtime_cost_parts
+
+    problem = load_problem(trace)
+    costs = costs_for(problem.device, problem.host_costs)
+    parts = runtime_cost_parts(problem, plan.decisions, costs)
+    p = plan.predictions
+    device = p.predicted_time_ns - p.runtime_cost_ns - p.baseline_time_ns
+    print(
+        "the model's charges per step (ms): "
+        + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in parts.items())
+        + f"; simulated over the baseline {device / 1e6:.2f}; per op (µs): hot "
+        f"{costs.hot_op_ns / 1e3:.1f}, slow {costs.slow_op_ns / 1e3:.1f}, drop "
+        f"{costs.drop_action_ns / 1e3:.1f}, replayed op {costs.replay_op_ns / 1e3:.1f}, swap "
+        f"action {costs.swap_action_ns / 1e3:.1f}; the trace's host_costs (µs): "
+        + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in sorted((problem.host_costs or {}).items()))
+    )
 
 
 def _steps_wall_cpu(script, argv, context=None) -> tuple[float, float]:

@@ -150,6 +150,9 @@ FLOORED_KEYS = ("slow_op_ns", "swap_action_ns", "replay_op_ns", "drop_action_ns"
 # the loops' per-op figures, charged at the script's hot path over the loop's (``LOOP_HOT_KEY``)
 SCALED_KEYS = ("slow_op_ns", "replay_op_ns", "drop_action_ns")
 LOOP_HOT_KEY = "loop_hot_op_ns"  # the runtime's hot path in the calibration's loop
+# the slow path timed over the script's own steps (Note [The runtime in the script's steps] in
+# runtime/calibrate.py): charged in place of the loop's ``slow_op_ns``, unscaled, floored
+SCRIPT_SLOW_KEY = "slow_op_script_ns"
 
 
 # Note: [Calibrated host costs]
@@ -190,7 +193,11 @@ LOOP_HOT_KEY = "loop_hot_op_ns"  # the runtime's hot path in the calibration's l
 # medians of a few steps, run one after the other, and the others are differences of loops of
 # tiny ops: noisy on a busy host, and a hot path measured high also raises the scaled figures;
 # a figure of 0 or less is not used (the constant is); the trace's load is assumed to be the
-# run's.
+# run's. Where the tracer also ran the runtime's slow path over the script's own steps
+# (``host_costs["slow_op_script_ns"]``, Note [The runtime in the script's steps] in
+# runtime/calibrate.py), that figure is charged per slow-path op instead of the loop's, neither
+# scaled (it is the script's own) nor below the constant: the loop's add has two arguments and
+# one output where the script's ops have more to flatten, look up and name.
 
 
 def calibrated(measured: dict | None) -> RuntimeCosts | None:
@@ -218,6 +225,9 @@ def calibrated(measured: dict | None) -> RuntimeCosts | None:
         if key in SCALED_KEYS:
             v = int(round(v * scale))
         found[key] = max(v, getattr(CPU, key)) if key in FLOORED_KEYS else v
+    script_slow = figure(SCRIPT_SLOW_KEY)
+    if script_slow:
+        found["slow_op_ns"] = max(script_slow, CPU.slow_op_ns)
     return replace(CPU, **found) if found else None
 
 
@@ -298,6 +308,17 @@ def runtime_cost_ns(
     on the compute stream (``simulated_host_ns``)."""
     if not decisions:
         return 0
+    total = sum(runtime_cost_parts(problem, decisions, costs).values())
+    return max(0, int(total) - simulated_host_ns(problem, decisions))
+
+
+def runtime_cost_parts(
+    problem: Problem, decisions: Sequence[Decision], costs: RuntimeCosts | None = None
+) -> dict[str, float]:
+    """The runtime's whole host cost for ``decisions`` by what it is charged for (ns a step):
+    ``hot`` (every op), ``guarded`` and ``slow`` (the ops in a decision's window and those with
+    an action), ``swap actions``, ``replayed ops``, ``drops`` and, where copies share the
+    compute thread, ``copies`` (Note [Runtime cost model])."""
     c = costs if costs is not None else costs_for(problem.device, problem.host_costs)
     n = problem.n_ops
     action = action_ops(decisions, out_done=True)
@@ -324,14 +345,12 @@ def runtime_cost_ns(
             slow += 1
         elif in_window[k]:
             guarded += 1
-    total = (
-        n * c.hot_op_ns
-        + guarded * c.guarded_op_ns
-        + slow * c.slow_op_ns
-        + 2 * swaps * c.swap_action_ns
-        + replays * c.replay_op_ns
-        + (len(decisions) - swaps) * c.drop_action_ns
-    )
-    if c.copies_share_compute:
-        total += copy_ns
-    return max(0, int(total) - simulated_host_ns(problem, decisions))
+    return {
+        "hot": n * c.hot_op_ns,
+        "guarded": guarded * c.guarded_op_ns,
+        "slow": slow * c.slow_op_ns,
+        "swap actions": 2 * swaps * c.swap_action_ns,
+        "replayed ops": replays * c.replay_op_ns,
+        "drops": (len(decisions) - swaps) * c.drop_action_ns,
+        "copies": copy_ns if c.copies_share_compute else 0.0,
+    }

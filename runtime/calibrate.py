@@ -32,6 +32,29 @@ imports the runtime); the tracer calls it after the script's timed steps.
 # for it. The plans are made for the loop (no trace); a plan with actions but no decisions
 # would install nothing (Note [Empty plan] in engine.py), so ``_installed`` lets it install
 # its mode for the loop's duration.
+
+# Note: [The runtime in the script's steps]
+# The loops above time the runtime on a 16-float add with two arguments, alone on the host; a
+# real op has more arguments and outputs to flatten, look up and name, and runs between the
+# script's own Python, which the loop's figures reach only through the scaling by the hot path
+# (Note [Calibrated host costs] in planner/costs.py), itself first timed through a dispatch
+# mode that only passes ops on, cheaper than the runtime's hot path. So after the plain steps
+# the tracer runs the runtime itself over the script's own steps: ``RuntimeProbe`` is a
+# ``Runtime`` whose plan is the recorded iteration's ops (names and input shapes, as a plan
+# stores them) and no decision, entered from the step hook, its step hooks following the
+# tracer's (Note [Indexers that follow another] in tracer/hooks.py); first without actions
+# (every op on the hot path), then with the loop's action at every op (a prefetch of a storage
+# that is not out: the slow path's matching, before- and after-steps, no copy). The first step
+# under each is a warm-up; the median of the next ``plain_steps`` less the plain median, per
+# op of the recorded iteration, is ``host_costs["hot_op_ns"]``, and the acting probe's median
+# less the hot one's, per op, ``host_costs["slow_op_script_ns"]``, which the planner charges in
+# place of the loop's scaled ``slow_op_ns``. A probe whose timed iterations did not all follow
+# the recorded ops (another kind of iteration, other shapes: its ops then left the planned
+# path) gives no figure (``extra["runtime_probe_note"]``); without the hot one the tracer falls
+# back to the passthrough mode for the hot path. The probes never evict (no decisions), never
+# warn or refuse (no iteration is checked against the plan's fingerprint) and run without
+# passive mode. A script needs ``2 * (plain_steps + 1)`` more steps for them (16 steps in all
+# with the defaults); the trace is written without their figures when it ends sooner.
 """
 
 from __future__ import annotations
@@ -182,3 +205,39 @@ def host_calibration(
     shown = {f"{k} ns/op": round(v, 1) for k, v in lines.items()}
     shown[f"swap cycle {nbytes} B ns"] = round(cycle, 1)
     return figures(lines, cycle, nbytes, ns_per_byte), shown
+
+
+class RuntimeProbe:
+    """A runtime whose plan is ``ops`` (``[[name, shape_signature], ...]``, the recorded
+    iteration), with an action at every op when ``acting``, its step hooks following
+    ``leader``'s, for the tracer's steps (Note [The runtime in the script's steps]). A context
+    manager; ``steady(n)``: the last ``n`` iterations it saw all followed the plan."""
+
+    def __init__(self, ops: list[list[str]], leader, acting: bool) -> None:
+        prov = Provenance("none", {}, 1 << 40, "", "", 0, "cpu", 12e9, 12e9, "", 0.0)
+        # the loop's plans (_loop_plan): a prefetch of a storage that is not out at every op,
+        # or one action past the iteration's end (a non-empty plan with none in it)
+        n = len(ops)
+        actions = [Action(k, Step.PREFETCH, "0:0") for k in (range(n) if acting else [n])]
+        plan = Plan(prov, Predictions(0, 0, 0, 0), [], [list(o) for o in ops], actions=actions)
+        self.rt = Runtime(plan, measure_memory=False, device="cpu", passive=False)
+        self.rt.first_checked_iteration = 1 << 62  # never a foreign-plan refusal or warning
+        self.rt._step_leader = leader
+
+    def __enter__(self) -> RuntimeProbe:
+        with _installed():
+            self.rt.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.rt.__exit__(*exc)
+
+    def steady(self, n: int) -> bool:
+        its = self.rt.report.iterations if self.rt.report is not None else []
+        done = [s for s in its if s.complete]
+        return len(done) >= n and not any(s.diverged for s in done[-n:])
+
+
+def runtime_probe(ops: list[list[str]], leader, acting: bool) -> RuntimeProbe:
+    """The tracer's ``runtime_probe`` (Note [The runtime in the script's steps])."""
+    return RuntimeProbe(ops, leader, acting)

@@ -219,6 +219,9 @@ class Runtime:
         # the CUDA allocator cap (Note [Budget and the allocator] in device.py)
         self.cap_bytes: int | None = None
         self.oom_watch: OOMWatch | None = None  # Note [Out-of-memory errors caught inside an op]
+        # an installed indexer whose step hooks this runtime's follow (Note [Indexers that
+        # follow another] in tracer/hooks.py): the host-cost calibration's, entered in a step hook
+        self._step_leader = None
 
     # ---- context manager ----------------------------------------------------------------------------
     def __enter__(self) -> Runtime:
@@ -278,7 +281,7 @@ class Runtime:
                 say(why)
         if self.meter is not None:
             self.meter.start()
-        self.indexer.install()
+        self.indexer.install(self._step_leader)
         self._patch_save()
         rawreads.install(self.ex)
         self.thread_id = threading.get_ident()

@@ -18,6 +18,7 @@ from capuchin.planner.costs import (
     CPU,
     LOOP_HOT_KEY,
     NO_HOST_COST,
+    SCRIPT_SLOW_KEY,
     HostCost,
     calibrated,
     costs_for,
@@ -26,6 +27,7 @@ from capuchin.planner.costs import (
     simulated_host_ns,
 )
 from capuchin.planner.problem import Problem
+from capuchin.runtime import calibrate
 from capuchin.runtime.calibrate import figures, host_calibration
 from capuchin.tracer import record
 from capuchin.tracer.reader import load_trace, write_trace
@@ -243,14 +245,18 @@ for step in range(int(sys.argv[1])):
 """
 
 
-def _traced(tmp_path, monkeypatch, plain_ms, moded_ms, steps=50, measured=None):
-    """Trace the script with a clock that makes each plain step ``plain_ms`` and each step
-    through the counting mode ``moded_ms`` long, and a runtime calibration that returns
-    ``measured`` (its calls in ``calls``)."""
+def _traced(tmp_path, monkeypatch, plain_ms, moded_ms, steps=50, measured=None, slow_ms=None):
+    """Trace the script with a clock that makes each plain step ``plain_ms`` long, each step
+    under the runtime without actions (or through the counting mode, where the runtime probe
+    is off) ``moded_ms`` and each with an action at every op ``slow_ms`` (default: the same
+    as ``moded_ms``), and a runtime calibration that returns ``measured`` (its calls in
+    ``calls``)."""
     t = [0.0]
+    ms = {"plain": plain_ms, "count": moded_ms, "hot": moded_ms, "slow": slow_ms or moded_ms}
 
-    def now(self):
-        t[0] += (moded_ms if self._plain_state == "mode-timing" else plain_ms) / 1e3
+    def now(self):  # a step's start reads the clock; its end moves it by the step's length
+        if self._timing_phase is not None:
+            t[0] += ms[self._timing_phase.rstrip("~")] / 1e3
         return t[0]
 
     def calibration(nbytes, ns_per_byte):
@@ -271,10 +277,70 @@ def _traced(tmp_path, monkeypatch, plain_ms, moded_ms, steps=50, measured=None):
     return load_trace(out), r
 
 
-def test_the_tracer_measures_a_dispatch_mode_per_op_after_the_plain_steps(tmp_path, monkeypatch):
-    trace, r = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=13)
+def test_the_slow_path_timed_in_the_script_is_charged_in_place_of_the_loops():
+    # Note [Calibrated host costs]: the loop's figure is scaled by the hot paths' ratio; the
+    # script's own is charged as it is, never below the constant
+    loops = {"slow_op_ns": 30_000, "hot_op_ns": 9_000, LOOP_HOT_KEY: 3_000}
+    assert calibrated(loops).slow_op_ns == 90_000
+    assert calibrated({**loops, SCRIPT_SLOW_KEY: 50_000}).slow_op_ns == 50_000
+    assert calibrated({**loops, SCRIPT_SLOW_KEY: 1}).slow_op_ns == CPU.slow_op_ns
+    assert calibrated({SCRIPT_SLOW_KEY: 50_000}) == replace(CPU, slow_op_ns=50_000)
+    assert calibrated({**loops, SCRIPT_SLOW_KEY: 0}).slow_op_ns == 90_000  # 0: not measured
+
+
+def test_the_tracer_times_the_runtime_in_the_scripts_steps(tmp_path, monkeypatch):
+    # Note [The runtime in the script's steps] in runtime/calibrate.py
+    trace, r = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=13, slow_ms=20)
     meta = trace.meta
     assert meta.plain_iteration_ns == 10_000_000
+    assert meta.extra["plain_iteration_wall_s"] == [0.01] * 3
+    # three rounds timed; the warm-ups of the runtime are not
+    assert meta.extra["runtime_probe_wall_s"] == [0.013] * 3
+    assert meta.extra["runtime_probe_slow_wall_s"] == [0.02] * 3
+    assert "mode_iteration_wall_s" not in meta.extra and "runtime_probe_note" not in meta.extra
+    # per op the planner charges: the iteration's
+    ops = len(Problem.from_trace(trace).ops)
+    assert meta.host_costs == {
+        "hot_op_ns": round(3_000_000 / ops),
+        "slow_op_script_ns": round(7_000_000 / ops),
+    }
+    assert "the runtime without actions costs" in r.stderr
+    assert "the runtime's slow path costs" in r.stderr
+
+
+def test_the_rounds_take_the_median_difference(tmp_path, monkeypatch):
+    """Load that changes between steps moves one round's difference, not the figure."""
+    t = [0.0]
+    hot_steps = [0]
+
+    def now(self):
+        phase = self._timing_phase
+        if phase is not None:
+            if phase == "hot":
+                hot_steps[0] += 1
+            # from the second round's hot step on, another job adds 10 ms to every step
+            t[0] += ({"plain": 10}.get(phase, 13) + (10 if hot_steps[0] >= 2 else 0)) / 1e3
+        return t[0]
+
+    monkeypatch.setattr(record.Tracer, "_now", now)
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_TRAIN))
+    out = tmp_path / "o.parquet"
+    r = CliRunner().invoke(main, ["trace", "--iterations", "2", "-o", str(out), str(script), "50"])
+    assert r.exit_code == 0, r.output
+    meta = load_trace(out).meta
+    assert meta.extra["plain_iteration_wall_s"] == [0.01, 0.01, 0.02]
+    assert meta.extra["runtime_probe_wall_s"] == [0.013, 0.023, 0.023]
+    # the rounds' differences are 3, 13 and 3 ms: the figure is their median, 3 ms a step
+    # (the difference of the two medians, 23 - 10, or the mean difference would count the load)
+    ops = len(Problem.from_trace(load_trace(out)).ops)
+    assert meta.host_costs["hot_op_ns"] == round(3_000_000 / ops)
+
+
+def test_without_the_runtime_probe_a_dispatch_mode_is_timed(tmp_path, monkeypatch):
+    monkeypatch.setattr(tracing, "runtime_probe", None)
+    trace, r = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=13)
+    meta = trace.meta
     assert meta.extra["mode_iteration_wall_s"] == [0.013] * 3
     # every call of a step passed through the mode (a few more than the trace indexes: the
     # runtime's mode sees them too); the cost is per op the planner charges, the iteration's
@@ -284,16 +350,31 @@ def test_the_tracer_measures_a_dispatch_mode_per_op_after_the_plain_steps(tmp_pa
     assert "a dispatch mode costs" in r.stderr
 
 
+def test_a_probe_that_does_not_follow_falls_back_to_a_dispatch_mode(tmp_path, monkeypatch):
+    # an iteration of another kind under the probe: its ops leave the planned path, so its
+    # time says nothing of the hot path; the steps still to run time the passthrough mode
+    monkeypatch.setattr(calibrate.RuntimeProbe, "steady", lambda self, n: False)
+    trace, _ = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=13)
+    meta = trace.meta
+    assert "did not follow" in meta.extra["runtime_probe_note"]
+    assert "runtime_probe_wall_s" not in meta.extra
+    assert meta.extra["mode_iteration_wall_s"] == [0.013] * 3
+    ops = len(Problem.from_trace(trace).ops)
+    assert meta.host_costs == {"hot_op_ns": round(3_000_000 / ops)}
+
+
 def test_the_traced_script_carries_the_runtimes_calibration(tmp_path, monkeypatch):
     measured = {"slow_op_ns": 20_000, "swap_action_ns": 150_000, "replay_op_ns": 0}
     trace, r = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=13, measured=measured)
     ops = len(Problem.from_trace(trace).ops)
-    # the hot path and the calibration's usable figures; its 0 is left out
+    # the hot path and the calibration's usable figures; its 0 is left out, and so is the
+    # slow path in the script, which took no longer than the hot one (noise)
     assert trace.meta.host_costs == {
         "hot_op_ns": round(3_000_000 / ops),
         "slow_op_ns": 20_000,
         "swap_action_ns": 150_000,
     }
+    assert "noise" in trace.meta.extra["runtime_probe_note"]
     assert trace.meta.extra["host_calibration_ns"] == {"line": 1.0}
     assert "host costs measured now" in r.stderr
     # called once, after the steps, with a size within its bounds and the trace's copy costs
@@ -303,7 +384,9 @@ def test_the_traced_script_carries_the_runtimes_calibration(tmp_path, monkeypatc
     assert per_byte == pytest.approx(tuple(1e9 / b for b in bw))
     # the tracer alone (no runtime composed in) calibrates nothing
     assert record.Tracer(tmp_path / "x.parquet").calibrate_host is None
+    assert record.Tracer(tmp_path / "x.parquet").runtime_probe is None
     assert tracing.Tracer(tmp_path / "y.parquet").calibrate_host is not None
+    assert tracing.Tracer(tmp_path / "y.parquet").runtime_probe is not None
 
 
 def test_a_calibration_without_the_hot_path_is_kept(tmp_path, monkeypatch):
@@ -318,7 +401,6 @@ def test_a_mode_step_no_longer_than_the_plain_one_is_not_used(tmp_path, monkeypa
     trace, _ = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=9)
     assert calls  # the calibration ran and measured nothing usable
     assert trace.meta.host_costs is None and "noise" in trace.meta.extra["host_costs_note"]
-    assert Problem.from_trace(trace).host_costs is None
 
 
 def test_a_script_that_ends_before_the_mode_steps_keeps_its_plain_step(tmp_path, monkeypatch):

@@ -571,6 +571,17 @@ def _uninstall_scaler_hook() -> None:
         _SCALER_STEP = None
 
 
+# Note: [Indexers that follow another]
+# The global optimizer step hooks live in ordered dicts that torch iterates while it calls them,
+# so an indexer cannot register its own from inside a step hook (the next step of that iteration
+# raises "mutated during iteration"). An indexer installed with ``leader`` instead hangs off an
+# installed indexer: the leader's step hooks call the follower's first (its pre-step may wrap a
+# closure, as the leader's own does), and ``capuchin.step()`` reaches both through ``_ACTIVE``.
+# The tracer's host-cost calibration uses it to run the runtime over the script's own steps
+# from a step hook (Note [The runtime in the script's steps] in runtime/calibrate.py); the
+# follower must uninstall before its leader.
+
+
 class OpIndexer:
     """Iteration boundaries, phases, op indices and tensor/storage ids of the ops it is shown.
 
@@ -618,15 +629,26 @@ class OpIndexer:
         self.residents: list[StorageRec] = []  # live at the start of the current iteration
         self._serial = itertools.count()
         self._handles: list = []
+        # Note [Indexers that follow another]: indexers whose step hooks this one calls
+        self.followers: list[OpIndexer] = []
+        self._leader: OpIndexer | None = None
 
     # ---- installation -----------------------------------------------------------------------
-    def install(self) -> OpIndexer:
-        """Register the global optimizer step hooks and make ``capuchin.step()`` reach this one."""
+    def install(self, leader: OpIndexer | None = None) -> OpIndexer:
+        """Register the global optimizer step hooks and make ``capuchin.step()`` reach this one;
+        with ``leader`` (an installed indexer), follow its hooks instead (Note [Indexers that
+        follow another])."""
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,
         )
 
+        if leader is not None:
+            if self._leader is None and not self._handles:
+                self._leader = leader
+                leader.followers.append(self)
+                _ACTIVE.append(self)
+            return self
         if not self._handles:
             self._handles = [
                 register_optimizer_step_pre_hook(self._pre_step),
@@ -640,6 +662,10 @@ class OpIndexer:
         return self
 
     def uninstall(self) -> None:
+        if self._leader is not None:
+            if self in self._leader.followers:
+                self._leader.followers.remove(self)
+            self._leader = None
         if self._handles and self.guards_compile:
             CompileGuard.uninstall()
         if self._handles:
@@ -652,6 +678,14 @@ class OpIndexer:
         _uninstall_scaler_hook()
 
     def _pre_step(self, optimizer, args, kwargs):
+        for f in list(self.followers):  # Note [Indexers that follow another]
+            changed = f._pre_step(optimizer, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+        changed = self._own_pre_step(optimizer, args, kwargs)
+        return changed if changed is not None or not self.followers else (args, kwargs)
+
+    def _own_pre_step(self, optimizer, args, kwargs):
         self.in_optimizer += 1
         self.optimizers.add(optimizer)
         # Note [Phases by the autograd engine]: a closure runs the script's forward and backward
@@ -678,6 +712,8 @@ class OpIndexer:
         return capuchin_closure
 
     def _post_step(self, optimizer, args, kwargs) -> None:
+        for f in list(self.followers):  # Note [Indexers that follow another]
+            f._post_step(optimizer, args, kwargs)
         self.in_optimizer = max(0, self.in_optimizer - 1)
         self.mark_step(optimizer)
 

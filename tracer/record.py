@@ -342,6 +342,13 @@ class Tracer:
         swaps and replays on this host and returns (``host_costs`` keys, lines for ``extra``);
         called on CPU after the plain steps were timed (Note [Calibrated host costs] in
         planner/costs.py; ``capuchin.Tracer`` supplies the runtime's). None: not measured.
+    runtime_probe: ``runtime_probe(ops, indexer, acting)`` makes the context that runs the
+        runtime over the script's steps with a plan of ``ops`` (the recorded iteration as
+        ``[[name, signature], ...]``) and an action at every op when ``acting``, following
+        ``indexer``'s step hooks, with ``steady(n)``; entered on CPU after the plain steps (Note
+        [The runtime in the script's steps] in runtime/calibrate.py; ``capuchin.Tracer``
+        supplies the runtime's). None: the hot path is timed through ``_CountingMode``, the
+        slow path not in the script.
     log: receives one progress line per iteration and warnings (default: stderr).
     plain_steps: after the recorded iterations, time this many iterations with neither the
         tracer's dispatch mode nor the profiler (Note [Plain step]); 0: stop right after them.
@@ -373,6 +380,7 @@ class Tracer:
         plain_steps: int = 3,
         keeper: Callable[[int, str], Any] | None = None,
         calibrate_host: Callable[[int, tuple], tuple[dict, dict]] | None = None,
+        runtime_probe: Callable[[list, OpIndexer, bool], Any] | None = None,
     ):
         if iterations < 1:
             raise CapuchinError(f"iterations must be at least 1, got {iterations}")
@@ -395,17 +403,29 @@ class Tracer:
             )
         self.keeper = keeper
         self.calibrate_host = calibrate_host
+        self.runtime_probe = runtime_probe
         if plain_steps < 0:
             raise CapuchinError(f"plain_steps must be 0 or more, got {plain_steps}")
         self.plain_steps = int(plain_steps)
         self._live_devices: set[str] | None = None  # device types alive after recording
-        self._plain_state: str | None = None  # Note [Plain step]: None, warm-up, timing, done
-        self._plain_marks: list[float] = []  # perf_counter() at each plain optimizer step
+        self._plain_state: str | None = None  # Note [Plain step]: None, warm-up, steps, done
+        # the steps after the plain warm-up (Note [Plain step]): the phases still to run, the
+        # current one and when it started, and each round's step time by phase
+        self._schedule: list[str] = []
+        self._phase = "plain"
+        self._timing_phase: str | None = None  # the phase whose end ``_now`` marks (tests)
+        self._step_start = 0.0
+        self._rounds: list[dict[str, float]] = []
         self._plain_note: str | None = None  # why the plain step was not timed
         # Note [Calibrated host costs] in planner/costs.py: the steps timed through a dispatch
         # mode after the plain ones
         self._pt: _CountingMode | None = None
-        self._pt_marks: list[float] = []
+        self._pt_steps = 0
+        # Note [The runtime in the script's steps] in runtime/calibrate.py: the steps run by
+        # the runtime without actions ("hot") and with an action at every op ("slow")
+        self._probe = None
+        self._probe_ops: list[list[str]] | None = None
+        self._probe_note: str | None = None
         self._mode_on = False
         self.runtime = None  # the Runtime that keeps the budget (Note [Tracing under a budget])
         self._pending = None
@@ -488,9 +508,9 @@ class Tracer:
             )
             self._plain_note = self._plain_note or "the script failed before one was timed"
             stopped = True
-        if self._pt_on():  # the script ended while steps were timed through the counting mode
-            self._pop_counting_mode()
+        if self._plain_state == "steps":  # the script ended inside a timed step: close it
             self._plain_state = "done"
+            self._end_step(self._phase, exc_type, exc, tb)
         if self._mode_on:  # Note [Plain step]: popped already while the plain step was timed
             self._mode_on = False
             self._mode.__exit__(None, None, None)
@@ -655,33 +675,115 @@ class Tracer:
             self._mode_on = False
             self._mode.__exit__(None, None, None)
             self._chunks.__exit__(None, None, None)  # the plain step is the script's own
-            self._plain_state = "timing"
-            self._plain_marks = [self._now()]
-        elif self._plain_state == "timing":
-            self._plain_marks.append(self._now())
-            if len(self._plain_marks) > self.plain_steps:
-                if self.device != "cpu" or torch._C._len_torch_dispatch_stack():
-                    self._plain_state = "done"  # CUDA: no host cost; or a mode of the script's
-                    raise StopScript()
-                # Note [Calibrated host costs] in planner/costs.py: as many steps again, each op
-                # through a dispatch mode that only passes it on
-                self._plain_state = "mode-timing"
-                self._pt = _CountingMode()
-                self._pt.__enter__()
-                self._pt_marks = [self._plain_marks[-1]]
-        elif self._plain_state == "mode-timing":
-            self._pt_marks.append(self._now())
-            if len(self._pt_marks) > self.plain_steps:
-                self._pop_counting_mode()
+            self._plain_state = "steps"
+            self._schedule = self._steps_schedule()
+            self._begin_step()
+        elif self._plain_state == "steps":
+            phase = self._phase
+            self._timing_phase = phase
+            end = self._now()
+            self._timing_phase = None
+            if self._end_step(phase) and not phase.endswith("~"):
+                if phase == "plain":
+                    self._rounds.append({})
+                if self._rounds:
+                    self._rounds[-1][phase] = end - self._step_start
+            self._schedule.pop(0)
+            if not self._schedule:
                 self._plain_state = "done"
                 raise StopScript()
+            self._begin_step()
 
-    def _pop_counting_mode(self) -> None:
-        if self._pt is not None and self._pt_on():
+    def _steps_schedule(self) -> list[str]:
+        """The phases of the steps after the plain warm-up (Note [Plain step]): ``plain``
+        (no mode), ``count`` (``_CountingMode``), ``hot`` and ``slow`` (the runtime probe
+        without actions and with one at every op); a ``~`` marks an untimed warm-up. Rounds
+        begin with a plain step, so each figure is a difference within one round."""
+        n = self.plain_steps
+        if self.device != "cpu" or torch._C._len_torch_dispatch_stack():
+            return ["plain"] * n  # CUDA: no host cost; or a mode of the script's is on
+        if self.runtime_probe is None or not self.recorded:
+            return ["plain", "count"] * n
+        return ["plain", "hot~", "slow~", "hot", "slow"] + ["plain", "hot", "slow"] * (n - 1)
+
+    def _degrade(self, keep_current: bool) -> None:
+        """The runtime probe cannot run or does not follow the recorded ops: the steps still to
+        run (with the current one unless ``keep_current``) time a passthrough mode instead
+        (Note [The runtime in the script's steps])."""
+        head = self._schedule[:1] if keep_current else []
+        rest = self._schedule[len(head) :]
+        self._schedule = head + [
+            "count" if p == "hot" else p for p in rest if p not in ("hot~", "slow~", "slow")
+        ]
+        for r in self._rounds:
+            r.pop("hot", None)
+            r.pop("slow", None)
+
+    def _begin_step(self) -> None:
+        """Open the next phase of the schedule, then mark the step's start."""
+        if not self._schedule:
+            self._plain_state = "done"
+            raise StopScript()
+        phase = self._schedule[0]
+        if phase == "count":
+            self._pt = self._pt or _CountingMode()
+            self._pt.__enter__()
+            self._pt_steps += 1
+        elif phase != "plain" and not self._start_probe(phase.rstrip("~") == "slow"):
+            self._degrade(keep_current=False)
+            return self._begin_step()
+        self._phase = phase
+        self._step_start = self._now()
+
+    def _end_step(self, phase: str, *exc) -> bool:
+        """Close the phase of the step that ended; False where its time is not to be used (a
+        probe that did not follow the recorded ops)."""
+        if phase == "count":
             self._pt.__exit__(None, None, None)
+            return True
+        if phase == "plain":
+            return True
+        ok = self._end_probe(*exc)
+        if not ok and phase == "hot~":
+            self._degrade(keep_current=True)
+        return ok
 
-    def _pt_on(self) -> bool:
-        return self._plain_state == "mode-timing"
+    def _start_probe(self, acting: bool) -> bool:
+        """Enter the runtime probe from the step hook (Note [The runtime in the script's steps]
+        in runtime/calibrate.py); False where there is none or it cannot start."""
+        if self.runtime_probe is None or not self.recorded:
+            return False
+        if self._probe_ops is None:
+            self._probe_ops = [
+                [name, shape_signature(s[4] for s in ins)]
+                for (_, name, _, _, _, ins, _) in self._done[self.recorded[-1]].ops
+            ]
+        try:
+            self._probe = self.runtime_probe(self._probe_ops, self.indexer, acting).__enter__()
+        except Exception as e:  # the trace does not depend on it: no figure
+            self._probe = None
+            self._probe_note = f"the runtime probe did not start ({e})"
+            return False
+        return True
+
+    def _end_probe(self, *exc) -> bool:
+        """Leave the probe; True when its step followed the recorded ops (else
+        ``_probe_note`` says why)."""
+        probe, self._probe = self._probe, None
+        if probe is None:
+            return False
+        try:
+            probe.__exit__(*(exc or (None, None, None)))
+        except Exception as e:
+            self._probe_note = f"the runtime probe failed ({e})"
+            return False
+        if probe.steady(1):
+            return True
+        self._probe_note = (
+            "an iteration under the runtime probe did not follow the recorded ops (another kind "
+            "of iteration or other shapes)"
+        )
+        return False
 
     def _now(self) -> float:
         if self.device == "cuda":  # pragma: no cover - needs a GPU
@@ -690,8 +792,7 @@ class Tracer:
 
     def _plain_iteration_ns(self) -> int | None:
         """The median plain step (ns), or None (and ``log`` says why)."""
-        m = self._plain_marks
-        steps = [b - a for a, b in zip(m, m[1:], strict=False)]
+        steps = self._phase_times("plain")
         if steps:
             ns = int(round(statistics.median(steps) * 1e9))
             self.log(
@@ -745,34 +846,67 @@ class Tracer:
         mid = int(statistics.median(sizes)) if sizes else 1 << 20
         return min(max(mid, 64 << 10), 64 << 20)
 
+    def _phase_times(self, phase: str) -> list[float]:
+        return [r[phase] for r in self._rounds if phase in r]
+
     def _hot_path(self, plain_ns: int | None, extra: dict) -> dict | None:
-        m, pt = self._plain_marks, self._pt_marks
-        if plain_ns is None or len(pt) < 2 or self._pt is None or not self._pt.ops:
+        """``hot_op_ns`` (and ``slow_op_script_ns``) from the rounds of steps after the plain
+        warm-up (Note [Plain step]): the median within-round difference of the runtime probe
+        (Note [The runtime in the script's steps] in runtime/calibrate.py) or, without it, of
+        ``_CountingMode``'s step over the plain step, and of the acting probe's over the other,
+        per op of the recorded iteration."""
+        if self._probe_note is not None:
+            extra["runtime_probe_note"] = self._probe_note
+        base, what = ("hot", "the runtime without actions")
+        if not self._phase_times("hot"):
+            base, what = ("count", "a dispatch mode")
+        pairs = [(r["plain"], r[base]) for r in self._rounds if base in r and "plain" in r]
+        if base == "hot":
+            extra["runtime_probe_wall_s"] = [round(x, 6) for x in self._phase_times("hot")]
+        elif pairs:
+            extra["mode_iteration_wall_s"] = [round(x, 6) for x in self._phase_times("count")]
+            extra["mode_iteration_calls"] = round(self._pt.ops / max(1, self._pt_steps), 1)
+        if plain_ns is None or not pairs:
             if plain_ns is not None and self.device == "cpu":
                 extra["host_costs_note"] = (
                     "the script ended before the steps through a dispatch mode were timed"
                 )
             return None
-        moded = statistics.median(b - a for a, b in zip(pt, pt[1:], strict=False))
-        plain = statistics.median(b - a for a, b in zip(m, m[1:], strict=False))
-        extra["mode_iteration_wall_s"] = [round(b - a, 6) for a, b in zip(pt, pt[1:], strict=False)]
-        extra["mode_iteration_calls"] = round(self._pt.ops / (len(pt) - 1), 1)
         # per op of the recorded iteration, as the planner charges it (``runtime_cost_ns``: every
         # op of the planned iteration); the calls the trace does not index are in the figure
         ops = max(1, len(self._done[self.recorded[-1]].ops))
-        hot_ns = int(round((moded - plain) / ops * 1e9))
+        extra_s = statistics.median(b - a for a, b in pairs)
+        hot_ns = int(round(extra_s / ops * 1e9))
         if hot_ns <= 0:
             extra["host_costs_note"] = (
-                f"the steps through a dispatch mode took no longer than the plain ones "
-                f"({moded * 1e3:.2f} ms against {plain * 1e3:.2f} ms): noise; not used"
+                f"the steps through {what} took no longer than the plain ones "
+                f"({extra_s * 1e3:.2f} ms a step, the median difference in {len(pairs)} "
+                "round(s)): noise; not used"
             )
             return None
         self.log(
-            f"capuchin: a dispatch mode costs {hot_ns / 1e3:.1f} us per op in this script "
-            f"({ops:.0f} ops a step, {moded * 1e3:.2f} ms a step through it; the runtime's host "
-            "costs are charged at this speed)"
+            f"capuchin: {what} costs {hot_ns / 1e3:.1f} us per op in this script ({ops:.0f} ops "
+            f"a step, {extra_s * 1e3:.2f} ms a step over the plain one; the runtime's host costs "
+            "are charged at this speed)"
         )
-        return {"hot_op_ns": hot_ns}
+        found = {"hot_op_ns": hot_ns}
+        slow_pairs = [(r["hot"], r["slow"]) for r in self._rounds if "hot" in r and "slow" in r]
+        if slow_pairs:
+            extra["runtime_probe_slow_wall_s"] = [round(b, 6) for _, b in slow_pairs]
+            more = statistics.median(b - a for a, b in slow_pairs)
+            slow_ns = int(round(more / ops * 1e9))
+            if slow_ns > 0:
+                found["slow_op_script_ns"] = slow_ns
+                self.log(
+                    f"capuchin: the runtime's slow path costs {slow_ns / 1e3:.1f} us more per op "
+                    f"in this script ({more * 1e3:.2f} ms a step with an action at every op)"
+                )
+            else:
+                extra["runtime_probe_note"] = (
+                    f"the steps with an action at every op took no longer than without "
+                    f"({more * 1e3:.2f} ms a step, the median difference): noise; not used"
+                )
+        return found
 
     # ---- profiler ---------------------------------------------------------------------------
     def _start_profiler(self) -> None:
@@ -887,11 +1021,8 @@ class Tracer:
         }
         plain_ns = self._plain_iteration_ns()
         host_costs = self._calibrate(plain_ns, extra)
-        if self._plain_marks[1:]:
-            m = self._plain_marks
-            extra["plain_iteration_wall_s"] = [
-                round(b - a, 6) for a, b in zip(m, m[1:], strict=False)
-            ]
+        if self._phase_times("plain"):
+            extra["plain_iteration_wall_s"] = [round(x, 6) for x in self._phase_times("plain")]
         elif self._plain_note is not None:
             extra["plain_iteration_note"] = self._plain_note
         measured = None

@@ -33,6 +33,7 @@ def trace_script(
     plain_steps: int = 3,
     keeper: Callable | None = None,
     calibrate_host: Callable | None = None,
+    runtime_probe: Callable | None = None,
 ) -> Path:
     """Trace ``script`` (run with ``args``) into ``output`` (default ``<stem>.trace.parquet``).
 
@@ -40,7 +41,8 @@ def trace_script(
     is printed to stderr first), exits non-zero or never reaches a recorded iteration; no file is
     written then. ``budget_bytes``: trace under this memory cap (Note [Tracing under a budget] in
     tracer/record.py), kept by ``keeper`` (capuchin/tracing.py supplies the runtime's, and its
-    ``calibrate_host``: Note [Calibrated host costs] in planner/costs.py).
+    ``calibrate_host`` and ``runtime_probe``: Note [Calibrated host costs] in
+    planner/costs.py).
     ``plain_steps``: Note [Plain step] there. See ``Tracer`` for the other arguments.
     """
     from .record import Tracer
@@ -60,6 +62,7 @@ def trace_script(
         plain_steps=plain_steps,
         keeper=keeper,
         calibrate_host=calibrate_host,
+        runtime_probe=runtime_probe,
         **kwargs,
     )
     with tracer:
