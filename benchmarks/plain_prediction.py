@@ -12,9 +12,9 @@ tests/frameworks/ in the style people write (nanoGPT, a Hugging Face T5 or Llama
 checkpointing, ...: the probe of ../shared/reports/real-scripts.md rebuilt); those train at
 module level and are timed as a whole run (their steady optimizer steps).
 
-Per example: trace the script afresh (1 warm-up, 3 recorded, 1 plain warm-up, 3 timed plain
-iterations, 3 more through a passthrough dispatch mode: Note [Calibrated host costs] in
-planner/costs.py), plan it at ``--budget`` (or the smallest budget the planner reaches), then
+Per example: trace the script afresh as ``capuchin trace`` does (``--steps 16``: 1 warm-up, 3
+recorded, 1 plain warm-up, 3 rounds of a plain step and the runtime without and with actions:
+Note [The runtime in the script's steps] in runtime/calibrate.py), plan it at ``--budget`` (or the smallest budget the planner reaches), then
 time plain and managed training interleaved (``--repeats`` rounds, each the median steady
 iteration of one run, best of the rounds; benchmarks/runtime.py's helpers). Printed: the traced
 iteration (summed op times under the profiler), the plain step the trace stored, the dispatch

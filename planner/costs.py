@@ -162,11 +162,12 @@ SCRIPT_SLOW_KEY = "slow_op_script_ns"
 # the loop's figure per op (nanoGPT: 12-17 µs over its ~1,490 ops a step, where the loop
 # measured 4.3 µs in the same hour: benchmarks/results/plain_prediction_real.txt), so the
 # constant under-charged every op of every managed step. The tracer measures it where it
-# arises: after the plain steps it times as many steps again with every op through a dispatch
-# mode that only passes it on (``_CountingMode``, tracer/record.py; Note [Plain step]); the
-# extra time per op of the recorded iteration over the plain step is
-# ``host_costs["hot_op_ns"]``, what ``CPU.hot_op_ns`` is on the quiet host (a passthrough mode
-# less no mode), and ``calibrated`` charges it in its place. The slow path's, the swaps' and the
+# arises: after the plain steps it runs the runtime itself over the script's steps, in rounds
+# with plain steps (Note [Plain step] in tracer/record.py, Note [The runtime in the script's
+# steps] in runtime/calibrate.py); the extra time per op of the recorded iteration over the
+# plain step is ``host_costs["hot_op_ns"]``, what ``CPU.hot_op_ns`` is on the quiet host (a
+# passthrough mode less no mode; without the runtime composed in, the tracer times such a mode,
+# ``_CountingMode``), and ``calibrated`` charges it in its place. The slow path's, the swaps' and the
 # replays' costs need a plan, so they are timed apart: after the script's steps the tracer calls
 # the calibration it was given (capuchin/tracing.py passes the runtime's, runtime/calibrate.py,
 # Note [Calibration of the runtime's slow path]), which times the runtime's slow path, a swap

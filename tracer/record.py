@@ -239,11 +239,17 @@ class _TraceMode(TorchDispatchMode):
 # hooks run outside any dispatch, where the tracer's mode is the top of the stack; if another
 # mode is above it, nothing is timed). Then ``plain_steps`` iterations run with no mode and no
 # profiler; the time from one optimizer step to the next is one plain iteration (data loading
-# and the script's own work between steps included, as the user measures a step). On CPU as
-# many steps again run through a dispatch mode that only passes ops on (``_CountingMode``:
-# the runtime's per-op cost in this script, Note [Calibrated host costs] in planner/costs.py;
-# not where another mode is on the stack), and at the last one's step ``StopScript`` ends the
-# script. The median is ``TraceMeta.plain_iteration_ns``
+# and the script's own work between steps included, as the user measures a step). On CPU they
+# run in rounds with the runtime's own steps (``_steps_schedule``): each round is a plain step,
+# a step under the runtime without actions and one with an action at every op (Note [The
+# runtime in the script's steps] in runtime/calibrate.py; the first round also has an untimed
+# warm-up of each), or, where the runtime is not composed in or does not follow the recorded
+# ops, a plain step and one through a dispatch mode that only passes ops on
+# (``_CountingMode``); the runtime's per-op costs in this script are the median within-round
+# differences, so load that changes from one round to the next cancels (Note [Calibrated host
+# costs] in planner/costs.py; not where another mode is on the stack). A step's time runs from
+# just after its phase was entered to its optimizer step. At the last step ``StopScript`` ends
+# the script. The median plain step is ``TraceMeta.plain_iteration_ns``
 # (the intervals in ``extra["plain_iteration_wall_s"]``). None, with the reason in
 # ``extra["plain_iteration_note"]`` and a log line, when the script ended before one interval,
 # when traced under a budget (the runtime's passive mode would be in every step), under torchrun
