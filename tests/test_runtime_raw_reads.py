@@ -14,7 +14,12 @@ import pytest
 from capuchin.errors import InfeasibleBudgetError
 from capuchin.planner.api import make_plan
 from capuchin.runtime.engine import Runtime
-from capuchin.testing.training import run_example, state_mismatches
+from capuchin.testing.training import (
+    FIXED_BANDWIDTH,
+    run_example,
+    state_mismatches,
+    with_fixed_costs,
+)
 from capuchin.tracer.script import trace_script
 
 SCRIPT = Path(__file__).resolve().parent / "frameworks" / "raw_reads.py"
@@ -29,11 +34,16 @@ def _plan(tmp: Path, read: str):
         output=tmp / f"{read}.parquet",
         iterations=1,
         log=lambda m: None,
+        plain_steps=0,
     )
+    # Note [Fixed op costs]: one plan whatever the host's load (with the measured times, a
+    # loaded host could make a plan whose every decision is a storage the reads expose)
+    loaded = with_fixed_costs(trace)
+    kw = {"policy": "capuchin", "bandwidth": FIXED_BANDWIDTH}
     try:
-        plan = make_plan(trace, "50%", policy="capuchin")
+        plan = make_plan(loaded, "50%", **kw)
     except InfeasibleBudgetError as exc:  # the smallest budget the plan reaches
-        plan = make_plan(trace, str(exc.smallest_feasible_bytes), policy="capuchin")
+        plan = make_plan(loaded, str(exc.smallest_feasible_bytes), **kw)
     assert any(d.wraps for d in plan.decisions), "the plan keeps storages out across the step"
     return plan
 
