@@ -110,7 +110,8 @@ def test_a_dead_decision_with_another_decision_of_the_same_storage():
     assert Plan.from_json(plan.to_json()).decisions == plan.decisions
     from capuchin.runtime.actions import compile_plan
 
-    assert not compile_plan(plan).decisions["T"].dead  # the runtime keys the other one
+    tbl = compile_plan(plan)  # the runtime keys decisions by storage and window
+    assert tbl.evicting("T", 3).dead and not tbl.evicting("T", 1).dead
     with pytest.raises(PlanError):  # the other decision's window overlaps the dead one's
         simulate(p, [Decision("T", Method.SWAP, 1000, 3, 8, dead=True), _dead(p)])
 
