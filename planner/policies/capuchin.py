@@ -19,6 +19,18 @@ it in the generic search of planner/search.py, which is not in the paper.
 # not monotone in its candidates, so ``capuchin`` also plans without them (search Note
 # [Restricted first]). ``swap`` and ``recompute``, baselines, keep to the paper's candidates.
 #
+# Note: [A candidate per gap of persistent storages]
+# An activation is one candidate (the paper's tensor): once chosen over one of its gaps its
+# other gaps are no longer candidates, and Algorithm 2 replays it over one gap. A parameter, a
+# persistent gradient or an optimizer moment is one candidate per gap instead (``_key``): its
+# gaps within the iteration and its wrap-around gap may all be chosen, each a swap of its own,
+# their windows disjoint (plan.py Note [Several windows per storage]). Where state dominates
+# memory the floor counts every gap of it out (problem.py ``floor_bytes``): a moment swapped
+# across the boundary only is still resident from its update to the end, and one swapped
+# between its Adam ops only from its update through the next forward. With one decision per
+# storage the state-dominated probe's smallest plan stopped at 63% of its peak against a
+# floor of 45% (tests/test_frameworks_big_state.py has the figure it reaches now).
+#
 # Note: [The search with persistent candidates]
 # Where the plan without persistent candidates already fits, the search with them is lighter:
 # no hybrid and no swap-only plan. On the full problem those two cost the most (greedy selection
@@ -242,7 +254,7 @@ class Capuchin:
         give up (``Attempt([], None)``) once the recomputations selected have Algorithm 2
         overheads adding up to more (search Note [Deep targets])."""
         excess = problem.live_bytes.astype(np.int64) - target
-        chosen: dict[str, Decision] = {}
+        chosen: dict = {}  # by candidate (Note [A candidate per gap of persistent storages])
         timer = SwapTimer(problem, excess > 0)
         best = Attempt([], None)
         regen: frozenset = frozenset()
@@ -263,7 +275,7 @@ class Capuchin:
                 sim = simulate(problem, decisions)
             if after_round is not None:
                 decisions, sim, regen = after_round(Attempt(decisions, sim, regen))
-                chosen = {d.storage_id: d for d in decisions}
+                chosen = {_key(problem, d.storage_id, d.evict_op): d for d in decisions}
             if best.sim is None or sim.peak_bytes < best.sim.peak_bytes:
                 best = Attempt(decisions, sim, regen)
             if sim.peak_bytes <= target or not added:
@@ -333,7 +345,7 @@ class _Selection:
         return e.overhead_ns + (self.queue.swap_penalty(p) if self.queue is not None else 0)
 
     def take_swap(self, p: AccessGap, e) -> None:  # Swap(t), mem_saving -= t.mem (lines 7, 12)
-        self.chosen[p.storage_id] = p.decision(Method.SWAP, trigger_op=e.trigger_op)
+        self.chosen[_gap_key(self.problem, p)] = p.decision(Method.SWAP, trigger_op=e.trigger_op)
         (reserve_wrap if p.wraps else SwapTimer.reserve)(self.timer, e)
         for lo, hi in self.covers(e):
             self.excess[lo : hi + 1] -= p.size_bytes
@@ -358,7 +370,7 @@ class _Selection:
         # -- swap first, while a swap costs nothing (§4.5; §1.8 step 3) --------------------------
         if swapping:
             for ft, p in pairs:
-                if p.storage_id in chosen:
+                if _gap_key(problem, p) in chosen:
                     continue
                 if ft < 0:
                     break  # ranked by free time: no later pair can hide either
@@ -371,10 +383,10 @@ class _Selection:
                         return
 
         # -- the hybrid phase: the cheaper of the best swap and the best recomputation -----------
-        best_pair: dict[str, AccessGap] = {}  # one pair per remaining candidate: longest FT
+        best_pair: dict = {}  # one pair per remaining candidate: longest FT
         for _, p in pairs:
-            if p.storage_id not in chosen:
-                best_pair.setdefault(p.storage_id, p)
+            if (c := _gap_key(problem, p)) not in chosen:
+                best_pair.setdefault(c, p)
         ranked = enumerate(best_pair.items()) if swapping else ()
         swaps = [(self.estimate(p).overhead_ns, i, sid) for i, (sid, p) in ranked]
         heapq.heapify(swaps)
@@ -422,8 +434,18 @@ class _Selection:
                 self.take_recompute(r)
 
 
+def _key(problem: Problem, sid: str, evict_op: int):
+    """The candidate a decision on ``sid`` after op ``evict_op`` is (Note [A candidate per gap
+    of persistent storages]): the storage when it is evictable, else the storage's gap."""
+    return sid if problem.storages[sid].evictable else (sid, evict_op)
+
+
+def _gap_key(problem: Problem, p: AccessGap):
+    return _key(problem, p.storage_id, p.evict_op)
+
+
 def _candidates(
-    problem: Problem, over: np.ndarray, chosen: dict[str, Decision], timer: SwapTimer
+    problem: Problem, over: np.ndarray, chosen: dict, timer: SwapTimer
 ) -> list[tuple[int, AccessGap]]:
     """IdentifyAndSortCandidates (line 1): every access pair of a swappable storage not chosen
     yet whose gap holds an op over the target, ranked by free time (Eq. 1), longest first."""
@@ -434,6 +456,8 @@ def _candidates(
         if s.storage_id in chosen or not s.swappable:
             continue
         for a, b, wraps in problem.swap_gaps(s):
+            if not s.evictable and (s.storage_id, a) in chosen:
+                continue  # Note [A candidate per gap of persistent storages]
             # an over-target op strictly inside the gap (a wrap's: after a, or before b)
             if (cnt[n] - cnt[a + 1] + cnt[b] if wraps else cnt[b] - cnt[a + 1]) > 0:
                 ft = (wrap_free_time if wraps else SwapTimer.free_time)(timer, s.size_bytes, a, b)
