@@ -14,8 +14,10 @@ from capuchin.errors import PlanError, PlanFormatError
 from capuchin.planner import simulator
 from capuchin.planner.build import build_plan
 from capuchin.planner.plan import Decision, Method, Plan
+from capuchin.planner.policies.capuchin import capuchin as capuchin_policy
 from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
+from capuchin.tracer.schema import Kind
 
 from .test_persistent import _adam_like
 
@@ -131,6 +133,49 @@ def test_the_runtime_keys_decisions_by_storage_and_window():
         assert tbl.evicting("W", k).back_op == d.back_op
     assert tbl.evicting("W", 6).wraps and not tbl.evicting("W", 5).wraps
     assert tbl.evicting("W", 2) is None
+
+
+# ---- the policy ----------------------------------------------------------------------------------
+def _state_twice() -> Problem:
+    """W, a parameter, read in forward and backward and written by the optimizer; M, its Adam
+    moment; T, a large activation between W's forward and backward use, U a large temporary
+    after the optimizer step. Only W and M can make room: W over its gap within the iteration
+    (for T) and across the boundary (for U), M across the boundary."""
+    ops = [
+        ("f0", 100, ["X"], ["X1"]),
+        ("f1", 100, ["X1", "W"], ["A"]),
+        ("f2", 100, ["A"], ["T"]),
+        ("f3", 100, ["T"], ["B"]),
+        ("b3", 100, ["T", "B"], ["GB"], [], "backward"),
+        ("b2", 100, ["GB", "A", "W"], ["G"], [], "backward"),
+        ("opt", 100, ["G"], [], ["W", "M"], "optimizer"),
+        ("post", 100, ["X"], ["U"]),
+        ("post2", 100, ["U"], ["V"]),
+    ]
+    small = dict.fromkeys(["X", "X1", "A", "B", "GB", "G", "V"], 10)
+    sizes = {**small, "W": 400, "M": 400, "T": 1000, "U": 1000}
+    return Problem.from_lists(
+        ops,
+        sizes,
+        persistent=["W", "M"],
+        kinds={"M": Kind.OPTIMIZER_STATE},
+        bandwidth_bytes_per_s=1e12,
+    )
+
+
+def test_capuchin_swaps_a_parameter_in_both_of_its_gaps_to_reach_the_floor():
+    """policies/capuchin.py Note [A candidate per gap of persistent storages]: with one decision
+    per storage the smallest plan was 1,410 B (W out for T only); the floor is 1,020 B."""
+    p = _state_twice()
+    assert p.storages["W"].gaps() == [(1, 5)] and p.storages["W"].wrap == (6, 1)
+    floor = p.floor_bytes()
+    assert floor == 1020 and p.peak_bytes == 1840
+    ds = capuchin_policy(p, floor).decisions
+    assert simulate(p, ds).peak_bytes <= floor
+    w = sorted((d.evict_op, d.back_op, d.wraps) for d in ds if d.storage_id == "W")
+    assert w == [(1, 5, False), (6, 1, True)]
+    plan, _ = build_plan(p, ds, policy="capuchin", budget_bytes=floor)
+    assert Plan.from_json(plan.to_json()).decisions == plan.decisions
 
 
 # ---- runtime ---------------------------------------------------------------------------------
