@@ -141,7 +141,8 @@ def capuchin(
     ``SEARCH_MAX_OPS`` ops get the hybrid alone, searched downwards from the budget.
     ``max_rounds``: simulate-and-extend rounds. ``collective``: keep what a replay regenerates
     when it is needed later and memory allows (§5.3). ``max_replay_ops``: longest replay.
-    Output (registry Note [Policy contract]): at most one decision per storage; swaps carry
+    Output (registry Note [Policy contract]): at most one decision per evictable storage and
+    per gap of a persistent one (Note [A candidate per gap of persistent storages]); swaps carry
     their in-trigger, recomputations their replay ops, sources and keeps."""
     hybrid = Capuchin("hybrid", max_rounds, collective, max_replay_ops)
     rec = Capuchin("recompute", max_rounds, collective, max_replay_ops)
