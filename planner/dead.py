@@ -29,10 +29,10 @@
 # their last access, where their gaps between accesses stay candidates (foreach AdamW's
 # ``exp_avg_sq_sqrt`` element waits a whole sweep of the list between two of its accesses), and
 # its recompute lineage is resolved there, so no replay reads them after their last access. The
-# dead decisions join the policy's: a storage may so have two decisions, one dead and one not,
-# whose windows do not overlap (the other's back-access is at or before the dead one's
-# evicted-access); the runtime keys its decisions by storage and keeps the other one there (the
-# dead one needs only its EVICT_SWAP action). While the simulated plan is still over the budget,
+# dead decisions join the policy's: a storage may so have a dead decision and others, whose
+# windows do not overlap (plan.py Note [Several windows per storage]: the others' back-accesses
+# are at or before the dead one's evicted-access); the runtime keys decisions by storage and
+# window (the dead one needs only its EVICT_SWAP action). While the simulated plan is still over the budget,
 # the dead gaps overlapping the ops over it join as well and the policy plans again
 # (``build.with_dead``). The simulator judges the whole plan on the problem as traced, copy times
 # included. ``Problem.dead_evictions = False`` plans none. Only the ``capuchin`` policies plan

@@ -57,7 +57,7 @@ import numpy as np
 
 from .improve import accept
 from .lineage import reresolved
-from .plan import Decision, Method
+from .plan import Decision, Method, window_key
 from .problem import Problem
 from .simulator import SimResult
 from .swapping import Channel
@@ -135,17 +135,21 @@ def advance(
 
 
 def _switched(
-    problem: Problem, decisions: list[Decision], new: dict[str, Decision], regen: frozenset
+    problem: Problem,
+    decisions: list[Decision],
+    new: dict[tuple[str, int], Decision],
+    regen: frozenset,
 ) -> list[Decision] | None:
     """``decisions`` with the switches ``new``; the replays that regenerated a switched storage
     read it as a source instead (``lineage.reresolved``; None when one has no replay left), the
     others unchanged."""
-    return reresolved(problem, [new.get(d.storage_id, d) for d in decisions], new, regen)
+    trial = [new.get(window_key(d), d) for d in decisions]  # by window: plan.py Note [Several
+    return reresolved(problem, trial, {sid for sid, _ in new}, regen)  # windows per storage]
 
 
 def _switches(
     problem: Problem, decisions: list[Decision], sim: SimResult, bound: int
-) -> list[tuple[str, Decision]]:
+) -> list[tuple[tuple[str, int], Decision]]:
     """The switches to hidden swaps of one round, in the order taken (largest saving first)."""
     start = sim.op_start_ns.tolist()
     # replays that waited for a swapped-out source: that swap's prefetch is due when they start
@@ -178,7 +182,7 @@ def _switches(
         )
         saving = o.stall_ns + o.recompute_ns + due.get(d.storage_id, (0, 0))[1]
         if saving > host:
-            cands.append((-saving, d.storage_id, d, o))
+            cands.append((-saving, window_key(d), d, o))
     if not cands:
         return []
     cands.sort(key=lambda c: (c[0], c[1]))
@@ -186,13 +190,13 @@ def _switches(
     peak = sim.op_peak_bytes.astype(np.int64)
     own_in = {c[1]: (c[3].in_start_ns, c[3].in_end_ns) for c in cands if c[3].in_start_ns >= 0}
     d2h, h2d = Channel(), Channel()
-    for o in sim.outcomes:
+    for d, o in zip(decisions, sim.outcomes, strict=True):
         if o.out_start_ns >= 0:
             d2h.reserve(o.out_start_ns, o.out_end_ns)
-        if o.in_start_ns >= 0 and o.storage_id not in own_in:
+        if o.in_start_ns >= 0 and window_key(d) not in own_in:
             h2d.reserve(o.in_start_ns, o.in_end_ns)
     bw_out, bw_in = problem.bandwidth_d2h_bytes_per_s, problem.bandwidth_h2d_bytes_per_s
-    out: list[tuple[str, Decision]] = []
+    out: list[tuple[tuple[str, int], Decision]] = []
 
     def switch(d: Decision, o) -> Decision | None:
         """The hidden swap of ``d`` with its copies and bytes reserved, or None."""
@@ -237,10 +241,10 @@ def _switches(
             peak[k_in:first_in] += size
         return Decision(d.storage_id, Method.SWAP, size, a, b, trigger_op=k)
 
-    for _, sid, d, o in cands:
+    for _, w, d, o in cands:
         new = switch(d, o)
         if new is not None:
-            out.append((sid, new))
-        elif sid in own_in:  # a stalled swap left as it is keeps its copy
-            h2d.reserve(*own_in[sid])
+            out.append((w, new))
+        elif w in own_in:  # a stalled swap left as it is keeps its copy
+            h2d.reserve(*own_in[w])
     return out

@@ -1,7 +1,8 @@
 """The plan format, defined once: a ``Plan`` and its JSON (``to_json``/``from_json``). No torch.
 
 A plan is what the runtime executes, so it is complete: provenance (how it was made, for which
-trace), predictions, one ``Decision`` per evicted storage, and the per-op action table
+trace), predictions, one ``Decision`` per eviction window of a storage (Note [Several windows
+per storage]), and the per-op action table
 (``Plan.actions``) keyed by op index within the iteration, so that the runtime plans nothing.
 
 # Note: [Action timing]
@@ -240,7 +241,7 @@ class Plan:
 
     provenance: Provenance
     predictions: Predictions
-    decisions: list[Decision]  # one per evicted storage; ``decisions_frame()``: as a DataFrame
+    decisions: list[Decision]  # one per eviction window; ``decisions_frame()``: as a DataFrame
     ops: list[list[str]]
     actions: list[Action] = field(default_factory=list)
     schema_version: int = PLAN_SCHEMA_VERSION
@@ -397,6 +398,75 @@ class Plan:
         return pd.DataFrame(
             [d.to_dict() for d in self.decisions], columns=[f.name for f in fields(Decision)]
         )
+
+
+# -- windows of one storage -----------------------------------------------------------------
+# Note: [Several windows per storage]
+# A storage may have several decisions, each with its own evict, back and trigger ops, when
+# their windows do not overlap in execution order: a parameter or an optimizer moment swapped
+# between its forward use and its update *and* from its update across the iteration boundary
+# to its next forward use (the state-dominated models' floor counts both gaps). A decision's
+# window, on the half-op positions ``2k`` (before op k runs: prefetch, restore, replay) and
+# ``2k+1`` (after op k returned: evictions), is ``[2*evict_op+1, 2*back_op]``; a dead one's
+# runs to ``2*back_op+1`` (the script frees the storage after ``back_op``); a wrap-around
+# one's is ``[2*evict_op+1, 2n-1]`` and ``[0, 2*back_op]`` (n ops). Windows of one storage
+# must be disjoint. So two windows may touch at an op: one's back-access at op k (restored
+# before it runs) and the next one's evicted-access at the same op k (evicted after it
+# returns), which the runtime does in that order at every op. At most one of a storage's
+# decisions may be a recomputation: the runtime keeps its replay bookkeeping (sources pinned,
+# copy-on-write dependents) by storage. A plan with one decision per storage is as before; a
+# capuchin that predates several windows refuses such a plan at load ("has two decisions").
+# The runtime keys decisions by storage and window (``runtime/actions.py``,
+# ``ActionTable.windows``).
+
+
+@dataclass(frozen=True)
+class Window:
+    """The window of one decision on the half-op positions of Note [Several windows per
+    storage]: ``evict_op``, ``back_op``, ``wraps``, ``dead``, ``method`` (a ``Method`` value)."""
+
+    evict_op: int
+    back_op: int
+    wraps: bool
+    dead: bool
+    method: str
+
+    def spans(self, n: int) -> tuple[tuple[int, int], ...]:
+        lo = 2 * self.evict_op + 1
+        if self.wraps:
+            return ((lo, 2 * n - 1), (0, 2 * self.back_op))
+        return ((lo, 2 * self.back_op + (1 if self.dead else 0)),)
+
+    def __str__(self) -> str:
+        kind = "dead " if self.dead else "wrap-around " if self.wraps else ""
+        return f"{kind}{self.method} after op {self.evict_op}, back at op {self.back_op}"
+
+
+def window_of(evict_op: int, back_op: int, wraps: bool, dead: bool, method: Any) -> Window:
+    return Window(evict_op, back_op, bool(wraps), bool(dead), getattr(method, "value", method))
+
+
+def decision_window(d: Decision) -> Window:
+    return window_of(d.evict_op, d.back_op, d.wraps, d.dead, d.method)
+
+
+def overlapping(w: Window, others: list[Window], n: int) -> str | None:
+    """Why ``w`` may not join ``others``, windows of the same storage in an iteration of ``n``
+    ops (Note [Several windows per storage]): the first one it overlaps, or a second
+    recomputation; None when it may."""
+    rec = Method.RECOMPUTE.value
+    for o in others:
+        if w.method == rec and o.method == rec:
+            return f"two recomputations: {o} and {w}"
+        if any(a <= d and c <= b for a, b in w.spans(n) for c, d in o.spans(n)):
+            return f"{w} overlaps {o}"
+    return None
+
+
+def window_key(d: Decision) -> tuple[str, int]:
+    """A decision's identity within one plan: its storage and its evicted-access (windows of
+    one storage never share one, Note [Several windows per storage])."""
+    return (d.storage_id, d.evict_op)
 
 
 # -- validation at load -------------------------------------------------------------------------
@@ -576,7 +646,7 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
     if not isinstance(decisions, list):
         raise _Bad(f"{at}decisions", f"expected a list, got {type(decisions).__name__}")
     methods: dict[str, set[str]] = {}
-    seen_dead: dict[bool, set[str]] = {False: set(), True: set()}  # Note [Dead storages]
+    windows: dict[str, list[Window]] = {}  # Note [Several windows per storage]
     for i, d in enumerate(decisions):
         where = f"{at}decisions[{i}]"
         _obj(
@@ -604,9 +674,6 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
         if d["method"] not in {m.value for m in Method}:
             raise _Bad(f"{where}.method", f"{d['method']!r} is not 'swap' or 'recompute'")
         dead = d.get("dead", False)
-        if d["storage_id"] in seen_dead[dead]:  # one dead and one other decision at most
-            raise _Bad(f"{where}.storage_id", f"{d['storage_id']!r} has two decisions")
-        seen_dead[dead].add(d["storage_id"])
         methods.setdefault(d["storage_id"], set()).add(d["method"])
         wraps = d.get("wraps", False)
         if wraps and d["method"] != Method.SWAP.value:
@@ -621,6 +688,11 @@ def _check_kind(doc: dict[str, Any], at: str) -> None:
                 f"back_op {d['back_op']} is not after evict_op {d['evict_op']} "
                 "(and the decision does not wrap)",
             )
+        w = window_of(d["evict_op"], d["back_op"], wraps, dead, d["method"])
+        clash = overlapping(w, windows.setdefault(d["storage_id"], []), n)
+        if clash is not None:
+            raise _Bad(f"{where}.storage_id", f"{d['storage_id']!r} has two decisions ({clash})")
+        windows[d["storage_id"]].append(w)
     steps = {
         Step.EVICT_SWAP.value: Method.SWAP.value,
         Step.PREFETCH.value: Method.SWAP.value,

@@ -11,8 +11,9 @@ provenance), so no policy builds a plan by hand.
 #   policy's keyword options (strings from the CLI are not parsed here: give typed values).
 # - Output: a ``PolicyResult``: decisions on evictable storages (``StorageInfo.evictable``; persistent ones that
 #   are ``swappable`` by swap only, over a gap of ``Problem.swap_gaps``, a wrap-around one with
-#   ``wraps``: problem.py Note [Wrap-around gaps]), at most one per
-#   storage (the plan format and the runtime key decisions by storage), ``evict_op``/``back_op``
+#   ``wraps``: problem.py Note [Wrap-around gaps]), at most one per evictable storage and,
+#   on a persistent one, at most one per gap (their windows are disjoint: plan.py Note
+#   [Several windows per storage]), ``evict_op``/``back_op``
 #   consecutive accesses of the storage, ``size_bytes`` the storage's size. Swap:
 #   ``trigger_op`` in (evict_op, back_op] or None (on demand). Recompute: ``replay_ops``,
 #   ``sources`` and ``keep`` may be left empty; the builder fills them

@@ -211,7 +211,7 @@ from .lineage import (
     replay_for,
     reresolved,
 )
-from .plan import Decision, Method
+from .plan import Decision, Method, window_key
 from .problem import Problem
 from .simulator import SimResult, simulate
 from .swapping import SwapTimer
@@ -853,22 +853,24 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
     of their gap, both ranges of a wrap-around gap) confirmed by one final simulation.
     """
     decisions, sim, regen = a
+    # by window: a persistent storage may have several (plan.py Note [Several windows per
+    # storage])
     cost = {
-        d.storage_id: o.stall_ns + o.recompute_ns + _host_ns(problem, d)
+        window_key(d): o.stall_ns + o.recompute_ns + _host_ns(problem, d)
         for d, o in zip(decisions, sim.outcomes, strict=True)
     }
     order = [
         d
-        for d in sorted(decisions, key=lambda d: (-cost[d.storage_id], d.size_bytes))
-        if cost[d.storage_id] > 0
+        for d in sorted(decisions, key=lambda d: (-cost[window_key(d)], d.size_bytes))
+        if cost[window_key(d)] > 0
     ]
     if not order:
         return decisions
     current = decisions
     excess = sim.op_peak_bytes.astype(np.int64) - budget
-    out_of = {d.storage_id: o for d, o in zip(decisions, sim.outcomes, strict=True)}
+    out_of = {window_key(d): o for d, o in zip(decisions, sim.outcomes, strict=True)}
     for d in order[:max_exact]:
-        o = out_of[d.storage_id]
+        o = out_of[window_key(d)]
         back = o.in_start_ns if o.in_start_ns >= 0 else o.back_ns
         if o.freed_ns >= 0 and back > o.freed_ns:  # ops surely without it: it would add there
             lo = int(np.searchsorted(sim.op_start_ns, o.freed_ns, side="left"))
@@ -886,12 +888,12 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
         if got is not None:
             current, sim = got
             excess = sim.op_peak_bytes.astype(np.int64) - budget
-    live = {x.storage_id for x in current}
-    rest = [d for d in order[max_exact:] if d.storage_id in live]
+    live = {window_key(x) for x in current}
+    rest = [d for d in order[max_exact:] if window_key(d) in live]
     if not rest:
         return current
     peak = sim.op_peak_bytes.astype(np.int64).copy()
-    removed: set[str] = set()
+    removed: set[tuple[str, int]] = set()
     n = problem.n_ops
     for d in rest:
         # the ops it is out on: one range, or two across the iteration boundary
@@ -900,10 +902,10 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
             continue
         for lo, hi in spans:
             peak[lo:hi] += d.size_bytes
-        removed.add(d.storage_id)
+        removed.add(window_key(d))
     if not removed:
         return current
-    kept = [d for d in current if d.storage_id not in removed]
+    kept = [d for d in current if window_key(d) not in removed]
     got = accept(
         problem,
         lambda: finish_decisions(problem, kept, peak - budget, collective=True, regen=regen),

@@ -97,7 +97,7 @@ import pandas as pd
 from ..errors import PlanError, PlanFormatError
 from ..tracer.schema import scratch_id
 from .costs import action_ops
-from .plan import Decision, Method, Plan
+from .plan import Decision, Method, Plan, decision_window, overlapping
 from .problem import Problem
 
 
@@ -283,23 +283,15 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
             )
     if len({d.storage_id for d in decisions}) == len(decisions):
         return
-    by_storage: dict[str, list[Decision]] = {}
-    for d in decisions:
-        by_storage.setdefault(d.storage_id, []).append(d)
-    for sid, ds in by_storage.items():
-        if len(ds) == 2 and ds[0].dead != ds[1].dead:  # Note [Dead storages] in dead.py
-            dead, other = (ds[0], ds[1]) if ds[0].dead else (ds[1], ds[0])
-            if not other.wraps and other.back_op <= dead.evict_op:
-                continue
+    by_storage: dict[str, list] = {}
+    for d in decisions:  # Note [Several windows per storage] in plan.py
+        w = decision_window(d)
+        why = overlapping(w, by_storage.setdefault(d.storage_id, []), n)
+        if why is not None:
             raise PlanError(
-                f"storage {sid}: its dead decision after op {dead.evict_op} overlaps its "
-                f"decision after op {other.evict_op} (back at op {other.back_op})"
+                f"storage {d.storage_id}: {len(by_storage[d.storage_id]) + 1} decisions evict it: {why}"
             )
-        if len(ds) > 1:  # the plan format and the runtime key decisions by storage
-            raise PlanError(
-                f"storage {sid}: {len(ds)} decisions evict it (after ops "
-                f"{sorted(d.evict_op for d in ds)}); a plan has one per storage"
-            )
+        by_storage[d.storage_id].append(w)
 
 
 def _check_replay(problem: Problem, d: Decision, where: str) -> None:
@@ -355,7 +347,7 @@ def simulate(
 
     Bandwidths default to the problem's (bytes/s). Raises ``PlanError`` when the plan breaks an
     invariant: unknown or non-evictable storage, wrong size, evict/back not consecutive accesses,
-    more than one decision on one storage, a trigger outside (evict, back], replay ops missing
+    overlapping decisions on one storage, a trigger outside (evict, back], replay ops missing
     the producer or an in-place write, sources not matching what the replay reads, a source not
     alive or written since it was read, or an access to a storage that is out. ``check=False``
     skips the static checks (``check_decisions``); the pass then visits every op to find an

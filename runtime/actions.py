@@ -58,7 +58,9 @@ class ActionTable:
     signatures: list[str]
     ops: dict[int, OpActions]
     fast: list
-    decisions: dict[str, Decision]
+    # Note [Several windows per storage] in planner/plan.py: every decision of each storage, in
+    # the order of their evicted-accesses (disjoint windows, so at most one is out at a time)
+    windows: dict[str, tuple[Decision, ...]]
     op_peak_bytes: list[int] = field(default_factory=list)  # the plan's simulated curve
     guarded: list = field(default_factory=list)  # ``fast`` less the ops that write in place
     kind: str = "train"  # the plan's kind of iteration (Note [Iteration kinds] in tracker.py)
@@ -74,6 +76,19 @@ class ActionTable:
     @property
     def n_ops(self) -> int:
         return len(self.expected)
+
+    def decisions(self):
+        """Every decision of the plan, storage by storage."""
+        return (d for ds in self.windows.values() for d in ds)
+
+    def evicting(self, sid: str, k: int) -> Decision | None:
+        """The decision of storage ``sid`` whose evicted-access is op ``k``; None if none."""
+        return next((d for d in self.windows.get(sid, ()) if d.evict_op == k), None)
+
+    def size_of(self, sid: str) -> int | None:
+        """Storage ``sid``'s bytes as traced (every window of it has them); None: no decision."""
+        ds = self.windows.get(sid)
+        return ds[0].size_bytes if ds else None
 
     def shapes_match(self, k: int, flat: list) -> bool:
         """Op ``k``'s live tensor inputs ``flat`` have the traced shapes (``signatures[k]``)."""
@@ -125,10 +140,11 @@ def compile_plan(plan: Plan) -> ActionTable:
     def at(k: int) -> OpActions:
         return ops.setdefault(k, OpActions())
 
-    # a storage's dead decision needs only its EVICT_SWAP action: its other decision, when it
-    # has one, is the one the runtime keys by storage (planner/dead.py Note [Dead storages])
-    decisions = {d.storage_id: d for d in plan.decisions if d.dead}
-    decisions.update((d.storage_id, d) for d in plan.decisions if not d.dead)
+    # Note [Several windows per storage] in planner/plan.py: decisions by storage and window
+    # (a dead decision is one more window, planner/dead.py Note [Dead storages])
+    windows: dict[str, list[Decision]] = {}
+    for d in sorted(plan.decisions, key=lambda d: d.evict_op):
+        windows.setdefault(d.storage_id, []).append(d)
     named: set[str] = set()
     for d in plan.decisions:
         named.update((d.storage_id, *d.sources, *d.keep))
@@ -156,7 +172,7 @@ def compile_plan(plan: Plan) -> ActionTable:
         signatures,
         ops,
         fast,
-        decisions,
+        {sid: tuple(ds) for sid, ds in windows.items()},
         list(plan.op_peak_bytes),
         guarded,
         plan.kind,

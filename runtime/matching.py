@@ -154,8 +154,8 @@ class PlanCursor:
                 n = self._common_prefix(t, u)
                 if n < t.n_ops:
                     t.check_until = max(t.check_until, n + 1)
-                for d in u.decisions.values():  # name what u keeps out across the boundary
-                    if not d.wraps or d.storage_id in t.decisions:
+                for d in u.decisions():  # name what u keeps out across the boundary
+                    if not d.wraps or d.storage_id in t.windows:
                         continue
                     try:
                         tid = TensorId.parse(d.storage_id)
@@ -299,7 +299,7 @@ class PlanCursor:
         for sid in list(res.pending):  # decisions not dropped yet will not be
             e = res.by_sid.get(sid)
             if e is None or e.state is not Residency.OUT:
-                res._done_with(tbl.decisions[sid])
+                res._done_with(res.pending[sid])
         if self.rt.passive_enabled and not self.guard.active:
             # what skipped ops left (Note [Resync after an unexpected op]) is counted too: a
             # failed resync leaves passive mode no more than a plain divergence would

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import RecomputeError
-from ..planner.plan import Step
+from ..planner.plan import Decision, Step, window_key
 from ..tracer.hooks import flatten_outputs, written_inputs
 from ..tracer.schema import IdKind, TensorId, id_kind, shape_signature
 from .device import caught_oom
@@ -56,7 +56,9 @@ class StorageResidency:
         self.by_sid: dict[str, Entry] = {}
         self.live: dict[str, weakref.ref] = {}  # plan storage id -> storage (this iteration)
         self.dependents: dict[int, set[str]] = {}  # source key -> dropped storage ids (R3)
-        self.pending: dict[str, int] = {}  # recompute decisions still to come back this iteration
+        # recompute decisions still to come back this iteration, by storage (one at most each:
+        # Note [Several windows per storage] in planner/plan.py)
+        self.pending: dict[str, Decision] = {}
         self.op_refs: dict[int, int] = {}  # op index -> pending decisions that replay it
         self.op_time: dict[int, float] = {}
         self.trigger_now: dict = {}  # late-prefetch feedback (Note [Late prefetch ...])
@@ -68,9 +70,7 @@ class StorageResidency:
         self._kind_wraps: dict[str, weakref.ref] = {}
         self._kind_wraps_from = None  # the table of the iteration that named them
         # Note [Wrap-around storages before the first planned iteration]
-        wraps = [
-            d.back_op for d in (table.decisions.values() if table is not None else ()) if d.wraps
-        ]
+        wraps = [d.back_op for d in (table.decisions() if table is not None else ()) if d.wraps]
         self._tail = collections.deque(maxlen=table.n_ops - min(wraps)) if wraps else None
 
     # the plan that applies, the cursor's (matching.py)
@@ -106,9 +106,9 @@ class StorageResidency:
         self.pending.clear()
         self.op_refs.clear()
         if self.table is not None:
-            for sid, d in self.table.decisions.items():
+            for d in self.table.decisions():
                 if d.method.value == "recompute":
-                    self.pending[sid] = 1
+                    self.pending[d.storage_id] = d
                     for k in d.replay_ops:
                         self.op_refs[k] = self.op_refs.get(k, 0) + 1
 
@@ -140,13 +140,14 @@ class StorageResidency:
         if self._kind_wraps_from is None or self._kind_wraps_from.names != self.table.names:
             return  # ids name the same tensors only in kinds of the same ops
         with _disable_current_modes(), torch.no_grad():
-            for sid, d in self.table.decisions.items():
+            for d in self.table.decisions():
+                sid = d.storage_id
                 ref = refs.get(sid)
                 st = ref() if ref is not None and d.wraps and sid not in self.by_sid else None
                 if st is None or st.nbytes() != d.size_bytes or storage_key(st) in self.entries:
                     continue
                 self.live[sid] = ref
-                self._evict(Step.EVICT_SWAP, sid)
+                self._evict(Step.EVICT_SWAP, sid, d)
                 self.live.pop(sid, None)
         self._update_fast()
 
@@ -162,7 +163,8 @@ class StorageResidency:
             and tail[-1 - m][1] == tbl.signatures[n - 1 - m]
         ):
             m += 1
-        for sid, d in tbl.decisions.items():
+        for d in tbl.decisions():
+            sid = d.storage_id
             if not d.wraps or n - d.back_op > m:
                 continue
             a = TensorId.parse(sid).position  # an "x{k}:{a}" id: the a-th argument
@@ -178,7 +180,7 @@ class StorageResidency:
                     self.by_sid[sid] = e
                 continue
             self.live[sid] = weakref.ref(st)
-            self._evict(Step.EVICT_SWAP, sid)
+            self._evict(Step.EVICT_SWAP, sid, d)
         self.live.clear()
 
     # ---- an op's steps (in the order ``Executor.slow_op`` calls them) ----------------------------
@@ -258,7 +260,8 @@ class StorageResidency:
             if self._other_size(sid):  # Note [Sizes are checked too]
                 self.cursor._diverge(k, name, "sizes", flat)
                 break
-            self._evict(step, sid)
+            # Note [Several windows per storage] in planner/plan.py: the window evicted here
+            self._evict(step, sid, self.table.evicting(sid, k))
 
     # ---- room for runtime-internal allocations ---------------------------------------------------
     def _with_room(self, alloc, need: int, st):
@@ -304,15 +307,16 @@ class StorageResidency:
         # planned eviction the storage's bytes are compared with the decision's ``size_bytes``
         # (the traced storage's): another size is a divergence, and passive mode keeps the budget.
         """
-        d = self.table.decisions.get(sid)
+        size = self.table.size_of(sid)
         ref = self.live.get(sid)
         st = ref() if ref is not None else None
-        if d is None or st is None or st.nbytes() == 0:
+        if size is None or st is None or st.nbytes() == 0:
             return False
-        return st.nbytes() != d.size_bytes
+        return st.nbytes() != size
 
-    def _evict(self, step: Step, sid: str) -> None:
-        d = self.table.decisions.get(sid)
+    def _evict(self, step: Step, sid: str, d) -> None:
+        """Evict storage ``sid`` (live, named this iteration) by ``step``, as decision ``d`` of
+        the plan (None: the plan has none there, nothing happens)."""
         ref = self.live.get(sid)
         st = ref() if ref is not None else None
         if d is None or st is None:
@@ -490,9 +494,12 @@ class StorageResidency:
         """Move a late prefetch's in-trigger (decision ``d``, ``nbytes``) earlier for the next
         iteration (Note [Late prefetch feedback] in swap.py), never to where it would take the
         plan over its budget."""
-        # by storage id in the main kind's plan, by (kind, storage id) in the others'
+        # by window (Note [Several windows per storage] in planner/plan.py) in the main kind's
+        # plan, by (kind, window) in the others'
         tkey = (
-            d.storage_id if self.table is self.kind_tables[0] else (self.table.kind, d.storage_id)
+            window_key(d)
+            if self.table is self.kind_tables[0]
+            else (self.table.kind, *window_key(d))
         )
         trig = self.trigger_now.get(tkey, d.trigger_op)
         if trig is None:

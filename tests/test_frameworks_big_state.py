@@ -1,16 +1,17 @@
 """A script whose parameters, gradients and Adam state dominate its memory
 (tests/frameworks/big_state.py; the probe's big_state of ../shared/reports/real-scripts.md):
-planned from fixed op costs at the smallest budget the planner reaches, run bitwise, every
-iteration (the first included) within 1.05x the budget and every one over it named by a
-warning."""
+planned from fixed op costs at the smallest budget the planner reaches (near the floor), run
+bitwise, every iteration (the first included) within 1.05x the budget and every one over it
+named by a warning."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from capuchin.errors import InfeasibleBudgetError
-from capuchin.planner.api import make_plan
+from capuchin.planner.api import load_problem, make_plan
 from capuchin.runtime.engine import Runtime
 from capuchin.testing.training import (
     FIXED_BANDWIDTH,
@@ -43,9 +44,17 @@ def test_big_state_at_the_smallest_feasible_budget(tmp_path, capsys):
     smallest = exc.value.smallest_feasible_bytes
     plan = make_plan(loaded, str(smallest), **kw)
     peak = plan.predictions.baseline_peak_bytes
-    # the state is what must move: the smallest budget is well below the peak
-    assert plan.budget_bytes < 0.75 * peak, (plan.budget_bytes, peak)
+    # the state is what must move: the smallest budget is within 5 points of the peak of the
+    # floor (45% of the peak; with one decision per storage the planner stopped at 63%), which
+    # takes the parameters and Adam moments out in every gap: between their uses within the
+    # iteration and across the boundary (Note [A candidate per gap of persistent storages] in
+    # planner/policies/capuchin.py)
+    floor = load_problem(loaded, bandwidth=FIXED_BANDWIDTH).floor_bytes()
+    assert floor < 0.5 * peak, (floor, peak)
+    assert plan.budget_bytes <= floor + 0.05 * peak, (plan.budget_bytes, floor, peak)
     assert any(d.wraps for d in plan.decisions), "parameters or Adam state kept out across steps"
+    windows = Counter(d.storage_id for d in plan.decisions)
+    assert any(n > 1 for n in windows.values()), "no storage out twice an iteration"
 
     args = ["--steps", str(STEPS)]
     capsys.readouterr()

@@ -12,7 +12,7 @@ import torch
 from capuchin.cli import main
 from capuchin.errors import PlanFormatError, RecomputeError
 from capuchin.planner.build import build_plan
-from capuchin.planner.plan import Decision, Method
+from capuchin.planner.plan import Decision, Method, window_key
 from capuchin.planner.problem import Problem
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.launch import run_script
@@ -395,7 +395,7 @@ def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
     for the next iteration (paper §4.4)."""
     _slow_h2d_copies(monkeypatch, 0.02)
     plan = hand_plan(problem("cnn"), "swap", limit=4, trigger_lead=1)
-    triggers = {d.storage_id: d.trigger_op for d in plan.decisions}
+    triggers = {window_key(d): d.trigger_op for d in plan.decisions}
     rt = Runtime(plan, measure_memory=False)
     assert train_mismatches("cnn", rt) == []
     its = steady(rt)
@@ -403,7 +403,7 @@ def test_late_prefetch_is_counted_and_moves_its_trigger_earlier(monkeypatch):
     assert sum(s.trigger_moves for s in its) > 0
     assert sum(s.stall_s for s in its) > 0
     moved = rt.ex.res.trigger_now
-    assert moved and all(k < triggers[sid] for sid, k in moved.items())
+    assert moved and all(k < triggers[w] for w, k in moved.items())
 
 
 _COW_SCRIPT = """

@@ -151,7 +151,7 @@ def test_broken_plans_raise(decision, match):
 
 def test_two_decisions_on_one_storage_raise():
     d = Decision("A", Method.SWAP, 100, 1, 6)
-    with pytest.raises(PlanError, match="one per storage"):
+    with pytest.raises(PlanError, match="overlaps"):
         simulate(chain(), [d, d])
 
 

@@ -19,6 +19,26 @@ it in the generic search of planner/search.py, which is not in the paper.
 # not monotone in its candidates, so ``capuchin`` also plans without them (search Note
 # [Restricted first]). ``swap`` and ``recompute``, baselines, keep to the paper's candidates.
 #
+# Note: [A candidate per gap of persistent storages]
+# An activation is one candidate (the paper's tensor): once chosen over one of its gaps its
+# other gaps are no longer candidates, and Algorithm 2 replays it over one gap. With
+# ``Capuchin.per_gap`` a parameter, a persistent gradient or an optimizer moment is one
+# candidate per gap instead (``_key``): its gaps within the iteration and its wrap-around gap
+# may all be chosen, each a swap of its own, their windows disjoint (plan.py Note [Several
+# windows per storage]). Where state dominates memory the floor counts every gap of it out
+# (problem.py ``floor_bytes``): a moment swapped across the boundary only is still resident
+# from its update to the end, and one swapped between its Adam ops only from its update through
+# the next forward. With one decision per storage the state-dominated probe's smallest plan
+# stopped at 63% of its peak against a floor of 45% (docs/planner.md; with them it reaches the
+# floor). Greedy selection is not monotone in its candidates: on the bundled transformer at 40%
+# the hybrid and swap-only searches with a candidate per gap instead of one per storage gave
+# +17.1% predicted where those with one per storage gave +14.9%. So the full search (persistent
+# candidates, where the restricted plan does not fit) makes its plans with one per storage
+# first and then the hybrid's with a candidate per gap, and keeps the best: never a slower plan
+# than with one per storage, for the price of one more search there. A swap-only search with a
+# candidate per gap as well changed no plan of big_state or of the bundled traces at
+# 80/60/50/40% (docs/planner.md).
+#
 # Note: [The search with persistent candidates]
 # Where the plan without persistent candidates already fits, the search with them is lighter:
 # no hybrid and no swap-only plan. On the full problem those two cost the most (greedy selection
@@ -73,7 +93,7 @@ it in the generic search of planner/search.py, which is not in the paper.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -121,7 +141,8 @@ def capuchin(
     ``SEARCH_MAX_OPS`` ops get the hybrid alone, searched downwards from the budget.
     ``max_rounds``: simulate-and-extend rounds. ``collective``: keep what a replay regenerates
     when it is needed later and memory allows (§5.3). ``max_replay_ops``: longest replay.
-    Output (registry Note [Policy contract]): at most one decision per storage; swaps carry
+    Output (registry Note [Policy contract]): at most one decision per evictable storage and
+    per gap of a persistent one (Note [A candidate per gap of persistent storages]); swaps carry
     their in-trigger, recomputations their replay ops, sources and keeps."""
     hybrid = Capuchin("hybrid", max_rounds, collective, max_replay_ops)
     rec = Capuchin("recompute", max_rounds, collective, max_replay_ops)
@@ -189,6 +210,8 @@ def _plan(
         converted = recompute_first(p, rec, budget_bytes, sw, deep=deep)
         for g in converted + hidden(p, converted, budget_bytes):
             yield lambda g=g: g.decisions
+        if not light and p is not p.restricted():  # Note [A candidate per gap of ...]
+            yield search(replace(hybrid, per_gap=True), sw)
 
     return best_of(p, budget_bytes, variants())
 
@@ -229,6 +252,7 @@ class Capuchin:
     max_rounds: int = 12
     collective: bool = True
     max_replay_ops: int = 200
+    per_gap: bool = False  # Note [A candidate per gap of persistent storages]
 
     def __call__(
         self,
@@ -242,7 +266,8 @@ class Capuchin:
         give up (``Attempt([], None)``) once the recomputations selected have Algorithm 2
         overheads adding up to more (search Note [Deep targets])."""
         excess = problem.live_bytes.astype(np.int64) - target
-        chosen: dict[str, Decision] = {}
+        chosen: dict = {}  # by candidate (Note [A candidate per gap of persistent storages])
+        key = _key if self.per_gap else _storage_key
         timer = SwapTimer(problem, excess > 0)
         best = Attempt([], None)
         regen: frozenset = frozenset()
@@ -263,7 +288,7 @@ class Capuchin:
                 sim = simulate(problem, decisions)
             if after_round is not None:
                 decisions, sim, regen = after_round(Attempt(decisions, sim, regen))
-                chosen = {d.storage_id: d for d in decisions}
+                chosen = {key(problem, d.storage_id, d.evict_op): d for d in decisions}
             if best.sim is None or sim.peak_bytes < best.sim.peak_bytes:
                 best = Attempt(decisions, sim, regen)
             if sim.peak_bytes <= target or not added:
@@ -283,7 +308,7 @@ class Capuchin:
         """One pass of Algorithm 1; lowers ``excess`` in place and adds to ``chosen``. Returns
         the number of decisions added; adds the recomputations' Algorithm 2 overheads to
         ``spent[0]``."""
-        sel = _Selection(problem, excess, chosen, timer, self.max_replay_ops)
+        sel = _Selection(problem, excess, chosen, timer, self.max_replay_ops, self.per_gap)
         sel.run(swapping=self.mode != "recompute", recomputing=self.mode != "swap")
         if spent is not None:
             spent[0] += sel.spent_ns
@@ -302,8 +327,10 @@ class _Selection:
         chosen: dict,
         timer: SwapTimer,
         max_replay_ops: int,
+        per_gap: bool = False,
     ):
         self.problem = problem
+        self.key = _key if per_gap else _storage_key  # Note [A candidate per gap of ...]
         self.excess = excess
         self.chosen = chosen
         self.timer = timer
@@ -333,7 +360,9 @@ class _Selection:
         return e.overhead_ns + (self.queue.swap_penalty(p) if self.queue is not None else 0)
 
     def take_swap(self, p: AccessGap, e) -> None:  # Swap(t), mem_saving -= t.mem (lines 7, 12)
-        self.chosen[p.storage_id] = p.decision(Method.SWAP, trigger_op=e.trigger_op)
+        self.chosen[self.key(self.problem, p.storage_id, p.evict_op)] = p.decision(
+            Method.SWAP, trigger_op=e.trigger_op
+        )
         (reserve_wrap if p.wraps else SwapTimer.reserve)(self.timer, e)
         for lo, hi in self.covers(e):
             self.excess[lo : hi + 1] -= p.size_bytes
@@ -352,13 +381,14 @@ class _Selection:
     def run(self, swapping: bool, recomputing: bool) -> None:
         problem, excess, chosen = self.problem, self.excess, self.chosen
         pairs = _candidates(problem, excess > 0, chosen, self.timer)
+        key = self.key
         if not pairs:
             return
 
         # -- swap first, while a swap costs nothing (§4.5; §1.8 step 3) --------------------------
         if swapping:
             for ft, p in pairs:
-                if p.storage_id in chosen:
+                if key(problem, p.storage_id, p.evict_op) in chosen:
                     continue
                 if ft < 0:
                     break  # ranked by free time: no later pair can hide either
@@ -371,10 +401,10 @@ class _Selection:
                         return
 
         # -- the hybrid phase: the cheaper of the best swap and the best recomputation -----------
-        best_pair: dict[str, AccessGap] = {}  # one pair per remaining candidate: longest FT
+        best_pair: dict = {}  # one pair per remaining candidate: longest FT
         for _, p in pairs:
-            if p.storage_id not in chosen:
-                best_pair.setdefault(p.storage_id, p)
+            if (c := key(problem, p.storage_id, p.evict_op)) not in chosen:
+                best_pair.setdefault(c, p)
         ranked = enumerate(best_pair.items()) if swapping else ()
         swaps = [(self.estimate(p).overhead_ns, i, sid) for i, (sid, p) in ranked]
         heapq.heapify(swaps)
@@ -422,8 +452,20 @@ class _Selection:
                 self.take_recompute(r)
 
 
+def _key(problem: Problem, sid: str, evict_op: int):
+    """The candidate a decision on ``sid`` after op ``evict_op`` is (Note [A candidate per gap
+    of persistent storages]): the storage when it is evictable, else the storage's gap."""
+    return sid if problem.storages[sid].evictable else (sid, evict_op)
+
+
+def _storage_key(problem: Problem, sid: str, evict_op: int) -> str:
+    """One candidate per storage, the paper's (Note [A candidate per gap of persistent
+    storages])."""
+    return sid
+
+
 def _candidates(
-    problem: Problem, over: np.ndarray, chosen: dict[str, Decision], timer: SwapTimer
+    problem: Problem, over: np.ndarray, chosen: dict, timer: SwapTimer
 ) -> list[tuple[int, AccessGap]]:
     """IdentifyAndSortCandidates (line 1): every access pair of a swappable storage not chosen
     yet whose gap holds an op over the target, ranked by free time (Eq. 1), longest first."""
@@ -434,6 +476,8 @@ def _candidates(
         if s.storage_id in chosen or not s.swappable:
             continue
         for a, b, wraps in problem.swap_gaps(s):
+            if not s.evictable and (s.storage_id, a) in chosen:
+                continue  # Note [A candidate per gap of persistent storages]
             # an over-target op strictly inside the gap (a wrap's: after a, or before b)
             if (cnt[n] - cnt[a + 1] + cnt[b] if wraps else cnt[b] - cnt[a + 1]) > 0:
                 ft = (wrap_free_time if wraps else SwapTimer.free_time)(timer, s.size_bytes, a, b)
