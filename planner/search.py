@@ -343,7 +343,11 @@ def grid_targets(problem: Problem) -> list[int]:
     """Note [Targets]: the floor, nine steps up to the peak (19 under ``FINE_GRID_OPS`` ops,
     39 under ``FINEST_GRID_OPS``), and three below the floor. Cached per problem (the floor
     is a pass over every storage's gaps)."""
-    return list(cached(problem, "grid targets", lambda: _grid_targets(problem)))
+    done = problem_cache(problem, "_grid_targets")
+    key = (FINE_GRID_OPS, FINEST_GRID_OPS)  # the thresholds (tests vary them)
+    if key not in done:
+        done[key] = _grid_targets(problem)
+    return list(done[key])
 
 
 def _grid_targets(problem: Problem) -> tuple[int, ...]:
