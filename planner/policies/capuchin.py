@@ -202,7 +202,10 @@ def _baselines(
         from ..registry import get_policy
 
         made["baselines"] = ["dtr"]  # Note [Never worse than the baselines]
-        return complete_decisions(problem, get_policy("dtr")(problem, budget_bytes).decisions)
+        try:
+            return complete_decisions(problem, get_policy("dtr")(problem, budget_bytes).decisions)
+        except PlanError:  # lineage the builder cannot complete: no candidate (the empty plan)
+            return []
 
     n = problem.n_ops
     out = [rec] if n < DEEP_WHEN_NEEDED_OPS or n > BASELINE_MAX_OPS else []
