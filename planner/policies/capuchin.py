@@ -58,8 +58,8 @@ it in the generic search of planner/search.py, which is not in the paper.
 #
 # Note: [Never worse than the baselines]
 # The policy's pick (search Note [Best of variants]) includes the ``recompute`` policy's plan
-# and, on problems of ``DTR_BASELINE_OPS`` ops or more, the ``dtr`` policy's (its decisions are
-# recomputations the builder completes, a plan the runtime runs like any other), after
+# and, on problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, the ``dtr`` policy's (its decisions
+# are recomputations the builder completes, a plan the runtime runs like any other), after
 # capuchin's own plans: ties keep capuchin's, and neither is made when one of capuchin's fits at
 # no cost. So capuchin is never slower under the simulator than recompute-only, nor than DTR
 # where DTR takes part. Capuchin's own recompute-only grid is not always the policy's: above
@@ -91,7 +91,8 @@ it in the generic search of planner/search.py, which is not in the paper.
 # recorded in ``figures["search"]`` (the plan's ``provenance.parameters``): ``persistent``
 # ("none": not made, "light" or "full") and ``deep`` (the candidates, as "restricted hybrid",
 # "full recompute", ..., whose deep targets were planned); ``descend`` where the problem is too
-# large for the grid (not monotone at all).
+# large for the grid (not monotone at all); ``baselines`` (["dtr"]) where DTR's plan was made as
+# a candidate (Note [Never worse than the baselines]).
 """
 
 from __future__ import annotations
@@ -126,7 +127,6 @@ from ..simulator import simulate
 from ..swapping import SwapTimer, WrapEstimate, estimate_wrap, reserve_wrap, wrap_free_time
 
 DEEP_WHEN_NEEDED_OPS = 1000  # Note [Deep targets on large problems]
-DTR_BASELINE_OPS = 1000  # Note [Never worse than the baselines]
 _max = np.maximum.reduce
 
 
@@ -184,7 +184,7 @@ def _baselines(
 ) -> list:
     """Note [Never worse than the baselines]: the ``recompute`` policy's plan (except between
     ``DEEP_WHEN_NEEDED_OPS`` and ``BASELINE_MAX_OPS`` ops) and, on problems of
-    ``DTR_BASELINE_OPS`` ops or more, the ``dtr`` policy's (its lineage completed), as
+    ``DEEP_WHEN_NEEDED_OPS`` ops or more, the ``dtr`` policy's (its lineage completed), as
     candidates for ``best_of``, made when called."""
 
     def rec() -> list[Decision]:
@@ -209,7 +209,7 @@ def _baselines(
 
     n = problem.n_ops
     out = [rec] if n < DEEP_WHEN_NEEDED_OPS or n > BASELINE_MAX_OPS else []
-    return out + [dtr] if n >= DTR_BASELINE_OPS else out
+    return out + [dtr] if n >= DEEP_WHEN_NEEDED_OPS else out
 
 
 def _costs_nothing(problem: Problem, decisions: list[Decision], budget_bytes: int) -> bool:
