@@ -136,7 +136,10 @@ plan gets faster without its peak rising above the bound it was given.
 # smallest simulated time (when none fits: the lowest peak; ties keep the earlier). It stops
 # early at a plan that fits at no cost. With the capuchin policy's candidates (its own plan,
 # then the recompute-only and swap-only plans, then ``recompute_first``), ``capuchin`` is never
-# worse than ``swap`` or ``recompute`` under the simulator.
+# worse than ``swap`` or ``recompute`` under the simulator on the grid's problems; where those
+# policies plan otherwise (``descend`` above ``BASELINE_MAX_OPS`` ops), the ``recompute``
+# policy's own plan and DTR's are candidates too (policies/capuchin.py Note [Never worse than
+# the baselines]); the ``swap`` policy's is not.
 #
 # Note: [Restricted first]
 # More candidates can end in a costlier greedy plan (selection is not monotone in its
