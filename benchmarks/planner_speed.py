@@ -3,13 +3,17 @@
     python benchmarks/planner_speed.py                         # bundled + DTR traces, 80/60/40%
     python benchmarks/planner_speed.py --traces a.parquet b.parquet --fractions 0.6
     python benchmarks/planner_speed.py --synthetic             # also the generated ~100k-op trace
+    python benchmarks/planner_speed.py --no-dtr --llama 32,22 --fractions 80%,60%,45%
 
 Every (trace, budget) cell runs in a fresh process (nothing cached: what a user waits for):
 load the trace, build the problem, the policy's decisions, the plan (lineage, simulation,
 action table) and its JSON. ``cpu_s`` is that process's CPU time for those stages (the machine
 may be shared; CPU time is what the planner costs). The eight DTR traces are imported from
 ``--dtr-zip`` (tracer/dtr_import.py, as ``capuchin import-dtr``). ``--synthetic`` adds
-tracer/synthetic.py's 24-layer transformer (~100k ops) at 50%.
+tracer/synthetic.py's 24-layer transformer (~100k ops) at 50%. ``--llama`` adds
+tests/frameworks/hf_llama_ckpt.py with that many decoder layers (default 32: thin layers, AdamW,
+gradient checkpointing), traced once with one intra-op thread into ``benchmarks/.cache/``
+(git-ignored; delete it to trace afresh) and reused; ``--llama ''`` leaves it out.
 """
 
 from __future__ import annotations
@@ -72,6 +76,20 @@ def one(path: str, budget: str, policy: str) -> dict:
     )
 
 
+def llama_trace(layers: int) -> Path:
+    """tests/frameworks/hf_llama_ckpt.py with ``layers`` decoder layers, traced once (one
+    intra-op thread) into benchmarks/.cache/ and reused."""
+    out = ROOT / "benchmarks" / ".cache" / f"hf_llama_ckpt-{layers}.trace.parquet"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        script = ROOT / "tests" / "frameworks" / "hf_llama_ckpt.py"
+        cmd = [sys.executable, "-m", "capuchin", "trace", "-o", str(out), str(script)]
+        cmd += ["--", "--layers", str(layers)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        subprocess.run(cmd, check=True, env=env, capture_output=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -89,6 +107,11 @@ def main(argv=None) -> int:
         "--synthetic",
         action="store_true",
         help="also the generated 24-layer transformer (~100k ops) at 50%%",
+    )
+    ap.add_argument(
+        "--llama",
+        default="32",
+        help="decoder layers of the HF Llama traces to add, comma-separated ('' for none)",
     )
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--one", nargs=2, metavar=("TRACE", "BUDGET"), help=argparse.SUPPRESS)
@@ -120,6 +143,8 @@ def main(argv=None) -> int:
                         ),
                     )
                 )
+        if args.traces is None:
+            paths += [(f"hf-llama-{n}", llama_trace(int(n))) for n in args.llama.split(",") if n]
         cells = [(n, p, b) for n, p in paths for b in args.fractions.split(",")]
         if args.synthetic:
             from capuchin.tracer.reader import write_trace

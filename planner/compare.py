@@ -63,6 +63,9 @@ class CompareRecord:
     error: str | None = None
     smallest_feasible_bytes: int | None = None
     time_limit_s: float | None = None
+    # ``predicted_overhead`` plus the runtime's per-op cost (planner/costs.py): the figure
+    # ``capuchin plan`` prints for the same plan; None where no plan was made
+    overhead_with_runtime: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,7 @@ def evaluate(
             if problem.overhead_base_ns > 0
             else sim.overhead
         ),
+        overhead_with_runtime=float(plan.predictions.predicted_overhead),
         solve_time_s=plan.provenance.solve_time_s,
         bytes_swapped=int(swapped),
         ops_recomputed=int(replayed),
@@ -275,7 +279,9 @@ def format_comparison(result: Comparison) -> str:
         f"{result.baseline_time_ns / 1e6:.2f} ms, floor {format_bytes(result.floor_bytes)} "
         f"({_pct(result.floor_bytes, peak)} of peak: no plan goes below)",
         f"overhead: simulated, of the {base}, without the runtime's per-op cost "
-        "(capuchin plan's predicted overhead includes it)",
+        "(capuchin plan's predicted overhead includes it): 'sim overhead' is the simulated "
+        "plan alone, 'with runtime' adds the runtime's per-op cost (what `capuchin plan` "
+        "prints)",
     ]
     header = [
         "policy",
@@ -283,6 +289,7 @@ def format_comparison(result: Comparison) -> str:
         "feasible",
         "peak",
         "sim overhead",
+        "with runtime",
         "swapped",
         "recomputed",
         "solve",
@@ -296,6 +303,7 @@ def format_comparison(result: Comparison) -> str:
                     r.policy,
                     _budget(r.budget_bytes, peak),
                     "error",
+                    "-",
                     "-",
                     "-",
                     "-",
@@ -315,6 +323,7 @@ def format_comparison(result: Comparison) -> str:
                 "yes" if r.feasible else "NO",
                 format_bytes(r.predicted_peak_bytes),
                 f"{r.predicted_overhead:+.1%}",
+                "-" if r.overhead_with_runtime is None else f"{r.overhead_with_runtime:+.1%}",
                 format_bytes(r.bytes_swapped) if r.bytes_swapped else "0",
                 f"{r.ops_recomputed} ops",
                 f"{r.solve_time_s:.2f}s",

@@ -136,7 +136,10 @@ plan gets faster without its peak rising above the bound it was given.
 # smallest simulated time (when none fits: the lowest peak; ties keep the earlier). It stops
 # early at a plan that fits at no cost. With the capuchin policy's candidates (its own plan,
 # then the recompute-only and swap-only plans, then ``recompute_first``), ``capuchin`` is never
-# worse than ``swap`` or ``recompute`` under the simulator.
+# worse than ``swap`` or ``recompute`` under the simulator on the grid's problems; where those
+# policies plan otherwise (``descend`` above ``BASELINE_MAX_OPS`` ops), the ``recompute``
+# policy's own plan and DTR's are candidates too (policies/capuchin.py Note [Never worse than
+# the baselines]); the ``swap`` policy's is not.
 #
 # Note: [Restricted first]
 # More candidates can end in a costlier greedy plan (selection is not monotone in its
@@ -180,6 +183,17 @@ plan gets faster without its peak rising above the bound it was given.
 # left out: on DTR U-Net it lowered 40% from +17.80% to +15.23% and 60% from +4.05% to +3.94%,
 # but cost 2-3 s more per cell on ResNet-32 and DenseNet-121 (12.5 and 8.8 s at 40%, under
 # load 3-4), which are at the planning-time goal already.
+#
+# Note: [Pruned once per plan]
+# The grid's targets often end in the same plan (a planner aiming at two nearby targets selects
+# the same decisions; a switched variant equals its plan), and each is pruned, which simulates
+# the plan once per decision it tries to drop (up to ``max_exact``) and is most of the grid's
+# simulations. ``prune`` is a function of the problem, the plan (its decisions, ``regen`` and
+# simulation: the simulation is a function of the decisions), the budget and ``max_exact``, so
+# its result is remembered per problem under that key, and a plan pruned again costs nothing: on
+# a 22-layer Llama (9,649 ops) at 80%, 66 distinct prunes among 114 calls, the policy's CPU time
+# 31.7 -> 21.1 s with the same plan (docs/planner.md, "Speed"). The simulator's own memo keeps
+# the most recent plans only (simulator.py ``_MEMO_EVENTS``), too few to catch these repeats.
 #
 # Note: [Garbage collection while searching]
 # A search allocates millions of short-lived objects (decisions, outcomes, tuples of the
@@ -330,13 +344,22 @@ FINEST_GRID_OPS = 500  # and smaller still the finest
 
 def grid_targets(problem: Problem) -> list[int]:
     """Note [Targets]: the floor, nine steps up to the peak (19 under ``FINE_GRID_OPS`` ops,
-    39 under ``FINEST_GRID_OPS``), and three below the floor."""
+    39 under ``FINEST_GRID_OPS``), and three below the floor. Cached per problem (the floor
+    is a pass over every storage's gaps)."""
+    done = problem_cache(problem, "_grid_targets")
+    key = (FINE_GRID_OPS, FINEST_GRID_OPS)  # the thresholds (tests vary them)
+    if key not in done:
+        done[key] = _grid_targets(problem)
+    return list(done[key])
+
+
+def _grid_targets(problem: Problem) -> tuple[int, ...]:
     floor, peak = problem.floor_bytes(), problem.peak_bytes
     n = problem.n_ops
     k = 40 if n < FINEST_GRID_OPS else 20 if n < FINE_GRID_OPS else 10
     targets = [floor + (peak - floor) * i // k for i in range(k)]
     targets += [floor * 9 // 10, floor * 3 // 4, floor // 2]
-    return [x for x in dict.fromkeys(targets) if 0 < x < peak]
+    return tuple(x for x in dict.fromkeys(targets) if 0 < x < peak)
 
 
 def grid(
@@ -843,7 +866,8 @@ def timer_from(problem: Problem, sim: SimResult, in_peak) -> SwapTimer:
 
 
 def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> list[Decision]:
-    """Drop decisions that cost time but are no longer needed for the budget.
+    """Drop decisions that cost time but are no longer needed for the budget (Note [Pruned
+    once per plan]: remembered per problem, keyed by the plan and the budget).
 
     Greedy selection over-evicts: a recomputation picked for its MSPS can be made redundant by a
     later, larger one, a stalled swap by later swaps. The costliest decisions are tried first
@@ -852,6 +876,27 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
     out when it still fits), the rest by a conservative estimate (their bytes back on every op
     of their gap, both ranges of a wrap-around gap) confirmed by one final simulation.
     """
+    sim = a.sim
+    key = (tuple(a.decisions), sim.time_ns, sim.peak_bytes, a.regen, budget, max_exact)
+    done = problem_cache(problem, "_pruned")
+    got = done.get(key)
+    if got is None:
+        got = done[key] = _prune(problem, a, budget, max_exact)
+    # an unchanged plan comes back as ``a``'s own list (callers test ``is``), a changed one as
+    # a new list each time (callers may extend it)
+    return a.decisions if got is _UNCHANGED else list(got)
+
+
+_UNCHANGED = object()
+
+
+def _prune(problem: Problem, a: Attempt, budget: int, max_exact: int):
+    """``prune``'s work: its tuple of decisions, or ``_UNCHANGED``."""
+    out = _prune_once(problem, a, budget, max_exact)
+    return _UNCHANGED if out is a.decisions else tuple(out)
+
+
+def _prune_once(problem: Problem, a: Attempt, budget: int, max_exact: int) -> list[Decision]:
     decisions, sim, regen = a
     # by window: a persistent storage may have several (plan.py Note [Several windows per
     # storage])

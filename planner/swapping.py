@@ -316,53 +316,103 @@ def _wrap_fit(ch: Channel, earliest: int, dur: int, period: int) -> int:
 
 def estimate_wrap(timer: SwapTimer, size: int, a: int, b: int, useful=None) -> WrapEstimate:
     """A swap-out after op ``a`` of iteration i, back before op ``b`` of iteration i+1; see
-    Note [Wrap-around swaps]. ``useful(lo, hi)`` as in ``SwapTimer.estimate``."""
+    Note [Wrap-around swaps]. ``useful(lo, hi)`` as in ``SwapTimer.estimate``.
+
+    The unrolled ops are ops a+1..n-1 of iteration i, then 0..b of iteration i+1 (unrolled index
+    ``v``: ``v < m`` is op a+1+v, else op v-m, shifted by ``T``); their start and end times are
+    sorted, so each set the in-trigger search needs (the ops after the swap-out, those whose
+    copy would end in time, those covered) is a range found by bisection on the problem's op
+    times, and the peak window's allowed ops by the timer's prev/next tables."""
     p = timer.p
     n = p.n_ops
     T = int(timer.end[-1]) if n else 0
+    start, end, prev_ok, next_ok = timer._start, timer._end, timer._prev_ok, timer._next_ok
     t_out, t_in = timer.out_time(size), timer.in_time(size)
-    out_start = _wrap_fit(timer.d2h, int(timer.end[a]), t_out, T)
+    out_start = _wrap_fit(timer.d2h, end[a], t_out, T)
     out_end = out_start + t_out
-    deadline = T + int(timer.start[b])
-    # unrolled ops: a+1..n-1 of iteration i, then 0..b of iteration i+1 (index v >= n)
-    vops = np.concatenate([np.arange(a + 1, n), n + np.arange(b + 1)])
-    real = np.where(vops >= n, vops - n, vops)
-    shift = np.where(vops >= n, T, 0)
-    vst = timer.start[real] + shift
-    ven = timer.end[real] + shift
+    deadline = T + start[b]
+    m = n - a - 1  # unrolled ops of iteration i
+    last = m + b  # the back-access itself: not a trigger
 
-    def at(i: int | None) -> WrapEstimate:
-        issue = int(vst[i]) if i is not None else deadline
+    def real(v: int) -> int:
+        return a + 1 + v if v < m else v - m
+
+    def vstart(v: int) -> int:
+        return start[a + 1 + v] if v < m else T + start[v - m]
+
+    def first_start_ge(x: int) -> int:  # the first v whose start is >= x (last + 1: none)
+        k = bisect_left(start, x, a + 1, n)
+        if k < n:
+            return k - a - 1
+        return m + bisect_left(start, x - T, 0, b + 1)
+
+    def last_start_le(x: int) -> int:  # the last v whose start is <= x (-1: none)
+        k = bisect_right(start, x - T, 0, b + 1) - 1
+        if k >= 0:
+            return m + k
+        return bisect_right(start, x, a + 1, n) - 1 - a - 1
+
+    def last_end_le(x: int) -> int:  # the last v whose end is <= x (-1: none)
+        k = bisect_right(end, x - T, 0, b + 1) - 1
+        if k >= 0:
+            return m + k
+        return bisect_right(end, x, a + 1, n) - 1 - a - 1
+
+    def prev_allowed(v: int) -> int:  # the last v' <= v outside the peak window (-1: none)
+        if v >= m:
+            r = prev_ok[v - m]
+            if r >= 0:
+                return m + r
+            v = m - 1
+        if v < 0:
+            return -1
+        r = prev_ok[a + 1 + v]
+        return r - a - 1 if r > a else -1
+
+    def next_allowed(v: int) -> int:  # the first v' >= v outside the peak window (> last: none)
+        if v < m:
+            r = next_ok[a + 1 + v]
+            if r < n:
+                return r - a - 1
+            v = m
+        return m + next_ok[v - m]
+
+    def at(v: int | None) -> WrapEstimate:
+        issue = vstart(v) if v is not None else deadline
         in_start = _wrap_fit(timer.h2d, max(issue, out_end), t_in, T)
         in_end = in_start + t_in
-        cov = np.flatnonzero((vst >= out_end) & (ven <= in_start))
+        lo, hi = first_start_ge(out_end), last_end_le(in_start)  # the ops covered: lo..hi
         rng = []
-        if len(cov):
-            for part in (cov[vops[cov] < n], cov[vops[cov] >= n]):
-                if len(part):  # contiguous in each iteration
-                    rng.append((int(real[part[0]]), int(real[part[-1]])))
-        trig = None if i is None else int(real[i])
+        if lo <= hi:
+            if lo < m:  # contiguous in each iteration
+                rng.append((a + 1 + lo, a + 1 + min(hi, m - 1)))
+            if hi >= m:
+                rng.append((max(lo, m) - m, hi - m))
+        trig = None if v is None else real(v)
         return WrapEstimate(
             trig, out_start, out_end, in_start, in_end, max(0, in_end - deadline), tuple(rng)
         )
 
     options: list[int | None] = []
-    allowed = timer.prev_ok[real] == real  # outside the peak window
-    last = len(vops) - 1  # the back-access itself: not a trigger
-    # latest trigger whose copy ends in time, outside the peak window, channel free
-    ok = np.flatnonzero((vst[:last] <= deadline - t_in) & (vst[:last] >= out_end) & allowed[:last])
-    for i in ok[::-1][:8]:
-        if _wrap_fit(timer.h2d, int(vst[i]), t_in, T) + t_in <= deadline:
-            options.append(int(i))
+    first = first_start_ge(out_end)  # triggers issue after the swap-out
+    # latest trigger whose copy ends in time, outside the peak window, channel free (of the
+    # eight latest such triggers)
+    v = prev_allowed(min(last - 1, last_start_le(deadline - t_in)))
+    for _ in range(8):
+        if v < first:
             break
+        if _wrap_fit(timer.h2d, vstart(v), t_in, T) + t_in <= deadline:
+            options.append(v)
+            break
+        v = prev_allowed(v - 1)
     # earliest allowed trigger after the swap-out, and on demand
-    early = np.flatnonzero((vst[:last] >= out_end) & allowed[:last])
-    if len(early):
-        options.append(int(early[0]))
+    v = next_allowed(first)
+    if v < last:
+        options.append(v)
     options.append(None)
     best = None
-    for i in dict.fromkeys(options):
-        e = at(i)
+    for v in dict.fromkeys(options):
+        e = at(v)
         helps = useful is None or any(useful(lo, hi) for lo, hi in e.cover)
         key = (not helps, e.overhead_ns)
         if best is None or key < best[0]:

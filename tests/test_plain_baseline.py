@@ -10,7 +10,7 @@ from dataclasses import asdict
 import pytest
 from capuchin.cli import main
 from capuchin.planner.api import make_plan
-from capuchin.planner.compare import compare_policies, format_comparison
+from capuchin.planner.compare import compare_policies, format_comparison, records_to_json
 from capuchin.planner.plan import Plan, Predictions, load_plan
 from capuchin.planner.problem import Problem
 from capuchin.planner.report import format_summary
@@ -160,6 +160,30 @@ def test_plan_and_compare_cli_name_the_baseline(tmp_path, monkeypatch):
         - plan.predictions.baseline_time_ns,
         abs=1,
     )
+
+
+def test_compare_prints_both_figures_and_names_them(tmp_path, monkeypatch):
+    # the same plan: 'sim overhead' is the simulated plan alone, 'with runtime' what `capuchin
+    # plan` prints (the runtime's per-op cost added)
+    monkeypatch.chdir(tmp_path)
+    tr = _tf(TF_PLAIN)
+    write_trace(tr.events, tr.meta, tmp_path / "tf.trace.parquet")
+    cmp = compare_policies(tmp_path / "tf.trace.parquet", "60%", policies=["capuchin"])
+    (rec,) = cmp.records
+    pr = cmp.plans["capuchin", rec.budget_bytes].predictions
+    assert pr.runtime_cost_ns > 0
+    assert rec.overhead_with_runtime == pytest.approx(pr.predicted_overhead)
+    assert rec.overhead_with_runtime == pytest.approx(
+        rec.predicted_overhead + pr.runtime_cost_ns / TF_PLAIN
+    )
+    lines = format_comparison(cmp).splitlines()
+    assert "'with runtime' adds the runtime's per-op cost (what `capuchin plan` prints)" in lines[1]
+    header = next(x for x in lines if x.startswith("policy"))
+    row = next(x for x in lines if x.startswith("capuchin"))
+    assert header.index("sim overhead") < header.index("with runtime")
+    assert f"{rec.predicted_overhead:+.1%}" in row and f"{rec.overhead_with_runtime:+.1%}" in row
+    recs = json.loads(records_to_json(cmp))
+    assert recs[0]["overhead_with_runtime"] == pytest.approx(pr.predicted_overhead)
 
 
 def test_compare_overhead_is_of_the_plain_step_without_runtime_cost():

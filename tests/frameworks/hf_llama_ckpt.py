@@ -1,6 +1,7 @@
 """A Hugging Face Llama causal LM built from a tiny ``LlamaConfig`` (random weights), trained with
 ``gradient_checkpointing_enable()`` (the decoder layers' activations recomputed in backward by
-``torch.utils.checkpoint``), AdamW and a linear warm-up schedule."""
+``torch.utils.checkpoint``), AdamW and a linear warm-up schedule. ``--layers N``: N decoder layers
+(default 2; benchmarks/planner_speed.py traces 32, a deep model of thin layers)."""
 
 import argparse
 import warnings
@@ -14,6 +15,7 @@ logging.set_verbosity_error()
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--batch", type=int, default=4)
+parser.add_argument("--layers", type=int, default=2, help="decoder layers (num_hidden_layers)")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -21,7 +23,7 @@ config = LlamaConfig(
     vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
-    num_hidden_layers=2,
+    num_hidden_layers=args.layers,
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=64,

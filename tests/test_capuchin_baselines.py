@@ -1,0 +1,76 @@
+"""The capuchin policy's pick includes the baselines' plans (policies/capuchin.py Note [Never
+worse than the baselines]): whatever the ``recompute`` policy plans at the budget, capuchin's
+plan is no slower under the simulator."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import capuchin.planner.policies.capuchin as policy
+import pytest
+from capuchin.planner.build import complete_decisions
+from capuchin.planner.costs import HostCost
+from capuchin.planner.improve import search_plans
+from capuchin.planner.problem import Problem
+from capuchin.planner.registry import PolicyResult
+from capuchin.planner.simulator import simulate
+from capuchin.tracer.reader import load_trace
+from capuchin.tracer.synthetic import random_ops, trace_from_ops
+
+CNN = Path(__file__).resolve().parent.parent / "traces" / "cnn.trace.parquet"
+
+
+def _time_ns(problem: Problem, decisions) -> int:
+    return simulate(problem, list(decisions)).time_ns
+
+
+def test_a_faster_recompute_policy_plan_is_picked(monkeypatch):
+    # a plan faster than capuchin's own search: the bundled CNN at 60%, where a short seeded
+    # local search from capuchin's plan finds one (its decisions stand in for what the
+    # recompute policy plans; on the traces measured it is the recompute policy's descent
+    # above BASELINE_MAX_OPS ops that beats the grid)
+    problem = Problem.from_trace(load_trace(CNN))
+    budget = int(problem.peak_bytes * 0.6)
+    own = policy.capuchin(problem, budget).decisions
+    found = search_plans(problem, budget, own, steps=300, seed=0)
+    better = complete_decisions(problem, found.decisions)
+    assert simulate(problem, better).peak_bytes <= budget
+    assert _time_ns(problem, better) < _time_ns(problem, own)  # the premise
+
+    monkeypatch.setattr(policy, "recompute_only", lambda *a, **k: PolicyResult.of(better))
+    fresh = Problem.from_trace(load_trace(CNN))  # no search cached
+    got = policy.capuchin(fresh, budget).decisions
+    assert simulate(fresh, list(got)).peak_bytes <= budget
+    assert _time_ns(fresh, got) == _time_ns(fresh, better)
+
+
+@pytest.mark.slow
+def test_capuchin_is_never_slower_than_recompute_only():
+    problem = Problem.from_trace(load_trace(CNN))
+    for frac in (0.8, 0.6, 0.4):
+        budget = int(problem.peak_bytes * frac)
+        own = simulate(problem, list(policy.capuchin(problem, budget).decisions))
+        rec = simulate(problem, list(policy.recompute_only(problem, budget).decisions))
+        if rec.peak_bytes <= budget:
+            assert own.peak_bytes <= budget and own.time_ns <= rec.time_ns
+
+
+def test_the_recompute_policys_descent_is_picked_where_it_beats_the_grid(monkeypatch):
+    # a generated problem (32 ops) where the recompute policy planning for the budget itself
+    # (``descend``, what it does above BASELINE_MAX_OPS ops) beats capuchin's own search at
+    # 60%: 44,198 ns against 46,367 ns. The limit is lowered so that a small problem takes
+    # that path
+    monkeypatch.setattr(policy, "BASELINE_MAX_OPS", 0)
+    ops, sizes, persistent = random_ops(14, 14)
+    problem = dataclasses.replace(
+        Problem.from_trace(
+            trace_from_ops(ops, sizes, persistent=persistent, bandwidth_bytes_per_s=1e8)
+        ),
+        host=HostCost(900, 400, 400),
+    )
+    budget = int(problem.peak_bytes * 0.6)
+    rec = simulate(problem, list(policy.recompute_only(problem, budget).decisions))
+    assert rec.peak_bytes <= budget
+    got = simulate(problem, list(policy.capuchin(problem, budget).decisions))
+    assert got.peak_bytes <= budget and got.time_ns <= rec.time_ns
