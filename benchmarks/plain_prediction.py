@@ -112,7 +112,7 @@ def print_table(rows, loads, budget, repeats, steps, script_args, policy="capuch
         f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n"
     )
     print(
-        "| example | traced ms | plain (trace) ms | host µs: op/loop op/slow/swap/replay/drop (trace) | plain ms | managed ms | "
+        "| example | traced ms | plain (trace) ms | host µs: op/loop op/slow/slow in script/swap/replay/drop (trace) | plain ms | managed ms | "
         "measured x plain | predicted (calibrated) | measured / predicted | predicted "
         "(constants) | measured / predicted (constants) |"
     )
@@ -125,6 +125,7 @@ def print_table(rows, loads, budget, repeats, steps, script_args, policy="capuch
                 "hot_op_ns",
                 "loop_hot_op_ns",
                 "slow_op_ns",
+                "slow_op_script_ns",
                 "swap_action_ns",
                 "replay_op_ns",
                 "drop_action_ns",
