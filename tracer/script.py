@@ -33,6 +33,7 @@ def trace_script(
     plain_steps: int = 3,
     keeper: Callable | None = None,
     calibrate_host: Callable | None = None,
+    region_tags: dict | None = None,
 ) -> Path:
     """Trace ``script`` (run with ``args``) into ``output`` (default ``<stem>.trace.parquet``).
 
@@ -41,7 +42,8 @@ def trace_script(
     written then. ``budget_bytes``: trace under this memory cap (Note [Tracing under a budget] in
     tracer/record.py), kept by ``keeper`` (capuchin/tracing.py supplies the runtime's, and its
     ``calibrate_host``: Note [Calibrated host costs] in planner/costs.py).
-    ``plain_steps``: Note [Plain step] there. See ``Tracer`` for the other arguments.
+    ``plain_steps``: Note [Plain step] there. ``region_tags``: compiled in (Note [Region tags]
+    in tracer/region_tags.py; verified by the caller). See ``Tracer`` for the other arguments.
     """
     from .record import Tracer
 
@@ -60,6 +62,7 @@ def trace_script(
         plain_steps=plain_steps,
         keeper=keeper,
         calibrate_host=calibrate_host,
+        region_tags=region_tags,
         **kwargs,
     )
     with tracer:
