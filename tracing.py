@@ -120,12 +120,10 @@ def verify_region_tags(
     optimizer state, buffers) that differ (Note [Region tags]). Both runs are the compiled
     script without capuchin's dispatch modes; the untagged one without its partitioner."""
     import contextlib
-    import io
 
     import torch
     import torch._dynamo
 
-    from .runtime.launch import run_under
     from .tracer import region_tags
 
     rng = torch.random.get_rng_state()
@@ -133,8 +131,7 @@ def verify_region_tags(
     def once(context) -> dict:
         torch.random.set_rng_state(rng)
         torch._dynamo.reset()
-        with contextlib.redirect_stdout(io.StringIO()), context:
-            return run_under(None, script, args, steps=steps, keep_state=True).state
+        return state_after_steps(script, args, steps, context)
 
     try:
         plain = once(contextlib.nullcontext())
@@ -143,3 +140,45 @@ def verify_region_tags(
         torch.random.set_rng_state(rng)
         torch._dynamo.reset()
     return region_tags.state_differences(plain, with_tags)
+
+
+def state_after_steps(script, args: list[str], steps: int, context) -> dict:
+    """The state after ``script``'s ``steps``-th optimizer step (or at its end), run inside
+    ``context``: the parameters, gradients and optimizer state of the optimizers that stepped
+    and the ``state_dict()`` of the script's global modules (runtime/snapshot.py). Found
+    without global module hooks, which Dynamo would compile into the regions."""
+    import contextlib
+    import io
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from .runtime.launch import StopAfterSteps, run_under
+    from .runtime.snapshot import state_of
+
+    optimizers: list = []
+    got: dict = {}
+
+    def take(script_globals: dict) -> None:
+        mods = [(k, v) for k, v in script_globals.items() if isinstance(v, torch.nn.Module)]
+        got.update(state_of(optimizers, mods))
+
+    count = [0]
+
+    def stepped(opt, a, k):
+        if opt not in optimizers:
+            optimizers.append(opt)
+        count[0] += 1
+        if count[0] == steps:
+            take(vars(sys.modules["__main__"]))  # runpy's module of the script, as it runs
+            raise StopAfterSteps()
+
+    handle = register_optimizer_step_post_hook(stepped)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), context:
+            ran = run_under(None, script, args)
+    finally:
+        handle.remove()
+    if not got and ran.globals is not None:  # the script ended before ``steps`` steps
+        take(ran.globals)
+    return got

@@ -180,6 +180,8 @@ class Runtime:
             raise PlanFormatError("Runtime needs a plan or a budget_bytes (passive mode)")
         self.budget_bytes = int(budget_bytes if budget_bytes is not None else plan.budget_bytes)
         self.device = resolve_run_device(device, plan)  # Note [Per-rank device] in device.py
+        self._check_region_tags()  # before CUDA is looked for: refused on a GPU either way
+        self._partitioner = None
         planned = plan.provenance.device if plan is not None else None
         if planned and torch.device(planned).type != self.device.type:
             raise PlanFormatError(
@@ -193,8 +195,6 @@ class Runtime:
                 f"{self.plan_source}: plan is for {self.device}, but CUDA is not "
                 "available here; make a plan from a trace of this device"
             )
-        self._check_region_tags()
-        self._partitioner = None
         self.passive_enabled = passive
         if eviction not in EVICTIONS or remat not in REMAT:
             raise PlanFormatError(
