@@ -228,6 +228,27 @@ def test_region_tags_are_refused_on_cuda(mlp_plan, tmp_path):
     assert not (tmp_path / "t.parquet").exists()
 
 
+def test_a_users_own_partitioner_is_refused(monkeypatch):
+    """capuchin partitions compiled regions itself while it traces: a partitioner the user set
+    would be replaced silently, so it is refused."""
+    import torch._inductor.config as ic
+    from capuchin.tracer import region_tags
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class Own(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            raise AssertionError("not called")
+
+        def uuid(self):
+            return "own"
+
+    own = Own()
+    monkeypatch.setattr(ic, "custom_partitioner_fn", own)
+    with pytest.raises(RegionTagsRefused, match="custom_partitioner_fn is set"):
+        region_tags.install({})
+    assert ic.custom_partitioner_fn is own and region_tags.current() is None
+
+
 def test_trace_plan_without_tags_is_refused(mlp_plan, tmp_path):
     path = tmp_path / "p.json"
     mlp_plan.save(path)
