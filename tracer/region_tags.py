@@ -29,12 +29,13 @@ that keeps only tag sets that train bitwise like the untagged program.
 #   nodes inside the backward changes the fusion of those kernels least (the research's advice).
 #   A chain through a matmul, a reduction or an unsaved intermediate is no candidate.
 # - Exactness is measured, not built in: tags change which kernels Inductor fuses, and a fused
-#   kernel may round differently. ``verify_tags`` runs the script's first optimizer steps twice in
-#   this process, untagged then tagged, from the same RNG state, and compares every state tensor
-#   (parameters, gradients, optimizer state, buffers; ``torch.equal``). A tag set that differs is
-#   dropped whole, with one line, and the trace records the untagged program: its saved
-#   activations are then swapped like any others. On CUDA tags are refused up front: no GPU
-#   has run this check, and Triton kernels with atomics need not repeat bitwise at all.
+#   kernel may round differently. ``verify_region_tags`` (capuchin/tracing.py) runs the
+#   script's first optimizer steps twice in this process, untagged then tagged, from the same
+#   RNG state, and compares every state tensor (parameters, gradients, optimizer state,
+#   buffers; ``torch.equal``). A tag set that differs is dropped whole, with one line, and the
+#   trace records the untagged program: its saved activations are then swapped like any
+#   others. On CUDA tags are refused up front: no GPU has run this check, and GPU kernels that
+#   reduce with atomics need not repeat bitwise at all.
 # The hooks (``custom_partitioner_fn``, ``CustomPartitionerFn``, ``min_cut_rematerialization_
 # partition``, ``CompileContext.current_compile_id``, the ``recompute``/``ac_graph_id`` meta
 # keys) are private to torch and were checked on torch 2.13.0.
