@@ -139,10 +139,20 @@ def main() -> None:
     "(one more runs first as a warm-up); plans state their overhead against their median. "
     "0: stop right after the recorded iterations.",
 )
+@click.option(
+    "--plan",
+    "plan_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Compile with this plan's recompute tags inside compiled regions (capuchin plan "
+    "--region-tags), once a verifying run finds them bitwise; else traced without them.",
+)
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @_errors_to_exit
-def trace(output, force, iterations, warmup, device, budget, plain_steps, script, script_args):
+def trace(
+    output, force, iterations, warmup, device, budget, plain_steps, plan_path, script, script_args
+):
     """Record a tensor access trace of an unmodified training SCRIPT.
 
     SCRIPT runs as `python SCRIPT SCRIPT_ARGS...` would; iterations are delimited by optimizer
@@ -175,6 +185,7 @@ def trace(output, force, iterations, warmup, device, budget, plain_steps, script
         force=force,
         budget_bytes=budget_bytes,
         plain_steps=plain_steps,
+        plan=plan_path,
     )
     click.echo(tagged(f"capuchin: wrote {path}"), err=True)
 
@@ -302,10 +313,18 @@ def _floor(trace):
     help="Wall-clock limit of the solve, for policies that search (ilp); ignored, "
     "with a note, by the others.",
 )
+@click.option(
+    "--region-tags",
+    is_flag=True,
+    help="Propose recompute tags inside compiled regions (the trace's candidates); the plan "
+    "then needs a retrace: capuchin trace --plan PLAN SCRIPT, and a plan of that trace.",
+)
 @click.option("--force", is_flag=True, help="Overwrite the output file.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_errors_to_exit
-def plan_cmd(trace, budget, output, policy, bandwidth, iteration, time_limit_s, force, as_json):
+def plan_cmd(
+    trace, budget, output, policy, bandwidth, iteration, time_limit_s, region_tags, force, as_json
+):
     """Compute the swap/recompute plan that fits TRACE's iteration into a memory budget.
 
     Exit status 2 when no plan of the policy fits the budget (the message names the smallest
@@ -324,6 +343,7 @@ def plan_cmd(trace, budget, output, policy, bandwidth, iteration, time_limit_s, 
         iteration=iteration,
         force=force,
         time_limit_s=time_limit_s,
+        region_tags=region_tags,
     ):
         _print_plan(plan, path, as_json)
 

@@ -40,6 +40,11 @@ class RecomputeError(CapuchinError):
     """A recomputation cannot be done correctly (e.g. a source was mutated since it was read)."""
 
 
+class RegionTagsRefused(CapuchinError):
+    """Recompute tags inside compiled regions that capuchin cannot apply exactly (Note [Region
+    tags] in tracer/region_tags.py)."""
+
+
 class OutputExistsError(CapuchinError):
     """An output file exists and ``--force`` (``force=True``) was not given."""
 

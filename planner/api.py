@@ -22,6 +22,7 @@ from .build import build_plan, plans_dead, run_policy, with_dead
 from .improve import bisect_monotone
 from .plan import Plan
 from .problem import Problem
+from .region_tags import with_region_tags
 from .registry import get_policy
 
 
@@ -48,6 +49,52 @@ def load_problem(
 
 
 def make_plan(
+    trace: str | os.PathLike | Trace | Problem,
+    budget: str | int = "50%",
+    policy: str = "capuchin",
+    *,
+    iteration: int | None = None,
+    bandwidth: str | float | None = None,
+    allow_infeasible: bool = False,
+    time_limit_s: float | None = None,
+    region_tags: bool = False,
+    **params: Any,
+) -> Plan:
+    """``_make_plan`` (below), and the plan's recompute tags inside compiled regions: those the
+    trace was recorded with, or with ``region_tags`` those it proposes (Note [Planning region
+    tags] in planner/region_tags.py; then a budget the untagged trace cannot meet is no error:
+    the plan is for a retrace)."""
+    meta = _trace_meta(trace)
+    propose = region_tags and meta is not None and not getattr(meta, "region_tags", None)
+    plan = _make_plan(
+        trace,
+        budget,
+        policy,
+        iteration=iteration,
+        bandwidth=bandwidth,
+        allow_infeasible=allow_infeasible or propose,
+        time_limit_s=time_limit_s,
+        **params,
+    )
+    return with_region_tags(plan, meta, region_tags) if meta is not None else plan
+
+
+def _trace_meta(trace) -> Any:
+    """The metadata of the trace behind ``trace`` (None: a Problem without a trace file)."""
+    if isinstance(trace, Trace):
+        return trace.meta
+    path = trace.trace_path if isinstance(trace, Problem) else trace
+    if not path or not Path(path).is_file():
+        return None
+    import pyarrow.parquet as pq
+
+    from ..tracer.schema import META_KEY, TraceMeta
+
+    raw = (pq.read_schema(path).metadata or {}).get(META_KEY)
+    return TraceMeta.from_bytes(raw) if raw is not None else None
+
+
+def _make_plan(
     trace: str | os.PathLike | Trace | Problem,
     budget: str | int = "50%",
     policy: str = "capuchin",
@@ -195,7 +242,7 @@ def _plan_kinds(
     plans = []
     for (kind, its), problem in zip(kinds, problems, strict=True):
         try:
-            plan = make_plan(problem, budget_bytes, policy, **kw)
+            plan = _make_plan(problem, budget_bytes, policy, **kw)
         except InfeasibleBudgetError as exc:  # say which kind cannot meet it
             raise InfeasibleBudgetError(
                 f"iteration kind {kind!r} (iteration {its[-1]}): {exc}",

@@ -201,6 +201,21 @@ def _provenance_doc(prov: Provenance) -> dict[str, Any]:
 
 
 @dataclass
+class RegionTags:
+    """Recompute tags inside compiled regions (Note [Region tags] in tracer/region_tags.py):
+    ``tags`` maps a region's compile id (``"0/0"``) to the joint-graph node names the
+    partitioner recomputes in the backward; ``traced``: the plan's trace was recorded with
+    exactly these tags, after a verifying run found them bitwise (else the plan only proposes
+    them and ``capuchin run`` refuses it: retrace with ``capuchin trace --plan``);
+    ``candidate_bytes``: the saved activations the tags drop, per step, as the untagged trace
+    recorded them."""
+
+    tags: dict[str, list[str]]
+    traced: bool
+    candidate_bytes: int = 0
+
+
+@dataclass
 class Predictions:
     baseline_peak_bytes: int
     baseline_time_ns: int
@@ -249,6 +264,9 @@ class Plan:
     op_scratch_bytes: list[int] = field(default_factory=list)
     op_peak_bytes: list[int] = field(default_factory=list)
     kinds: list[Plan] = field(default_factory=list)
+    # recompute tags inside compiled regions (Note [Region tags] in tracer/region_tags.py);
+    # None: none. Top level only: one compile of the script serves every kind of iteration
+    region_tags: RegionTags | None = None
 
     # -- serialization: the only one ------------------------------------------------------
     def _kind_doc(self) -> dict[str, Any]:
@@ -275,6 +293,8 @@ class Plan:
             **self._kind_doc(),
             "kinds": [k._kind_doc() for k in self.kinds],
         }
+        if self.region_tags is not None:  # additive: a plan without tags has no such field
+            doc["region_tags"] = asdict(self.region_tags)
         del doc["iteration"]  # provenance.iteration
         return json.dumps(doc, indent=1)
 
@@ -323,6 +343,13 @@ class Plan:
         for k in doc.get("kinds", []):
             kprov = Provenance(**{**asdict(prov), "iteration": k["iteration"]})
             plan.kinds.append(cls._from_kind_doc(k, kprov))
+        if doc.get("region_tags") is not None:
+            rt = doc["region_tags"]
+            plan.region_tags = RegionTags(
+                tags={cid: list(names) for cid, names in rt["tags"].items()},
+                traced=rt["traced"],
+                candidate_bytes=rt.get("candidate_bytes", 0),
+            )
         return plan
 
     def save(self, path: str | os.PathLike, *, force: bool = True) -> Path:
@@ -562,6 +589,15 @@ def _object(v, where):
         raise _Bad(where, f"expected an object, got {type(v).__name__}")
 
 
+def _region_tags(v, where):
+    if v is None:
+        return
+    _obj(v, where, {"tags": _object, "traced": _bool}, {"candidate_bytes": _int_min(0)}, RegionTags)
+    for cid, names in v["tags"].items():
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise _Bad(f"{where}.tags.{cid}", "expected a list of node names")
+
+
 _PROVENANCE = {
     "policy": _str,
     "parameters": _object,
@@ -598,7 +634,12 @@ def check_plan_doc(doc: dict[str, Any]) -> None:
         doc,
         "",
         {"format": _str, "schema_version": _int_min(0), "provenance": _anything, **kind_fields},
-        {"op_scratch_bytes": _anything, "op_peak_bytes": _anything, "kinds": _list_of(_object)},
+        {
+            "op_scratch_bytes": _anything,
+            "op_peak_bytes": _anything,
+            "kinds": _list_of(_object),
+            "region_tags": _region_tags,
+        },
     )
     _obj(doc["provenance"], "provenance", _PROVENANCE, {"capuchin_version": _str}, Provenance)
     _check_kind(doc, "")

@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..distributed import default_warmup, per_rank, say, world
-from ..errors import CapuchinError, PlanFormatError
+from ..errors import CapuchinError, PlanFormatError, RegionTagsRefused
 from ..outputs import check_output
 from ..planner.plan import Plan, load_plan
 from ..tracer.hooks import OpIndexer
@@ -180,6 +180,8 @@ class Runtime:
             raise PlanFormatError("Runtime needs a plan or a budget_bytes (passive mode)")
         self.budget_bytes = int(budget_bytes if budget_bytes is not None else plan.budget_bytes)
         self.device = resolve_run_device(device, plan)  # Note [Per-rank device] in device.py
+        self._check_region_tags()  # before CUDA is looked for: refused on a GPU either way
+        self._partitioner = None
         planned = plan.provenance.device if plan is not None else None
         if planned and torch.device(planned).type != self.device.type:
             raise PlanFormatError(
@@ -237,7 +239,48 @@ class Runtime:
             self._entered = False
             raise
 
+    def _check_region_tags(self) -> None:
+        """Refuse up front a plan whose region tags cannot be compiled in exactly (Note [Region
+        tags] in tracer/region_tags.py): proposed but not traced, or on a GPU."""
+        rt = self.plan.region_tags if self.plan is not None else None
+        if rt is None:
+            return
+        if not rt.traced:
+            raise RegionTagsRefused(
+                f"{self.plan_source}: the plan proposes recompute tags inside compiled regions "
+                "that its trace was not recorded with: trace again with them (capuchin trace "
+                "--plan PLAN SCRIPT) and plan that trace"
+            )
+        if self.device.type != "cpu":
+            raise RegionTagsRefused(
+                f"{self.plan_source}: recompute tags inside compiled regions are refused on "
+                f"{self.device.type}: their bit-identity is checked by a verifying run, and "
+                "none has run on a GPU"
+            )
+
+    def _install_region_tags(self) -> None:
+        """Compile with the plan's region tags (Note [Region tags]): the regions the trace saw."""
+        if self.plan is not None and self.plan.region_tags is not None:
+            from ..tracer import region_tags
+
+            self._partitioner = region_tags.install(self.plan.region_tags.tags)
+
+    def _uninstall_region_tags(self) -> None:
+        if self._partitioner is not None:
+            from ..tracer import region_tags
+
+            region_tags.uninstall()
+            self._partitioner = None
+
     def _enter(self) -> Runtime:
+        self._install_region_tags()
+        try:
+            return self._enter_tagged()
+        except BaseException:
+            self._uninstall_region_tags()
+            raise
+
+    def _enter_tagged(self) -> Runtime:
         if _empty(self.plan):
             return self._enter_empty()
         self.backend = backend_for(self.device, self.plan)
@@ -350,6 +393,7 @@ class Runtime:
 
     def _exit_empty(self, exc_type) -> None:
         self.indexer.uninstall()
+        self._uninstall_region_tags()
         if self._cur is not None and self.meter is not None:
             self.meter.iteration_end(self._cur.iteration)
         self._cur = None  # what ran after the last step is not reported (ops are not seen)
@@ -392,6 +436,7 @@ class Runtime:
             threads.uninstall(self)
             torch.save = self._save
             self.indexer.uninstall()
+            self._uninstall_region_tags()
             peaks = self.meter.finish() if self.meter is not None else {}
             if self._fraction_set:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.device)

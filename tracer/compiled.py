@@ -41,6 +41,8 @@ replayed whole where that is exact (Note [Region replay]); CUDA graph capture re
 #   cannot see into); Inductor's ``freezing`` (parameters become constants of the compiled
 #   code, not region inputs); and a higher-order op other than ``inductor_compiled_code``
 #   (``unsupported_hop``). The checks read the config and the options, so they need no GPU.
+# - Saved activations inside a region are recomputed only by compile-time tags, through
+#   capuchin's partitioner (Note [Region tags] in tracer/region_tags.py).
 # - Functions compiled before capuchin's modes were installed hold regions compiled without the
 #   wrapper, which the modes cannot see: Dynamo's caches are reset when the guard turns the
 #   wrapper on (``torch._dynamo.reset()``; recompiling produces the same code).

@@ -387,6 +387,7 @@ class Tracer:
         keeper: Callable[[int, str], Any] | None = None,
         calibrate_host: Callable[[int, tuple], tuple[dict, dict]] | None = None,
         runtime_probe: Callable[[list, OpIndexer, bool], Any] | None = None,
+        region_tags: dict[str, list[str]] | None = None,
     ):
         if iterations < 1:
             raise CapuchinError(f"iterations must be at least 1, got {iterations}")
@@ -446,6 +447,12 @@ class Tracer:
         self._done: dict[int, _Iteration] = {}
         self._params_seen: dict[int, torch.Tensor] = {}
         self._replayable_regions: set[str] = set()  # Note [Region replay] in compiled.py
+        # Note [Region tags] in region_tags.py: the tags compiled in (verified by the caller),
+        # the partitioner that applies and records them, each forward region's output names
+        self.region_tags = dict(region_tags) if region_tags else None
+        self._partitioner = None
+        self._recorded_partitioner = None
+        self._region_outputs: dict[str, tuple] = {}
         # persistent kind of a storage, remembered across iterations: last iteration's gradients
         # are resident (and often freed by zero_grad before any access) in the next one
         self._rec_kind: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -479,6 +486,15 @@ class Tracer:
             on_free=self._on_free,
             on_step=self._on_step,
         ).install()
+        from . import region_tags
+
+        try:
+            self._partitioner = region_tags.install(self.region_tags)
+            self._recorded_partitioner = self._partitioner
+        except BaseException:
+            self._thread_hook.remove()
+            self.indexer.uninstall()
+            raise
         if self.budget_bytes is not None:  # Note [Tracing under a budget]
             if self.device == "cpu":  # the allocator's count from before the script
                 self._start_profiler()
@@ -492,6 +508,7 @@ class Tracer:
                 self._mark_mode.__exit__(None, None, None)
                 self._thread_hook.remove()
                 self.indexer.uninstall()
+                self._uninstall_partitioner()
                 self._stop_profiler()
                 raise
         # Note [Multi-tensor optimizers per chunk] in optimizer_chunks.py: as the runtime does
@@ -531,6 +548,7 @@ class Tracer:
                 self.indexer.finish()  # (once the plain iterations began, all recorded ones ended)
         finally:
             self.indexer.uninstall()
+            self._uninstall_partitioner()
             self._stop_profiler()
             self._thread_hook.remove()
         self._params_seen.clear()  # do not keep the script's parameters alive
@@ -542,6 +560,13 @@ class Tracer:
             return False  # the script failed: nothing is written
         self._write()
         return stopped
+
+    def _uninstall_partitioner(self) -> None:
+        if self._partitioner is not None:
+            from . import region_tags
+
+            region_tags.uninstall()
+            self._partitioner = None  # its record stays in _recorded_partitioner for _write
 
     def _check_thread(self, optimizer, args, kwargs) -> None:
         """An optimizer step began: refuse it in any thread but the one that runs the script
@@ -939,6 +964,10 @@ class Tracer:
         info = op.info
         if info.hop and replay_refusal(info.seeded, info.region_writes, self.device) is None:
             self._replayable_regions.add(info.name)
+        if info.hop and op.phase is Phase.FORWARD and info.name not in self._region_outputs:
+            from .region_tags import region_output_names
+
+            self._region_outputs[info.name] = region_output_names(op.args[0])
         ins = []
         for a, t in enumerate(op.inputs):
             rec = op.input_storages[a]
@@ -1079,10 +1108,20 @@ class Tracer:
             measured_peak_bytes=measured,
             plain_iteration_ns=plain_ns,
             replayable_regions=sorted(self._replayable_regions),
+            region_candidates=self._region_candidates(),
+            region_tags=self.region_tags,
             host_costs=host_costs,
             extra=extra,
         )
         write_trace(events, meta, self.path, force=self.force)
+
+    def _region_candidates(self) -> dict:
+        """Note [Region tags] in region_tags.py: the forward regions' candidates."""
+        if not self._region_outputs:
+            return {}
+        from .region_tags import region_candidates
+
+        return region_candidates(self._recorded_partitioner, self._region_outputs)
 
     def _check_not_empty(self) -> None:
         """Refuse a trace in which the traced device holds no storage (Note [Auto device])."""

@@ -211,6 +211,15 @@ class TraceMeta:
     # replay] in tracer/compiled.py): no random numbers drawn inside, no input written in place,
     # traced on CPU. Every other region is never replayed; empty in a trace from before the field
     replayable_regions: list[str] = field(default_factory=list)
+    # the saved activations a compiled forward region's backward could recompute cheaply (Note
+    # [Region tags] in tracer/region_tags.py): region op name -> {"compile_id", "tagged" (the
+    # nodes tagged while tracing), "candidates": [{"node", "output" (position among the region's
+    # outputs), "bytes", "tags" (the joint-graph nodes to tag)}]}; empty in a trace from before
+    # the field, or of a script without compiled regions
+    region_candidates: dict = field(default_factory=dict)
+    # the recompute tags the script was traced with (compile id -> node names), verified bitwise
+    # against the untagged program; None: traced without tags
+    region_tags: dict | None = None
     # the runtime's host costs measured in the script (ns: ``hot_op_ns``), right after the plain
     # step, on CPU (Note [Calibrated host costs] in planner/costs.py); None: not measured (CUDA,
     # no plain step, or a trace from before the field)

@@ -34,6 +34,7 @@ def trace_script(
     keeper: Callable | None = None,
     calibrate_host: Callable | None = None,
     runtime_probe: Callable | None = None,
+    region_tags: dict | None = None,
 ) -> Path:
     """Trace ``script`` (run with ``args``) into ``output`` (default ``<stem>.trace.parquet``).
 
@@ -42,8 +43,9 @@ def trace_script(
     written then. ``budget_bytes``: trace under this memory cap (Note [Tracing under a budget] in
     tracer/record.py), kept by ``keeper`` (capuchin/tracing.py supplies the runtime's, and its
     ``calibrate_host`` and ``runtime_probe``: Note [Calibrated host costs] in
-    planner/costs.py).
-    ``plain_steps``: Note [Plain step] there. See ``Tracer`` for the other arguments.
+    planner/costs.py). ``plain_steps``: Note [Plain step] there. ``region_tags``: compiled in
+    (Note [Region tags] in tracer/region_tags.py; verified by the caller). See ``Tracer`` for
+    the other arguments.
     """
     from .record import Tracer
 
@@ -63,6 +65,7 @@ def trace_script(
         keeper=keeper,
         calibrate_host=calibrate_host,
         runtime_probe=runtime_probe,
+        region_tags=region_tags,
         **kwargs,
     )
     with tracer:
