@@ -144,7 +144,14 @@ CUDA = RuntimeCosts(
 # recorded-op steps, so it reads low: 17-19 µs scaled on the hosts above).
 
 # the figures a trace may carry (``TraceMeta.host_costs``; Note [Calibrated host costs])
-HOST_COST_KEYS = ("hot_op_ns", "slow_op_ns", "swap_action_ns", "replay_op_ns", "drop_action_ns")
+HOST_COST_KEYS = (
+    "hot_op_ns",
+    "guarded_op_ns",
+    "slow_op_ns",
+    "swap_action_ns",
+    "replay_op_ns",
+    "drop_action_ns",
+)
 # the figures the runtime's calibration times in loops, charged at least at their constants
 FLOORED_KEYS = ("slow_op_ns", "swap_action_ns", "replay_op_ns", "drop_action_ns")
 # the loops' per-op figures, charged at the script's hot path over the loop's (``LOOP_HOT_KEY``)

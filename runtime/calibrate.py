@@ -73,6 +73,7 @@ from .backend import backend_for
 from .engine import Runtime
 from .recompute import RecomputeEngine
 from .state import resize, storage_key
+from .tracker import _ANY
 
 _OP = ["aten.add.Tensor", "16;16"]
 
@@ -207,26 +208,54 @@ def host_calibration(
     return figures(lines, cycle, nbytes, ns_per_byte), shown
 
 
+PATHS = ("hot", "guarded", "slow")
+
+
 class RuntimeProbe:
     """A runtime whose plan is ``ops`` (``[[name, shape_signature], ...]``, the recorded
-    iteration), with an action at every op when ``acting``, its step hooks following
-    ``leader``'s, for the tracer's steps (Note [The runtime in the script's steps]). A context
-    manager; ``steady(n)``: the last ``n`` iterations it saw all followed the plan."""
+    iteration), its ops on the runtime's ``path`` (``PATHS``: the hot path, the hot path
+    guarded as while a storage is out, or the slow path: an action at every op), its step hooks
+    following ``leader``'s, for the tracer's steps (Note [The runtime in the script's steps]). A
+    context manager; ``steady(n)``: the last ``n`` iterations it saw all followed the plan;
+    ``slow_calls``: how many ops took the slow path."""
 
-    def __init__(self, ops: list[list[str]], leader, acting: bool) -> None:
+    def __init__(self, ops: list[list[str]], leader, path: str) -> None:
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         prov = Provenance("none", {}, 1 << 40, "", "", 0, "cpu", 12e9, 12e9, "", 0.0)
         # the loop's plans (_loop_plan): a prefetch of a storage that is not out at every op,
         # or one action past the iteration's end (a non-empty plan with none in it)
         n = len(ops)
+        acting = path == "slow"
         actions = [Action(k, Step.PREFETCH, "0:0") for k in (range(n) if acting else [n])]
         plan = Plan(prov, Predictions(0, 0, 0, 0), [], [list(o) for o in ops], actions=actions)
         self.rt = Runtime(plan, measure_memory=False, device="cpu", passive=False)
         self.rt.first_checked_iteration = 1 << 62  # never a foreign-plan refusal or warning
         self.rt._step_leader = leader
+        self.path = path
+        self.slow_calls = 0
 
     def __enter__(self) -> RuntimeProbe:
         with _installed():
             self.rt.__enter__()
+        ex = self.rt.ex
+        slow_op = ex.slow_op
+
+        def counted(func, args, kwargs):
+            self.slow_calls += 1
+            return slow_op(func, args, kwargs)
+
+        ex.slow_op = counted
+        if self.path == "guarded":  # as while a storage is out: every op's inputs checked
+            update = ex._update_fast
+
+            def guarded() -> None:
+                update()
+                if ex.mode.fast is ex.cursor.table.fast:
+                    ex.mode.fast, ex.mode.evicted = ex.cursor.table.guarded, _ANY
+
+            ex._update_fast = guarded
+            guarded()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -238,6 +267,6 @@ class RuntimeProbe:
         return len(done) >= n and not any(s.diverged for s in done[-n:])
 
 
-def runtime_probe(ops: list[list[str]], leader, acting: bool) -> RuntimeProbe:
+def runtime_probe(ops: list[list[str]], leader, path: str) -> RuntimeProbe:
     """The tracer's ``runtime_probe`` (Note [The runtime in the script's steps])."""
-    return RuntimeProbe(ops, leader, acting)
+    return RuntimeProbe(ops, leader, path)

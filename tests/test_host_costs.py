@@ -245,14 +245,29 @@ for step in range(int(sys.argv[1])):
 """
 
 
-def _traced(tmp_path, monkeypatch, plain_ms, moded_ms, steps=50, measured=None, slow_ms=None):
+def _traced(
+    tmp_path,
+    monkeypatch,
+    plain_ms,
+    moded_ms,
+    steps=50,
+    measured=None,
+    slow_ms=None,
+    guarded_ms=None,
+):
     """Trace the script with a clock that makes each plain step ``plain_ms`` long, each step
     under the runtime without actions (or through the counting mode, where the runtime probe
-    is off) ``moded_ms`` and each with an action at every op ``slow_ms`` (default: the same
-    as ``moded_ms``), and a runtime calibration that returns ``measured`` (its calls in
+    is off) ``moded_ms``, each on its guarded hot path ``guarded_ms`` and each with an action
+    at every op ``slow_ms`` (default: the same as ``moded_ms``), and a runtime calibration that returns ``measured`` (its calls in
     ``calls``)."""
     t = [0.0]
-    ms = {"plain": plain_ms, "count": moded_ms, "hot": moded_ms, "slow": slow_ms or moded_ms}
+    ms = {
+        "plain": plain_ms,
+        "count": moded_ms,
+        "hot": moded_ms,
+        "guarded": guarded_ms or moded_ms,
+        "slow": slow_ms or moded_ms,
+    }
 
     def now(self):  # a step's start reads the clock; its end moves it by the step's length
         if self._timing_phase is not None:
@@ -290,7 +305,7 @@ def test_the_slow_path_timed_in_the_script_is_charged_in_place_of_the_loops():
 
 def test_the_tracer_times_the_runtime_in_the_scripts_steps(tmp_path, monkeypatch):
     # Note [The runtime in the script's steps] in runtime/calibrate.py
-    trace, r = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=13, slow_ms=20)
+    trace, r = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=13, slow_ms=20, guarded_ms=15)
     meta = trace.meta
     assert meta.plain_iteration_ns == 10_000_000
     assert meta.extra["plain_iteration_wall_s"] == [0.01] * 3
@@ -300,9 +315,16 @@ def test_the_tracer_times_the_runtime_in_the_scripts_steps(tmp_path, monkeypatch
     assert "mode_iteration_wall_s" not in meta.extra and "runtime_probe_note" not in meta.extra
     # per op the planner charges: the iteration's
     ops = len(Problem.from_trace(trace).ops)
+    # the guarded path: 2 ms a step more, less the ops that write in place, which leave it for
+    # the slow path (the SGD update's), per op that stays on it
+    slow_ns = round(7_000_000 / ops)
+    ((hot_calls, guarded_calls),) = set(map(tuple, meta.extra["runtime_probe_slow_calls"]))
+    moved = guarded_calls - hot_calls
+    assert moved > 0
     assert meta.host_costs == {
         "hot_op_ns": round(3_000_000 / ops),
-        "slow_op_script_ns": round(7_000_000 / ops),
+        "slow_op_script_ns": slow_ns,
+        "guarded_op_ns": round((2_000_000 - moved * slow_ns) / (ops - moved)),
     }
     assert "the runtime without actions costs" in r.stderr
     assert "the runtime's slow path costs" in r.stderr
@@ -404,9 +426,11 @@ def test_a_mode_step_no_longer_than_the_plain_one_is_not_used(tmp_path, monkeypa
 
 
 def test_a_script_that_ends_before_the_mode_steps_keeps_its_plain_step(tmp_path, monkeypatch):
-    # 1 warm-up + 2 recorded + 1 plain warm-up + 3 plain: the mode is pushed at the last
-    # plain step and the script ends under it, before one step through it was timed
-    trace, _ = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=13, steps=7)
+    # 1 warm-up + 2 recorded + 1 plain warm-up + 1 plain + the runtime's warm-up: the script
+    # ends under the runtime's next step, before one step under it was timed
+    trace, _ = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=13, steps=6)
     assert trace.meta.plain_iteration_ns == 10_000_000
     assert trace.meta.host_costs is None
     assert "ended before" in trace.meta.extra["host_costs_note"]
+    # the step it ended in is no step that did not follow the plan
+    assert "runtime_probe_note" not in trace.meta.extra

@@ -433,6 +433,7 @@ class Tracer:
         self._probe = None
         self._probe_ops: list[list[str]] | None = None
         self._probe_note: str | None = None
+        self._probe_slow_calls = 0
         self._mode_on = False
         self.runtime = None  # the Runtime that keeps the budget (Note [Tracing under a budget])
         self._pending = None
@@ -533,7 +534,7 @@ class Tracer:
             stopped = True
         if self._plain_state == "steps":  # the script ended inside a timed step: close it
             self._plain_state = "done"
-            self._end_step(self._phase, exc_type, exc, tb)
+            self._end_step(self._phase, exc_type, exc, tb, ended=True)
         if self._mode_on:  # Note [Plain step]: popped already while the plain step was timed
             self._mode_on = False
             self._mode.__exit__(None, None, None)
@@ -719,6 +720,8 @@ class Tracer:
                     self._rounds.append({})
                 if self._rounds:
                     self._rounds[-1][phase] = end - self._step_start
+                    if phase in ("hot", "guarded"):  # ops the runtime sent down its slow path
+                        self._rounds[-1][f"{phase} slow calls"] = self._probe_slow_calls
             self._schedule.pop(0)
             if not self._schedule:
                 self._plain_state = "done"
@@ -735,7 +738,9 @@ class Tracer:
             return ["plain"] * n  # CUDA: no host cost; or a mode of the script's is on
         if self.runtime_probe is None or not self.recorded:
             return ["plain", "count"] * n
-        return ["plain", "hot~", "slow~", "hot", "slow"] + ["plain", "hot", "slow"] * (n - 1)
+        return ["plain", "hot~", "hot", "guarded", "slow"] + ["plain", "hot", "guarded", "slow"] * (
+            n - 1
+        )
 
     def _degrade(self, keep_current: bool) -> None:
         """The runtime probe cannot run or does not follow the recorded ops: the steps still to
@@ -744,11 +749,11 @@ class Tracer:
         head = self._schedule[:1] if keep_current else []
         rest = self._schedule[len(head) :]
         self._schedule = head + [
-            "count" if p == "hot" else p for p in rest if p not in ("hot~", "slow~", "slow")
+            "count" if p == "hot" else p for p in rest if p not in ("hot~", "guarded", "slow")
         ]
         for r in self._rounds:
-            r.pop("hot", None)
-            r.pop("slow", None)
+            for p in ("hot", "guarded", "slow"):
+                r.pop(p, None)
 
     def _begin_step(self) -> None:
         """Open the next phase of the schedule, then mark the step's start."""
@@ -760,26 +765,27 @@ class Tracer:
             self._pt = self._pt or _CountingMode()
             self._pt.__enter__()
             self._pt_steps += 1
-        elif phase != "plain" and not self._start_probe(phase.rstrip("~") == "slow"):
+        elif phase != "plain" and not self._start_probe(phase.rstrip("~")):
             self._degrade(keep_current=False)
             return self._begin_step()
         self._phase = phase
         self._step_start = self._now()
 
-    def _end_step(self, phase: str, *exc) -> bool:
+    def _end_step(self, phase: str, *exc, ended: bool = False) -> bool:
         """Close the phase of the step that ended; False where its time is not to be used (a
-        probe that did not follow the recorded ops)."""
+        probe that did not follow the recorded ops; ``ended``: the script ended inside the
+        step, which is no step to time)."""
         if phase == "count":
             self._pt.__exit__(None, None, None)
             return True
         if phase == "plain":
             return True
-        ok = self._end_probe(*exc)
+        ok = self._end_probe(*exc, ended=ended)
         if not ok and phase == "hot~":
             self._degrade(keep_current=True)
         return ok
 
-    def _start_probe(self, acting: bool) -> bool:
+    def _start_probe(self, path: str) -> bool:
         """Enter the runtime probe from the step hook (Note [The runtime in the script's steps]
         in runtime/calibrate.py); False where there is none or it cannot start."""
         if self.runtime_probe is None or not self.recorded:
@@ -790,23 +796,26 @@ class Tracer:
                 for (_, name, _, _, _, ins, _) in self._done[self.recorded[-1]].ops
             ]
         try:
-            self._probe = self.runtime_probe(self._probe_ops, self.indexer, acting).__enter__()
+            self._probe = self.runtime_probe(self._probe_ops, self.indexer, path).__enter__()
         except Exception as e:  # the trace does not depend on it: no figure
             self._probe = None
             self._probe_note = f"the runtime probe did not start ({e})"
             return False
         return True
 
-    def _end_probe(self, *exc) -> bool:
+    def _end_probe(self, *exc, ended: bool = False) -> bool:
         """Leave the probe; True when its step followed the recorded ops (else
         ``_probe_note`` says why)."""
         probe, self._probe = self._probe, None
         if probe is None:
             return False
+        self._probe_slow_calls = probe.slow_calls
         try:
             probe.__exit__(*(exc or (None, None, None)))
         except Exception as e:
             self._probe_note = f"the runtime probe failed ({e})"
+            return False
+        if ended:
             return False
         if probe.steady(1):
             return True
@@ -937,7 +946,37 @@ class Tracer:
                     f"the steps with an action at every op took no longer than without "
                     f"({more * 1e3:.2f} ms a step, the median difference): noise; not used"
                 )
+        guarded = self._guarded_ns(ops, found.get("slow_op_script_ns"), extra)
+        if guarded is not None:
+            found["guarded_op_ns"] = guarded
         return found
+
+    def _guarded_ns(self, ops: int, slow_ns: int | None, extra: dict) -> int | None:
+        """``guarded_op_ns``: what an op costs on the guarded hot path beyond the hot path, per
+        op that stays on it, from the rounds' guarded steps (Note [The runtime in the script's
+        steps] in runtime/calibrate.py): the ops that write in place leave it for the slow
+        path, charged at ``slow_ns`` (the difference in the probe's slow-path calls)."""
+        keys = ("hot", "guarded", "hot slow calls", "guarded slow calls")
+        rounds = [r for r in self._rounds if all(k in r for k in keys)]
+        if not rounds or slow_ns is None:
+            return None
+        extra["runtime_probe_guarded_wall_s"] = [round(r["guarded"], 6) for r in rounds]
+        extra["runtime_probe_slow_calls"] = [
+            [r["hot slow calls"], r["guarded slow calls"]] for r in rounds
+        ]
+        per_op = []
+        for r in rounds:
+            moved = max(0, r["guarded slow calls"] - r["hot slow calls"])
+            rest = (r["guarded"] - r["hot"]) * 1e9 - moved * slow_ns
+            per_op.append(rest / max(1, ops - moved))
+        ns = int(round(statistics.median(per_op)))
+        if ns <= 0:
+            extra["runtime_probe_guarded_note"] = (
+                "the guarded steps took no longer than the hot ones: noise; not used"
+            )
+            return None
+        self.log(f"capuchin: the runtime's guarded hot path costs {ns / 1e3:.1f} us more per op")
+        return ns
 
     # ---- profiler ---------------------------------------------------------------------------
     def _start_profiler(self) -> None:
