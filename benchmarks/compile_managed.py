@@ -116,7 +116,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="capuchin-compile-"))
     loads = [os.getloadavg()[0]]
     out = tmp / "trace.parquet"
-    trace_script(script, ["--steps", "16", *args.script_args], output=out, log=lambda _: None)
+    trace_script(script, ["--steps", "18", *args.script_args], output=out, log=lambda _: None)
     argv = ["--steps", str(args.steps), *args.script_args]
     rows = []
     for budget in args.budgets.split(",") if args.budgets else []:

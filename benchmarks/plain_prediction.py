@@ -12,9 +12,9 @@ tests/frameworks/ in the style people write (nanoGPT, a Hugging Face T5 or Llama
 checkpointing, ...: the probe of ../shared/reports/real-scripts.md rebuilt); those train at
 module level and are timed as a whole run (their steady optimizer steps).
 
-Per example: trace the script afresh as ``capuchin trace`` does (``--steps 16``: 1 warm-up, 3
-recorded, 1 plain warm-up, 3 rounds of a plain step and the runtime without and with actions:
-Note [The runtime in the script's steps] in runtime/calibrate.py), plan it at ``--budget`` (or the smallest budget the planner reaches), then
+Per example: trace the script afresh as ``capuchin trace`` does (``--steps 18``: 1 warm-up, 3
+recorded, 1 plain warm-up, a warm-up of the runtime and 3 rounds of a plain step and the runtime
+on its hot, guarded and slow paths: Note [The runtime in the script's steps] in runtime/calibrate.py), plan it at ``--budget`` (or the smallest budget the planner reaches), then
 time plain and managed training interleaved (``--repeats`` rounds, each the median steady
 iteration of one run, best of the rounds; benchmarks/runtime.py's helpers). Printed: the traced
 iteration (summed op times under the profiler), the plain step the trace stored, the dispatch
@@ -79,7 +79,7 @@ def measure(
         if not script.exists():  # the real-style scripts: tests/frameworks/
             script, timer = FRAMEWORKS / f"{name}.py", _time_script
         out = tmp / f"{name}.trace.parquet"
-        trace_script(script, ["--steps", "16", *extra], output=out, log=lambda _: None)
+        trace_script(script, ["--steps", "18", *extra], output=out, log=lambda _: None)
         trace = load_trace(out)
         plan = _plan(trace, budget, policy)
         hot = dict(trace.meta.host_costs or {})
@@ -112,7 +112,7 @@ def print_table(rows, loads, budget, repeats, steps, script_args, policy="capuch
         f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n"
     )
     print(
-        "| example | traced ms | plain (trace) ms | host µs: op/loop op/slow/slow in script/swap/replay/drop (trace) | plain ms | managed ms | "
+        "| example | traced ms | plain (trace) ms | host µs: op/loop op/guarded/slow/slow in script/swap/replay/drop (trace) | plain ms | managed ms | "
         "measured x plain | predicted (calibrated) | measured / predicted | predicted "
         "(constants) | measured / predicted (constants) |"
     )
@@ -124,6 +124,7 @@ def print_table(rows, loads, budget, repeats, steps, script_args, policy="capuch
             for k in (
                 "hot_op_ns",
                 "loop_hot_op_ns",
+                "guarded_op_ns",
                 "slow_op_ns",
                 "slow_op_script_ns",
                 "swap_action_ns",

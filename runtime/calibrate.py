@@ -38,23 +38,31 @@ imports the runtime); the tracer calls it after the script's timed steps.
 # real op has more arguments and outputs to flatten, look up and name, and runs between the
 # script's own Python, which the loop's figures reach only through the scaling by the hot path
 # (Note [Calibrated host costs] in planner/costs.py), itself first timed through a dispatch
-# mode that only passes ops on, cheaper than the runtime's hot path. So after the plain steps
-# the tracer runs the runtime itself over the script's own steps: ``RuntimeProbe`` is a
-# ``Runtime`` whose plan is the recorded iteration's ops (names and input shapes, as a plan
-# stores them) and no decision, entered from the step hook, its step hooks following the
-# tracer's (Note [Indexers that follow another] in tracer/hooks.py); first without actions
-# (every op on the hot path), then with the loop's action at every op (a prefetch of a storage
-# that is not out: the slow path's matching, before- and after-steps, no copy). The first step
-# under each is a warm-up; the median of the next ``plain_steps`` less the plain median, per
-# op of the recorded iteration, is ``host_costs["hot_op_ns"]``, and the acting probe's median
-# less the hot one's, per op, ``host_costs["slow_op_script_ns"]``, which the planner charges in
-# place of the loop's scaled ``slow_op_ns``. A probe whose timed iterations did not all follow
-# the recorded ops (another kind of iteration, other shapes: its ops then left the planned
-# path) gives no figure (``extra["runtime_probe_note"]``); without the hot one the tracer falls
-# back to the passthrough mode for the hot path. The probes never evict (no decisions), never
-# warn or refuse (no iteration is checked against the plan's fingerprint) and run without
-# passive mode. A script needs ``2 * (plain_steps + 1)`` more steps for them (16 steps in all
-# with the defaults); the trace is written without their figures when it ends sooner.
+# mode that only passes ops on, cheaper than the runtime's hot path; and the guarded hot path
+# (every op's inputs checked against the evicted storages while any is out) had only a
+# quiet-host constant. So after the recorded iterations the tracer runs the runtime itself over
+# the script's own steps: ``RuntimeProbe`` is a ``Runtime`` whose plan is the recorded
+# iteration's ops (names and input shapes, as a plan stores them) and no decision, entered from
+# the step hook, its step hooks following the tracer's (Note [Indexers that follow another] in
+# tracer/hooks.py), one step at a time, each on one of the runtime's paths (``PATHS``): the hot
+# path (no action), the guarded hot path (as while something is out: the mode checks each op's
+# inputs against an evicted set that holds no storage; ops that write in place leave it for
+# the slow path, as in a real window) and the slow path (the loop's action at every op: a
+# prefetch of a storage that is not out, so the slow path's matching, before- and after-steps,
+# no copy). The tracer runs them in rounds with a plain step (Note [Plain step] in
+# tracer/record.py), one untimed warm-up step first; per op of the recorded iteration, the
+# median within-round difference of the hot step over the plain one is
+# ``host_costs["hot_op_ns"]``, of the slow step over the hot one ``["slow_op_script_ns"]``
+# (charged in place of the loop's scaled ``slow_op_ns``), and of the guarded step over the hot
+# one, less the ops it sent down the slow path (``slow_calls``) at that figure, per op that
+# stayed on it, ``["guarded_op_ns"]``. A probe step that did not follow the recorded ops
+# (another kind of iteration, other shapes: its ops then left the planned path) gives no
+# figure (``extra["runtime_probe_note"]``), and a warm-up that does not makes the rest of the
+# rounds time the passthrough mode for the hot path alone. The probes never evict (no
+# decisions), never warn or refuse (no iteration is checked against the plan's fingerprint)
+# and run without passive mode. With ``plain_steps`` 3 the rounds take 13 steps after the
+# plain warm-up (18 in all with one warm-up and three recorded iterations); a script that ends
+# sooner keeps what its steps measured.
 """
 
 from __future__ import annotations

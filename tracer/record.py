@@ -348,10 +348,11 @@ class Tracer:
         swaps and replays on this host and returns (``host_costs`` keys, lines for ``extra``);
         called on CPU after the plain steps were timed (Note [Calibrated host costs] in
         planner/costs.py; ``capuchin.Tracer`` supplies the runtime's). None: not measured.
-    runtime_probe: ``runtime_probe(ops, indexer, acting)`` makes the context that runs the
-        runtime over the script's steps with a plan of ``ops`` (the recorded iteration as
-        ``[[name, signature], ...]``) and an action at every op when ``acting``, following
-        ``indexer``'s step hooks, with ``steady(n)``; entered on CPU after the plain steps (Note
+    runtime_probe: ``runtime_probe(ops, indexer, path)`` makes the context that runs the
+        runtime over one of the script's steps with a plan of ``ops`` (the recorded iteration as
+        ``[[name, signature], ...]``), its ops on ``path`` ("hot", "guarded" or "slow"),
+        following ``indexer``'s step hooks, with ``steady(n)`` and ``slow_calls``; entered on
+        CPU in the rounds after the plain warm-up (Note
         [The runtime in the script's steps] in runtime/calibrate.py; ``capuchin.Tracer``
         supplies the runtime's). None: the hot path is timed through ``_CountingMode``, the
         slow path not in the script.
@@ -386,7 +387,7 @@ class Tracer:
         plain_steps: int = 3,
         keeper: Callable[[int, str], Any] | None = None,
         calibrate_host: Callable[[int, tuple], tuple[dict, dict]] | None = None,
-        runtime_probe: Callable[[list, OpIndexer, bool], Any] | None = None,
+        runtime_probe: Callable[[list, OpIndexer, str], Any] | None = None,
         region_tags: dict[str, list[str]] | None = None,
     ):
         if iterations < 1:
@@ -893,8 +894,8 @@ class Tracer:
         """``hot_op_ns`` (and ``slow_op_script_ns``) from the rounds of steps after the plain
         warm-up (Note [Plain step]): the median within-round difference of the runtime probe
         (Note [The runtime in the script's steps] in runtime/calibrate.py) or, without it, of
-        ``_CountingMode``'s step over the plain step, and of the acting probe's over the other,
-        per op of the recorded iteration."""
+        ``_CountingMode``'s step over the plain step, and of the slow path's over the hot
+        path, per op of the recorded iteration; ``guarded_op_ns`` by ``_guarded_ns``."""
         if self._probe_note is not None:
             extra["runtime_probe_note"] = self._probe_note
         base, what = ("hot", "the runtime without actions")
