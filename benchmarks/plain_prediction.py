@@ -14,7 +14,8 @@ module level and are timed as a whole run (their steady optimizer steps).
 
 Per example: trace the script afresh as ``capuchin trace`` does (``--steps 18``: 1 warm-up, 3
 recorded, 1 plain warm-up, a warm-up of the runtime and 3 rounds of a plain step and the runtime
-on its hot, guarded and slow paths: Note [The runtime in the script's steps] in runtime/calibrate.py), plan it at ``--budget`` (or the smallest budget the planner reaches), then
+on its hot, guarded and slow paths: Note [The runtime in the script's steps] in
+runtime/calibrate.py), plan it at ``--budget`` (or the smallest budget the planner reaches), then
 time plain and managed training interleaved (``--repeats`` rounds, each the median steady
 iteration of one run, best of the rounds; benchmarks/runtime.py's helpers). Printed: the traced
 iteration (summed op times under the profiler), the plain step the trace stored, the dispatch
