@@ -12,7 +12,10 @@ adds ``runtime_cost_ns`` to the simulated iteration for the plan's predicted tim
 # - ops inside an eviction window (between a decision's evicted-access and back-access) take the
 #   guarded hot path (``guarded_op_ns`` more: one storage-key lookup per tensor argument);
 # - ops with an action (evict, prefetch, back-access, recorded for a replay, a planned swap-out
-#   wait) and in-place ops inside a window take the slow path (``slow_op_ns`` more);
+#   wait), the ops where a storage the plan refers to is named (its producer, or the op whose
+#   argument it is: ``naming_ops``; on T5 at 50% about a third of the slow-path ops, which the
+#   model had left out) and in-place ops inside a window take the slow path (``slow_op_ns``
+#   more);
 # - each swap pays its host-side bookkeeping twice (out and in, ``swap_action_ns``), each
 #   replayed op the replay machinery (``replay_op_ns``), and each recompute decision its drop
 #   and its replay's records (``drop_action_ns``, Note [Recompute decisions on the host]);
@@ -62,6 +65,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..tracer.schema import IdKind, TensorId
 from .plan import Decision, Method
 
 if TYPE_CHECKING:
@@ -294,6 +298,23 @@ def action_ops(decisions: Iterable[Decision], *, out_done: bool = False) -> set[
     return action
 
 
+def naming_ops(decisions: Iterable[Decision]) -> set[int]:
+    """The ops where the runtime names a storage the plan refers to (a decision's storage, its
+    replay's sources and kept targets): the op that produces it, or the op whose argument it
+    is for a storage from before the iteration. They take the slow path as the action ops do
+    (``compile_plan`` in runtime/actions.py), though nothing is done to memory there."""
+    ops: set[int] = set()
+    for d in decisions:
+        for sid in (d.storage_id, *d.sources, *d.keep):
+            try:
+                tid = TensorId.parse(sid)
+            except ValueError:
+                continue
+            if tid.kind in (IdKind.OUTPUT, IdKind.INPUT):
+                ops.add(tid.op_index)
+    return ops
+
+
 def simulated_host_ns(problem: Problem, decisions: Sequence[Decision]) -> int:
     """What the simulator charged on the compute stream for ``decisions`` (``Problem.host``)."""
     h = problem.host
@@ -329,7 +350,8 @@ def runtime_cost_parts(
     compute thread, ``copies`` (Note [Runtime cost model])."""
     c = costs if costs is not None else costs_for(problem.device, problem.host_costs)
     n = problem.n_ops
-    action = action_ops(decisions, out_done=True)
+    # the ops with an action and those that name a storage: the runtime's slow path
+    action = action_ops(decisions, out_done=True) | naming_ops(decisions)
     edges = [0] * (n + 1)  # +1 where a decision's window opens, -1 after it closes
     swaps = 0
     replays = 0

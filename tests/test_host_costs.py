@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import textwrap
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 from capuchin import tracing
@@ -20,10 +21,13 @@ from capuchin.planner.costs import (
     NO_HOST_COST,
     SCRIPT_SLOW_KEY,
     HostCost,
+    action_ops,
     calibrated,
     costs_for,
     host_cost,
+    naming_ops,
     runtime_cost_ns,
+    runtime_cost_parts,
     simulated_host_ns,
 )
 from capuchin.planner.problem import Problem
@@ -39,6 +43,8 @@ from .test_plain_baseline import (  # a chain whose backward reads the forward's
     OPS,
     SIZES,
 )
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
 
 
 def _trace(host_costs=None, device="cpu"):
@@ -290,6 +296,23 @@ def _traced(
     )
     assert r.exit_code == 0, r.output
     return load_trace(out), r
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_the_model_counts_the_ops_the_runtime_sends_down_its_slow_path(name):
+    # Note [Runtime cost model]: the ops of the runtime's action table (runtime/actions.py) are
+    # its slow path; the model's count is the same set, the ops that only name a storage too
+    from capuchin.runtime.actions import compile_plan
+
+    plan = make_plan(TRACES / f"{name}.trace.parquet", budget="50%")
+    acting = action_ops(plan.decisions, out_done=True)
+    naming = naming_ops(plan.decisions)
+    assert set(compile_plan(plan).ops) == acting | naming
+    assert naming - acting  # producers named before their storage's eviction, on these plans
+    # and charged: each at slow_op_ns, beside the in-place ops inside a window
+    p = Problem.from_trace(load_trace(TRACES / f"{name}.trace.parquet"))
+    parts = runtime_cost_parts(p, plan.decisions, CPU)
+    assert parts["slow"] >= len(acting | naming) * CPU.slow_op_ns
 
 
 def test_the_slow_path_timed_in_the_script_is_charged_in_place_of_the_loops():
