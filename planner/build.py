@@ -32,6 +32,7 @@ from .simulator import SimResult, simulate
 # what each measured host cost is charged for, in a plan's notes (Note [Calibrated host costs])
 _HOST_COST_LABELS = {
     "hot_op_ns": "an op",
+    "guarded_op_ns": "more an op while a storage is out",
     "slow_op_ns": "more an op on the slow path",
     "swap_action_ns": "a swap and direction",
     "replay_op_ns": "a replayed op",
