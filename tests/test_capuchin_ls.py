@@ -15,7 +15,14 @@ from capuchin.tracer.reader import load_trace
 EXAMPLES = ["cnn", "transformer", "mlp"]
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("cnn", marks=pytest.mark.slow),
+        pytest.param("transformer", marks=pytest.mark.slow),
+        "mlp",
+    ],
+)
 def test_never_slower_than_capuchin_and_faster_at_half_the_peak(name):
     p = Problem.from_trace(load_trace(TRACES / f"{name}.trace.parquet"))
     faster = 0
@@ -57,6 +64,7 @@ def test_local_search_plans_train_bitwise_within_the_budget(name):
         assert s.peak_bytes <= 1.05 * plan.budget_bytes, (s.peak_bytes, plan.budget_bytes)
 
 
+@pytest.mark.slow
 def test_a_found_plan_that_does_not_fit_or_is_slower_is_not_taken(monkeypatch):
     from capuchin.planner.improve import Found
     from capuchin.planner.policies import capuchin_ls

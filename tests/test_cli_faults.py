@@ -522,6 +522,7 @@ def test_11_compare_validates_time_limit_as_plan_does(work, limit):
 
 
 # ---- 12. exit codes --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_12_usage_errors_are_not_the_infeasible_budget_code(work):
     assert cli("plan", "t.trace.parquet").exit_code == EXIT_USAGE  # --budget missing
     assert cli("plan", "--no-such-option", "t.trace.parquet").exit_code == EXIT_USAGE

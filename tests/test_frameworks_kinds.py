@@ -98,6 +98,7 @@ def test_hugging_face_trainer_with_evaluation_steps(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_budget_one_kind_cannot_meet_names_the_kind(tmp_path):
     from capuchin.errors import InfeasibleBudgetError
 

@@ -127,7 +127,9 @@ def test_hide_advances_the_swaps_it_leaves_stalled(monkeypatch):
     assert with_advance < without
 
 
-@pytest.mark.parametrize("name, frac", [("mlp", 0.5), ("transformer", 0.6)])
+@pytest.mark.parametrize(
+    "name, frac", [("mlp", 0.5), pytest.param("transformer", 0.6, marks=pytest.mark.slow)]
+)
 def test_capuchin_faster_with_hidden_swaps(monkeypatch, name, frac):
     # bundled MLP at 50%: +3.66% of the iteration before, +2.26% with the hidden variants;
     # bundled transformer at 60%: +10.26% before, +8.66%

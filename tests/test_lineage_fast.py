@@ -129,6 +129,7 @@ def test_lineage_shortcuts_equal_their_definitions_on_a_search(monkeypatch):
     assert c.fits > 0 and c.costly > 10
 
 
+@pytest.mark.slow
 def test_lineage_shortcuts_equal_their_definitions_on_a_small_search(monkeypatch):
     c = _checked(monkeypatch)
     problem = Problem.from_trace(load_trace(ROOT / "traces" / "cnn.trace.parquet"))

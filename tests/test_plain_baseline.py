@@ -136,6 +136,7 @@ def test_plan_records_its_basis_and_the_summary_names_it(plain_ns, device, basis
         assert any("plain step" in n for n in pr.notes)
 
 
+@pytest.mark.slow
 def test_plan_and_compare_cli_name_the_baseline(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     tr = _tf(TF_PLAIN)

@@ -53,14 +53,14 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("rawreads")
 
 
-SLOW = pytest.mark.slow  # one trace each: the fast tier keeps three of the six
+SLOW = pytest.mark.slow  # one trace each: the fast tier keeps two of the six
 
 
 @pytest.mark.parametrize(
     "read",
     [
         "numpy",
-        "tolist",
+        pytest.param("tolist", marks=SLOW),
         "data_ptr",
         pytest.param("array", marks=SLOW),
         pytest.param("dlpack", marks=SLOW),

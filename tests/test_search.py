@@ -85,6 +85,7 @@ def test_finer_grids_hold_the_coarser_targets(monkeypatch):
     assert set(coarse) <= set(fine) <= set(finest)
 
 
+@pytest.mark.slow
 def test_the_finest_grid_lowers_a_cell(monkeypatch):
     # the bundled CNN at 40% of its peak: +32.3% of the iteration on the 19-step grid, +4.7%
     # on the 39-step one (benchmarks/capuchin_cells.py)

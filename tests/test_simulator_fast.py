@@ -150,6 +150,7 @@ def _perturbed(problem: Problem, decisions: list[Decision], rng: random.Random) 
     return out
 
 
+@pytest.mark.slow
 def test_perturbed_plans_equal_the_reference():
     from capuchin.planner.build import complete_decisions
 
