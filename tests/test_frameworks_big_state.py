@@ -27,8 +27,9 @@ SCRIPT = Path(__file__).resolve().parent / "frameworks" / "big_state.py"
 STEPS = 6
 
 
-@pytest.mark.slow
-def test_big_state_at_the_smallest_feasible_budget(tmp_path, capsys):
+def traced_with_fixed_costs(tmp_path):
+    """big_state traced (4 steps: 2 recorded, no plain step) and given fixed op costs (Note
+    [Fixed op costs]); plan it with ``bandwidth=FIXED_BANDWIDTH``."""
     trace = trace_script(
         SCRIPT,
         ["--steps", "4"],
@@ -37,7 +38,14 @@ def test_big_state_at_the_smallest_feasible_budget(tmp_path, capsys):
         log=lambda m: None,
         plain_steps=0,
     )
-    loaded = with_fixed_costs(trace)  # Note [Fixed op costs]: one plan whatever the host's load
+    return with_fixed_costs(trace)
+
+
+@pytest.mark.slow
+def test_big_state_at_the_smallest_feasible_budget(tmp_path, capsys):
+    loaded = traced_with_fixed_costs(
+        tmp_path
+    )  # Note [Fixed op costs]: one plan whatever the host's load
     kw = {"policy": "capuchin", "bandwidth": FIXED_BANDWIDTH}
     with pytest.raises(InfeasibleBudgetError) as exc:
         make_plan(loaded, "1%", **kw)

@@ -189,23 +189,11 @@ def test_big_state_trains_bitwise_with_its_state_out_in_every_gap(tmp_path):
     boundary, so each leaves twice an iteration; the budget is the plan's simulated peak."""
     from capuchin.planner.api import load_problem
     from capuchin.runtime.engine import Runtime
-    from capuchin.testing.training import (
-        FIXED_BANDWIDTH,
-        run_example,
-        state_mismatches,
-        with_fixed_costs,
-    )
-    from capuchin.tracer.script import trace_script
+    from capuchin.testing.training import FIXED_BANDWIDTH, run_example, state_mismatches
 
-    trace = trace_script(
-        SCRIPT,
-        ["--steps", "4"],
-        output=tmp_path / "t.parquet",
-        iterations=2,
-        log=lambda m: None,
-        plain_steps=0,
-    )
-    p = load_problem(with_fixed_costs(trace), bandwidth=FIXED_BANDWIDTH)
+    from .test_frameworks_big_state import traced_with_fixed_costs
+
+    p = load_problem(traced_with_fixed_costs(tmp_path), bandwidth=FIXED_BANDWIDTH)
     big = [
         sid
         for sid, s in p.storages.items()
