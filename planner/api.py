@@ -64,6 +64,8 @@ def make_plan(
     trace was recorded with, or with ``region_tags`` those it proposes (Note [Planning region
     tags] in planner/region_tags.py; then a budget the untagged trace cannot meet is no error:
     the plan is for a retrace)."""
+    if not isinstance(trace, (Trace, Problem)):
+        trace = load_trace(trace)  # once: its metadata and its ops
     meta = _trace_meta(trace)
     propose = region_tags and meta is not None and not getattr(meta, "region_tags", None)
     plan = _make_plan(
