@@ -390,7 +390,7 @@ class Executor:
             info = call_info(info, func, args)
         k = self._next_op()
         flat = flatten_tensors(args, kwargs)
-        if _communicates(func):  # Note [Collectives] in planner/problem.py
+        if _COMMUNICATES.get(func, True) and _communicates(func):  # Note [Collectives] ...
             for _key, st in storages(flat):
                 expose(st)
         cur, res, guard = self.cursor, self.res, self.guard
