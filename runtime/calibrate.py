@@ -53,9 +53,9 @@ imports the runtime); the tracer calls it after the script's timed steps.
 # output named, an eviction of that output tried after it, which finds no decision in the
 # plan and evicts nothing, and its inputs looked up among the evicted storages, which hold one
 # entry that is no storage's, as while a real plan has something out: ``_acting_everywhere``;
-# an empty action alone missed them). The tracer runs them in rounds with a plain step (Note [Plain step] in
-# tracer/record.py), one untimed warm-up step first; per op of the recorded iteration, the
-# median within-round difference of the hot step over the plain one is
+# an empty action alone missed them). The tracer runs them in rounds with a plain step (Note
+# [Plain step] in tracer/record.py), one untimed warm-up step first; per op of the recorded
+# iteration, the median within-round difference of the hot step over the plain one is
 # ``host_costs["hot_op_ns"]``, of the slow step over the hot one ``["slow_op_script_ns"]``
 # (charged in place of the loop's scaled ``slow_op_ns``), and of the guarded step over the hot
 # one, less the ops it sent down the slow path (``slow_calls``) at that figure, per op that

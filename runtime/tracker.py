@@ -206,8 +206,8 @@ class TrackerMode(TorchDispatchMode):
 # eagerly (after a graph break) dispatches its ops to this mode with Dynamo's frame callback
 # set. ``TorchDispatchMode`` ensures that by wrapping every subclass's ``__torch_dispatch__`` in
 # ``torch._disable_dynamo``: two Python frames, an attribute lookup and a stance check per op,
-# 2.3 µs of the ~7 µs a trivial mode costs per op (a 16-float add, 20,000 times, best of 5,
-# load 4). The mode does the same itself: the code of ``__torch_dispatch__`` is marked for
+# about a third of what a trivial mode costs an op (docs/runtime.md, "Predictions on scripts
+# of short ops"). The mode does the same itself: the code of ``__torch_dispatch__`` is marked for
 # Dynamo to skip (``set_code_exec_strategy``, what ``torch._dynamo.skip`` does, here without
 # importing Dynamo), and its first step clears the frame callback for every frame it calls
 # (what ``torch._dynamo.disable(recursive=True)`` does), restoring it when the op returns.
