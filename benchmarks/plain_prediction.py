@@ -23,7 +23,10 @@ mode's cost per op and the runtime's slow path, swap and replay costs the trace 
 (Note [Calibration of the runtime's slow path] in runtime/calibrate.py), the plan's
 ``1 + predicted_overhead`` as ``capuchin plan`` states it (of the plain step, host costs at the trace's measured speed), the same
 trace's plan with the quiet host's constants (the trace's ``host_costs`` dropped), the measured
-managed / plain ratio, and measured / predicted for both. The host is shared and noisy: compare
+managed / plain ratio, and measured / predicted for both; then the managed step against the
+prediction in ms (the predicted ratio times the trace's plain step) and the run's plain step
+against the trace's: where the plain step drifted between the trace and the runs (load), the
+ratio of ratios carries that drift. The host is shared and noisy: compare
 rows of one run only.
 """
 
@@ -115,11 +118,17 @@ def print_table(rows, loads, budget, repeats, steps, script_args, policy="capuch
     print(
         "| example | traced ms | plain (trace) ms | host µs: op/loop op/guarded/slow/slow in script/swap/replay/drop (trace) | plain ms | managed ms | "
         "measured x plain | predicted (calibrated) | measured / predicted | predicted "
-        "(constants) | measured / predicted (constants) |"
+        "(constants) | measured / predicted (constants) | managed ms / predicted ms | plain ms "
+        "/ plain (trace) ms |"
     )
-    print("|---" * 11 + "|")
+    print("|---" * 13 + "|")
     for name, traced_ns, plain_ns, hot, best, measured, new, before in rows:
         plain = f"{plain_ns / 1e6:.1f}" if plain_ns else "not timed"
+        # the prediction in ms (its ratio times the plain step the trace stored) against the
+        # managed run, and how far the run's plain step is from the trace's: a ratio of ratios
+        # (measured / predicted) counts the second in the first
+        absolute = f"{best['capuchin'] / (new * plain_ns / 1e9):.3f}" if plain_ns else "-"
+        drift = f"{best['plain'] / (plain_ns / 1e9):.3f}" if plain_ns else "-"
         mode = "/".join(
             f"{hot[k] / 1e3:.1f}" if hot.get(k) else "-"
             for k in (
@@ -136,7 +145,7 @@ def print_table(rows, loads, budget, repeats, steps, script_args, policy="capuch
         print(
             f"| {name} | {traced_ns / 1e6:.1f} | {plain} | {mode} | {best['plain'] * 1e3:.1f} | "
             f"{best['capuchin'] * 1e3:.1f} | {measured:.3f} | {new:.3f} | {measured / new:.3f} | "
-            f"{before:.3f} | {measured / before:.3f} |"
+            f"{before:.3f} | {measured / before:.3f} | {absolute} | {drift} |"
         )
 
 

@@ -49,9 +49,13 @@ imports the runtime); the tracer calls it after the script's timed steps.
 # inputs against an evicted set that holds no storage; ops that write in place leave it for
 # the slow path, as in a real window) and the slow path (the loop's action at every op: a
 # prefetch of a storage that is not out, so the slow path's matching, before- and after-steps,
-# no copy). The tracer runs them in rounds with a plain step (Note [Plain step] in
-# tracer/record.py), one untimed warm-up step first; per op of the recorded iteration, the
-# median within-round difference of the hot step over the plain one is
+# no copy; and what a real plan's action op does besides moving bytes: its first input and
+# output named, an eviction of that output tried after it, which finds no decision in the
+# plan and evicts nothing, and its inputs looked up among the evicted storages, which hold one
+# entry that is no storage's, as while a real plan has something out: ``_acting_everywhere``;
+# an empty action alone missed them). The tracer runs them in rounds with a plain step (Note
+# [Plain step] in tracer/record.py), one untimed warm-up step first; per op of the recorded
+# iteration, the median within-round difference of the hot step over the plain one is
 # ``host_costs["hot_op_ns"]``, of the slow step over the hot one ``["slow_op_script_ns"]``
 # (charged in place of the loop's scaled ``slow_op_ns``), and of the guarded step over the hot
 # one, less the ops it sent down the slow path (``slow_calls``) at that figure, per op that
@@ -80,7 +84,7 @@ from . import engine
 from .backend import backend_for
 from .engine import Runtime
 from .recompute import RecomputeEngine
-from .state import resize, storage_key
+from .state import Entry, Reason, Residency, resize, storage_key
 from .tracker import _ANY
 
 _OP = ["aten.add.Tensor", "16;16"]
@@ -254,6 +258,8 @@ class RuntimeProbe:
             return slow_op(func, args, kwargs)
 
         ex.slow_op = counted
+        if self.path == "slow":
+            _acting_everywhere(ex)
         if self.path == "guarded":  # as while a storage is out: every op's inputs checked
             update = ex._update_fast
 
@@ -273,6 +279,30 @@ class RuntimeProbe:
         its = self.rt.report.iterations if self.rt.report is not None else []
         done = [s for s in its if s.complete]
         return len(done) >= n and not any(s.diverged for s in done[-n:])
+
+
+# no storage has this key (``storage_key`` is a StorageImpl's address): the slow probe's entry
+_NO_STORAGE = -1
+
+
+def _acting_everywhere(ex) -> None:
+    """Note [The runtime in the script's steps]: each op of the slow probe's plan does what a
+    real plan's action op does short of moving bytes: besides the prefetch of a storage that
+    is not out, it names its first input and its first output (``"x{k}:0"``, ``"k:0"``) and,
+    after it, evicts that output, which has no decision in the plan (the window lookup finds
+    none, so nothing is evicted); and an entry that is no storage's keeps the executor's
+    evicted-storage map non-empty, as while a real plan has something out, so every op's
+    inputs are looked up in it (``_keys``, the on-demand restore's lookups)."""
+    table = ex.cursor.table
+    for k in range(table.n_ops):
+        acts = table.actions(k)
+        acts.name_inputs.append((0, f"x{k}:0"))
+        acts.name_outputs.append((0, f"{k}:0"))
+        acts.after.append((Step.EVICT_SWAP, f"{k}:0"))
+    ex.entries[_NO_STORAGE] = Entry(
+        "probe:none", lambda: None, 0, True, Reason.PASSIVE, state=Residency.OUT
+    )
+    ex._update_fast()
 
 
 def runtime_probe(ops: list[list[str]], leader, path: str) -> RuntimeProbe:

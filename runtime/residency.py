@@ -224,6 +224,8 @@ class StorageResidency:
     def copy_on_write(self, info, args, kwargs, flat: list) -> list:
         """The op's written inputs (returned): what depends on them is regenerated before they
         change (R3), and their writes are counted."""
+        if not (info.write_args or info.unannotated_write_args or info.region_writes):
+            return ()  # most ops write nothing
         written = written_inputs(info, args, kwargs, flat)
         for a in written:
             try:

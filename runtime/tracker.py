@@ -157,6 +157,10 @@ class TrackerMode(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True  # Dynamo compiles under the mode (Note [torch.compile] in tracer/compiled.py)
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # Note [Dynamo off in the dispatch]: done in __torch_dispatch__ itself
+
     def __init__(self, executor: Executor):
         super().__init__()
         self.ex = executor
@@ -165,10 +169,17 @@ class TrackerMode(TorchDispatchMode):
         self.evicted = _NONE  # the executor's entries while the hot path is guarded
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        prior = _set_eval_frame(None)  # Note [Dynamo off in the dispatch]
+        try:
+            return self._dispatch(func, args, kwargs)
+        finally:
+            _set_eval_frame(prior)
+
+    def _dispatch(self, func, args, kwargs):
         if SPLIT_SPECS.get(func, 0) is not None:  # Note [Multi-tensor op split] in hooks.py
             calls = split_calls(func, args, kwargs or {})
             if calls is not None:
-                return join_outputs([self.__torch_dispatch__(func, types, a, k) for a, k in calls])
+                return join_outputs([self._dispatch(func, a, k) for a, k in calls])
         ix = self.ix
         if not ix.step_pending:
             k = ix.op_index + 1
@@ -188,6 +199,26 @@ class TrackerMode(TorchDispatchMode):
                 pass
         with LOCK:  # Note [Other threads] in threads.py
             return self.ex.slow_op(func, args, kwargs or {})
+
+
+# Note: [Dynamo off in the dispatch]
+# Dynamo must never compile the runtime's own frames: a frame the script's compiled code calls
+# eagerly (after a graph break) dispatches its ops to this mode with Dynamo's frame callback
+# set. ``TorchDispatchMode`` ensures that by wrapping every subclass's ``__torch_dispatch__`` in
+# ``torch._disable_dynamo``: two Python frames, an attribute lookup and a stance check per op,
+# about a third of what a trivial mode costs an op (docs/runtime.md, "Predictions on scripts
+# of short ops"). The mode does the same itself: the code of ``__torch_dispatch__`` is marked for
+# Dynamo to skip (``set_code_exec_strategy``, what ``torch._dynamo.skip`` does, here without
+# importing Dynamo), and its first step clears the frame callback for every frame it calls
+# (what ``torch._dynamo.disable(recursive=True)`` does), restoring it when the op returns.
+_set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
+torch._C._dynamo.eval_frame.set_code_exec_strategy(
+    TrackerMode.__torch_dispatch__.__code__,
+    torch._C._dynamo.eval_frame._FrameExecStrategy(
+        torch._C._dynamo.eval_frame._FrameAction.SKIP,
+        torch._C._dynamo.eval_frame._FrameAction.DEFAULT,
+    ),
+)
 
 
 def _reads(args, kwargs, evicted: dict) -> bool:
@@ -359,7 +390,7 @@ class Executor:
             info = call_info(info, func, args)
         k = self._next_op()
         flat = flatten_tensors(args, kwargs)
-        if _communicates(func):  # Note [Collectives] in planner/problem.py
+        if _COMMUNICATES.get(func, True) and _communicates(func):  # Note [Collectives] ...
             for _key, st in storages(flat):
                 expose(st)
         cur, res, guard = self.cursor, self.res, self.guard

@@ -457,3 +457,42 @@ def test_a_script_that_ends_before_the_mode_steps_keeps_its_plain_step(tmp_path,
     assert "ended before" in trace.meta.extra["host_costs_note"]
     # the step it ended in is no step that did not follow the plan
     assert "runtime_probe_note" not in trace.meta.extra
+
+
+@pytest.mark.slow
+def test_the_slow_probe_does_an_action_ops_bookkeeping_and_moves_no_byte(monkeypatch):
+    # Note [The runtime in the script's steps] in runtime/calibrate.py: every op of the slow
+    # probe names its first input and output and tries its output's eviction (no decision: none
+    # happens), and every op's inputs are looked up among the evicted storages; training stays
+    # bitwise and nothing is evicted or refused
+    from capuchin.runtime import residency
+    from capuchin.testing.training import train_mismatches
+
+    ops = Problem.from_trace(load_trace(TRACES / "mlp.trace.parquet")).op_signatures()
+    evicts: list = []
+    looked_up = [0]
+    evict, restore_inputs = (
+        residency.StorageResidency._evict,
+        residency.StorageResidency.restore_inputs,
+    )
+
+    def spy_evict(self, step, sid, d):
+        ref = self.live.get(sid)
+        evicts.append((sid, d, ref is not None and ref() is not None))
+        return evict(self, step, sid, d)
+
+    def spy_lookups(self, keys):
+        looked_up[0] += len(keys)
+        return restore_inputs(self, keys)
+
+    monkeypatch.setattr(residency.StorageResidency, "_evict", spy_evict)
+    monkeypatch.setattr(residency.StorageResidency, "restore_inputs", spy_lookups)
+    probe = calibrate.RuntimeProbe(ops, None, "slow")
+    assert train_mismatches("mlp", probe) == []
+    its = [s for s in probe.rt.report.iterations if s.complete]
+    assert probe.steady(len(its) - 1)  # iteration 0 builds the model: it follows no plan
+    assert all(s.evictions == 0 and s.refused == 0 for s in its)
+    steady_ops = sum(s.ops for s in its[1:])
+    assert len(evicts) >= steady_ops and all(d is None for _, d, _ in evicts)
+    assert sum(named for *_, named in evicts) >= steady_ops // 2  # outputs named as planned
+    assert looked_up[0] >= steady_ops

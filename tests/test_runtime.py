@@ -626,3 +626,35 @@ def test_a_collective_in_a_replay_chain_is_refused_at_every_drop():
     eng.records[0] = dc_replace(eng.records[0], func=torch.ops._c10d_functional.all_reduce.default)
     for _ in range(2):
         assert eng.check_replayable(d) == "op 0 is a collective"
+
+
+def test_the_dispatch_runs_with_dynamo_off_and_gives_its_callback_back(monkeypatch):
+    """Note [Dynamo off in the dispatch] in runtime/tracker.py: whatever frame callback the
+    script's compiled code has set (``False``: Dynamo's run-only mode, which calls no Python),
+    the runtime's code runs with none, and the callback is back once the op returns; Dynamo
+    skips the dispatch frame itself."""
+    from capuchin.runtime import tracker
+
+    ef = torch._C._dynamo.eval_frame
+    seen = []
+    slow_op = tracker.Executor.slow_op
+
+    def spy(self, func, args, kwargs):
+        now = ef.set_eval_frame(None)
+        ef.set_eval_frame(now)
+        seen.append(now)
+        return slow_op(self, func, args, kwargs)
+
+    monkeypatch.setattr(tracker.Executor, "slow_op", spy)
+    x = torch.ones(4)
+    with Runtime(device="cpu", budget_bytes=10**9, measure_memory=False):  # every op: slow path
+        prior = ef.set_eval_frame(False)
+        try:
+            y = torch.add(x, x)
+            after = ef.set_eval_frame(False)
+        finally:
+            ef.set_eval_frame(prior)
+    assert torch.equal(y, x + x)
+    assert seen and all(s is None for s in seen), seen
+    assert after is False
+    assert not tracker.TrackerMode._should_skip_dynamo()  # no second wrapper per op
