@@ -148,6 +148,31 @@ _NONE: dict = {}
 _ANY = {None: None}  # non-empty: guarded with nothing evicted (swap-outs in flight, records)
 
 
+# Note: [Dynamo off in the dispatch]
+# Dynamo must never compile the runtime's own frames: a frame the script's compiled code calls
+# eagerly (after a graph break) dispatches its ops to this mode with Dynamo's frame callback
+# set. ``TorchDispatchMode`` ensures that by wrapping every subclass's ``__torch_dispatch__`` in
+# ``torch._disable_dynamo``: two Python frames, an attribute lookup and a stance check per op,
+# about a third of what a trivial mode costs an op (docs/runtime.md, "Predictions on scripts
+# of short ops"). The mode does the same itself: the code of ``__torch_dispatch__`` is marked for
+# Dynamo to skip (``set_code_exec_strategy``, what ``torch._dynamo.skip`` does, here without
+# importing Dynamo), and its first step clears the frame callback for every frame it calls
+# (what ``torch._dynamo.disable(recursive=True)`` does), restoring it when the op returns.
+# The hooks are private: where this torch lacks one of them, the mode keeps torch's wrapper
+# (``_should_skip_dynamo``), which does the same at its cost.
+try:
+    _EVAL_FRAME = torch._C._dynamo.eval_frame
+    _SKIP_FRAME = _EVAL_FRAME._FrameExecStrategy(
+        _EVAL_FRAME._FrameAction.SKIP, _EVAL_FRAME._FrameAction.DEFAULT
+    )
+    _OWN_DYNAMO_SWITCH = callable(_EVAL_FRAME.set_eval_frame) and callable(
+        _EVAL_FRAME.set_code_exec_strategy
+    )
+except AttributeError:
+    _EVAL_FRAME = _SKIP_FRAME = None
+    _OWN_DYNAMO_SWITCH = False
+
+
 class TrackerMode(TorchDispatchMode):
     """The mode object; all logic lives in ``Executor`` (it outlives re-entries of the mode)."""
 
@@ -159,7 +184,9 @@ class TrackerMode(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        return False  # Note [Dynamo off in the dispatch]: done in __torch_dispatch__ itself
+        # Note [Dynamo off in the dispatch]: done in __torch_dispatch__ itself where torch has
+        # the hooks for it, else torch's own wrapper
+        return not _OWN_DYNAMO_SWITCH
 
     def __init__(self, executor: Executor):
         super().__init__()
@@ -169,11 +196,13 @@ class TrackerMode(TorchDispatchMode):
         self.evicted = _NONE  # the executor's entries while the hot path is guarded
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        prior = _set_eval_frame(None)  # Note [Dynamo off in the dispatch]
+        if not _OWN_DYNAMO_SWITCH:  # torch's wrapper around this method turns Dynamo off
+            return self._dispatch(func, args, kwargs)
+        prior = _EVAL_FRAME.set_eval_frame(None)  # Note [Dynamo off in the dispatch]
         try:
             return self._dispatch(func, args, kwargs)
         finally:
-            _set_eval_frame(prior)
+            _EVAL_FRAME.set_eval_frame(prior)
 
     def _dispatch(self, func, args, kwargs):
         if SPLIT_SPECS.get(func, 0) is not None:  # Note [Multi-tensor op split] in hooks.py
@@ -201,24 +230,8 @@ class TrackerMode(TorchDispatchMode):
             return self.ex.slow_op(func, args, kwargs or {})
 
 
-# Note: [Dynamo off in the dispatch]
-# Dynamo must never compile the runtime's own frames: a frame the script's compiled code calls
-# eagerly (after a graph break) dispatches its ops to this mode with Dynamo's frame callback
-# set. ``TorchDispatchMode`` ensures that by wrapping every subclass's ``__torch_dispatch__`` in
-# ``torch._disable_dynamo``: two Python frames, an attribute lookup and a stance check per op,
-# about a third of what a trivial mode costs an op (docs/runtime.md, "Predictions on scripts
-# of short ops"). The mode does the same itself: the code of ``__torch_dispatch__`` is marked for
-# Dynamo to skip (``set_code_exec_strategy``, what ``torch._dynamo.skip`` does, here without
-# importing Dynamo), and its first step clears the frame callback for every frame it calls
-# (what ``torch._dynamo.disable(recursive=True)`` does), restoring it when the op returns.
-_set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
-torch._C._dynamo.eval_frame.set_code_exec_strategy(
-    TrackerMode.__torch_dispatch__.__code__,
-    torch._C._dynamo.eval_frame._FrameExecStrategy(
-        torch._C._dynamo.eval_frame._FrameAction.SKIP,
-        torch._C._dynamo.eval_frame._FrameAction.DEFAULT,
-    ),
-)
+if _OWN_DYNAMO_SWITCH:
+    _EVAL_FRAME.set_code_exec_strategy(TrackerMode.__torch_dispatch__.__code__, _SKIP_FRAME)
 
 
 def _reads(args, kwargs, evicted: dict) -> bool:

@@ -658,3 +658,32 @@ def test_the_dispatch_runs_with_dynamo_off_and_gives_its_callback_back(monkeypat
     assert seen and all(s is None for s in seen), seen
     assert after is False
     assert not tracker.TrackerMode._should_skip_dynamo()  # no second wrapper per op
+
+
+def test_without_torchs_private_frame_hooks_the_mode_keeps_torchs_wrapper():
+    """Note [Dynamo off in the dispatch]: on a torch without ``set_code_exec_strategy`` the mode
+    falls back to torch's own per-op wrapper, and an op under the runtime still runs."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import torch
+        ef = torch._C._dynamo.eval_frame
+        hook = ef.set_code_exec_strategy
+        del ef.set_code_exec_strategy  # while the runtime is imported: a torch without it
+        from capuchin.runtime import tracker
+        from capuchin.runtime.engine import Runtime
+        ef.set_code_exec_strategy = hook  # Dynamo's own import needs it
+        assert not tracker._OWN_DYNAMO_SWITCH
+        assert tracker.TrackerMode._should_skip_dynamo()
+        x = torch.ones(4)
+        with Runtime(device="cpu", budget_bytes=10**9, measure_memory=False):
+            y = torch.add(x, x)
+        assert torch.equal(y, x + x)
+        print("fallback ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "fallback ok" in out.stdout, out.stderr[-2000:]
