@@ -137,8 +137,9 @@ class SimResult:
     op_end_ns: np.ndarray = field(repr=False)
     _carry: dict = field(repr=False)  # Note [Steady state across iterations]
     _decisions: tuple[Decision, ...] = field(repr=False)
-    # per decision: stall, replay time and the outcome's times (None: none happened)
-    _per_decision: tuple[list[int], list[int], list[dict | None]] = field(repr=False)
+    # per decision: stall, replay time and the outcome's six times (lists in the order of
+    # ``DecisionOutcome``'s fields; -1: did not happen)
+    _per_decision: tuple[list[int], list[int], tuple[list[int], ...]] = field(repr=False)
     # Note [Only the ops of decisions]: the events and spans for reports, made by the same pass
     # with ``detail`` on first use (``_again``: its arguments); most results of a search are
     # judged by their peak and time alone
@@ -149,9 +150,20 @@ class SimResult:
     @cached_property
     def outcomes(self) -> tuple[DecisionOutcome, ...]:
         """One ``DecisionOutcome`` per decision, in the plan's order."""
-        stall, recomp, info = self._per_decision
+        stall, recomp, (os_, oe, ins, ine, fr, bk) = self._per_decision
         return tuple(
-            DecisionOutcome(d.storage_id, d.method, stall[i], recomp[i], **(info[i] or _TIMES))
+            DecisionOutcome(
+                d.storage_id,
+                d.method,
+                stall[i],
+                recomp[i],
+                os_[i],
+                oe[i],
+                ins[i],
+                ine[i],
+                fr[i],
+                bk[i],
+            )
             for i, d in enumerate(self._decisions)
         )
 
@@ -551,7 +563,8 @@ def _pass(
     m_ = len(decisions)
     stall = [0] * m_
     recomp = [0] * m_
-    info: list[dict | None] = [None] * m_  # per decision: its outcome's times, once one happens
+    # per decision, its outcome's times (-1: did not happen)
+    os_, oe, ins, ine, fr, bk = ([-1] * m_ for _ in range(6))
     h2d_free = 0
     d2h_free = 0
     resident = problem.resident_bytes
@@ -607,10 +620,7 @@ def _pass(
         at.append(begin), ad.append(st[sid].size_bytes), ak.append(_ALLOC), asid.append(sid)
         in_end[sid] = end
         state[sid] = "swapping_in"
-        inf = info[i]
-        if inf is None:
-            inf = info[i] = dict(_TIMES)
-        inf["in_start_ns"], inf["in_end_ns"] = begin, end
+        ins[i], ine[i] = begin, end
         if detail:
             spans.append((k, 1, ("h2d", f"swap-in {sid}", begin, end, -1, sid)))
 
@@ -650,10 +660,7 @@ def _pass(
                         t += wait
                     state[x] = "in"
                     away.discard(x)
-                    inf = info[j]
-                    if inf is None:
-                        inf = info[j] = dict(_TIMES)
-                    inf["back_ns"] = t
+                    bk[j] = t
             if d.method != Method.SWAP and state.get(sid) != "in":
                 t1 = t
                 # the keeps that are out come back with the replay (collective recomputation);
@@ -691,10 +698,7 @@ def _pass(
                 t += dur
                 t += len(d.replay_ops) * replay_op_ns
                 recomp[i] = t - t1
-                inf = info[i]
-                if inf is None:
-                    inf = info[i] = dict(_TIMES)
-                inf["back_ns"] = t
+                bk[i] = t
             state[sid] = "in"
             away.discard(sid)
             del active[sid]
@@ -716,9 +720,6 @@ def _pass(
             active[sid] = i
             state[sid] = "out"
             away.add(sid)
-            inf = info[i]
-            if inf is None:
-                inf = info[i] = dict(_TIMES)
             if d.method == Method.SWAP:
                 if swap_ns:
                     if detail:
@@ -731,14 +732,14 @@ def _pass(
                 d2h_free = end
                 out_end[sid] = end
                 at.append(end), ad.append(-d.size_bytes), ak.append(_FREE), asid.append(sid)
-                inf["out_start_ns"], inf["out_end_ns"], inf["freed_ns"] = begin, end, end
+                os_[i], oe[i], fr[i] = begin, end, end
                 if detail:
                     spans.append((k, 3, ("d2h", f"swap-out {sid}", begin, end, -1, sid)))
             else:
                 dk.append(5 * k + 4), dt.append(t), dev.append(_drop_event(d.size_bytes))
                 if detail:
                     dsid.append((sid,))
-                inf["freed_ns"] = t
+                fr[i] = t
                 if drop_ns:
                     if detail:
                         spans.append(
@@ -858,7 +859,7 @@ def _pass(
         op_end,
         new_carry,
         decisions,
-        (stall, recomp, info),
+        (stall, recomp, (os_, oe, ins, ine, fr, bk)),
         memory,
         report_spans,
         (problem, bw_out, bw_in, carry or None),
@@ -918,9 +919,6 @@ def _undo_free_event(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     )
 
 
-_TIMES = dict(  # DecisionOutcome's times, in field order, as when they did not happen
-    out_start_ns=-1, out_end_ns=-1, in_start_ns=-1, in_end_ns=-1, freed_ns=-1, back_ns=-1
-)
 
 
 def _curve(ct_a, cd_a, ck_a, at, ad, ak, resident):
