@@ -96,7 +96,6 @@ import pandas as pd
 
 from ..errors import PlanError, PlanFormatError
 from ..tracer.schema import scratch_id
-from .costs import action_ops
 from .plan import Decision, Method, Plan, decision_window, overlapping
 from .problem import Problem
 
@@ -293,10 +292,17 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
                 f"decision {d.storage_id}: source {x} of its replay at op {d.back_op} is "
                 f"evicted as dead after op {dead[x]}"
             )
-    if len({d.storage_id for d in decisions}) == len(decisions):
+    sids = [d.storage_id for d in decisions]
+    if len(set(sids)) == len(sids):
         return
+    # Note [Several windows per storage] in plan.py: a window can only overlap another of its
+    # storage, so the storages with one decision are left out (the same first error)
+    once: set[str] = set()
+    several = {x for x in sids if x in once or once.add(x)}
     by_storage: dict[str, list] = {}
-    for d in decisions:  # Note [Several windows per storage] in plan.py
+    for d in decisions:
+        if d.storage_id not in several:
+            continue
         w = decision_window(d)
         why = overlapping(w, by_storage.setdefault(d.storage_id, []), n)
         if why is not None:
@@ -370,7 +376,7 @@ def simulate(
     # searches simulate the same plan again and again (and the plan builder the policy's
     # last one): results are remembered per problem, the most recent first, as many as
     # _MEMO_EVENTS op-slots allow (a result's arrays grow with the number of ops)
-    key = (tuple(decisions), bw_out, bw_in, check)
+    key = _Key((tuple(decisions), bw_out, bw_in, check))
     # kept on the problem itself: a result refers to its problem (to make its memory events on
     # first use), so a weak-keyed memo would keep every problem alive; as an attribute the two
     # form a cycle the garbage collector frees
@@ -389,6 +395,23 @@ def simulate(
     while len(memo) > max(2, _MEMO_EVENTS // max(1, problem.n_ops)):
         memo.popitem(last=False)
     return res
+
+
+class _Key:
+    """A memo key that hashes its decisions once: the memo looks it up and then stores it,
+    and a tuple's hash calls every decision's ``__hash__`` (a Python method) each time."""
+
+    __slots__ = ("key", "h")
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+        self.h = hash(key)
+
+    def __hash__(self) -> int:
+        return self.h
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and self.h == other.h and self.key == other.key
 
 
 def _steady(problem, decisions, bw_out, bw_in, one_pass, **kw) -> SimResult:
@@ -518,24 +541,29 @@ def _pass(
     ``detail``: also the memory events' storage ids and the spans, for reports.
     ``check_access``: visit every op and raise when one accesses a storage that is out."""
     n = problem.n_ops
-    st = problem.storages
     P = _ops_of(problem)
+    SWAP, RECOMPUTE = Method.SWAP, Method.RECOMPUTE
+    sizes = P._sizes
     evict_at: dict[int, list[int]] = {}
     trig_at: dict[int, list[int]] = {}
     back_at: dict[int, list[int]] = {}
     free_at: dict[int, list[int]] = {}  # dead decisions by the op that frees the storage
+    acts: list[int] = []  # costs.action_ops(decisions), with repeats, made in the same loop
     for i, d in enumerate(decisions):
         evict_at.setdefault(d.evict_op, []).append(i)
+        acts.append(d.evict_op)
         if d.dead:
             free_at.setdefault(d.back_op, []).append(i)
             continue
         back_at.setdefault(d.back_op, []).append(i)
-        if (
-            d.method == Method.SWAP
-            and d.trigger_op is not None
-            and (d.trigger_op < d.back_op or (d.wraps and d.trigger_op != d.back_op))
-        ):
-            trig_at.setdefault(d.trigger_op, []).append(i)
+        acts.append(d.back_op)
+        if d.method == SWAP:
+            if d.trigger_op is not None:
+                acts.append(d.trigger_op)
+                if d.trigger_op < d.back_op or (d.wraps and d.trigger_op != d.back_op):
+                    trig_at.setdefault(d.trigger_op, []).append(i)
+        else:
+            acts.extend(d.replay_ops)
     for lst in trig_at.values():
         lst.sort(key=lambda i: (decisions[i].back_op, i))
 
@@ -591,15 +619,20 @@ def _pass(
 
     host = problem.host  # Note [Simulation model]: the runtime's host work on compute
     swap_ns, replay_op_ns, drop_ns = host.swap_ns, host.replay_op_ns, host.drop_ns
+    visit = range(n) if check_access else sorted({*evict_at, *back_at, *trig_at, *free_at})
+    vis = np.arange(n) if check_access else np.array(visit, dtype=np.int64)
     if host.action_op_ns:
         A = np.zeros(n, dtype=np.int64)
-        acts = [k for k in action_ops(decisions) if 0 <= k < n]
-        A[acts] = host.action_op_ns
-        cA = np.cumsum(A).tolist()  # host time of the action ops up to and including op k
+        a = np.array(acts, dtype=np.int64)
+        A[a[(a >= 0) & (a < n)]] = host.action_op_ns
+        cA = np.cumsum(A)  # host time of the action ops up to and including op k
+        host_before = int(cA[-1]) if n else 0
+        base = (P.start[vis] + cA[vis]).tolist()  # each visited op's start, but for the delays
     else:
         A = None
-        cA = None
-    start_l, dur_l = P.start_l, P.dur_l
+        host_before = 0
+        base = P.start[vis].tolist()
+    dur_l = P.dur_l
     replays, replay_arrays = P.replays, P.replay_arrays
     D: dict[int, int] = {}  # visited op -> time added between its start and its allocations
     E: dict[int, int] = {}  # visited op -> time added after it ends (swap-out calls)
@@ -617,32 +650,32 @@ def _pass(
         begin = max(t, h2d_free, out_end.get(sid, 0))
         end = begin + in_ns[sid]
         h2d_free = end
-        at.append(begin), ad.append(st[sid].size_bytes), ak.append(_ALLOC), asid.append(sid)
+        at.append(begin), ad.append(sizes[sid]), ak.append(_ALLOC), asid.append(sid)
         in_end[sid] = end
         state[sid] = "swapping_in"
         ins[i], ine[i] = begin, end
         if detail:
             spans.append((k, 1, ("h2d", f"swap-in {sid}", begin, end, -1, sid)))
 
-    visit = range(n) if check_access else sorted({*evict_at, *back_at, *trig_at, *free_at})
-    for k in visit:
-        t = t0 = start_l[k] + (cA[k] if cA is not None else 0) + shift
-        for i in trig_at.get(k, ()):
+    trig_get, back_get, evict_get, free_get = trig_at.get, back_at.get, evict_at.get, free_at.get
+    for k, b in zip(visit, base, strict=True):
+        t = t0 = b + shift
+        for i in trig_get(k, ()):
             sid = decisions[i].storage_id
             if state.get(sid) == "out" and active.get(sid) == i:
                 swap_in(i, sid, k)
-        for i in back_at.get(k, ()):
+        for i in back_get(k, ()):
             d = decisions[i]
             sid = d.storage_id
             if active.get(sid) != i:
                 raise PlanError(f"decision {sid}: back-access op {k} but it was never evicted")
-            if d.method == Method.SWAP:
+            if d.method == SWAP:
                 restore = (sid,)
             elif state.get(sid) != "in":  # not kept by an earlier collective recomputation
                 restore = []
                 for x in d.sources if not away.isdisjoint(d.sources) else ():
                     if x in away:
-                        if decisions[active[x]].method != Method.SWAP:
+                        if decisions[active[x]].method != SWAP:
                             raise PlanError(f"decision {sid}: source {x} is dropped at op {k}")
                         restore.append(x)
             else:
@@ -661,7 +694,7 @@ def _pass(
                     state[x] = "in"
                     away.discard(x)
                     bk[j] = t
-            if d.method != Method.SWAP and state.get(sid) != "in":
+            if d.method != SWAP and state.get(sid) != "in":
                 t1 = t
                 # the keeps that are out come back with the replay (collective recomputation);
                 # the replay's events depend only on them: one template per such set
@@ -671,7 +704,7 @@ def _pass(
                         for x in d.keep
                         if state.get(x) == "out"
                         and x in active
-                        and decisions[active[x]].method == Method.RECOMPUTE
+                        and decisions[active[x]].method == RECOMPUTE
                     )
                 )
                 rkey = (d.storage_id, d.replay_ops, keep)
@@ -714,13 +747,13 @@ def _pass(
             D[k] = t - t0
         t += dur_l[k]
         t_end = t
-        for i in evict_at.get(k, ()):
+        for i in evict_get(k, ()):
             d = decisions[i]
             sid = d.storage_id
             active[sid] = i
             state[sid] = "out"
             away.add(sid)
-            if d.method == Method.SWAP:
+            if d.method == SWAP:
                 if swap_ns:
                     if detail:
                         spans.append(
@@ -746,7 +779,7 @@ def _pass(
                             (k, 3, ("compute", f"drop call {sid}", t, t + drop_ns, k, sid))
                         )
                     t += drop_ns
-        for i in free_at.get(k, ()):  # Note [Dead storages] in dead.py
+        for i in free_get(k, ()):  # Note [Dead storages] in dead.py
             d = decisions[i]
             sid = d.storage_id
             # the op's own free of the storage (in the problem) finds it out already
@@ -766,7 +799,7 @@ def _pass(
             E[k] = t - t_end
         shift += t - t0 - dur_l[k]
     # the time after the last op: its baseline end plus every delay before it
-    t = (int(P.start[-1] + P.dur[-1]) + (cA[-1] if cA is not None else 0) + shift) if n else 0
+    t = (int(P.start[-1] + P.dur[-1]) + host_before + shift) if n else 0
     left = [sid for sid, i in active.items() if not decisions[i].wraps]
     if left:
         raise PlanError(f"decision {left[0]}: still evicted at the end of the iteration")
@@ -917,8 +950,6 @@ def _undo_free_event(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         np.full(1, size, dtype=np.int64),
         np.full(1, _ALLOC, dtype=np.int8),
     )
-
-
 
 
 def _curve(ct_a, cd_a, ck_a, at, ad, ak, resident):
