@@ -296,20 +296,43 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
     if len(set(sids)) == len(sids):
         return
     # Note [Several windows per storage] in plan.py: a window can only overlap another of its
-    # storage, so the storages with one decision are left out (the same first error)
+    # storage, so the storages with one decision are left out; each storage's decisions, in
+    # plan order, are checked once per problem (a search checks the same ones again and again)
     once: set[str] = set()
     several = {x for x in sids if x in once or once.add(x)}
-    by_storage: dict[str, list] = {}
-    for d in decisions:
-        if d.storage_id not in several:
-            continue
+    groups: dict[str, list[int]] = {}
+    for pos, x in enumerate(sids):
+        if x in several:
+            groups.setdefault(x, []).append(pos)
+    windows = per.windows
+    if len(windows) > 100_000:
+        windows.clear()
+    first = None  # (position in the plan, message) of the first decision that overlaps
+    for x, where in groups.items():
+        key = tuple(decisions[i] for i in where)
+        got = windows.get(key, _UNSEEN)
+        if got is _UNSEEN:
+            got = windows[key] = _first_overlap(key, n)
+        if got is not None and (first is None or where[got[0]] < first[0]):
+            first = (where[got[0]], f"storage {x}: {got[0] + 1} decisions evict it: {got[1]}")
+    if first is not None:
+        raise PlanError(first[1])
+
+
+_UNSEEN = object()
+
+
+def _first_overlap(ds: tuple[Decision, ...], n: int) -> tuple[int, str] | None:
+    """The first of one storage's decisions (in plan order) whose window may not join those
+    before it, and why; None when all may."""
+    ws: list = []
+    for j, d in enumerate(ds):
         w = decision_window(d)
-        why = overlapping(w, by_storage.setdefault(d.storage_id, []), n)
+        why = overlapping(w, ws, n)
         if why is not None:
-            raise PlanError(
-                f"storage {d.storage_id}: {len(by_storage[d.storage_id]) + 1} decisions evict it: {why}"
-            )
-        by_storage[d.storage_id].append(w)
+            return j, why
+        ws.append(w)
+    return None
 
 
 def _check_replay(problem: Problem, d: Decision, where: str) -> None:
@@ -504,6 +527,8 @@ class _Ops:
         self.replay_arrays: dict = {}  # the same key -> its times, deltas and kinds as arrays
         self.checked: set[Decision] = set()  # decisions that passed ``check_decisions``
         self.checked_objects: dict[int, Decision] = {}  # id -> such a decision object
+        # one storage's decisions in plan order -> the first that overlaps those before it
+        self.windows: dict[tuple[Decision, ...], tuple[int, str] | None] = {}
 
     def copy_ns(self, bw_out: float, bw_in: float) -> tuple[dict, dict]:
         """Per storage, its swap-out and swap-in copy times at these bandwidths (ns, rounded
