@@ -96,7 +96,6 @@ import pandas as pd
 
 from ..errors import PlanError, PlanFormatError
 from ..tracer.schema import scratch_id
-from .costs import action_ops
 from .plan import Decision, Method, Plan, decision_window, overlapping
 from .problem import Problem
 
@@ -137,8 +136,9 @@ class SimResult:
     op_end_ns: np.ndarray = field(repr=False)
     _carry: dict = field(repr=False)  # Note [Steady state across iterations]
     _decisions: tuple[Decision, ...] = field(repr=False)
-    # per decision: stall, replay time and the outcome's times (None: none happened)
-    _per_decision: tuple[list[int], list[int], list[dict | None]] = field(repr=False)
+    # per decision: stall, replay time and the outcome's six times (lists in the order of
+    # ``DecisionOutcome``'s fields; -1: did not happen)
+    _per_decision: tuple[list[int], list[int], tuple[list[int], ...]] = field(repr=False)
     # Note [Only the ops of decisions]: the events and spans for reports, made by the same pass
     # with ``detail`` on first use (``_again``: its arguments); most results of a search are
     # judged by their peak and time alone
@@ -149,9 +149,20 @@ class SimResult:
     @cached_property
     def outcomes(self) -> tuple[DecisionOutcome, ...]:
         """One ``DecisionOutcome`` per decision, in the plan's order."""
-        stall, recomp, info = self._per_decision
+        stall, recomp, (os_, oe, ins, ine, fr, bk) = self._per_decision
         return tuple(
-            DecisionOutcome(d.storage_id, d.method, stall[i], recomp[i], **(info[i] or _TIMES))
+            DecisionOutcome(
+                d.storage_id,
+                d.method,
+                stall[i],
+                recomp[i],
+                os_[i],
+                oe[i],
+                ins[i],
+                ine[i],
+                fr[i],
+                bk[i],
+            )
             for i, d in enumerate(self._decisions)
         )
 
@@ -281,17 +292,47 @@ def check_decisions(problem: Problem, decisions: Sequence[Decision]) -> None:
                 f"decision {d.storage_id}: source {x} of its replay at op {d.back_op} is "
                 f"evicted as dead after op {dead[x]}"
             )
-    if len({d.storage_id for d in decisions}) == len(decisions):
+    sids = [d.storage_id for d in decisions]
+    if len(set(sids)) == len(sids):
         return
-    by_storage: dict[str, list] = {}
-    for d in decisions:  # Note [Several windows per storage] in plan.py
+    # Note [Several windows per storage] in plan.py: a window can only overlap another of its
+    # storage, so the storages with one decision are left out; each storage's decisions, in
+    # plan order, are checked once per problem (a search checks the same ones again and again)
+    once: set[str] = set()
+    several = {x for x in sids if x in once or once.add(x)}
+    groups: dict[str, list[int]] = {}
+    for pos, x in enumerate(sids):
+        if x in several:
+            groups.setdefault(x, []).append(pos)
+    windows = per.windows
+    if len(windows) > 100_000:
+        windows.clear()
+    first = None  # (position in the plan, message) of the first decision that overlaps
+    for x, where in groups.items():
+        key = tuple(decisions[i] for i in where)
+        got = windows.get(key, _UNSEEN)
+        if got is _UNSEEN:
+            got = windows[key] = _first_overlap(key, n)
+        if got is not None and (first is None or where[got[0]] < first[0]):
+            first = (where[got[0]], f"storage {x}: {got[0] + 1} decisions evict it: {got[1]}")
+    if first is not None:
+        raise PlanError(first[1])
+
+
+_UNSEEN = object()
+
+
+def _first_overlap(ds: tuple[Decision, ...], n: int) -> tuple[int, str] | None:
+    """The first of one storage's decisions (in plan order) whose window may not join those
+    before it, and why; None when all may."""
+    ws: list = []
+    for j, d in enumerate(ds):
         w = decision_window(d)
-        why = overlapping(w, by_storage.setdefault(d.storage_id, []), n)
+        why = overlapping(w, ws, n)
         if why is not None:
-            raise PlanError(
-                f"storage {d.storage_id}: {len(by_storage[d.storage_id]) + 1} decisions evict it: {why}"
-            )
-        by_storage[d.storage_id].append(w)
+            return j, why
+        ws.append(w)
+    return None
 
 
 def _check_replay(problem: Problem, d: Decision, where: str) -> None:
@@ -358,7 +399,7 @@ def simulate(
     # searches simulate the same plan again and again (and the plan builder the policy's
     # last one): results are remembered per problem, the most recent first, as many as
     # _MEMO_EVENTS op-slots allow (a result's arrays grow with the number of ops)
-    key = (tuple(decisions), bw_out, bw_in, check)
+    key = _Key((tuple(decisions), bw_out, bw_in, check))
     # kept on the problem itself: a result refers to its problem (to make its memory events on
     # first use), so a weak-keyed memo would keep every problem alive; as an attribute the two
     # form a cycle the garbage collector frees
@@ -377,6 +418,23 @@ def simulate(
     while len(memo) > max(2, _MEMO_EVENTS // max(1, problem.n_ops)):
         memo.popitem(last=False)
     return res
+
+
+class _Key:
+    """A memo key that hashes its decisions once: the memo looks it up and then stores it,
+    and a tuple's hash calls every decision's ``__hash__`` (a Python method) each time."""
+
+    __slots__ = ("key", "h")
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+        self.h = hash(key)
+
+    def __hash__(self) -> int:
+        return self.h
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and self.h == other.h and self.key == other.key
 
 
 def _steady(problem, decisions, bw_out, bw_in, one_pass, **kw) -> SimResult:
@@ -469,6 +527,8 @@ class _Ops:
         self.replay_arrays: dict = {}  # the same key -> its times, deltas and kinds as arrays
         self.checked: set[Decision] = set()  # decisions that passed ``check_decisions``
         self.checked_objects: dict[int, Decision] = {}  # id -> such a decision object
+        # one storage's decisions in plan order -> the first that overlaps those before it
+        self.windows: dict[tuple[Decision, ...], tuple[int, str] | None] = {}
 
     def copy_ns(self, bw_out: float, bw_in: float) -> tuple[dict, dict]:
         """Per storage, its swap-out and swap-in copy times at these bandwidths (ns, rounded
@@ -506,24 +566,29 @@ def _pass(
     ``detail``: also the memory events' storage ids and the spans, for reports.
     ``check_access``: visit every op and raise when one accesses a storage that is out."""
     n = problem.n_ops
-    st = problem.storages
     P = _ops_of(problem)
+    SWAP, RECOMPUTE = Method.SWAP, Method.RECOMPUTE
+    sizes = P._sizes
     evict_at: dict[int, list[int]] = {}
     trig_at: dict[int, list[int]] = {}
     back_at: dict[int, list[int]] = {}
     free_at: dict[int, list[int]] = {}  # dead decisions by the op that frees the storage
+    acts: list[int] = []  # costs.action_ops(decisions), with repeats, made in the same loop
     for i, d in enumerate(decisions):
         evict_at.setdefault(d.evict_op, []).append(i)
+        acts.append(d.evict_op)
         if d.dead:
             free_at.setdefault(d.back_op, []).append(i)
             continue
         back_at.setdefault(d.back_op, []).append(i)
-        if (
-            d.method == Method.SWAP
-            and d.trigger_op is not None
-            and (d.trigger_op < d.back_op or (d.wraps and d.trigger_op != d.back_op))
-        ):
-            trig_at.setdefault(d.trigger_op, []).append(i)
+        acts.append(d.back_op)
+        if d.method == SWAP:
+            if d.trigger_op is not None:
+                acts.append(d.trigger_op)
+                if d.trigger_op < d.back_op or (d.wraps and d.trigger_op != d.back_op):
+                    trig_at.setdefault(d.trigger_op, []).append(i)
+        else:
+            acts.extend(d.replay_ops)
     for lst in trig_at.values():
         lst.sort(key=lambda i: (decisions[i].back_op, i))
 
@@ -551,7 +616,8 @@ def _pass(
     m_ = len(decisions)
     stall = [0] * m_
     recomp = [0] * m_
-    info: list[dict | None] = [None] * m_  # per decision: its outcome's times, once one happens
+    # per decision, its outcome's times (-1: did not happen)
+    os_, oe, ins, ine, fr, bk = ([-1] * m_ for _ in range(6))
     h2d_free = 0
     d2h_free = 0
     resident = problem.resident_bytes
@@ -578,15 +644,20 @@ def _pass(
 
     host = problem.host  # Note [Simulation model]: the runtime's host work on compute
     swap_ns, replay_op_ns, drop_ns = host.swap_ns, host.replay_op_ns, host.drop_ns
+    visit = range(n) if check_access else sorted({*evict_at, *back_at, *trig_at, *free_at})
+    vis = np.arange(n) if check_access else np.array(visit, dtype=np.int64)
     if host.action_op_ns:
         A = np.zeros(n, dtype=np.int64)
-        acts = [k for k in action_ops(decisions) if 0 <= k < n]
-        A[acts] = host.action_op_ns
-        cA = np.cumsum(A).tolist()  # host time of the action ops up to and including op k
+        a = np.array(acts, dtype=np.int64)
+        A[a[(a >= 0) & (a < n)]] = host.action_op_ns
+        cA = np.cumsum(A)  # host time of the action ops up to and including op k
+        host_before = int(cA[-1]) if n else 0
+        base = (P.start[vis] + cA[vis]).tolist()  # each visited op's start, but for the delays
     else:
         A = None
-        cA = None
-    start_l, dur_l = P.start_l, P.dur_l
+        host_before = 0
+        base = P.start[vis].tolist()
+    dur_l = P.dur_l
     replays, replay_arrays = P.replays, P.replay_arrays
     D: dict[int, int] = {}  # visited op -> time added between its start and its allocations
     E: dict[int, int] = {}  # visited op -> time added after it ends (swap-out calls)
@@ -604,35 +675,32 @@ def _pass(
         begin = max(t, h2d_free, out_end.get(sid, 0))
         end = begin + in_ns[sid]
         h2d_free = end
-        at.append(begin), ad.append(st[sid].size_bytes), ak.append(_ALLOC), asid.append(sid)
+        at.append(begin), ad.append(sizes[sid]), ak.append(_ALLOC), asid.append(sid)
         in_end[sid] = end
         state[sid] = "swapping_in"
-        inf = info[i]
-        if inf is None:
-            inf = info[i] = dict(_TIMES)
-        inf["in_start_ns"], inf["in_end_ns"] = begin, end
+        ins[i], ine[i] = begin, end
         if detail:
             spans.append((k, 1, ("h2d", f"swap-in {sid}", begin, end, -1, sid)))
 
-    visit = range(n) if check_access else sorted({*evict_at, *back_at, *trig_at, *free_at})
-    for k in visit:
-        t = t0 = start_l[k] + (cA[k] if cA is not None else 0) + shift
-        for i in trig_at.get(k, ()):
+    trig_get, back_get, evict_get, free_get = trig_at.get, back_at.get, evict_at.get, free_at.get
+    for k, b in zip(visit, base, strict=True):
+        t = t0 = b + shift
+        for i in trig_get(k, ()):
             sid = decisions[i].storage_id
             if state.get(sid) == "out" and active.get(sid) == i:
                 swap_in(i, sid, k)
-        for i in back_at.get(k, ()):
+        for i in back_get(k, ()):
             d = decisions[i]
             sid = d.storage_id
             if active.get(sid) != i:
                 raise PlanError(f"decision {sid}: back-access op {k} but it was never evicted")
-            if d.method == Method.SWAP:
+            if d.method == SWAP:
                 restore = (sid,)
             elif state.get(sid) != "in":  # not kept by an earlier collective recomputation
                 restore = []
                 for x in d.sources if not away.isdisjoint(d.sources) else ():
                     if x in away:
-                        if decisions[active[x]].method != Method.SWAP:
+                        if decisions[active[x]].method != SWAP:
                             raise PlanError(f"decision {sid}: source {x} is dropped at op {k}")
                         restore.append(x)
             else:
@@ -650,11 +718,8 @@ def _pass(
                         t += wait
                     state[x] = "in"
                     away.discard(x)
-                    inf = info[j]
-                    if inf is None:
-                        inf = info[j] = dict(_TIMES)
-                    inf["back_ns"] = t
-            if d.method != Method.SWAP and state.get(sid) != "in":
+                    bk[j] = t
+            if d.method != SWAP and state.get(sid) != "in":
                 t1 = t
                 # the keeps that are out come back with the replay (collective recomputation);
                 # the replay's events depend only on them: one template per such set
@@ -664,7 +729,7 @@ def _pass(
                         for x in d.keep
                         if state.get(x) == "out"
                         and x in active
-                        and decisions[active[x]].method == Method.RECOMPUTE
+                        and decisions[active[x]].method == RECOMPUTE
                     )
                 )
                 rkey = (d.storage_id, d.replay_ops, keep)
@@ -691,10 +756,7 @@ def _pass(
                 t += dur
                 t += len(d.replay_ops) * replay_op_ns
                 recomp[i] = t - t1
-                inf = info[i]
-                if inf is None:
-                    inf = info[i] = dict(_TIMES)
-                inf["back_ns"] = t
+                bk[i] = t
             state[sid] = "in"
             away.discard(sid)
             del active[sid]
@@ -710,16 +772,13 @@ def _pass(
             D[k] = t - t0
         t += dur_l[k]
         t_end = t
-        for i in evict_at.get(k, ()):
+        for i in evict_get(k, ()):
             d = decisions[i]
             sid = d.storage_id
             active[sid] = i
             state[sid] = "out"
             away.add(sid)
-            inf = info[i]
-            if inf is None:
-                inf = info[i] = dict(_TIMES)
-            if d.method == Method.SWAP:
+            if d.method == SWAP:
                 if swap_ns:
                     if detail:
                         spans.append(
@@ -731,21 +790,21 @@ def _pass(
                 d2h_free = end
                 out_end[sid] = end
                 at.append(end), ad.append(-d.size_bytes), ak.append(_FREE), asid.append(sid)
-                inf["out_start_ns"], inf["out_end_ns"], inf["freed_ns"] = begin, end, end
+                os_[i], oe[i], fr[i] = begin, end, end
                 if detail:
                     spans.append((k, 3, ("d2h", f"swap-out {sid}", begin, end, -1, sid)))
             else:
                 dk.append(5 * k + 4), dt.append(t), dev.append(_drop_event(d.size_bytes))
                 if detail:
                     dsid.append((sid,))
-                inf["freed_ns"] = t
+                fr[i] = t
                 if drop_ns:
                     if detail:
                         spans.append(
                             (k, 3, ("compute", f"drop call {sid}", t, t + drop_ns, k, sid))
                         )
                     t += drop_ns
-        for i in free_at.get(k, ()):  # Note [Dead storages] in dead.py
+        for i in free_get(k, ()):  # Note [Dead storages] in dead.py
             d = decisions[i]
             sid = d.storage_id
             # the op's own free of the storage (in the problem) finds it out already
@@ -765,7 +824,7 @@ def _pass(
             E[k] = t - t_end
         shift += t - t0 - dur_l[k]
     # the time after the last op: its baseline end plus every delay before it
-    t = (int(P.start[-1] + P.dur[-1]) + (cA[-1] if cA is not None else 0) + shift) if n else 0
+    t = (int(P.start[-1] + P.dur[-1]) + host_before + shift) if n else 0
     left = [sid for sid, i in active.items() if not decisions[i].wraps]
     if left:
         raise PlanError(f"decision {left[0]}: still evicted at the end of the iteration")
@@ -858,7 +917,7 @@ def _pass(
         op_end,
         new_carry,
         decisions,
-        (stall, recomp, info),
+        (stall, recomp, (os_, oe, ins, ine, fr, bk)),
         memory,
         report_spans,
         (problem, bw_out, bw_in, carry or None),
@@ -916,11 +975,6 @@ def _undo_free_event(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         np.full(1, size, dtype=np.int64),
         np.full(1, _ALLOC, dtype=np.int8),
     )
-
-
-_TIMES = dict(  # DecisionOutcome's times, in field order, as when they did not happen
-    out_start_ns=-1, out_end_ns=-1, in_start_ns=-1, in_end_ns=-1, freed_ns=-1, back_ns=-1
-)
 
 
 def _curve(ct_a, cd_a, ck_a, at, ad, ak, resident):

@@ -83,6 +83,25 @@ def test_overlapping_windows_of_one_storage_are_refused():
     simulate(p, [a, b, wrap])  # touching windows are fine
 
 
+def test_the_first_overlap_in_plan_order_is_named_checked_again_or_not():
+    """check_decisions checks each storage's decisions once per problem (the windows memo):
+    the error names the storage whose overlapping decision comes first in the plan, the same
+    when the same decisions come again (from the memo) as the first time."""
+    p = _adam_like()
+    a = _windows(p, "W")[0]
+    on_demand = Decision("W", Method.SWAP, a.size_bytes, a.evict_op, a.back_op)
+    size = p.storages["A"].size_bytes
+    x = Decision("A", Method.SWAP, size, 1, 2)
+    y = Decision("A", Method.SWAP, size, 1, 2, trigger_op=2)
+    for _ in range(2):  # the second time from the memo
+        # W's first decision comes first, but A's overlapping one (3rd) before W's (4th)
+        with pytest.raises(PlanError, match=r"^storage A: 2 decisions evict it: .*overlaps"):
+            simulator.check_decisions(p, [a, x, y, on_demand])
+        with pytest.raises(PlanError, match=r"^storage W: 2 decisions evict it: .*overlaps"):
+            simulator.check_decisions(p, [a, on_demand, x, y])
+        simulator.check_decisions(p, [a, x])  # one decision each: fine
+
+
 def _plan_doc(p: Problem, ds: list[Decision]) -> dict:
     plan, _ = build_plan(p, ds, policy="hand", budget_bytes=p.peak_bytes)
     back = Plan.from_json(plan.to_json())
