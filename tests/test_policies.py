@@ -306,3 +306,43 @@ def test_static_baselines_plan_nothing_without_a_backward_phase():
     problem = Problem.from_trace(trace_from_ops(ops, {s: 10 for s in "xabcd"}))
     for policy in ("checkpoint-sqrt", "checkpoint-speed", "vdnn"):
         assert get_policy(policy)(problem, problem.peak_bytes // 2).decisions == ()
+
+
+def test_dtr_picks_equal_scoring_every_candidate_in_full(monkeypatch):
+    """Note [Scores bounded before the neighbourhood] in policies/dtr.py: at every pick, the
+    inlined, bounded candidate loop returns what scoring each candidate by the definitions
+    (``_gap``, ``_replay_cost``, ``_score``: the smallest score, the first of equal ones)
+    returns; checked on a generated transformer at budgets where evicted neighbourhoods count."""
+    import math
+
+    from capuchin.planner.policies import dtr as dtr_mod
+
+    def reference(self, pool, pinned):
+        best, best_h = None, math.inf
+        for sid in pool:
+            if sid in pinned:
+                continue
+            gap = self._gap(sid)
+            if gap is None or sid in self.ever or self._replay_cost(sid, *gap) is None:
+                continue
+            h = self._score(sid, *gap)
+            if h < best_h:
+                best, best_h = (sid, *gap), h
+        return best
+
+    fast = dtr_mod._Dtr._best
+    picks = {"n": 0, "with_neighbours": 0}
+
+    def checked(self, pool, pinned):
+        got = fast(self, pool, pinned)
+        assert got == reference(self, pool, pinned)
+        picks["n"] += 1
+        picks["with_neighbours"] += bool(got and any(n in self.evicted for n in self.nbrs[got[0]]))
+        return got
+
+    monkeypatch.setattr(dtr_mod._Dtr, "_best", checked)
+    ops, sizes, persistent = transformer_ops(3, 40, hidden_bytes=1 << 12)
+    problem = Problem.from_trace(trace_from_ops(ops, sizes, persistent=persistent))
+    for frac in (0.7, 0.5, 0.35):
+        dtr_mod.simulate_dtr(problem, int(problem.peak_bytes * frac))
+    assert picks["n"] > 50 and picks["with_neighbours"] > 0, picks

@@ -46,6 +46,7 @@ from ..plan import Decision, Method
 from ..problem import Problem
 from ..registry import PolicyResult, register
 
+_UNKNOWN = object()  # not in the replay-cost cache yet
 SMALL_TENSOR_FRACTION = 0.01  # DTR: ignore storages below 1% of the mean size
 DEFAULT_SEED = 0
 DEFAULT_CALIBRATION_ROUNDS = 3
@@ -109,6 +110,11 @@ class _Dtr:
             self.parents[sid] = par
             for u in par:
                 self.children.setdefault(u, set()).add(sid)
+        # both neighbour kinds in one tuple, in the order _score has always summed them
+        self.nbrs: dict[str, tuple[str, ...]] = {
+            sid: (*self.parents.get(sid, ()), *self.children.get(sid, ()))
+            for sid in set(self.parents) | set(self.children)
+        }
         self.resident: set[str] = set()
         self.evicted: dict[str, tuple[int, int]] = {}  # storage -> (evict_op, back_op)
         self.ever: set[str] = set()  # evicted once already: never again this iteration
@@ -178,11 +184,7 @@ class _Dtr:
     def _score(self, sid: str, e: int, b: int) -> float:
         s = self.p.storages[sid]
         cost = float(self._replay_cost(sid, e, b) or 0)
-        cost += neighbourhood(
-            self.node[n]
-            for n in (*self.parents.get(sid, ()), *self.children.get(sid, ()))
-            if n in self.evicted
-        )
+        cost += neighbourhood(self.node[n] for n in self.nbrs.get(sid, ()) if n in self.evicted)
         return score(cost, s.size_bytes, self.clock - self.last_access.get(sid, 0))
 
     # -- memory -----------------------------------------------------------------------------------
@@ -201,21 +203,51 @@ class _Dtr:
         self.exhausted = best is None  # until a candidate is added or the op changes
         return best
 
+    # Note: [Scores bounded before the neighbourhood]
+    # A candidate's score is (replay cost + e*) / denominator, and e* (``neighbourhood``) is a
+    # sum of non-negative values: every cost here is a whole number of ns held in a float, so
+    # the union-find's sums and differences are exact and never below zero. So the replay cost
+    # alone bounds the score from below (IEEE division is monotone), and a candidate whose bound
+    # is not below the best score so far cannot be picked: its neighbourhood is not walked. The
+    # picks are those of scoring every candidate in full.
     def _best(self, pool: list[str], pinned: set[str]) -> tuple[str, int, int] | None:
+        """The candidate of ``pool`` with the smallest score (the first of equal ones): ``_gap``,
+        ``_replay_cost`` and ``_score`` inlined, the candidate loop being most of this policy's
+        time on long traces (the same picks, the same arithmetic)."""
         best, best_h = None, math.inf
+        op, clock = self.op, self.clock
+        storages, ever, evicted = self.p.storages, self.ever, self.evicted
+        node, nbrs, last_access, replayable = (
+            self.node,
+            self.nbrs,
+            self.last_access,
+            self.replayable,
+        )
         for sid in pool:
-            if sid in pinned:
+            if sid in pinned or sid in ever:  # ever: one decision per storage (plan format)
                 continue
-            gap = self._gap(sid)
-            if (
-                gap is None
-                or sid in self.ever  # one decision per storage (plan format)
-                or self._replay_cost(sid, *gap) is None
-            ):
+            s = storages[sid]
+            acc = s.accesses
+            i = bisect_left(acc, op)  # the next access at or after op (_gap)
+            if i == 0 or i == len(acc) or acc[i] == op:
                 continue
-            h = self._score(sid, *gap)
+            e, b = acc[i - 1], acc[i]
+            rc = replayable.get((sid, e, b), _UNKNOWN)
+            if rc is _UNKNOWN:
+                rc = self._replay_cost(sid, e, b)
+            if rc is None:
+                continue
+            cost = float(rc)
+            nbytes, stale = s.size_bytes, clock - last_access.get(sid, 0)
+            denom = (nbytes if nbytes > 1 else 1) * (stale if stale > 1 else 1)  # score's
+            if cost / denom >= best_h:  # Note [Scores bounded before the neighbourhood]
+                continue
+            ns = nbrs.get(sid)
+            if ns:
+                cost += neighbourhood(node[n] for n in ns if n in evicted)
+            h = cost / denom
             if h < best_h:
-                best, best_h = (sid, *gap), h
+                best, best_h = (sid, e, b), h
         return best
 
     def _reserve(self, need: int, pinned: set[str]) -> None:
