@@ -135,7 +135,9 @@ from ..search import (
     AfterRound,
     Attempt,
     Switching,
+    at_least,
     best_of,
+    deep_floor,
     deep_needed,
     gc_paused,
     hidden,
@@ -181,13 +183,12 @@ def capuchin(
     # search Note [Restricted first]: without the persistent candidates, then with them unless
     # that fits at no cost; the better under the simulator (ties: the former)
     base = problem.restricted()
-    restricted = _plan(base, budget_bytes, planners, made, "restricted", light=False)
+    restricted = _plan(base, budget_bytes, planners, made, "restricted")
     plans = [lambda: restricted]
     if base is not problem and not _costs_nothing(problem, restricted, budget_bytes):
-        # Note [The search with persistent candidates]: lighter where the restricted plan fits
-        fits = simulate(base, restricted).peak_bytes <= budget_bytes
-        made["persistent"] = "light" if fits else "full"
-        full = _plan(problem, budget_bytes, planners, made, "full", light=fits)
+        made["persistent"] = "full"
+        # Note [The search with persistent candidates]: the restricted problem's floor
+        full = _plan(problem, budget_bytes, planners, made, "full", below=base.floor_bytes())
         plans.append(lambda: full)
     # Note [Never worse than the baselines]: best_of makes them only when no plan before
     # them fits at no cost
@@ -230,7 +231,7 @@ def _baselines(
 
     n = problem.n_ops
     out = [rec] if n < DEEP_WHEN_NEEDED_OPS or n > BASELINE_MAX_OPS else []
-    return out + [dtr] if n >= DEEP_WHEN_NEEDED_OPS else out
+    return out + [dtr] if n > BASELINE_MAX_OPS else out
 
 
 def _costs_nothing(problem: Problem, decisions: list[Decision], budget_bytes: int) -> bool:
@@ -243,8 +244,18 @@ def _costs_nothing(problem: Problem, decisions: list[Decision], budget_bytes: in
     return sim.peak_bytes <= budget_bytes and sim.time_ns <= sim.baseline_time_ns
 
 
+def _deep(p: Problem) -> bool | None:
+    """Note [Deep targets on large problems]: when needed, from DEEP_WHEN_NEEDED_OPS ops."""
+    return None if p.n_ops >= DEEP_WHEN_NEEDED_OPS else True
+
+
 def _plan(
-    p: Problem, budget_bytes: int, planners: tuple, made: dict, name: str, light: bool
+    p: Problem,
+    budget_bytes: int,
+    planners: tuple,
+    made: dict,
+    name: str,
+    below: int | None = None,
 ) -> list[Decision]:
     """The best (search Note [Best of variants]) of the hybrid on the target grid with
     stalled-swap switching, the recompute-only and swap-only plans (not with ``light``), and
@@ -255,30 +266,30 @@ def _plan(
     if p.n_ops > SEARCH_MAX_OPS:
         made["descend"] = True
         return searched(p, budget_bytes, hybrid)
-    # Note [Deep targets on large problems]: when needed, from DEEP_WHEN_NEEDED_OPS ops
-    deep = None if p.n_ops >= DEEP_WHEN_NEEDED_OPS else True
+    deep = _deep(p)
 
-    def search(planner: Capuchin, switching: Switching | None = None):
+    def search(planner: Capuchin, switching: Switching | None = None, below=None):
         def run() -> list[Decision]:
             hiding = planner.mode != "swap"  # search Note [Hidden swaps, on the grid]
-            ds = searched(p, budget_bytes, planner, switching, deep=deep, hiding=hiding)
-            if deep is None and deep_needed(p, planner, budget_bytes, switching):
+            # Note [The search with persistent candidates]: the floor as deep as the others'
+            d = deep if below is None else deep is not None
+            ds = searched(p, budget_bytes, planner, switching, d, hiding, below=below)
+            if d is None and deep_needed(p, planner, budget_bytes, switching):
                 made["deep"].append(f"{name} {planner.mode}")
             return ds
 
         return run
 
     def variants():  # a generator: best_of stops early at a plan that costs nothing
-        if not light:
-            yield search(hybrid, sw)
+        yield search(hybrid, sw, below)
         yield search(rec)
-        if not light:
-            yield search(swap)
+        yield search(swap, None, below)
         converted = recompute_first(p, rec, budget_bytes, sw, deep=deep)
-        for g in converted + hidden(p, converted, budget_bytes):
+        floor = deep_floor(p, rec, budget_bytes, None, deep)  # search Note [Monotone by ...]
+        for g in converted + at_least(hidden(p, converted, budget_bytes), budget_bytes, floor):
             yield lambda g=g: g.decisions
-        if not light and p is not p.restricted():  # Note [A candidate per gap of ...]
-            yield search(replace(hybrid, per_gap=True), sw)
+        if p is not p.restricted():  # Note [A candidate per gap of ...]
+            yield search(replace(hybrid, per_gap=True), sw, below)
 
     return best_of(p, budget_bytes, variants())
 
