@@ -60,9 +60,9 @@ plan gets faster without its peak rising above the bound it was given.
 # per problem either way (the first attempt of each target, which decides the misses, is
 # cached too), so a grid with and without its deep targets share them. Leaving them out keeps
 # a planner's reach (the lowest budget it fits) and its plans at budgets where the other targets
-# fit nothing, but it is a budget-dependent choice of candidates, so it is monotone in the
-# budget only on each side of the lowest peak the other targets reach; the capuchin policy uses
-# it on large problems only (policies/capuchin.py Note [Deep targets on large problems]).
+# fit nothing; where they are taken, ``deep_floor`` keeps the pick monotone (Note [Monotone by
+# construction]). The capuchin policy uses it on large problems only (policies/capuchin.py Note
+# [Deep targets on large problems]).
 #
 # Note: [Op limits]
 # ``searched`` plans on the grid up to ``SEARCH_MAX_OPS`` ops and ``descend``s above it: a plan for
@@ -85,6 +85,23 @@ plan gets faster without its peak rising above the bound it was given.
 # costs more: both cost nothing. ``deep_needed`` (which the policy asks for its provenance) goes
 # down the same way and stops at the first plan that fits; at large budgets that is most of the
 # planning time saved (docs/planner.md, "Speed").
+#
+# Note: [Monotone by construction]
+# A pick over a budget-independent set of plans never costs more at a larger budget: the plans
+# that fit a budget fit every larger one. Variants made only of the plans that fit (``hidden``,
+# ``recompute_first``) keep that, since a larger budget makes every variant a smaller one does;
+# a plan that costs nothing ends the search (Note [Free plans first]) at no loss. One choice
+# depends on the budget: a candidate's deep targets, made only where none of its other plans
+# fits (Note [Deep targets]). Below ``S``, the lowest peak of those other plans, the pick is
+# among deep plans; at or above ``S`` among the others, and every budget from ``S`` up gets a
+# plan at most as slow as ``T``, the fastest of the others with peak ``S`` (it fits them all).
+# So where the deep targets are taken ``deep_floor`` returns ``T`` and no fitting plan faster
+# than ``T`` is offered (``at_least``: the deep plans, their hidden variants and conversions),
+# and the pick below ``S`` is never faster than any pick above. A deep plan that would beat
+# ``T`` is lost at those budgets: a plan at a lower peak and faster than the other targets'
+# lowest; none was among the cells measured (docs/planner.md, "Monotonicity"). Four generated
+# problems with deep targets when needed forced on, not monotone without ``deep_floor``, are
+# tests (tests/test_planner_properties.py).
 #
 # Note: [Stalled swaps]
 # Algorithm 1 compares a swap's *estimated* overhead with a recomputation's. The estimate sees

@@ -40,20 +40,23 @@ it in the generic search of planner/search.py, which is not in the paper.
 # 80/60/50/40% (docs/planner.md).
 #
 # Note: [The search with persistent candidates]
-# Where the plan without persistent candidates already fits, the search with them is lighter:
-# no hybrid and no swap-only plan. On the full problem those two cost the most (greedy selection
-# takes many small wrap-around swaps: 1,262 decisions on DTR's InceptionV4 at 60%, against 218
-# without them, and switching re-simulates each) and won no cell measured where the restricted
-# plan fits (bundled traces, DTR U-Net and ResNet-32 at 80/60/50/40%, DTR InceptionV4,
-# Transformer, DenseNet-121 and GPT-2 with 12 and 24 layers at 80/60/40%); the recompute-only
-# plan and its recompute-first conversions stay: on the full problem's targets (its floor is
-# lower, so its grid is another) they won GPT-2 with 12 and 24 layers at 40% (28.35 ms against
-# the restricted search's 28.42 ms; 42.34 ms against 52.32 ms). Where the restricted plan does not
-# fit, the persistent candidates are what can make it fit, and the full search runs. The choice
-# depends on the budget through that fit: a budget just below the lowest peak of the restricted
-# plans gets the full search and can end in a faster plan than a budget just above it, so the
-# policy is monotone in the budget on each side of that peak only (docs/planner.md,
-# "Monotonicity", has a generated problem where it is not).
+# The restricted problem's plans cannot go below its floor (``Problem.floor_bytes`` without the
+# persistent candidates); reaching lower is what the persistent candidates are for. So on the
+# full problem the hybrid, swap-only and per-gap hybrid grids are made for the grid's targets
+# below the restricted problem's floor only (``below``; above the full problem's floor too on
+# problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, where targets at and below the floor are
+# deep, Note [Deep targets on large problems]), and the recompute-only grid and its
+# conversions for every target, at every budget. Above the restricted floor those grids cost
+# the most (greedy selection takes many small wrap-around swaps: 1,262 decisions on DTR's
+# InceptionV4 at 60%, against 218 without them, and switching re-simulates each) and won no
+# cell measured there; the recompute-only plans on the full problem's targets won GPT-2 with
+# 12 and 24 layers at 40%. Which targets are planned depends on the problem alone, so the
+# pick stays monotone in the budget (search Note [Monotone by construction]). Before, the
+# choice was the budget's: all targets where the restricted plan did not fit the budget, none
+# where it did, and a budget just below the restricted plans' lowest peak could get a faster
+# plan than one just above (tests/test_planner_properties.py has the generated problem).
+# On the eight DTR traces no target lies between the two floors above the full floor: they
+# get no such grids (their cells measured the same; docs/planner.md, "Monotonicity").
 #
 # Note: [Deep targets on large problems]
 # On problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, each candidate (the hybrid, recompute-only
@@ -73,46 +76,42 @@ it in the generic search of planner/search.py, which is not in the paper.
 # (``capuchin`` at 80/60/50/40% on DTR InceptionV4, Transformer, DenseNet-121 and GPT-2 with 12
 # and 24 layers): the same predicted overhead and peak in all 20 cells. They stay for the budgets
 # that need them (on InceptionV4 and the DTR Transformer the deep recompute-only plans reach
-# lower peaks than the others), so the policy's reach is unchanged; the price is a
-# budget-dependent choice (Note [The search, in the plan's provenance]).
+# lower peaks than the others), so the policy's reach is unchanged; where they are taken only
+# plans no faster than the others' lowest-peak plan are offered, which keeps the pick monotone
+# (search Note [Monotone by construction]).
 #
 # Note: [Never worse than the baselines]
 # The policy's pick (search Note [Best of variants]) includes the ``recompute`` policy's plan
-# and, on problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, the ``dtr`` policy's (its decisions
-# are recomputations the builder completes, a plan the runtime runs like any other), after
+# (except between ``DEEP_WHEN_NEEDED_OPS`` and ``BASELINE_MAX_OPS`` ops, below) and, on
+# problems of more than ``BASELINE_MAX_OPS`` ops, the ``dtr`` policy's (its decisions are
+# recomputations the builder completes, a plan the runtime runs like any other), after
 # capuchin's own plans: ties keep capuchin's, and neither is made when one of capuchin's fits at
 # no cost. So capuchin is never slower under the simulator than recompute-only, nor than DTR
-# where DTR takes part. Capuchin's own recompute-only grid is not always the policy's: above
-# ``BASELINE_MAX_OPS`` ops the ``recompute`` policy plans for the budget itself (search Note
-# [Op limits]), which uses memory the grid's targets leave unused, and can be the faster. Below
-# ``DEEP_WHEN_NEEDED_OPS`` ops its grid is the one capuchin searched (the same planner, cached:
-# the candidate costs a pick). In between, the policy's grid adds the deep targets capuchin plans
-# only when needed (Note [Deep targets on large problems]), which cost the most and won no cell
-# measured where another plan fits; making them for the candidate took 1.6 s of CPU on DTR's
-# InceptionV4 at 60% (6.1 s without), so the candidate is left out there: in that range
-# "never slower than recompute-only" rests on that measurement, not on construction. Up to
-# ``BASELINE_MAX_OPS`` ops the recompute policy's plan is the pick of a budget-independent grid,
-# which keeps the pick monotone in the budget; above it, and DTR's plan (made for the budget by
-# an online heuristic) everywhere, it is a budget-dependent candidate, so DTR takes part only
-# on problems where the policy's other choices already depend on the budget (Note [Deep targets
-# on large problems]; the property tests' generated problems are smaller) and is recorded in
-# ``figures["search"]["baselines"]`` when made. Planning time: one DTR run (0.2 s on DTR's
-# InceptionV4, 0.2-2.3 s on a 9,649-op Llama) and, above ``BASELINE_MAX_OPS`` ops, the recompute
-# policy's descent (a few plans: with DTR, 2.1-2.7 -> 4.7-4.9 s on a 13,979-op Llama).
+# where DTR takes part. Below ``DEEP_WHEN_NEEDED_OPS`` ops the recompute policy's grid is the
+# one capuchin searched (the same planner, cached: the candidate costs a pick). Between the two
+# limits, the policy's grid adds the deep targets capuchin plans only when needed (Note [Deep
+# targets on large problems]), which cost the most and won no cell measured where another plan
+# fits; making them for the candidate took 1.6 s of CPU on DTR's InceptionV4 at 60% (6.1 s
+# without), so the candidate is left out there, and DTR's too: "never slower than
+# recompute-only or DTR" rests there on the cells measured (DTR InceptionV4, Transformer and
+# DenseNet-121 at 80/60/50/40%: the same predicted overheads without DTR's candidate), not on
+# construction. Up to ``BASELINE_MAX_OPS`` ops every candidate is budget-independent (search
+# Note [Monotone by construction]); above, the recompute policy plans for the budget itself
+# (search Note [Op limits]), which uses memory the grid's targets leave unused and can be the
+# faster, and DTR's plan is made for the budget by an online heuristic: neither is monotone in
+# the budget, and with them the policy is not either (``figures["search"]["baselines"]``
+# records DTR's candidate). Planning time: one DTR run (0.2-2.3 s on a 9,649-op Llama) and the
+# recompute policy's descent (a few plans: with DTR, 2.1-2.7 -> 4.7-4.9 s on a 13,979-op Llama).
 #
 # Note: [The search, in the plan's provenance]
-# The policy's result depends on the budget through the plans it compares and through two
-# choices of which plans to make: the search with persistent candidates is light where the
-# plan without them fits (Note [The search with persistent candidates]), and on large problems
-# each candidate plans its deep targets only where its other plans fit nothing (Note [Deep
-# targets on large problems]). Between two budgets with the same choices a larger budget never
-# gets a slower plan (the grids are budget-independent and best-of takes the fastest fitting
-# plan); across a change of choice it can (docs/planner.md, "Monotonicity"). The choices are
-# recorded in ``figures["search"]`` (the plan's ``provenance.parameters``): ``persistent``
-# ("none": not made, "light" or "full") and ``deep`` (the candidates, as "restricted hybrid",
-# "full recompute", ..., whose deep targets were planned); ``descend`` where the problem is too
-# large for the grid (not monotone at all); ``baselines`` (["dtr"]) where DTR's plan was made as
-# a candidate (Note [Never worse than the baselines]).
+# ``figures["search"]`` (the plan's ``provenance.parameters``) records which plans the search
+# made: ``persistent`` ("none": the search with persistent candidates was not made, the
+# restricted plan fitting at no cost; "full": made), ``deep`` (the candidates, as "restricted
+# hybrid", "full recompute", ..., whose deep targets were planned: offered only as search Note
+# [Monotone by construction] allows), ``descend`` where the problem is too large for the grid
+# (not monotone), ``baselines`` (["dtr"]) where DTR's plan was made as a candidate (Note [Never
+# worse than the baselines]). Up to ``BASELINE_MAX_OPS`` ops a larger budget never gets a
+# slower plan, whatever these say.
 """
 
 from __future__ import annotations
