@@ -82,26 +82,23 @@ it in the generic search of planner/search.py, which is not in the paper.
 #
 # Note: [Never worse than the baselines]
 # The policy's pick (search Note [Best of variants]) includes the ``recompute`` policy's plan
-# (except between ``DEEP_WHEN_NEEDED_OPS`` and ``BASELINE_MAX_OPS`` ops, below) and, on
-# problems of more than ``BASELINE_MAX_OPS`` ops, the ``dtr`` policy's (its decisions are
-# recomputations the builder completes, a plan the runtime runs like any other), after
+# and, on problems of more than ``BASELINE_MAX_OPS`` ops, the ``dtr`` policy's (its decisions
+# are recomputations the builder completes, a plan the runtime runs like any other), after
 # capuchin's own plans: ties keep capuchin's, and neither is made when one of capuchin's fits at
 # no cost. So capuchin is never slower under the simulator than recompute-only, nor than DTR
-# where DTR takes part. Below ``DEEP_WHEN_NEEDED_OPS`` ops the recompute policy's grid is the
-# one capuchin searched (the same planner, cached: the candidate costs a pick). Between the two
-# limits, the policy's grid adds the deep targets capuchin plans only when needed (Note [Deep
-# targets on large problems]), which cost the most and won no cell measured where another plan
-# fits; making them for the candidate took 1.6 s of CPU on DTR's InceptionV4 at 60% (6.1 s
-# without), so the candidate is left out there, and DTR's too: "never slower than
-# recompute-only or DTR" rests there on the cells measured (DTR InceptionV4, Transformer and
-# DenseNet-121 at 80/60/50/40%: the same predicted overheads without DTR's candidate), not on
-# construction. Up to ``BASELINE_MAX_OPS`` ops every candidate is budget-independent (search
-# Note [Monotone by construction]); above, the recompute policy plans for the budget itself
-# (search Note [Op limits]), which uses memory the grid's targets leave unused and can be the
-# faster, and DTR's plan is made for the budget by an online heuristic: neither is monotone in
-# the budget, and with them the policy is not either (``figures["search"]["baselines"]``
-# records DTR's candidate). Planning time: one DTR run (0.2-2.3 s on a 9,649-op Llama) and the
-# recompute policy's descent (a few plans: with DTR, 2.1-2.7 -> 4.7-4.9 s on a 13,979-op Llama).
+# where DTR takes part. Up to ``BASELINE_MAX_OPS`` ops the recompute policy picks from the grid
+# capuchin's own recompute-only search made (the same planner on the restricted problem, deep
+# targets when needed as Note [Deep targets on large problems] says: cached, the candidate costs
+# a pick), so it is budget-independent (search Note [Monotone by construction]). Above, the
+# recompute policy plans for the budget itself (search Note [Op limits]), which uses memory the
+# grid's targets leave unused and can be the faster, and DTR's plan is made for the budget by an
+# online heuristic: neither is monotone in the budget, and with them the policy is not either
+# (``figures["search"]["baselines"]`` records DTR's candidate). Between ``DEEP_WHEN_NEEDED_OPS``
+# and ``BASELINE_MAX_OPS`` ops DTR's plan is not a candidate: "never slower than DTR" rests
+# there on the cells measured (DTR InceptionV4, Transformer and DenseNet-121 at 80/60/50/40%:
+# the same predicted overheads without DTR's candidate), not on construction. Planning time:
+# one DTR run (0.2-2.3 s on a 9,649-op Llama) and the recompute policy's descent (a few plans:
+# with DTR, 2.1-2.7 -> 4.7-4.9 s on a 13,979-op Llama).
 #
 # Note: [The search, in the plan's provenance]
 # ``figures["search"]`` (the plan's ``provenance.parameters``) records which plans the search
@@ -203,9 +200,8 @@ def _baselines(
     max_replay_ops: int,
     made: dict,
 ) -> list:
-    """Note [Never worse than the baselines]: the ``recompute`` policy's plan (except between
-    ``DEEP_WHEN_NEEDED_OPS`` and ``BASELINE_MAX_OPS`` ops) and, on problems of
-    ``DEEP_WHEN_NEEDED_OPS`` ops or more, the ``dtr`` policy's (its lineage completed), as
+    """Note [Never worse than the baselines]: the ``recompute`` policy's plan and, on problems
+    of more than ``BASELINE_MAX_OPS`` ops, the ``dtr`` policy's (its lineage completed), as
     candidates for ``best_of``, made when called."""
 
     def rec() -> list[Decision]:
@@ -228,9 +224,7 @@ def _baselines(
         except PlanError:  # lineage the builder cannot complete: no candidate (the empty plan)
             return []
 
-    n = problem.n_ops
-    out = [rec] if n < DEEP_WHEN_NEEDED_OPS or n > BASELINE_MAX_OPS else []
-    return out + [dtr] if n > BASELINE_MAX_OPS else out
+    return [rec, dtr] if problem.n_ops > BASELINE_MAX_OPS else [rec]
 
 
 def _costs_nothing(problem: Problem, decisions: list[Decision], budget_bytes: int) -> bool:
@@ -317,7 +311,9 @@ def recompute_only(
     until the simulated peak fits; on the target grid."""
     planner = Capuchin("recompute", max_rounds, collective, max_replay_ops)
     p = problem.restricted()
-    return PolicyResult.of(searched(p, budget_bytes, planner, max_ops=BASELINE_MAX_OPS))
+    # Note [Deep targets on large problems], as capuchin's own recompute-only grid
+    ds = searched(p, budget_bytes, planner, deep=_deep(p), max_ops=BASELINE_MAX_OPS)
+    return PolicyResult.of(ds)
 
 
 @dataclass(frozen=True)
