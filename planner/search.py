@@ -409,7 +409,7 @@ def _within(
     ``below``, those from the floor up to below it (above the floor when not ``deep``); else
     all (``deep``) or the targets that are not deep (Note [Deep targets])."""
     if below is not None:
-        floor = problem.floor_bytes()
+        floor = cached(problem, "floor", problem.floor_bytes)  # a pass over every gap
         return t < below and (floor <= t if deep else floor < t)
     return deep or t in _shallow(problem, planner)
 
