@@ -631,10 +631,11 @@ def searched(
     free = _free_from_the_top(problem, planner, budget, switching, deep, below)
     if free is not None:
         return free
-    plans = fitting_grid(problem, planner, budget, switching, deep, below)
-    plans = plans + hidden(problem, plans, budget) if hiding else plans
     floor = deep_floor(problem, planner, budget, switching, deep)
-    return pick(at_least(plans, budget, floor), budget)
+    plans = at_least(fitting_grid(problem, planner, budget, switching, deep, below), budget, floor)
+    if hiding:  # the variants of the plans offered only (``hidden`` stops at one costing nothing)
+        plans += at_least(hidden(problem, plans, budget), budget, floor)
+    return pick(plans, budget)
 
 
 def deep_floor(
