@@ -388,8 +388,8 @@ def grid(
 ) -> list[GridPlan]:
     """Plans of ``planner`` for every grid target, each pruned against its own target, with the
     switched variants of Note [Stalled swaps] when ``switching`` is given. ``deep=False``: only
-    the targets above the floor (Note [Deep targets]). ``below``: only the targets from the floor
-    (above it when not ``deep``) up to below it. Cached per problem, each target once."""
+    the targets above the floor (Note [Deep targets]). ``below``: only the targets below it
+    (and above the floor when not ``deep``). Cached per problem, each target once."""
     return cached(
         problem,
         ("grid", planner, switching, deep, below),
@@ -406,11 +406,11 @@ def _within(
     problem: Problem, planner: TargetPlanner, t: int, deep: bool, below: int | None
 ) -> bool:
     """Whether target ``t`` is one of ``grid(problem, planner, ..., deep, below)``'s: with
-    ``below``, those from the floor up to below it (above the floor when not ``deep``); else
-    all (``deep``) or the targets that are not deep (Note [Deep targets])."""
+    ``below``, those below it (only those above the floor when not ``deep``); else all
+    (``deep``) or the targets that are not deep (Note [Deep targets])."""
     if below is not None:
         floor = cached(problem, "floor", problem.floor_bytes)  # a pass over every gap
-        return t < below and (floor <= t if deep else floor < t)
+        return t < below and (deep or floor < t)
     return deep or t in _shallow(problem, planner)
 
 

@@ -88,7 +88,7 @@ def test_capuchin_is_monotone_where_the_light_search_was_not():
     # search Note [Monotone by construction]: the search with persistent candidates used to be
     # light where the restricted plan fits and full where not, so 43.75% of this generated
     # problem's peak got a faster plan (14,177 ns) than 50% (14,548 ns). Its grids are now
-    # made for fixed targets at every budget: 14,492 ns at both
+    # made for fixed targets at every budget: 14,177 ns at both
     p = problem(816691, 8, 1e9, HostCost(0, 0, 0))
     lo, hi = (make_plan(p, int(p.peak_bytes * f), "capuchin") for f in (0.4375, 0.5))
     assert _device_ns(hi) <= _device_ns(lo)
