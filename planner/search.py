@@ -60,9 +60,9 @@ plan gets faster without its peak rising above the bound it was given.
 # per problem either way (the first attempt of each target, which decides the misses, is
 # cached too), so a grid with and without its deep targets share them. Leaving them out keeps
 # a planner's reach (the lowest budget it fits) and its plans at budgets where the other targets
-# fit nothing, but it is a budget-dependent choice of candidates, so it is monotone in the
-# budget only on each side of the lowest peak the other targets reach; the capuchin policy uses
-# it on large problems only (policies/capuchin.py Note [Deep targets on large problems]).
+# fit nothing; where they are taken, ``deep_floor`` keeps the pick monotone (Note [Monotone by
+# construction]). The capuchin policy uses it on large problems only (policies/capuchin.py Note
+# [Deep targets on large problems]).
 #
 # Note: [Op limits]
 # ``searched`` plans on the grid up to ``SEARCH_MAX_OPS`` ops and ``descend``s above it: a plan for
@@ -85,6 +85,23 @@ plan gets faster without its peak rising above the bound it was given.
 # costs more: both cost nothing. ``deep_needed`` (which the policy asks for its provenance) goes
 # down the same way and stops at the first plan that fits; at large budgets that is most of the
 # planning time saved (docs/planner.md, "Speed").
+#
+# Note: [Monotone by construction]
+# A pick over a budget-independent set of plans never costs more at a larger budget: the plans
+# that fit a budget fit every larger one. Variants made only of the plans that fit (``hidden``,
+# ``recompute_first``) keep that, since a larger budget makes every variant a smaller one does;
+# a plan that costs nothing ends the search (Note [Free plans first]) at no loss. One choice
+# depends on the budget: a candidate's deep targets, made only where none of its other plans
+# fits (Note [Deep targets]). Below ``S``, the lowest peak of those other plans, the pick is
+# among deep plans; at or above ``S`` among the others, and every budget from ``S`` up gets a
+# plan at most as slow as ``T``, the fastest of the others with peak ``S`` (it fits them all).
+# So where the deep targets are taken ``deep_floor`` returns ``T`` and no fitting plan faster
+# than ``T`` is offered (``at_least``: the deep plans, their hidden variants and conversions),
+# and the pick below ``S`` is never faster than any pick above. A deep plan that would beat
+# ``T`` is lost at those budgets: a plan at a lower peak and faster than the other targets'
+# lowest; none was among the cells measured (docs/planner.md, "Monotonicity"). Four generated
+# problems with deep targets when needed forced on, not monotone without ``deep_floor``, are
+# tests (tests/test_planner_properties.py).
 #
 # Note: [Stalled swaps]
 # Algorithm 1 compares a swap's *estimated* overhead with a recomputation's. The estimate sees
@@ -367,20 +384,34 @@ def grid(
     planner: TargetPlanner,
     switching: Switching | None = None,
     deep: bool = True,
+    below: int | None = None,
 ) -> list[GridPlan]:
     """Plans of ``planner`` for every grid target, each pruned against its own target, with the
     switched variants of Note [Stalled swaps] when ``switching`` is given. ``deep=False``: only
-    the targets above the floor (Note [Deep targets]). Cached per problem, each target once."""
+    the targets above the floor (Note [Deep targets]). ``below``: only the targets below it
+    (and above the floor when not ``deep``). Cached per problem, each target once."""
     return cached(
         problem,
-        ("grid", planner, switching, deep),
+        ("grid", planner, switching, deep, below),
         lambda: [
             g
             for t in grid_targets(problem)
-            if deep or t in _shallow(problem, planner)
+            if _within(problem, planner, t, deep, below)
             for g in _target_plans(problem, planner, switching, t)
         ],
     )
+
+
+def _within(
+    problem: Problem, planner: TargetPlanner, t: int, deep: bool, below: int | None
+) -> bool:
+    """Whether target ``t`` is one of ``grid(problem, planner, ..., deep, below)``'s: with
+    ``below``, those below it (only those above the floor when not ``deep``); else all
+    (``deep``) or the targets that are not deep (Note [Deep targets])."""
+    if below is not None:
+        floor = cached(problem, "floor", problem.floor_bytes)  # a pass over every gap
+        return t < below and (deep or floor < t)
+    return deep or t in _shallow(problem, planner)
 
 
 AFTER_ROUND_MAX_OPS = 1000  # Note [Stalled swaps]
@@ -495,12 +526,13 @@ def fitting_grid(
     budget: int,
     switching: Switching | None = None,
     deep: bool | None = True,
+    below: int | None = None,
 ) -> list[GridPlan]:
-    """``grid(problem, planner, switching, deep)``; ``deep=None``: the targets above the floor
-    when one of their plans fits ``budget``, else every target (Note [Deep targets])."""
+    """``grid(problem, planner, switching, deep, below)``; ``deep=None``: the targets above the
+    floor when one of their plans fits ``budget``, else every target (Note [Deep targets])."""
     if deep is None:
         deep = deep_needed(problem, planner, budget, switching)
-    return grid(problem, planner, switching, deep)
+    return grid(problem, planner, switching, deep, below)
 
 
 def deep_needed(
@@ -514,6 +546,12 @@ def deep_needed(
         for t in sorted(_shallow(problem, planner), reverse=True)
         for g in _target_plans(problem, planner, switching, t)
     )
+
+
+def at_least(plans: list[GridPlan], budget: int, min_ns: int) -> list[GridPlan]:
+    """Note [Monotone by construction]: ``plans`` without those that fit ``budget`` faster than
+    ``min_ns``."""
+    return [g for g in plans if g.peak_bytes > budget or g.time_ns >= min_ns]
 
 
 def pick(plans: Iterable[GridPlan], budget: int) -> list[Decision]:
@@ -579,20 +617,43 @@ def searched(
     deep: bool | None = True,
     hiding: bool = False,
     max_ops: int | None = None,
+    below: int | None = None,
 ) -> list[Decision]:
     """``pick(fitting_grid(...))`` up to ``max_ops`` ops (default ``SEARCH_MAX_OPS``),
     ``descend`` above; ``[]`` when the problem fits the budget as it is. ``deep``: as
     ``fitting_grid``'s. ``hiding``: pick among the fitting plans' ``hidden`` variants too (on
-    the grid)."""
+    the grid). ``below``: only the grid's targets below it. Where the deep targets are taken, no
+    fitting plan faster than ``deep_floor`` (Note [Monotone by construction])."""
     if problem.n_ops == 0 or problem.peak_bytes <= budget:
         return []
     if problem.n_ops > (SEARCH_MAX_OPS if max_ops is None else max_ops):
         return descend(problem, budget, planner)
-    free = _free_from_the_top(problem, planner, budget, switching, deep)
+    free = _free_from_the_top(problem, planner, budget, switching, deep, below)
     if free is not None:
         return free
-    plans = fitting_grid(problem, planner, budget, switching, deep)
-    return pick(plans + hidden(problem, plans, budget) if hiding else plans, budget)
+    floor = deep_floor(problem, planner, budget, switching, deep)
+    plans = at_least(fitting_grid(problem, planner, budget, switching, deep, below), budget, floor)
+    if hiding:  # the variants of the plans offered only (``hidden`` stops at one costing nothing)
+        plans += at_least(hidden(problem, plans, budget), budget, floor)
+    return pick(plans, budget)
+
+
+def deep_floor(
+    problem: Problem,
+    planner: TargetPlanner,
+    budget: int,
+    switching: Switching | None = None,
+    deep: bool | None = True,
+) -> int:
+    """Note [Monotone by construction]: with ``deep=None`` and the deep targets taken at
+    ``budget``, the time of the fastest plan with the lowest peak among the other targets'
+    plans (every budget at or above that peak gets a plan at most this slow); else 0."""
+    if deep is not None or not deep_needed(problem, planner, budget, switching):
+        return 0
+    shallow = [
+        g for t in _shallow(problem, planner) for g in _target_plans(problem, planner, switching, t)
+    ]
+    return min(((g.peak_bytes, g.time_ns) for g in shallow), default=(0, 0))[1]
 
 
 def _free_from_the_top(
@@ -601,12 +662,15 @@ def _free_from_the_top(
     budget: int,
     switching: Switching | None,
     deep: bool | None,
+    below: int | None = None,
 ) -> list[Decision] | None:
     """Note [Free plans first]: a grid plan that fits ``budget`` at no cost, found going down
-    the targets from the highest, to the first at or below the budget (with ``deep=None``, the
-    first deep one); None when there is none there."""
+    the targets (below ``below``) from the highest, to the first at or below the budget (with
+    ``deep=None``, the first deep one); None when there is none there."""
     shallow = _shallow(problem, planner) if deep is None else None
     for t in sorted(grid_targets(problem), reverse=True):
+        if below is not None and not _within(problem, planner, t, deep is True, below):
+            continue
         if shallow is not None and t not in shallow:
             return None
         for g in _target_plans(problem, planner, switching, t):
@@ -676,9 +740,11 @@ def recompute_first(
 ) -> list[GridPlan]:
     """Note [Recompute first]: the plans of ``fitting_grid(problem, planner, budget, None,
     deep)`` that fit ``budget``, with the replays that a swap makes cheaper (as simulated)
-    switched, none above its plan's own peak; only those that got faster. Each conversion is
-    made once per plan and cached."""
+    switched, none above its plan's own peak; only those that got faster, and none faster than
+    ``deep_floor`` (Note [Monotone by construction]). Each conversion is made once per plan and
+    cached."""
     plans = fitting_grid(problem, planner, budget, None, deep)
+    floor = deep_floor(problem, planner, budget, None, deep)
     done = cached(problem, ("recompute-first", planner, switching), dict)
     out = []
     for g in plans:
@@ -704,7 +770,7 @@ def recompute_first(
             )
             if csim.time_ns < t and csim.peak_bytes <= peak:
                 done[i] = GridPlan(cds, csim.peak_bytes, csim.time_ns, creg)
-        if done[i] is not None:
+        if done[i] is not None and done[i].time_ns >= floor:
             out.append(done[i])
     return out
 

@@ -40,20 +40,25 @@ it in the generic search of planner/search.py, which is not in the paper.
 # 80/60/50/40% (docs/planner.md).
 #
 # Note: [The search with persistent candidates]
-# Where the plan without persistent candidates already fits, the search with them is lighter:
-# no hybrid and no swap-only plan. On the full problem those two cost the most (greedy selection
-# takes many small wrap-around swaps: 1,262 decisions on DTR's InceptionV4 at 60%, against 218
-# without them, and switching re-simulates each) and won no cell measured where the restricted
-# plan fits (bundled traces, DTR U-Net and ResNet-32 at 80/60/50/40%, DTR InceptionV4,
-# Transformer, DenseNet-121 and GPT-2 with 12 and 24 layers at 80/60/40%); the recompute-only
-# plan and its recompute-first conversions stay: on the full problem's targets (its floor is
-# lower, so its grid is another) they won GPT-2 with 12 and 24 layers at 40% (28.35 ms against
-# the restricted search's 28.42 ms; 42.34 ms against 52.32 ms). Where the restricted plan does not
-# fit, the persistent candidates are what can make it fit, and the full search runs. The choice
-# depends on the budget through that fit: a budget just below the lowest peak of the restricted
-# plans gets the full search and can end in a faster plan than a budget just above it, so the
-# policy is monotone in the budget on each side of that peak only (docs/planner.md,
-# "Monotonicity", has a generated problem where it is not).
+# The restricted problem's plans cannot go below its floor (``Problem.floor_bytes`` without the
+# persistent candidates); reaching lower is what the persistent candidates are for. So on the
+# full problem the hybrid, swap-only and per-gap hybrid grids are made for the grid's targets
+# below the restricted problem's floor only (``below``; only those above the full problem's
+# floor on problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, where the floor and the targets
+# below it are deep, Note [Deep targets on large problems]), and the recompute-only grid and its
+# conversions for every target, at every budget. (The targets at and below the floor are what
+# reach the floor: with a candidate per gap, tests/test_windows.py; the bundled MLP's smallest
+# feasible budget was 28.2% of its peak without those below the floor, 24.2% with them.) Above the restricted floor those grids cost
+# the most (greedy selection takes many small wrap-around swaps: 1,262 decisions on DTR's
+# InceptionV4 at 60%, against 218 without them, and switching re-simulates each) and won no
+# cell measured there; the recompute-only plans on the full problem's targets won GPT-2 with
+# 12 and 24 layers at 40%. Which targets are planned depends on the problem alone, so the
+# pick stays monotone in the budget (search Note [Monotone by construction]). Before, the
+# choice was the budget's: all targets where the restricted plan did not fit the budget, none
+# where it did, and a budget just below the restricted plans' lowest peak could get a faster
+# plan than one just above (tests/test_planner_properties.py has the generated problem).
+# On the eight DTR traces no target lies between the two floors above the full floor: they
+# get no such grids (their cells measured the same; docs/planner.md, "Monotonicity").
 #
 # Note: [Deep targets on large problems]
 # On problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, each candidate (the hybrid, recompute-only
@@ -73,46 +78,39 @@ it in the generic search of planner/search.py, which is not in the paper.
 # (``capuchin`` at 80/60/50/40% on DTR InceptionV4, Transformer, DenseNet-121 and GPT-2 with 12
 # and 24 layers): the same predicted overhead and peak in all 20 cells. They stay for the budgets
 # that need them (on InceptionV4 and the DTR Transformer the deep recompute-only plans reach
-# lower peaks than the others), so the policy's reach is unchanged; the price is a
-# budget-dependent choice (Note [The search, in the plan's provenance]).
+# lower peaks than the others), so the policy's reach is unchanged; where they are taken only
+# plans no faster than the others' lowest-peak plan are offered, which keeps the pick monotone
+# (search Note [Monotone by construction]).
 #
 # Note: [Never worse than the baselines]
 # The policy's pick (search Note [Best of variants]) includes the ``recompute`` policy's plan
-# and, on problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, the ``dtr`` policy's (its decisions
+# and, on problems of more than ``BASELINE_MAX_OPS`` ops, the ``dtr`` policy's (its decisions
 # are recomputations the builder completes, a plan the runtime runs like any other), after
 # capuchin's own plans: ties keep capuchin's, and neither is made when one of capuchin's fits at
 # no cost. So capuchin is never slower under the simulator than recompute-only, nor than DTR
-# where DTR takes part. Capuchin's own recompute-only grid is not always the policy's: above
-# ``BASELINE_MAX_OPS`` ops the ``recompute`` policy plans for the budget itself (search Note
-# [Op limits]), which uses memory the grid's targets leave unused, and can be the faster. Below
-# ``DEEP_WHEN_NEEDED_OPS`` ops its grid is the one capuchin searched (the same planner, cached:
-# the candidate costs a pick). In between, the policy's grid adds the deep targets capuchin plans
-# only when needed (Note [Deep targets on large problems]), which cost the most and won no cell
-# measured where another plan fits; making them for the candidate took 1.6 s of CPU on DTR's
-# InceptionV4 at 60% (6.1 s without), so the candidate is left out there: in that range
-# "never slower than recompute-only" rests on that measurement, not on construction. Up to
-# ``BASELINE_MAX_OPS`` ops the recompute policy's plan is the pick of a budget-independent grid,
-# which keeps the pick monotone in the budget; above it, and DTR's plan (made for the budget by
-# an online heuristic) everywhere, it is a budget-dependent candidate, so DTR takes part only
-# on problems where the policy's other choices already depend on the budget (Note [Deep targets
-# on large problems]; the property tests' generated problems are smaller) and is recorded in
-# ``figures["search"]["baselines"]`` when made. Planning time: one DTR run (0.2 s on DTR's
-# InceptionV4, 0.2-2.3 s on a 9,649-op Llama) and, above ``BASELINE_MAX_OPS`` ops, the recompute
-# policy's descent (a few plans: with DTR, 2.1-2.7 -> 4.7-4.9 s on a 13,979-op Llama).
+# where DTR takes part. Up to ``BASELINE_MAX_OPS`` ops the recompute policy picks from the grid
+# capuchin's own recompute-only search made (the same planner on the restricted problem, deep
+# targets when needed as Note [Deep targets on large problems] says: cached, the candidate costs
+# a pick), so it is budget-independent (search Note [Monotone by construction]). Above, the
+# recompute policy plans for the budget itself (search Note [Op limits]), which uses memory the
+# grid's targets leave unused and can be the faster, and DTR's plan is made for the budget by an
+# online heuristic: neither is monotone in the budget, and with them the policy is not either
+# (``figures["search"]["baselines"]`` records DTR's candidate). Between ``DEEP_WHEN_NEEDED_OPS``
+# and ``BASELINE_MAX_OPS`` ops DTR's plan is not a candidate: "never slower than DTR" rests
+# there on the cells measured (DTR InceptionV4, Transformer and DenseNet-121 at 80/60/50/40%:
+# the same predicted overheads without DTR's candidate), not on construction. Planning time:
+# one DTR run (0.2-2.3 s on a 9,649-op Llama) and the recompute policy's descent (a few plans:
+# with DTR, 2.1-2.7 -> 4.7-4.9 s on a 13,979-op Llama).
 #
 # Note: [The search, in the plan's provenance]
-# The policy's result depends on the budget through the plans it compares and through two
-# choices of which plans to make: the search with persistent candidates is light where the
-# plan without them fits (Note [The search with persistent candidates]), and on large problems
-# each candidate plans its deep targets only where its other plans fit nothing (Note [Deep
-# targets on large problems]). Between two budgets with the same choices a larger budget never
-# gets a slower plan (the grids are budget-independent and best-of takes the fastest fitting
-# plan); across a change of choice it can (docs/planner.md, "Monotonicity"). The choices are
-# recorded in ``figures["search"]`` (the plan's ``provenance.parameters``): ``persistent``
-# ("none": not made, "light" or "full") and ``deep`` (the candidates, as "restricted hybrid",
-# "full recompute", ..., whose deep targets were planned); ``descend`` where the problem is too
-# large for the grid (not monotone at all); ``baselines`` (["dtr"]) where DTR's plan was made as
-# a candidate (Note [Never worse than the baselines]).
+# ``figures["search"]`` (the plan's ``provenance.parameters``) records which plans the search
+# made: ``persistent`` ("none": the search with persistent candidates was not made, the
+# restricted plan fitting at no cost; "full": made), ``deep`` (the candidates, as "restricted
+# hybrid", "full recompute", ..., whose deep targets were planned: offered only as search Note
+# [Monotone by construction] allows), ``descend`` where the problem is too large for the grid
+# (not monotone), ``baselines`` (["dtr"]) where DTR's plan was made as a candidate (Note [Never
+# worse than the baselines]). Up to ``BASELINE_MAX_OPS`` ops a larger budget never gets a
+# slower plan, whatever these say.
 """
 
 from __future__ import annotations
@@ -135,7 +133,9 @@ from ..search import (
     AfterRound,
     Attempt,
     Switching,
+    at_least,
     best_of,
+    deep_floor,
     deep_needed,
     gc_paused,
     hidden,
@@ -181,13 +181,12 @@ def capuchin(
     # search Note [Restricted first]: without the persistent candidates, then with them unless
     # that fits at no cost; the better under the simulator (ties: the former)
     base = problem.restricted()
-    restricted = _plan(base, budget_bytes, planners, made, "restricted", light=False)
+    restricted = _plan(base, budget_bytes, planners, made, "restricted")
     plans = [lambda: restricted]
     if base is not problem and not _costs_nothing(problem, restricted, budget_bytes):
-        # Note [The search with persistent candidates]: lighter where the restricted plan fits
-        fits = simulate(base, restricted).peak_bytes <= budget_bytes
-        made["persistent"] = "light" if fits else "full"
-        full = _plan(problem, budget_bytes, planners, made, "full", light=fits)
+        made["persistent"] = "full"
+        # Note [The search with persistent candidates]: the restricted problem's floor
+        full = _plan(problem, budget_bytes, planners, made, "full", below=base.floor_bytes())
         plans.append(lambda: full)
     # Note [Never worse than the baselines]: best_of makes them only when no plan before
     # them fits at no cost
@@ -203,9 +202,8 @@ def _baselines(
     max_replay_ops: int,
     made: dict,
 ) -> list:
-    """Note [Never worse than the baselines]: the ``recompute`` policy's plan (except between
-    ``DEEP_WHEN_NEEDED_OPS`` and ``BASELINE_MAX_OPS`` ops) and, on problems of
-    ``DEEP_WHEN_NEEDED_OPS`` ops or more, the ``dtr`` policy's (its lineage completed), as
+    """Note [Never worse than the baselines]: the ``recompute`` policy's plan and, on problems
+    of more than ``BASELINE_MAX_OPS`` ops, the ``dtr`` policy's (its lineage completed), as
     candidates for ``best_of``, made when called."""
 
     def rec() -> list[Decision]:
@@ -228,9 +226,7 @@ def _baselines(
         except PlanError:  # lineage the builder cannot complete: no candidate (the empty plan)
             return []
 
-    n = problem.n_ops
-    out = [rec] if n < DEEP_WHEN_NEEDED_OPS or n > BASELINE_MAX_OPS else []
-    return out + [dtr] if n >= DEEP_WHEN_NEEDED_OPS else out
+    return [rec, dtr] if problem.n_ops > BASELINE_MAX_OPS else [rec]
 
 
 def _costs_nothing(problem: Problem, decisions: list[Decision], budget_bytes: int) -> bool:
@@ -243,8 +239,18 @@ def _costs_nothing(problem: Problem, decisions: list[Decision], budget_bytes: in
     return sim.peak_bytes <= budget_bytes and sim.time_ns <= sim.baseline_time_ns
 
 
+def _deep(p: Problem) -> bool | None:
+    """Note [Deep targets on large problems]: when needed, from DEEP_WHEN_NEEDED_OPS ops."""
+    return None if p.n_ops >= DEEP_WHEN_NEEDED_OPS else True
+
+
 def _plan(
-    p: Problem, budget_bytes: int, planners: tuple, made: dict, name: str, light: bool
+    p: Problem,
+    budget_bytes: int,
+    planners: tuple,
+    made: dict,
+    name: str,
+    below: int | None = None,
 ) -> list[Decision]:
     """The best (search Note [Best of variants]) of the hybrid on the target grid with
     stalled-swap switching, the recompute-only and swap-only plans (not with ``light``), and
@@ -255,30 +261,30 @@ def _plan(
     if p.n_ops > SEARCH_MAX_OPS:
         made["descend"] = True
         return searched(p, budget_bytes, hybrid)
-    # Note [Deep targets on large problems]: when needed, from DEEP_WHEN_NEEDED_OPS ops
-    deep = None if p.n_ops >= DEEP_WHEN_NEEDED_OPS else True
+    deep = _deep(p)
 
-    def search(planner: Capuchin, switching: Switching | None = None):
+    def search(planner: Capuchin, switching: Switching | None = None, below=None):
         def run() -> list[Decision]:
             hiding = planner.mode != "swap"  # search Note [Hidden swaps, on the grid]
-            ds = searched(p, budget_bytes, planner, switching, deep=deep, hiding=hiding)
-            if deep is None and deep_needed(p, planner, budget_bytes, switching):
+            # Note [The search with persistent candidates]: the floor as deep as the others'
+            d = deep if below is None else deep is not None
+            ds = searched(p, budget_bytes, planner, switching, d, hiding, below=below)
+            if d is None and deep_needed(p, planner, budget_bytes, switching):
                 made["deep"].append(f"{name} {planner.mode}")
             return ds
 
         return run
 
     def variants():  # a generator: best_of stops early at a plan that costs nothing
-        if not light:
-            yield search(hybrid, sw)
+        yield search(hybrid, sw, below)
         yield search(rec)
-        if not light:
-            yield search(swap)
+        yield search(swap, None, below)
         converted = recompute_first(p, rec, budget_bytes, sw, deep=deep)
-        for g in converted + hidden(p, converted, budget_bytes):
+        floor = deep_floor(p, rec, budget_bytes, None, deep)  # search Note [Monotone by ...]
+        for g in converted + at_least(hidden(p, converted, budget_bytes), budget_bytes, floor):
             yield lambda g=g: g.decisions
-        if not light and p is not p.restricted():  # Note [A candidate per gap of ...]
-            yield search(replace(hybrid, per_gap=True), sw)
+        if p is not p.restricted():  # Note [A candidate per gap of ...]
+            yield search(replace(hybrid, per_gap=True), sw, below)
 
     return best_of(p, budget_bytes, variants())
 
@@ -307,7 +313,9 @@ def recompute_only(
     until the simulated peak fits; on the target grid."""
     planner = Capuchin("recompute", max_rounds, collective, max_replay_ops)
     p = problem.restricted()
-    return PolicyResult.of(searched(p, budget_bytes, planner, max_ops=BASELINE_MAX_OPS))
+    # Note [Deep targets on large problems], as capuchin's own recompute-only grid
+    ds = searched(p, budget_bytes, planner, deep=_deep(p), max_ops=BASELINE_MAX_OPS)
+    return PolicyResult.of(ds)
 
 
 @dataclass(frozen=True)
