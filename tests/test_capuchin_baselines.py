@@ -25,6 +25,7 @@ def _time_ns(problem: Problem, decisions) -> int:
     return simulate(problem, list(decisions)).time_ns
 
 
+@pytest.mark.slow
 def test_a_faster_recompute_policy_plan_is_picked(monkeypatch):
     # a plan faster than capuchin's own search: the bundled CNN at 60%, where a short seeded
     # local search from capuchin's plan finds one (its decisions stand in for what the

@@ -162,6 +162,7 @@ def test_cli_compare_plot_draws_every_policy_at_the_smallest_budget(trace_file, 
     assert f"wrote {png}" in r.output
 
 
+@pytest.mark.slow
 def test_plan_summary_names_the_overhead_compare_shows():
     # `plan` predicts the simulated time plus the runtime's per-op cost (planner/costs.py);
     # `compare` shows the simulated plan alone. The summary splits the one into the other.

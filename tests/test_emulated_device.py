@@ -47,6 +47,7 @@ def _trace_mlp(path: Path, device: str, **kw) -> Tracer:
 # ---- defect 1: --device auto traces where the script's tensors live --------------------------
 
 
+@pytest.mark.slow
 def test_auto_traces_the_device_the_script_trains_on(tmp_path):
     with emulated_cuda():
         assert torch.cuda.is_available()

@@ -43,6 +43,7 @@ def test_per_rank_names(monkeypatch, tmp_path):
     assert rank_plan_path(tmp_path / "p.json") == tmp_path / "p.rank1.json"
 
 
+@pytest.mark.slow
 def test_plan_plans_every_rank(tmp_path):
     """`capuchin plan t.parquet -o p.json` with t.rank0/t.rank1.parquet writes p.rank{R}.json."""
     src = REPO / "traces" / "mlp.trace.parquet"

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 HERE = Path(__file__).resolve().parent / "frameworks"
 
 
+@pytest.mark.slow
 def test_evaluation_every_other_step_is_planned_and_run_kind_by_kind(tmp_path):
     script = HERE / "eval_loop.py"
     trace = load_trace(

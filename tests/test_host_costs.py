@@ -298,7 +298,7 @@ def _traced(
     return load_trace(out), r
 
 
-@pytest.mark.parametrize("name", ["mlp", "transformer"])
+@pytest.mark.parametrize("name", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])
 def test_the_model_counts_the_ops_the_runtime_sends_down_its_slow_path(name):
     # Note [Runtime cost model]: the ops of the runtime's action table (runtime/actions.py) are
     # its slow path; the model's count is the same set, the ops that only name a storage too

@@ -163,7 +163,14 @@ def test_bundled_traces_exist():
     }
 
 
-@pytest.mark.parametrize("trace", BUNDLED, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "trace",
+    [
+        pytest.param(p, marks=pytest.mark.slow) if p.name.startswith("transformer") else p
+        for p in BUNDLED
+    ],
+    ids=lambda p: p.name,
+)
 def test_plan_bundled_trace_at_half_peak(trace, tmp_path):
     r = run("plan", trace, "--budget", "50%", "-o", tmp_path / "p.json", "--json")
     assert r.exit_code in (0, 2), r.output

@@ -501,7 +501,9 @@ def test_guarded_hot_path_never_lets_an_op_read_an_evicted_storage(tmp_path):
     assert all(s.evictions == 1 and s.recomputed_ops == 1 for s in its)
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize(
+    "name", ["cnn", pytest.param("transformer", marks=pytest.mark.slow), "mlp"]
+)
 def test_make_plan_at_50_percent_measured_within_budget_and_simulation(name):
     """The real pipeline: ``make_plan`` at 50% of the traced peak (or, where the planner proves
     50% infeasible, at the smallest budget it can reach), run for 3 steps with the allocator-level
@@ -660,6 +662,7 @@ def test_the_dispatch_runs_with_dynamo_off_and_gives_its_callback_back(monkeypat
     assert not tracker.TrackerMode._should_skip_dynamo()  # no second wrapper per op
 
 
+@pytest.mark.slow
 def test_without_torchs_private_frame_hooks_the_mode_keeps_torchs_wrapper():
     """Note [Dynamo off in the dispatch]: on a torch without ``set_code_exec_strategy`` the mode
     falls back to torch's own per-op wrapper, and an op under the runtime still runs."""

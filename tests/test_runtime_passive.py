@@ -29,6 +29,7 @@ def complete(rt: Runtime):
     return [s for s in rt.report.iterations if s.complete]
 
 
+@pytest.mark.slow
 def test_iteration_0_under_a_50_percent_plan_measures_within_budget():
     """The main job's case: the transformer under its 50% plan. Iteration 0 (model creation,
     optimizer state) runs in passive mode; its measured peak was 1.10 x the budget."""

@@ -61,7 +61,7 @@ SLOW = pytest.mark.slow  # one trace each: the fast tier keeps two of the six
     [
         "numpy",
         pytest.param("tolist", marks=SLOW),
-        "data_ptr",
+        pytest.param("data_ptr", marks=SLOW),
         pytest.param("array", marks=SLOW),
         pytest.param("dlpack", marks=SLOW),
         pytest.param("storage", marks=SLOW),

@@ -54,6 +54,7 @@ def _run(plan, *extra):
     return {s.iteration: s for s in rt.report.iterations if s.complete}
 
 
+@pytest.mark.slow
 def test_the_plan_applies_again_after_a_divergence_within_the_budget(plan, capsys):
     its = _run(plan, "--other", "2", "4", "5")
     assert [i for i, s in its.items() if s.diverged and i >= 1] == [2, 4, 5]
