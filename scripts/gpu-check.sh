@@ -15,6 +15,11 @@
 #   5. bitwise: plain vs plain, plan, dynamic mode (scripts/gpu_bitwise.py), deterministic kernels.
 # Each step's output is OUTDIR/<step>.log; OUTDIR/gpu-check.md has the device, each step's exit
 # status and the tail of its log. Exit status: the number of failed steps (0: all passed).
+#
+# A lent GPU machine has a fixed allowance of time, so two knobs keep a run inside it:
+#   GPU_CHECK_SECONDS=N   every step runs under `timeout` with what is left of N seconds; a step
+#                         with under 15 s left is not started (exit 124 in the report: not run);
+#   GPU_CHECK_STEPS="a b" only the named steps (environment always runs).
 set -uo pipefail
 
 DRY=0
@@ -50,13 +55,33 @@ REPORT="$OUT/gpu-check.md"
 FAILED=0
 STEPS_DONE=()
 
+LIMIT="${GPU_CHECK_SECONDS:-0}"
+ONLY="${GPU_CHECK_STEPS:-}"
+
 step() {  # step NAME COMMAND...: run, log, record
   local name="$1"; shift
   local log="$OUT/$name.log"
+  if [ -n "$ONLY" ] && [ "$name" != environment ] && [[ " $ONLY " != *" $name "* ]]; then
+    return 0
+  fi
   echo "== $name" >&2
   local t0=$SECONDS
-  ( "$@" ) >"$log" 2>&1
-  local rc=$?
+  local rc
+  if [ "$LIMIT" -gt 0 ]; then
+    local left=$((LIMIT - SECONDS))
+    if [ "$left" -lt 15 ]; then
+      echo "not run: ${left} s left of GPU_CHECK_SECONDS=$LIMIT" >"$log"
+      rc=124
+    else
+      # a new process group per step, so that timeout ends the step's children too
+      timeout -k 5 "$left" bash -c '"$@"' step "$@" >"$log" 2>&1
+      rc=$?
+      [ $rc -eq 124 ] && echo "stopped: GPU_CHECK_SECONDS=$LIMIT ran out" >>"$log"
+    fi
+  else
+    ( "$@" ) >"$log" 2>&1
+    rc=$?
+  fi
   local dt=$((SECONDS - t0))
   if [ $rc -ne 0 ]; then FAILED=$((FAILED + 1)); fi
   STEPS_DONE+=("$name|$rc|$dt")
@@ -172,14 +197,18 @@ bitwise() {
   return $rc
 }
 
+# the step functions run in a child bash under timeout: they and what they read go to its environment
+export PY DEV OUT STEPS EXAMPLES PCTS
+export -f env_check gpu_tests summary_of cli main_job bitwise
+
 step environment env_check
 step gpu-tests gpu_tests
 step main-job main_job
+step bitwise bitwise
 # shellcheck disable=SC2086
 step benchmark-runtime "$PY" benchmarks/runtime.py --device "$DEV" --examples "$EX_COMMA" $BENCH_ARGS
 # shellcheck disable=SC2086
 step benchmark-dynamic "$PY" benchmarks/dynamic.py --device "$DEV" --workloads "$EX_COMMA" $DYN_ARGS
-step bitwise bitwise
 
 {
   echo "# capuchin GPU check"
