@@ -19,8 +19,11 @@ budget does not count, the allocator's cheap counter, the determinism preconditi
 #   (``cublas_workspace_bytes`` x ``WORKSPACE_THREADS``), the headroom one large segment plus an
 #   eighth of the budget for rounding and fragmentation. The cap is the allocator's last line
 #   (an out-of-memory error there makes passive mode evict and retry); the budget guard keeps
-#   tensor bytes within the budget, counting ``memory_allocated`` minus the plan's measured
-#   non-tensor bytes (never below the storages it counts).
+#   tensor bytes within the budget, counting ``memory_allocated`` minus the same non-tensor
+#   bytes (never below the storages it counts), and a run's measured peaks subtract them too
+#   (Note [Measured peak] in report.py). The workspaces are made at the run's start
+#   (``warm_cublas``), so the subtraction holds from the first op, in dynamic mode too (no plan,
+#   no measurement: the workspaces alone).
 # ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` makes reserved memory follow allocated
 # memory closely (segments grow in place): recommended under tight budgets (docs/runtime.md).
 """
@@ -84,6 +87,20 @@ def non_tensor_bytes(measured: int | None, workspace: int) -> int:
     """The device memory a budget does not count (Note [Budget and the allocator]): the larger of
     what the trace measured and the workspaces this process makes."""
     return max(int(measured or 0), WORKSPACE_THREADS * int(workspace))
+
+
+def warm_cublas(device: torch.device) -> None:
+    """Make the cuBLAS workspaces of the calling thread and of autograd's device thread now (a
+    tiny product and its backward), so that the non-tensor bytes a run subtracts from the
+    allocator's count (``non_tensor_bytes``) are allocated before its first op rather than in the
+    middle of its first iteration. No random number is drawn; nothing stays but the workspaces,
+    which the script's first products would have made."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.enable_grad():
+        a = torch.zeros(8, 8, device=device, requires_grad=True)
+        (a @ a).sum().backward()
+    del a
 
 
 def cap_bytes(budget_bytes: int, non_tensor: int) -> int:

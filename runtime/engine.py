@@ -45,6 +45,7 @@ from .device import (
     cudnn_problem,
     determinism_problem,
     non_tensor_bytes,
+    warm_cublas,
     resolve_run_device,
 )
 from .guards import EVICTIONS, REMAT, Guard, make_guard
@@ -220,6 +221,7 @@ class Runtime:
         self._entered = False
         # the CUDA allocator cap (Note [Budget and the allocator] in device.py)
         self.cap_bytes: int | None = None
+        self.non_tensor_bytes = 0  # CUDA: what the budget does not count (_count_non_tensor)
         self.oom_watch: OOMWatch | None = None  # Note [Out-of-memory errors caught inside an op]
         # an installed indexer whose step hooks this runtime's follow (Note [Indexers that
         # follow another] in tracer/hooks.py): the host-cost calibration's, entered in a step hook
@@ -311,6 +313,8 @@ class Runtime:
             self.ex.check_shape_kinds()
         self._iters = []
         self.meter = MemoryMeter(self.device) if self.measure_memory else None
+        if self.device.type == "cuda":
+            self._count_non_tensor(memory)
         if self.device.type == "cuda" and self.budget_bytes:
             self._set_cap()
         if self.device.type == "cuda":  # Note [Out-of-memory errors caught inside an op]
@@ -335,13 +339,25 @@ class Runtime:
         self.ex.mode.__enter__()
         return self
 
+    def _count_non_tensor(self, memory) -> None:
+        """CUDA: what the budget does not count (Note [Budget and the allocator] in device.py),
+        made real first (the cuBLAS workspaces, ``warm_cublas``) so that subtracting it from the
+        allocator's count is exact from the first op; the guard's count (``memory``) and the
+        measured peaks (Note [Measured peak] in report.py) subtract the same figure."""
+        props = torch.cuda.get_device_properties(self.device)
+        measured = getattr(self.plan.provenance, "device_non_tensor_bytes", 0) if self.plan else 0
+        warm_cublas(self.device)
+        self.non_tensor_bytes = non_tensor_bytes(measured, cublas_workspace_bytes(major=props.major))
+        if memory is not None and hasattr(memory, "non_tensor_bytes"):
+            memory.non_tensor_bytes = self.non_tensor_bytes
+        if getattr(self, "meter", None) is not None:
+            self.meter.non_tensor_bytes = self.non_tensor_bytes
+
     def _set_cap(self) -> None:
         """Cap the CUDA allocator at the budget plus what the budget does not count (Note
         [Budget and the allocator] in device.py)."""
         props = torch.cuda.get_device_properties(self.device)
-        measured = getattr(self.plan.provenance, "device_non_tensor_bytes", 0) if self.plan else 0
-        extra = non_tensor_bytes(measured, cublas_workspace_bytes(major=props.major))
-        self.cap_bytes = cap_bytes(self.budget_bytes, extra)
+        self.cap_bytes = cap_bytes(self.budget_bytes, self.non_tensor_bytes)
         torch.cuda.set_per_process_memory_fraction(
             min(1.0, self.cap_bytes / props.total_memory), self.device
         )
@@ -384,6 +400,8 @@ class Runtime:
         self.ex = None
         self._iters = []
         self.meter = MemoryMeter(self.device) if self.measure_memory else None
+        if self.device.type == "cuda":
+            self._count_non_tensor(None)
         self.indexer = _StepClock(self)
         if self.meter is not None:
             self.meter.start()
@@ -398,8 +416,10 @@ class Runtime:
             self.meter.iteration_end(self._cur.iteration)
         self._cur = None  # what ran after the last step is not reported (ops are not seen)
         peaks = self.meter.finish() if self.meter is not None else {}
+        raw = self.meter.allocator_peaks() if self.meter is not None else {}
         for s in self._iters:
             s.peak_bytes = peaks.get(s.iteration)
+            s.allocator_peak_bytes = raw.get(s.iteration)
         self.report = RunReport(
             self.budget_bytes, str(self.device), self.plan_source, self._iters, ops_checked=False
         )
@@ -443,8 +463,10 @@ class Runtime:
             self.backend.close()
         if self.refusal is not None and exc_type is None:
             raise self.refusal
+        raw = self.meter.allocator_peaks() if self.meter is not None else {}
         for s in self._iters:
             s.peak_bytes = peaks.get(s.iteration)
+            s.allocator_peak_bytes = raw.get(s.iteration)
         self._warn_over(exc_type)
         short = [s for s in self._iters if s.passive_short_bytes > 0]
         if short and exc_type is None:

@@ -195,8 +195,9 @@ class CUDAMemory(DeviceMemory):
     def __init__(self, device: torch.device, plan=None):
         super().__init__(plan)
         self.device = device
-        # memory the budget does not count, measured by the plan's trace (Note [Budget and the
-        # allocator] in device.py): subtracted from the allocator's count
+        # memory the budget does not count (Note [Budget and the allocator] in device.py):
+        # subtracted from the allocator's count; the plan's trace measured it, and a run sets
+        # the figure it uses everywhere (Runtime._count_non_tensor)
         prov = getattr(plan, "provenance", None)
         self.non_tensor_bytes = int(getattr(prov, "device_non_tensor_bytes", 0) or 0)
 

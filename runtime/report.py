@@ -2,7 +2,11 @@
 
 # Note: [Measured peak]
 # ``peak_bytes`` comes from PyTorch's own allocator accounting, never from the runtime's
-# bookkeeping: CUDA ``torch.cuda.max_memory_allocated`` (reset at each iteration start); CPU the
+# bookkeeping. On CUDA it is ``torch.cuda.max_memory_allocated`` (reset at each iteration start)
+# minus the memory a budget does not count, the same figure the cap and the budget guard use
+# (cuBLAS workspaces and allocator rounding, Note [Budget and the allocator] in device.py), so
+# that it compares with a budget of tensor bytes; the allocator's own figure is
+# ``allocator_peak_bytes``. On CPU it is the
 # profiler's allocator events (``torch.profiler`` with ``profile_memory=True``: each allocation
 # and free with its address and size; live bytes rebuilt by address, Note [Profiler allocation
 # offset]), taking the maximum inside each
@@ -36,7 +40,8 @@ class IterationStats:
     """One iteration of a run (mutable while it runs)."""
 
     iteration: int
-    peak_bytes: int | None = None
+    peak_bytes: int | None = None  # tensor bytes (Note [Measured peak])
+    allocator_peak_bytes: int | None = None  # CUDA: max_memory_allocated, non-tensor bytes too
     time_s: float = 0.0
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0
@@ -180,6 +185,9 @@ class MemoryMeter:
         self.prof = None
         self._handle = None
         self._cuda_peaks: dict[int, int] = {}
+        # CUDA: what the budget does not count, subtracted from the allocator's peak (Note
+        # [Measured peak]); set by the runtime with its cap
+        self.non_tensor_bytes = 0
 
     def start(self) -> None:
         if self.device.type == "cuda":
@@ -204,15 +212,19 @@ class MemoryMeter:
     def iteration_end(self, n: int) -> None:
         with _disable_current_modes():
             if self.device.type == "cuda":
-                self._cuda_peaks[n] = torch.cuda.max_memory_allocated(self.device)
+                self._cuda_peaks[n] = int(torch.cuda.max_memory_allocated(self.device))
             elif self._handle is not None:
                 torch.ops.profiler._record_function_exit._RecordFunction(self._handle)
                 self._handle = None
 
+    def allocator_peaks(self) -> dict[int, int]:
+        """CUDA: iteration -> the allocator's own peak (``max_memory_allocated``); else empty."""
+        return dict(self._cuda_peaks)
+
     def finish(self) -> dict[int, int]:
-        """Stop measuring; returns iteration -> peak bytes."""
+        """Stop measuring; returns iteration -> peak bytes (on CUDA, of tensor bytes)."""
         if self.device.type == "cuda":
-            return dict(self._cuda_peaks)
+            return {n: max(0, b - self.non_tensor_bytes) for n, b in self._cuda_peaks.items()}
         if self.prof is None:
             return {}
         prof, self.prof = self.prof, None

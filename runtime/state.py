@@ -102,12 +102,19 @@ def resize(st: torch.UntypedStorage, nbytes: int) -> None:
         st.resize_(nbytes)
 
 
+# ``UntypedStorage._swap_data_ptr_`` is missing from older torch releases (2.11 lacks it): there a
+# refill copies (``fill_from``).
+SWAP_DATA_PTR = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
 def fill_from(st: torch.UntypedStorage, src: torch.UntypedStorage, nbytes: int) -> None:
     """Give ``st`` (evicted: 0 bytes) the first ``nbytes`` bytes of ``src``. When ``src`` has
-    exactly that size the data pointers are swapped instead of copied, so no second buffer is
-    ever alive (``src`` is left empty)."""
+    exactly that size and torch can swap storages' data pointers (``SWAP_DATA_PTR``), the
+    pointers are swapped instead of copied, so no second buffer is ever alive (``src`` is left
+    empty). Otherwise ``st`` is allocated and filled by a copy: ``nbytes`` more are alive until
+    the caller drops ``src``."""
     with _disable_current_modes(), torch.no_grad():
-        if st.nbytes() == 0 and src.nbytes() == nbytes:
+        if SWAP_DATA_PTR and st.nbytes() == 0 and src.nbytes() == nbytes:
             st._swap_data_ptr_(src)
             return
         st.resize_(nbytes)

@@ -169,6 +169,15 @@ def emulated_cuda(
         (torch.cuda, "synchronize"): lambda device=None: None,
         (torch._C, "_cuda_memoryStats"): lambda device=None: models[idx(device)].stats(),
     }
+    from ..runtime import device as device_module
+    from ..runtime import engine as engine_module
+
+    def warm_cublas(device=None):  # runtime/device.py: the calling thread's workspace and
+        models[idx(device)].workspace()  # autograd's device thread's (CPU autograd has none)
+        models[idx(device)].workspace(thread=AUTOGRAD_THREAD)
+
+    patches[(device_module, "warm_cublas")] = warm_cublas
+    patches[(engine_module, "warm_cublas")] = warm_cublas
     saved = {k: getattr(k[0], k[1], _MISSING) for k in patches}
     try:
         for (obj, name), fn in patches.items():
@@ -183,6 +192,7 @@ def emulated_cuda(
 
 
 _MISSING = object()
+AUTOGRAD_THREAD = -1  # the emulated id of autograd's device thread (no real thread has it)
 
 
 # ---- the device timeline: the host runs ahead ----------------------------------------------------

@@ -6,6 +6,7 @@ determinism precondition, per-rank devices. Each test fails with its defect put 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from capuchin.runtime.device import (
 )
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.memory import CUDAMemory
-from capuchin.testing.emulated import CachingAllocatorModel, emulated_cuda
+from capuchin.testing.emulated import AUTOGRAD_THREAD, CachingAllocatorModel, emulated_cuda
 from capuchin.tracer import record
 from capuchin.tracer.reader import load_trace
 from capuchin.tracer.record import _Iteration, non_tensor_at_start
@@ -133,8 +134,9 @@ def test_index_less_cuda_is_the_local_rank_device(monkeypatch):
 
 def _fill_to(model: CachingAllocatorModel, budget: int, threads: int = 2) -> None:
     """A script's device memory at a tensor-byte peak of ``budget``: a cuBLAS workspace per
-    thread, then odd-sized tensors from every size class of the allocator."""
-    for t in range(threads):
+    thread (the calling one, autograd's, then others), then odd-sized tensors from every size
+    class of the allocator."""
+    for t in [threading.get_ident(), AUTOGRAD_THREAD, *range(2, threads)][:threads]:
         model.workspace(thread=t)
     sizes = [700_001, 3_000_017, 13_000_003, 40_003]
     held, k = 0, 0
@@ -152,6 +154,7 @@ def test_the_cap_admits_the_budget_plus_what_it_does_not_count(budget_mib):
     budget = budget_mib * MIB
     with emulated_cuda(total_bytes=80 << 30) as (model,):
         rt = Runtime(budget_bytes=budget, device="cuda")
+        rt._count_non_tensor(None)
         rt._set_cap()
         assert model.cap == pytest.approx(rt.cap_bytes, abs=2)
         _fill_to(model, budget)  # raises torch.OutOfMemoryError if the cap were the budget
@@ -172,13 +175,14 @@ def test_the_cap_takes_the_plans_measured_non_tensor_bytes():
     plan = dataclasses.replace(plan, provenance=prov)
     with emulated_cuda(total_bytes=80 << 30) as (model,):
         rt = Runtime(plan, device="cuda")
+        rt._count_non_tensor(None)
         rt._set_cap()
         assert rt.cap_bytes >= plan.budget_bytes + 200 * MIB
         assert rt.cap_bytes == cap_bytes(plan.budget_bytes, 200 * MIB)
         # the budget guard counts tensor bytes: the measured non-tensor bytes are taken off
         mem = CUDAMemory(torch.device("cuda", 0), plan)
-        model.malloc(210 * MIB)
-        assert mem.allocated_bytes() == 10 * MIB
+        model.malloc(210 * MIB - model.allocated)  # the run's start made its workspace
+        assert model.allocated == 210 * MIB and mem.allocated_bytes() == 10 * MIB
 
 
 def test_trace_measures_non_tensor_bytes_and_the_plan_carries_them(tmp_path):
@@ -281,3 +285,39 @@ def test_trace_command_on_a_cuda_host_traces_a_cpu_script_or_refuses(tmp_path, m
     assert r.exit_code != 0 and not cuda.exists()
     msg = [line for line in r.output.splitlines() if "nothing was allocated on cuda" in line]
     assert len(msg) == 1 and "--device cpu" in msg[0]
+
+
+def test_a_runs_peak_counts_tensor_bytes_as_its_budget_does(monkeypatch, capsys):
+    """GPU check: every planned iteration of the bundled examples measured 3-4x its budget, the
+    cuBLAS workspaces (64 MiB on an H200) counted as if they were tensors. The measured peak takes
+    off the same non-tensor bytes as the cap and the guard; the allocator's figure stays beside
+    it, and a run within its budget draws no over-budget warning."""
+    import capuchin.runtime.engine as engine
+    from capuchin.runtime.memory import memory_for
+    from capuchin.testing.emulated import EmulatedBackend
+
+    def emulated(device, plan=None):
+        be = EmulatedBackend()
+        be.memory = memory_for(be.device, plan)
+        return be
+
+    monkeypatch.setattr(engine, "backend_for", emulated)
+    with emulated_cuda(total_bytes=1 << 30) as (model,):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        with Runtime(budget_bytes=16 * MIB, device="cuda") as rt:
+            for _ in range(3):
+                held = model.malloc(12 * MIB)  # the step's tensors: within the budget
+                lin(torch.randn(4, 8)).sum().backward()
+                model.free(held)
+                opt.step()
+                opt.zero_grad()
+        assert len(model.workspaces) == 2  # made at the run's start, before the first op
+        assert rt.non_tensor_bytes == non_tensor_bytes(0, cublas_workspace_bytes(major=9))
+        its = [s for s in rt.report.iterations if s.complete]
+        assert its and all(
+            s.peak_bytes == s.allocator_peak_bytes - rt.non_tensor_bytes for s in its
+        )
+        assert all(s.peak_bytes >= 12 * MIB for s in its)
+    assert "measured over the budget" not in capsys.readouterr().err

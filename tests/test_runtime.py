@@ -690,3 +690,19 @@ def test_without_torchs_private_frame_hooks_the_mode_keeps_torchs_wrapper():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "fallback ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_without_swapping_data_pointers_a_replay_refills_by_copy_bitwise(monkeypatch):
+    """torch 2.11 has no ``UntypedStorage._swap_data_ptr_``: a replayed storage is then refilled by
+    a copy (``state.SWAP_DATA_PTR``), and a recompute plan still trains bitwise."""
+    import capuchin.runtime.state as state
+
+    def missing(self, other):
+        raise AttributeError("'torch.storage.UntypedStorage' object has no attribute '_swap_data_ptr_'")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_swap_data_ptr_", missing)
+    monkeypatch.setattr(state, "SWAP_DATA_PTR", False)
+    plan = hand_plan(problem("cnn"), "recompute", limit=8)
+    rt = Runtime(plan, measure_memory=False)
+    assert not train_mismatches("cnn", rt)
+    assert sum(s.recomputed_ops for s in rt.report.iterations) > 0
