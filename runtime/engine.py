@@ -45,8 +45,8 @@ from .device import (
     cudnn_problem,
     determinism_problem,
     non_tensor_bytes,
-    warm_cublas,
     resolve_run_device,
+    warm_cublas,
 )
 from .guards import EVICTIONS, REMAT, Guard, make_guard
 from .recompute import RecomputeEngine
@@ -347,7 +347,9 @@ class Runtime:
         props = torch.cuda.get_device_properties(self.device)
         measured = getattr(self.plan.provenance, "device_non_tensor_bytes", 0) if self.plan else 0
         warm_cublas(self.device)
-        self.non_tensor_bytes = non_tensor_bytes(measured, cublas_workspace_bytes(major=props.major))
+        self.non_tensor_bytes = non_tensor_bytes(
+            measured, cublas_workspace_bytes(major=props.major)
+        )
         if memory is not None and hasattr(memory, "non_tensor_bytes"):
             memory.non_tensor_bytes = self.non_tensor_bytes
         if getattr(self, "meter", None) is not None:

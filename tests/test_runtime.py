@@ -698,7 +698,9 @@ def test_without_swapping_data_pointers_a_replay_refills_by_copy_bitwise(monkeyp
     import capuchin.runtime.state as state
 
     def missing(self, other):
-        raise AttributeError("'torch.storage.UntypedStorage' object has no attribute '_swap_data_ptr_'")
+        raise AttributeError(
+            "'torch.storage.UntypedStorage' object has no attribute '_swap_data_ptr_'"
+        )
 
     monkeypatch.setattr(torch.UntypedStorage, "_swap_data_ptr_", missing)
     monkeypatch.setattr(state, "SWAP_DATA_PTR", False)
