@@ -44,6 +44,7 @@ from capuchin.planner.build import build_plan
 from capuchin.planner.plan import Plan
 from capuchin.planner.problem import Problem
 from capuchin.runmain import run_as_main, script_environment
+from capuchin.runtime.device import cublas_workspace_bytes, non_tensor_bytes, warm_cublas
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.report import MemoryMeter
 from capuchin.tracer.reader import load_trace
@@ -81,6 +82,14 @@ class _Steps:
         self.t: list[float] = []
 
     def __enter__(self):
+        if self.meter is not None and self.meter.device.type == "cuda":
+            # tensor bytes, as a run's peaks (Note [Measured peak] in runtime/report.py): the
+            # workspaces made first and taken off, by the runtime's own rule
+            made = warm_cublas(self.meter.device)
+            major = torch.cuda.get_device_properties(self.meter.device).major
+            self.meter.non_tensor_bytes = non_tensor_bytes(
+                0, cublas_workspace_bytes(major=major), made
+            )
         if self.meter is not None:
             self.meter.start()
             self.meter.iteration_start(0)
@@ -418,7 +427,8 @@ def main() -> None:
         f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}; "
         f"plan budget {args.budget} of each trace's peak (or the smallest feasible); times "
         f"ms/iteration (median steady iteration, best of {args.repeats} interleaved rounds); "
-        f"peaks MiB (allocator, max over steady iterations); {args.threads} intra-op "
+        "peaks MiB (tensor bytes: on CUDA the allocator's less the cuBLAS workspaces; max over "
+        f"steady iterations); {args.threads} intra-op "
         f"thread(s); load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs\n"
     )
     hdr = (

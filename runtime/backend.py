@@ -455,7 +455,7 @@ class CUDABackend:
         self._d2h = torch.cuda.Stream(self.device)
         self._h2d = torch.cuda.Stream(self.device)
         self._pool = _HostPool(  # Note [Pinned buffers are powers of two]
-            lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True), pinned_size
+            lambda n: torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=True), pinned_size
         )
         self.clock = _CUDAClock(self.device)  # Note [Costs on the device's timeline]
         # buffers released while a copy may still touch them: (event, buf)

@@ -112,7 +112,7 @@ def per_op_ns(
 ) -> dict[str, float]:
     """ns per 16-float add: without a mode, on the runtime's hot path, on its slow path, and
     through passive mode (Note [Calibration of the runtime's slow path])."""
-    a, b = torch.ones(16), torch.ones(16)
+    a, b = torch.ones(16, device="cpu"), torch.ones(16, device="cpu")
     add = torch.ops.aten.add.Tensor
     hot, acting = _loop_plan(n, False), _loop_plan(n, True)
     lines = {
@@ -140,7 +140,7 @@ def per_op_ns(
 def drop_cycle_ns(n: int, reps: int, clock: Callable[[], float]) -> float:
     """ns per 16-float add recorded for a replay, its output named, its decision checked and
     its storage dropped, the fastest of ``reps`` loops (``drop_action_ns``)."""
-    a, b = torch.ones(16), torch.ones(16)
+    a, b = torch.ones(16, device="cpu"), torch.ones(16, device="cpu")
     add = torch.ops.aten.add.Tensor
     eng = RecomputeEngine(lambda st: None, lambda nbytes: False)
     d = Decision("0:0", Method.RECOMPUTE, 64, 0, 1, replay_ops=(0,))
@@ -168,7 +168,7 @@ def swap_cycle_ns(
     fastest of ``reps``."""
     be = backend_for("cpu")
     try:
-        st = torch.ones(max(1, nbytes // 4)).untyped_storage()
+        st = torch.ones(max(1, nbytes // 4), device="cpu").untyped_storage()
         n = st.nbytes()
         buf = be.host_buffer(n)
         best = math.inf

@@ -83,24 +83,30 @@ def cublas_workspace_bytes(config: str | None = None, major: int | None = None) 
     return 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
-def non_tensor_bytes(measured: int | None, workspace: int) -> int:
-    """The device memory a budget does not count (Note [Budget and the allocator]): the larger of
-    what the trace measured and the workspaces this process makes."""
-    return max(int(measured or 0), WORKSPACE_THREADS * int(workspace))
+def non_tensor_bytes(measured: int | None, workspace: int, made: int = 0) -> int:
+    """The device memory a budget does not count (Note [Budget and the allocator]): the largest
+    of what the trace measured, the workspaces this process makes by the formula, and what
+    ``warm_cublas`` measured it made (``made``)."""
+    return max(int(measured or 0), WORKSPACE_THREADS * int(workspace), int(made))
 
 
-def warm_cublas(device: torch.device) -> None:
+def warm_cublas(device: torch.device) -> int:
     """Make the cuBLAS workspaces of the calling thread and of autograd's device thread now (a
-    tiny product and its backward), so that the non-tensor bytes a run subtracts from the
-    allocator's count (``non_tensor_bytes``) are allocated before its first op rather than in the
-    middle of its first iteration. No random number is drawn; nothing stays but the workspaces,
-    which the script's first products would have made."""
+    tiny product with a bias, cuBLASLt's path, and its backward), so that the non-tensor bytes a
+    run subtracts from the allocator's count are allocated before its first op rather than in the
+    middle of its first iteration. Returns the bytes this made (0 where the script's products
+    made them already). No random number is drawn; nothing stays but the workspaces, which the
+    script's first products would have made (on an H200 with torch 2.11: two of 32 MiB and one
+    of 1 MiB)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes(), torch.enable_grad():
+        before = torch.cuda.memory_allocated(device)
         a = torch.zeros(8, 8, device=device, requires_grad=True)
-        (a @ a).sum().backward()
-    del a
+        bias = torch.zeros(8, device=device)
+        torch.nn.functional.linear(a, a, bias).sum().backward()
+        del a, bias
+        return max(0, torch.cuda.memory_allocated(device) - before)
 
 
 def cap_bytes(budget_bytes: int, non_tensor: int) -> int:

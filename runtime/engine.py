@@ -346,9 +346,9 @@ class Runtime:
         measured peaks (Note [Measured peak] in report.py) subtract the same figure."""
         props = torch.cuda.get_device_properties(self.device)
         measured = getattr(self.plan.provenance, "device_non_tensor_bytes", 0) if self.plan else 0
-        warm_cublas(self.device)
+        made = warm_cublas(self.device)
         self.non_tensor_bytes = non_tensor_bytes(
-            measured, cublas_workspace_bytes(major=props.major)
+            measured, cublas_workspace_bytes(major=props.major), made
         )
         if memory is not None and hasattr(memory, "non_tensor_bytes"):
             memory.non_tensor_bytes = self.non_tensor_bytes

@@ -172,9 +172,12 @@ def emulated_cuda(
     from ..runtime import device as device_module
     from ..runtime import engine as engine_module
 
-    def warm_cublas(device=None):  # runtime/device.py: the calling thread's workspace and
-        models[idx(device)].workspace()  # autograd's device thread's (CPU autograd has none)
-        models[idx(device)].workspace(thread=AUTOGRAD_THREAD)
+    def warm_cublas(device=None) -> int:  # runtime/device.py: the calling thread's workspace
+        m = models[idx(device)]  # and autograd's device thread's (CPU autograd has none)
+        before = m.allocated
+        m.workspace()
+        m.workspace(thread=AUTOGRAD_THREAD)
+        return m.allocated - before
 
     patches[(device_module, "warm_cublas")] = warm_cublas
     patches[(engine_module, "warm_cublas")] = warm_cublas

@@ -321,3 +321,16 @@ def test_a_runs_peak_counts_tensor_bytes_as_its_budget_does(monkeypatch, capsys)
         )
         assert all(s.peak_bytes >= 12 * MIB for s in its)
     assert "measured over the budget" not in capsys.readouterr().err
+
+
+def test_what_the_runs_start_made_counts_where_the_formula_says_less(monkeypatch):
+    """On the H200 the workspaces were two of 32 MiB and one of 1 MiB (cuBLASLt), more than the
+    formula's two: what ``warm_cublas`` measured it made is taken when it is the larger."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with emulated_cuda(total_bytes=1 << 30, workspace_bytes=40 * MIB) as (model,):
+        rt = Runtime(budget_bytes=64 * MIB, device="cuda")
+        rt._count_non_tensor(None)
+        assert model.allocated == 80 * MIB
+        assert (
+            rt.non_tensor_bytes == 80 * MIB > non_tensor_bytes(0, cublas_workspace_bytes(major=9))
+        )

@@ -43,7 +43,7 @@ def _measure_cpu(n: int, repeats: int) -> Bandwidth:
     import numpy as np
 
     host = torch.from_numpy(np.ones(n, dtype=np.uint8))  # memory not owned by torch's allocator
-    dev = torch.ones(n, dtype=torch.uint8)
+    dev = torch.ones(n, dtype=torch.uint8, device="cpu")
     best = {"d2h": float("inf"), "h2d": float("inf")}
     for i in range(repeats + 1):
         t0 = time.perf_counter()
@@ -63,7 +63,7 @@ def _measure_cpu(n: int, repeats: int) -> Bandwidth:
 
 
 def _measure_cuda(n: int, repeats: int) -> Bandwidth:  # pragma: no cover - needs a GPU
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=True)
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
     best = {"d2h": float("inf"), "h2d": float("inf")}

@@ -49,7 +49,7 @@ def start_profiler_quietly(start) -> None:
     from torch.utils._python_dispatch import _disable_current_modes
 
     with profiler_quiet(), _disable_current_modes():  # not an op of the script
-        block = torch.empty(64)  # allocated before the start ...
+        block = torch.empty(64, device="cpu")  # allocated before the start ...
         start()
         del block  # ... freed after it: the warning, now
 
