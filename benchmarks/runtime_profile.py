@@ -2,7 +2,7 @@
 main thread's CPU time side by side (their difference is time the main thread was not running:
 waiting for the interpreter lock, a copy thread, or a core).
 
-    OMP_NUM_THREADS=1 python benchmarks/runtime_profile.py [transformer] [--budget 50%]
+    OMP_NUM_THREADS=1 python benchmarks/runtime_profile.py [transformer] [--budget 50%] [--device cuda]
     OMP_NUM_THREADS=1 python benchmarks/runtime_profile.py nanogpt --script-args "--batch 16"
 
 One run of 6 steps of the example (the bundled ones, hf_gpt2, or a script of tests/frameworks/,
@@ -34,6 +34,9 @@ def main() -> None:
     ap.add_argument("--budget", default="50%")
     ap.add_argument("--policy", default="capuchin")
     ap.add_argument(
+        "--device", default="cpu", help="where a bundled example trains (cuda: traced there first)"
+    )
+    ap.add_argument(
         "--script-args", default="", help="more arguments for a tests/frameworks script"
     )
     args = ap.parse_args()
@@ -45,6 +48,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     bench._steady_malloc()
+    bench.DEVICE = args.device
     wall: collections.Counter = collections.Counter()
     cpu: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
@@ -75,6 +79,13 @@ def main() -> None:
     for name in ("replay", "record", "recorded_outputs", "check_replayable"):
         timed(recompute.RecomputeEngine, name, f"RecomputeEngine.{name}")
     timed(matching.PlanCursor, "match", "PlanCursor.match")
+    if args.device != "cpu":  # the CUDA backend's host side: copies, events, the pinned pool
+        from capuchin.runtime import backend
+
+        for name in ("copy_out", "copy_in", "host_buffer", "release", "wait_compute"):
+            timed(backend.CUDABackend, name, f"CUDABackend.{name}")
+        timed(backend._CUDAClock, "mark", "CUDAClock.mark")
+        timed(backend._CUDAClock, "wait", "CUDAClock.wait")
     argv = ["--steps", "6", *args.script_args.split()]
     script = FRAMEWORKS / f"{args.example}.py"
     if script.exists():  # a real-style script: traced afresh, timed as plain_prediction.py does
@@ -86,6 +97,8 @@ def main() -> None:
     else:
         script, trace, _ = bench._example(args.example, Path(tempfile.mkdtemp()))
         timer = None
+        if args.device != "cpu":
+            argv += ["--device", args.device]
     plan = bench._plan(trace, args.budget, args.policy)
     if timer is not None:  # without the timers: restore the originals for these two runs
         for cls, name, f in originals:

@@ -11,7 +11,8 @@
 #   3. the main job on the device: trace -> plan 80%/50% -> run, per bundled example (--device),
 #      and dynamic mode (run --budget --device), with per-iteration report lines and, on CUDA,
 #      the allocator's counters after each run;
-#   4. benchmarks/runtime.py and benchmarks/dynamic.py on the device;
+#   4. benchmarks/runtime.py, benchmarks/runtime_profile.py (where a managed step's host time
+#      goes) and benchmarks/dynamic.py on the device;
 #   5. bitwise: plain vs plain, plan, dynamic mode (scripts/gpu_bitwise.py), deterministic kernels.
 # Each step's output is OUTDIR/<step>.log; OUTDIR/gpu-check.md has the device, each step's exit
 # status and the tail of its log. Exit status: the number of failed steps (0: all passed).
@@ -44,10 +45,11 @@ export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"
 cd "$ROOT" || exit 2
 
 if [ "$DRY" = 1 ]; then
-  DEV=cpu; STEPS=3; EXAMPLES="mlp"; PCTS="80"; BENCH_ARGS="--steps 3 --repeats 1"
+  DEV=cpu; STEPS=3; EXAMPLES="mlp"; PCTS="80"; BENCH_ARGS="--steps 3 --repeats 1"; PROFILED=mlp
   DYN_ARGS="--steps 3 --repeats 1 --percents 80"
 else
   DEV=cuda; STEPS=6; EXAMPLES="mlp cnn transformer"; PCTS="80 50"; BENCH_ARGS="--steps 6 --repeats 2"
+  PROFILED=transformer
   DYN_ARGS="--steps 5 --repeats 2 --percents 80,60,50"
 fi
 EX_COMMA="$(echo $EXAMPLES | tr ' ' ',')"
@@ -207,6 +209,8 @@ step main-job main_job
 step bitwise bitwise
 # shellcheck disable=SC2086
 step benchmark-runtime "$PY" benchmarks/runtime.py --device "$DEV" --examples "$EX_COMMA" $BENCH_ARGS
+# where a managed step's host time goes (the CUDA backend's functions timed too)
+step profile "$PY" benchmarks/runtime_profile.py "$PROFILED" --budget 50% --device "$DEV"
 # shellcheck disable=SC2086
 step benchmark-dynamic "$PY" benchmarks/dynamic.py --device "$DEV" --workloads "$EX_COMMA" $DYN_ARGS
 

@@ -36,6 +36,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "benchmark-runtime": "0",
         "benchmark-dynamic": "0",
         "bitwise": "0",
+        "profile": "0",
     }
     bitwise = (out / "bitwise.log").read_text()
     assert bitwise.count("bitwise equal") == 3
