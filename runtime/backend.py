@@ -389,7 +389,7 @@ class _EventCopy:
     def __init__(self, nbytes: int, event, keep, start=None):
         self.nbytes = nbytes
         self.event = event
-        self.keep = keep  # tensors the copy reads/writes: alive until the event completes
+        self.keep = keep  # host buffers the copy reads/writes: alive until the event completes
         self.start = start  # a timing event where the copy's stream began it
 
     def done(self) -> bool:
@@ -446,6 +446,16 @@ class CUDABackend:
       compute stream waits on that event before the consuming op (``wait_compute``), so the host
       thread does not block unless the runtime asks it to.
     - the pinned host buffer is not reused before the copy's event completes (the ``keep`` list).
+
+    # Note: [A copy keeps no view of the device storage]
+    # A copy object keeps its host buffer alive until its event completes, and nothing of the
+    # device side: ``record_stream`` already keeps the allocator from reusing the block before
+    # the copy stream is done with it. A device view kept there (as once, ``(src, buf)``) kept
+    # the storage itself alive as long as the entry held the copy: a swapped-out storage the
+    # program released never died, so the runtime never discarded its entry and the tracer's
+    # free callback fired late (on the H200 the trace under a real cap recorded a 32 MiB
+    # activation's free at another op than the free trace); a restored one held its device bytes
+    # after the program's release while the copy was referenced (``last_restore``).
     """
 
     def __init__(self, device: torch.device | str = "cuda"):
@@ -489,7 +499,9 @@ class CUDABackend:
                 buf[:n].copy_(src, non_blocking=True)
                 src.record_stream(self._d2h)
                 done = _timing_event(self._d2h)
-        return _EventCopy(n, done, (src, buf), start)
+        return _EventCopy(
+            n, done, (buf,), start
+        )  # Note [A copy keeps no view of the device storage]
 
     def copy_in(
         self,
@@ -510,7 +522,9 @@ class CUDABackend:
                 dst.copy_(buf[:n], non_blocking=True)
                 dst.record_stream(self._h2d)
                 done = _timing_event(self._h2d)  # judge_late compares times
-        return _EventCopy(n, done, (dst, buf), start)
+        return _EventCopy(
+            n, done, (buf,), start
+        )  # Note [A copy keeps no view of the device storage]
 
     def wait_compute(self, copy: Copy) -> float:
         torch.cuda.current_stream(self.device).wait_event(copy.event)
