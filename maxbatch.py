@@ -711,10 +711,17 @@ def run_steps(
     from .runtime.launch import run_under
 
     gc.collect()
+    # the cap must hold: a batch that fits only with it lifted does not fit (Note [Lifting the
+    # cap] in runtime/engine.py)
     if mode is not None:
-        rt = Runtime(budget_bytes=budget_bytes, device=device, eviction=RUNTIME_MODES[mode])
+        rt = Runtime(
+            budget_bytes=budget_bytes,
+            device=device,
+            eviction=RUNTIME_MODES[mode],
+            lift_cap=False,
+        )
     else:
-        rt = Runtime(plan, device=device) if plan is not None else None
+        rt = Runtime(plan, device=device, lift_cap=False) if plan is not None else None
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             ran = run_under(rt, script, args, steps=steps, keep_state=keep_state)

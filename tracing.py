@@ -24,7 +24,13 @@ def budget_keeper(budget_bytes: int, device: str) -> Any:
     them die later than in the unmanaged program the trace records."""
     from .runtime.engine import Runtime
 
-    return Runtime(budget_bytes=budget_bytes, device=device, measure_memory=False, eviction="lru")
+    return Runtime(  # the cap must hold: Note [Tracing under a budget] in tracer/record.py
+        budget_bytes=budget_bytes,
+        device=device,
+        measure_memory=False,
+        eviction="lru",
+        lift_cap=False,
+    )
 
 
 def host_calibration(nbytes: int, ns_per_byte: tuple[float, float]) -> tuple[dict, dict]:

@@ -39,6 +39,7 @@ from . import rawreads, threads
 from .actions import compile_plan
 from .backend import backend_for
 from .device import (
+    LARGE_SEGMENT,
     OOMWatch,
     cap_bytes,
     cublas_workspace_bytes,
@@ -46,6 +47,7 @@ from .device import (
     determinism_problem,
     non_tensor_bytes,
     resolve_run_device,
+    segment_bytes,
     warm_cublas,
 )
 from .guards import EVICTIONS, REMAT, Guard, make_guard
@@ -141,6 +143,9 @@ class Runtime:
         [Measured peak] in report.py); costs profiler overhead on CPU.
     report_path: write the JSON report there on exit; checked now, before any training (Note
         [Output files] in outputs.py): an existing file is kept unless ``force``.
+    lift_cap: on CUDA, raise the allocator cap where an out-of-memory error under it finds
+        nothing to evict, with a warning (Note [Lifting the cap]); False: the error reaches the
+        script (a cap that must hold: tracing under a budget, max-batch's verifying run).
 
     After the block, ``report`` holds a ``RunReport``.
 
@@ -164,6 +169,7 @@ class Runtime:
         measure_memory: bool = True,
         report_path: str | os.PathLike | None = None,
         force: bool = False,
+        lift_cap: bool = True,
     ):
         if budget_bytes is not None:
             budget_bytes = _budget(budget_bytes)
@@ -223,6 +229,7 @@ class Runtime:
         self.cap_bytes: int | None = None
         self.non_tensor_bytes = 0  # CUDA: what the budget does not count (_count_non_tensor)
         self.oom_watch: OOMWatch | None = None  # Note [Out-of-memory errors caught inside an op]
+        self.lift_cap_allowed = lift_cap
         # an installed indexer whose step hooks this runtime's follow (Note [Indexers that
         # follow another] in tracer/hooks.py): the host-cost calibration's, entered in a step hook
         self._step_leader = None
@@ -294,6 +301,7 @@ class Runtime:
             self.backend,
             self.plan.provenance.bandwidth_d2h_bytes_per_s if self.plan is not None else 12e9,
         )
+        swap.lift_cap = self.lift_cap  # Note [Lifting the cap]
         memory = self.backend.memory
         budget = self.budget_bytes if self.passive_enabled else None
         self.ex = None
@@ -354,6 +362,35 @@ class Runtime:
             memory.non_tensor_bytes = self.non_tensor_bytes
         if getattr(self, "meter", None) is not None:
             self.meter.non_tensor_bytes = self.non_tensor_bytes
+
+    def lift_cap(self, need: int) -> bool:
+        """Raise the allocator cap by what an op (or a restore) that met it could not get.
+
+        # Note: [Lifting the cap]
+        # The cap limits what the allocator *reserves*; its headroom over the budget (Note
+        # [Budget and the allocator] in device.py) covers one new segment and rounding, not every
+        # fragmentation: on the H200 dynamic mode met it with 7.5 MiB reserved but unallocated in
+        # partly used segments and a 20 MiB segment asked for, and with nothing left to evict
+        # the error killed the run, on a GPU with 139 GiB free. Evicting frees blocks, not
+        # segments, so where nothing is left to evict the cap, not the device, is what fails.
+        # Then the runtime raises the cap by one segment for the request (at least 20 MiB, never
+        # past the device's memory), retries, and counts the bytes in the iteration's
+        # ``cap_lifted_bytes``; the run ends with a warning naming the iterations. Training is
+        # unchanged (no op is skipped or altered); the memory used went over what the budget
+        # promised, and the warning says so. Where the cap must hold (tracing under a budget,
+        # max-batch's verifying run: ``lift_cap=False``), or it is already the whole device, the
+        # error reaches the script as before."""
+        if not (self.lift_cap_allowed and self._fraction_set and self.cap_bytes):
+            return False
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        if self.cap_bytes >= total:
+            return False
+        step = max(segment_bytes(max(1, int(need))), LARGE_SEGMENT)
+        self.cap_bytes = min(total, self.cap_bytes + step)
+        torch.cuda.set_per_process_memory_fraction(self.cap_bytes / total, self.device)
+        if self._cur is not None:
+            self._cur.cap_lifted_bytes += step
+        return True
 
     def _set_cap(self) -> None:
         """Cap the CUDA allocator at the budget plus what the budget does not count (Note
@@ -470,6 +507,17 @@ class Runtime:
             s.peak_bytes = peaks.get(s.iteration)
             s.allocator_peak_bytes = raw.get(s.iteration)
         self._warn_over(exc_type)
+        lifted = [s for s in self._iters if s.cap_lifted_bytes]
+        if lifted and exc_type is None:
+            say(
+                f"capuchin: warning: the allocator cap was raised by "
+                f"{sum(s.cap_lifted_bytes for s in lifted) / 2**20:.0f} MiB in iteration(s) "
+                f"{[s.iteration for s in lifted][:8]}: an out-of-memory error under it found "
+                "nothing left to evict (fragmentation the cap's headroom did not cover), so the "
+                "run used more memory than the budget there; PYTORCH_CUDA_ALLOC_CONF="
+                "expandable_segments:True keeps reserved memory close to allocated (docs/"
+                "runtime.md, On CUDA); see cap_lifted_bytes in the report"
+            )
         short = [s for s in self._iters if s.passive_short_bytes > 0]
         if short and exc_type is None:
             worst = max(short_of(s, self.budget_bytes) for s in short)

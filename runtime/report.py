@@ -69,6 +69,9 @@ class IterationStats:
     # budget with nothing left it may evict (Note [Passive budget on CPU] in guards/lru.py); 0 when
     # the budget was kept
     passive_short_bytes: int = 0
+    # CUDA: bytes the allocator cap was raised by in this iteration, each time an out-of-memory
+    # error under it found nothing to evict (Note [Lifting the cap] in engine.py)
+    cap_lifted_bytes: int = 0
 
 
 @dataclass

@@ -79,6 +79,7 @@ class SwapEngine:
         # planned back-accesses that found their prefetch in flight: (decision, bytes, judge)
         self.judging: list = []
         self.last_restore: object | None = None  # the copy of the last on-demand restore
+        self.lift_cap = None  # the runtime's, where it may lift its cap (engine.py)
 
     # ---- out ------------------------------------------------------------------------------------
     def evict(self, e: Entry) -> None:
@@ -252,7 +253,8 @@ class SwapEngine:
                 if self.sync_earliest() > 0:
                     continue
                 if self.make_room is None or self.make_room(nbytes, st) <= 0:
-                    raise
+                    if self.lift_cap is None or not self.lift_cap(nbytes):
+                        raise  # Note [Lifting the cap] in engine.py
         resize(st, nbytes)
 
     def discard(self, e: Entry) -> None:

@@ -462,5 +462,6 @@ class Executor:
                     continue
                 _, need = self.guard.memory.predict(func, args, kwargs)
                 if not self.guard.on_oom(set(_keys(flatten_tensors(args, kwargs))), need):
-                    raise
+                    if not self.rt.lift_cap(need):  # Note [Lifting the cap] in engine.py
+                        raise
         return func(*args, **kwargs)

@@ -334,3 +334,71 @@ def test_what_the_runs_start_made_counts_where_the_formula_says_less(monkeypatch
         assert (
             rt.non_tensor_bytes == 80 * MIB > non_tensor_bytes(0, cublas_workspace_bytes(major=9))
         )
+
+
+_HELD: list = []
+_MODEL: list = []
+
+
+@torch.library.custom_op("capuchin_test::take_device_memory", mutates_args=())
+def _take_device_memory(x: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """An op whose kernel asks the emulated allocator for ``nbytes`` (as a cuBLAS or cuDNN
+    workspace, or a fragmented pool's new segment, would)."""
+    _HELD.append(_MODEL[0].malloc(nbytes))
+    return x.clone()
+
+
+@_take_device_memory.register_fake
+def _(x, nbytes):
+    return torch.empty_like(x)
+
+
+def _run_with_an_op_over_the_cap(monkeypatch, **kw):
+    """Three steps under a 16 MiB budget; in the second an op asks the allocator for 5 MiB more
+    than the cap leaves, with nothing the runtime could evict."""
+    import capuchin.runtime.engine as engine
+    from capuchin.runtime.memory import memory_for
+    from capuchin.testing.emulated import EmulatedBackend
+
+    def emulated(device, plan=None):
+        be = EmulatedBackend()
+        be.memory = memory_for(be.device, plan)
+        return be
+
+    monkeypatch.setattr(engine, "backend_for", emulated)
+    _HELD.clear()
+    with emulated_cuda(total_bytes=1 << 30, workspace_bytes=0) as (model,):
+        _MODEL[:] = [model]
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        rt = Runtime(budget_bytes=16 * MIB, device="cuda", measure_memory=False, **kw)
+        with rt:
+            rt.ex._cuda = True  # the emulated backend's tensors are CPU ones: CUDA's op path
+            for step in range(3):
+                y = lin(torch.randn(4, 8))
+                if step == 1:
+                    over = rt.cap_bytes - model.allocated + 5 * MIB
+                    torch.ops.capuchin_test.take_device_memory(y.detach(), over)
+                y.sum().backward()
+                opt.step()
+                opt.zero_grad()
+        for h in _HELD:
+            model.free(h)
+    return rt
+
+
+def test_an_oom_under_the_cap_with_nothing_to_evict_lifts_it_and_warns(monkeypatch, capsys):
+    """GPU check: dynamic mode met the cap with memory reserved in partly used segments and
+    nothing left to evict, and the error killed a run on a GPU with 139 GiB free. Note [Lifting
+    the cap]: the cap goes up by a segment, the op runs, the report and a warning say so."""
+    rt = _run_with_an_op_over_the_cap(monkeypatch)
+    lifted = {s.iteration: s.cap_lifted_bytes for s in rt.report.iterations if s.cap_lifted_bytes}
+    assert list(lifted) == [1] and lifted[1] >= 20 * MIB
+    err = capsys.readouterr().err
+    assert "allocator cap was raised by 20 MiB in iteration(s) [1]" in err, err
+
+
+def test_where_the_cap_must_hold_the_error_reaches_the_script(monkeypatch):
+    with pytest.raises(torch.OutOfMemoryError):
+        _run_with_an_op_over_the_cap(monkeypatch, lift_cap=False)
