@@ -112,10 +112,11 @@ CPU = RuntimeCosts(
 # CUDA: the host runs ahead of the device (kernel launches are asynchronous), so the runtime's
 # host work overlaps the device's and the prediction charges none of it, as the simulator charges
 # no host work there (Note [Host work on the compute stream]); the copies run on the copy
-# engines, which the simulator's channels model. An assumption, never measured (no GPU has run
-# the runtime): where ops are so short that the host is the bottleneck (the DTR project's LSTM
-# and TreeLSTM traces: microsecond kernels), each op's dispatch-mode cost (3.4 µs on CPU) would
-# add to the step time instead.
+# engines, which the simulator's channels model. An assumption that fails where ops are so
+# short that the host is the bottleneck: then the runtime's host work adds to the step time. On
+# an H200 the bundled examples (1-2 ms of kernels per iteration) were host-bound and measured
+# 3.9-9.8x the plain step at 50% where this model predicted 1.03-1.15x (docs/runtime.md, On
+# CUDA); the DTR project's LSTM and TreeLSTM traces (microsecond kernels) are such scripts too.
 CUDA = RuntimeCosts(
     hot_op_ns=0,
     guarded_op_ns=0,
