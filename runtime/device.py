@@ -102,10 +102,13 @@ def warm_cublas(device: torch.device) -> int:
 
     with _disable_current_modes(), torch.enable_grad():
         before = torch.cuda.memory_allocated(device)
-        a = torch.zeros(8, 8, device=device, requires_grad=True)
-        bias = torch.zeros(8, device=device)
-        torch.nn.functional.linear(a, a, bias).sum().backward()
-        del a, bias
+        try:
+            a = torch.zeros(8, 8, device=device, requires_grad=True)
+            bias = torch.zeros(8, device=device)
+            torch.nn.functional.linear(a, a, bias).sum().backward()
+            del a, bias
+        except RuntimeError:  # entered under inference_mode: the formula's workspaces stand
+            return 0
         return max(0, torch.cuda.memory_allocated(device) - before)
 
 
