@@ -408,6 +408,7 @@ def test_the_first_step_without_the_mode_is_not_timed(tmp_path, monkeypatch):
     meta = load_trace(out).meta
     assert meta.extra["plain_iteration_wall_s"] == [0.01] * 3
     assert meta.plain_iteration_ns == 10_000_000
+    assert meta.extra["plain_warmup_wall_s"] == 0.03  # shown, not used
     ops = len(Problem.from_trace(load_trace(out)).ops)
     assert meta.host_costs["hot_op_ns"] == round(3_000_000 / ops)
 

@@ -257,7 +257,8 @@ class _TraceMode(TorchDispatchMode):
 # costs] in planner/costs.py; not where another mode is on the stack). A step's time runs from
 # just after its phase was entered to its optimizer step. At the last step ``StopScript`` ends
 # the script. The median plain step is ``TraceMeta.plain_iteration_ns``
-# (the intervals in ``extra["plain_iteration_wall_s"]``). None, with the reason in
+# (the intervals in ``extra["plain_iteration_wall_s"]``, the untimed step's in
+# ``extra["plain_warmup_wall_s"]``, for comparison only). None, with the reason in
 # ``extra["plain_iteration_note"]`` and a log line, when the script ended before one interval,
 # when traced under a budget (the runtime's passive mode would be in every step), under torchrun
 # (the ranks stop where their recording ends, at one step: the way the distributed tests hold
@@ -431,6 +432,7 @@ class Tracer:
         self._timing_phase: str | None = None  # the phase whose end ``_now`` marks (tests)
         self._step_start = 0.0
         self._rounds: list[dict[str, float]] = []
+        self._plain_warmup_s: float | None = None  # the untimed plain step's length
         self._plain_note: str | None = None  # why the plain step was not timed
         # Note [Calibrated host costs] in planner/costs.py: the steps timed through a dispatch
         # mode after the plain ones
@@ -723,6 +725,8 @@ class Tracer:
             self._timing_phase = phase
             end = self._now()
             self._timing_phase = None
+            if phase == "plain~":  # untimed, kept to show it (Note [Plain step])
+                self._plain_warmup_s = end - self._step_start
             if self._end_step(phase) and not phase.endswith("~"):
                 if phase == "plain":
                     self._rounds.append({})
@@ -1107,6 +1111,8 @@ class Tracer:
         }
         plain_ns = self._plain_iteration_ns()
         host_costs = self._calibrate(plain_ns, extra)
+        if self._plain_warmup_s is not None:
+            extra["plain_warmup_wall_s"] = round(self._plain_warmup_s, 6)
         if self._phase_times("plain"):
             extra["plain_iteration_wall_s"] = [round(x, 6) for x in self._phase_times("plain")]
         elif self._plain_note is not None:
