@@ -241,18 +241,17 @@ class _TraceMode(TorchDispatchMode):
 # untimed (``plain~``), and ``plain_steps`` more are timed; the time from one optimizer step to
 # the next is one plain iteration (data loading and the script's own work between steps
 # included, as the user measures a step). The untimed one is there because the first step
-# without the mode is not a steady one: on T5 (tests/frameworks/hf_t5.py, batch 16, one
-# intra-op thread) it took 7-45% longer than the median of the plain steps after it in 8 of 9
-# traces on a quiet host (benchmarks/results/plain_prediction_real.txt), as the first step after the script's
-# first does in a plain run, which a steady median (benchmarks/runtime.py's) leaves out; timed,
-# it was one of the three steps whose median is the plain step, so that median was the larger
-# of the other two, and a plan's overhead against it read low. On CPU the timed steps
-# run in rounds with the runtime's own steps (``_steps_schedule``): each round is a plain step,
-# a step under the runtime without actions and one with an action at every op (Note [The
-# runtime in the script's steps] in runtime/calibrate.py; the first round also has an untimed
-# warm-up of each), or, where the runtime is not composed in or does not follow the recorded
-# ops, a plain step and one through a dispatch mode that only passes ops on
-# (``_CountingMode``); the runtime's per-op costs in this script are the median within-round
+# without the mode is not a steady one (on T5, tests/frameworks/hf_t5.py, it is up to 45%
+# slower than the plain steps after it: benchmarks/results/plain_prediction_real.txt), as a
+# plain run's first step after its first is not, which a steady median
+# (benchmarks/runtime.py's) leaves out; timed, it would be one of the three whose median is
+# stored, which would then be the larger of the other two, and a plan's overhead against it
+# would read low. On CPU the timed steps run in rounds with the runtime's own steps
+# (``_steps_schedule``): each round is a plain step, a step under the runtime without actions
+# and one with an action at every op (Note [The runtime in the script's steps] in
+# runtime/calibrate.py; the first round also has an untimed warm-up of each), or, where the
+# runtime is not composed in or does not follow the recorded ops, a plain step and one through
+# a dispatch mode that only passes ops on (``_CountingMode``); the runtime's per-op costs in this script are the median within-round
 # differences, so load that changes from one round to the next cancels (Note [Calibrated host
 # costs] in planner/costs.py; not where another mode is on the stack). A step's time runs from
 # just after its phase was entered to its optimizer step. At the last step ``StopScript`` ends
