@@ -12,8 +12,8 @@ tests/frameworks/ in the style people write (nanoGPT, a Hugging Face T5 or Llama
 checkpointing, ...: the probe of ../shared/reports/real-scripts.md rebuilt); those train at
 module level and are timed as a whole run (their steady optimizer steps).
 
-Per example: trace the script afresh as ``capuchin trace`` does (``--steps 18``: 1 warm-up, 3
-recorded, 1 plain warm-up, a warm-up of the runtime and 3 rounds of a plain step and the runtime
+Per example: trace the script afresh as ``capuchin trace`` does (``--steps 19``: 1 warm-up, 3
+recorded, 1 plain warm-up, an untimed plain step, a warm-up of the runtime and 3 rounds of a plain step and the runtime
 on its hot, guarded and slow paths: Note [The runtime in the script's steps] in
 runtime/calibrate.py), plan it at ``--budget`` (or the smallest budget the planner reaches), then
 time plain and managed training interleaved (``--repeats`` rounds, each the median steady
@@ -26,8 +26,10 @@ trace's plan with the quiet host's constants (the trace's ``host_costs`` dropped
 managed / plain ratio, and measured / predicted for both; then the managed step against the
 prediction in ms (the predicted ratio times the trace's plain step) and the run's plain step
 against the trace's: where the plain step drifted between the trace and the runs (load), the
-ratio of ratios carries that drift. The host is shared and noisy: compare
-rows of one run only.
+ratio of ratios carries that drift; the trace's untimed first plain step; and the two readings
+of a trace's plain step above the runs' (``readings``): managed - plain of the runs against
+(a) the plan's predicted extra at the runs' plain step and (b) that extra plus the trace's plain
+step less the runs'. The host is shared and noisy: compare rows of one run only.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from capuchin.tracer.reader import load_trace
 from capuchin.tracing import trace_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime import SCRIPTS, TRACES, _plan, _Steps, time_once  # noqa: E402  (benchmarks/runtime.py)
+from runtime import SCRIPTS, TRACES, _plan, _Steps, predicted_s, time_once  # noqa: E402
 
 FRAMEWORKS = Path(__file__).resolve().parent.parent / "tests" / "frameworks"
 
@@ -83,10 +85,11 @@ def measure(
         if not script.exists():  # the real-style scripts: tests/frameworks/
             script, timer = FRAMEWORKS / f"{name}.py", _time_script
         out = tmp / f"{name}.trace.parquet"
-        trace_script(script, ["--steps", "18", *extra], output=out, log=lambda _: None)
+        trace_script(script, ["--steps", "19", *extra], output=out, log=lambda _: None)
         trace = load_trace(out)
         plan = _plan(trace, budget, policy)
         hot = dict(trace.meta.host_costs or {})
+        warm = trace.meta.extra.get("plain_warmup_wall_s")  # the untimed first plain step
         # the same trace with the quiet host's constants (Note [Calibrated host costs])
         trace.meta.host_costs = None
         old = _plan(trace, plan.provenance.budget_bytes, policy)
@@ -104,6 +107,7 @@ def measure(
         before = 1 + old.predictions.predicted_overhead
         rows.append(
             (name, traced_ns, plan.predictions.plain_time_ns, hot, best, measured, new, before)
+            + (warm, plan)
         )
         print(f"{name}: done", file=sys.stderr)
     return rows, loads
@@ -119,10 +123,11 @@ def print_table(rows, loads, budget, repeats, steps, script_args, policy="capuch
         "| example | traced ms | plain (trace) ms | host µs: op/loop op/guarded/slow/slow in script/swap/replay/drop (trace) | plain ms | managed ms | "
         "measured x plain | predicted (calibrated) | measured / predicted | predicted "
         "(constants) | measured / predicted (constants) | managed ms / predicted ms | plain ms "
-        "/ plain (trace) ms |"
+        "/ plain (trace) ms | first plain (trace, untimed) ms | managed - plain ms | (a) predicted "
+        "extra ms | (b) predicted extra at plain (trace) + plain (trace) - plain ms |"
     )
-    print("|---" * 13 + "|")
-    for name, traced_ns, plain_ns, hot, best, measured, new, before in rows:
+    print("|---" * 17 + "|")
+    for name, traced_ns, plain_ns, hot, best, measured, new, before, warm, plan in rows:
         plain = f"{plain_ns / 1e6:.1f}" if plain_ns else "not timed"
         # the prediction in ms (its ratio times the plain step the trace stored) against the
         # managed run, and how far the run's plain step is from the trace's: a ratio of ratios
@@ -145,8 +150,24 @@ def print_table(rows, loads, budget, repeats, steps, script_args, policy="capuch
         print(
             f"| {name} | {traced_ns / 1e6:.1f} | {plain} | {mode} | {best['plain'] * 1e3:.1f} | "
             f"{best['capuchin'] * 1e3:.1f} | {measured:.3f} | {new:.3f} | {measured / new:.3f} | "
-            f"{before:.3f} | {measured / before:.3f} | {absolute} | {drift} |"
+            f"{before:.3f} | {measured / before:.3f} | {absolute} | {drift} | "
+            f"{readings(best, plain_ns, warm, plan)} |"
         )
+
+
+def readings(best, plain_ns, warm, plan) -> str:
+    """The two readings of a trace's plain step above the runs' (issue 28): (a) the trace's
+    figure is inflated and the cost model right, so managed - plain (both the runs') is the
+    plan's predicted extra at the runs' plain step; (b) the model misses what the trace's
+    figure exceeds the runs' by, so it is that extra plus the gap. Columns: the trace's untimed
+    first plain step (Note [Plain step] in tracer/record.py), managed - plain, (a), (b)."""
+    first = f"{warm * 1e3:.1f}" if warm else "-"
+    if not plain_ns:
+        return f"{first} | - | - | -"
+    p_b, p_t = best["plain"], plain_ns / 1e9
+    a = predicted_s(plan, p_b) - p_b
+    b = predicted_s(plan, p_t) - p_t + (p_t - p_b)
+    return f"{first} | {(best['capuchin'] - p_b) * 1e3:.1f} | {a * 1e3:.1f} | {b * 1e3:.1f}"
 
 
 def main() -> None:

@@ -65,8 +65,8 @@ imports the runtime); the tracer calls it after the script's timed steps.
 # rounds time the passthrough mode for the hot path alone. The probes never evict (no
 # decisions), never warn or refuse (no iteration is checked against the plan's fingerprint)
 # and run without passive mode. With ``plain_steps`` 3 the rounds take 13 steps after the
-# plain warm-up (18 in all with one warm-up and three recorded iterations); a script that ends
-# sooner keeps what its steps measured.
+# plain warm-up and its untimed plain step (19 in all with one warm-up and three recorded
+# iterations); a script that ends sooner keeps what its steps measured.
 """
 
 from __future__ import annotations

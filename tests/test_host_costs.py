@@ -382,6 +382,37 @@ def test_the_rounds_take_the_median_difference(tmp_path, monkeypatch):
     assert meta.host_costs["hot_op_ns"] == round(3_000_000 / ops)
 
 
+def test_the_first_step_without_the_mode_is_not_timed(tmp_path, monkeypatch):
+    """Note [Plain step]: the first step after the tracer's mode leaves is slower than the
+    steady ones (30 ms here against 10); it is an untimed warm-up, neither in the plain step
+    nor in the first round's difference."""
+    t = [0.0]
+    plain_seen = [0]
+
+    def now(self):
+        phase = self._timing_phase
+        if phase is not None:
+            if phase.rstrip("~") == "plain":
+                plain_seen[0] += 1
+                t[0] += (30 if plain_seen[0] == 1 else 10) / 1e3
+            else:
+                t[0] += 13 / 1e3
+        return t[0]
+
+    monkeypatch.setattr(record.Tracer, "_now", now)
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_TRAIN))
+    out = tmp_path / "o.parquet"
+    r = CliRunner().invoke(main, ["trace", "--iterations", "2", "-o", str(out), str(script), "50"])
+    assert r.exit_code == 0, r.output
+    meta = load_trace(out).meta
+    assert meta.extra["plain_iteration_wall_s"] == [0.01] * 3
+    assert meta.plain_iteration_ns == 10_000_000
+    assert meta.extra["plain_warmup_wall_s"] == 0.03  # shown, not used
+    ops = len(Problem.from_trace(load_trace(out)).ops)
+    assert meta.host_costs["hot_op_ns"] == round(3_000_000 / ops)
+
+
 def test_without_the_runtime_probe_a_dispatch_mode_is_timed(tmp_path, monkeypatch):
     monkeypatch.setattr(tracing, "runtime_probe", None)
     trace, r = _traced(tmp_path, monkeypatch, plain_ms=10, moded_ms=13)
