@@ -66,8 +66,9 @@ class PlanCursor:
         self.watching = False  # Note [Watched iterations]
         # Note [Resync after an unexpected op]: ops skipped in this iteration, the bytes they
         # left allocated, and how many of the next ops must still match by name and shapes
-        self.skipped = self.skipped_bytes = self.resync_left = 0
+        self.skipped = self.resync_left = 0
         self.skipped_outs: list[weakref.ref] = []  # their new outputs, counted at a divergence
+        self.skipped_sizes: list[int] = []  # and the bytes of each
         self.last_diverged = False
         self.warned = False
         self.warning: str | None = None  # Note [End of run]: printed when a step ends the iteration
@@ -86,8 +87,9 @@ class PlanCursor:
             self.table = self.kind_tables[0]
             stats.kind = self.table.kind
         self.guided = self.table is not None
-        self.skipped = self.skipped_bytes = self.resync_left = 0  # Note [Resync after ...]
+        self.skipped = self.resync_left = 0  # Note [Resync after an unexpected op]
         self.skipped_outs.clear()
+        self.skipped_sizes.clear()
         # Note [Watched iterations]
         self.watching = self.guided and self.last_diverged and self.rt.passive_enabled
 
@@ -123,7 +125,7 @@ class PlanCursor:
                 if self._switch_kind(k, func, flat, info):
                     tbl = self.table
                     acts = tbl.ops.get(k)
-                elif self._may_skip(func, args, kwargs):
+                elif self._may_skip(k, func, args, kwargs):
                     extra = True
                     self.ix.op_index = k - 1  # it takes no op index of the plan
                 else:
@@ -141,6 +143,7 @@ class PlanCursor:
                         acts = None
                 elif self.resync_left:
                     self.resync_left -= 1
+                    self._check_skipped(k, flat)
         return acts, extra
 
     # ---- kinds (Note [Iteration kinds], Note [Shape kinds at run time]) --------------------------
@@ -218,13 +221,33 @@ class PlanCursor:
         return False
 
     # ---- resync after an unexpected op (Note [Resync after an unexpected op]) -------------------
-    def _may_skip(self, func, args, kwargs) -> bool:
-        """An op the plan does not expect here may be skipped: in a checked iteration, fewer than
-        ``RESYNC_MAX_OPS`` skipped in it, and its predicted new outputs fit the plan's headroom."""
+    def _may_skip(self, k: int, func, args, kwargs) -> bool:
+        """An op the plan does not expect at op ``k`` may be skipped: in a checked iteration,
+        fewer than ``RESYNC_MAX_OPS`` skipped in it, and its predicted new outputs, with what
+        earlier skipped ops left alive, fit the plan's headroom at ``k``."""
         if self.skipped >= RESYNC_MAX_OPS or self.ix.iteration < self.rt.first_checked_iteration:
             return False  # iteration 0 builds the model: it follows no plan (Note [Watched ...])
         _key, n = self.backend.memory.predict(func, args, kwargs)
-        return self.skipped_bytes + n <= self._headroom()
+        return self._live_skipped() + n <= self._headroom(k)
+
+    def _live_skipped(self) -> int:
+        """Bytes of the skipped ops' new outputs still alive."""
+        pairs = zip(self.skipped_outs, self.skipped_sizes, strict=True)
+        return sum(n for r, n in pairs if r() is not None)
+
+    def _check_skipped(self, k: int, flat: list) -> None:
+        """At a lookahead op ``k``: what skipped ops left alive must fit the headroom at ``k``;
+        at the last one, the headroom of the rest of the iteration (the ops after it take the hot
+        path, unchecked). A divergence otherwise (Note [Resync after an unexpected op])."""
+        if not self.skipped_outs or not self.guided:
+            return
+        live = self._live_skipped()
+        room = self._headroom(k if self.resync_left else None)
+        if live and live > room:
+            why = (
+                f"unexpected ops' outputs still alive, {live} B, over the plan's headroom {room} B"
+            )
+            self._diverge(k, why, "headroom", flat)
 
     def _skipped(self, k: int, name: str, flat: list, out) -> None:
         """An unexpected op ran without taking op index ``k`` of the plan: count what it left
@@ -239,9 +262,9 @@ class PlanCursor:
             key = storage_key(st)
             if key not in in_keys and key not in seen:
                 seen.add(key)
-                self.skipped_bytes += st.nbytes()
                 self.skipped_outs.append(weakref.ref(o))
-        if self.skipped_bytes > self._headroom():  # more than its meta prediction
+                self.skipped_sizes.append(st.nbytes())
+        if self._live_skipped() > self._headroom(k):  # more than its meta prediction
             self.ix.op_index = k
             self._diverge(k, name, "op", flat)
             return
@@ -249,15 +272,22 @@ class PlanCursor:
         self.stats.resynced_ops += 1
         self.resync_left = RESYNC_LOOKAHEAD
 
-    def _headroom(self) -> int:
+    def _headroom(self, k: int | None = None) -> int:
         """Bytes the plan's simulated curve (plus what moved in-triggers added) leaves under the
-        budget at its highest op; 0 without a curve."""
+        budget at op ``k``, or (None) at its highest op from the current one on; 0 without a
+        curve."""
         peak = self.table.op_peak_bytes
         budget = self.rt.budget_bytes
         if not peak or budget is None:
             return 0
         moved = self.res._moved()
-        return budget - max(p + (moved[i] if i < len(moved) else 0) for i, p in enumerate(peak))
+        if k is not None:
+            k = min(max(k, 0), len(peak) - 1)
+            return budget - peak[k] - (moved[k] if k < len(moved) else 0)
+        start = min(max(self.ix.op_index, 0), len(peak) - 1)
+        return budget - max(
+            p + (moved[i] if i < len(moved) else 0) for i, p in enumerate(peak) if i >= start
+        )
 
     # ---- divergence and passive mode ------------------------------------------------------------
     def _diverge(self, k: int, name: str, what: str, flat: list = ()) -> None:
@@ -283,9 +313,10 @@ class PlanCursor:
                 got = shape_signature(x.shape for x in flat) or "-"
                 name = f"{name} [{got}]"
                 exp_name = f"{exp_name} [{tbl.signatures[k] or '-'}]"
+            detail = name if what == "headroom" else f"{what}: got {name}, expected {exp_name}"
             self.warning = (
                 f"capuchin: warning: iteration {self.ix.iteration} diverges from the plan at op "
-                f"{k} ({what}: got {name}, expected {exp_name}); planned actions stop for the "
+                f"{k} ({detail}); planned actions stop for the "
                 "rest of the iteration, evicted storages come back on demand"
                 + (", passive mode keeps the budget" if self.rt.passive_enabled else "")
             )
@@ -308,3 +339,4 @@ class PlanCursor:
                 self.guard.discover([*flat, *extra])  # CPU only: the CUDA allocator counts all
             self.guard.start()
         self.skipped_outs.clear()
+        self.skipped_sizes.clear()

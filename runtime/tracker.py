@@ -92,10 +92,16 @@
 # loader's ``randperm`` when an epoch starts, a logging op, a framework's epoch-boundary op.
 # Such an op (its name is not the plan's op here, and no other kind's plan takes it) is
 # *skipped*, not a divergence, when both hold: fewer than ``RESYNC_MAX_OPS`` ops were skipped in
-# this iteration, and the new output bytes of the skipped ops (predicted on meta tensors before
-# it runs, counted after) fit the plan's headroom, the budget less the plan's simulated peak
-# (``Plan.op_peak_bytes``, plus what moved in-triggers added): the plan's curve then stays
-# within the budget with them resident. A skipped op takes no op index of the plan (the next op
+# this iteration, and the new output bytes of the skipped ops still alive (predicted on meta
+# tensors before it runs, counted after) fit the plan's headroom at the op where it runs, the
+# budget less the plan's simulated curve there (``Plan.op_peak_bytes``, plus what moved
+# in-triggers added). What they leave alive must fit the headroom at each lookahead op below,
+# and, after the last, the headroom of the rest of the iteration (its highest op on), whose ops
+# take the hot path unchecked: the plan's curve then stays within the budget with them
+# resident. So a transient (a sampler's permutation read into a list and freed) is skipped even
+# where the plan's curve meets the budget later on, as under load, when late prefetches move
+# in-triggers earlier until it does; one the script keeps needs room for the rest of the
+# iteration. A skipped op takes no op index of the plan (the next op
 # is matched against the same planned op), carries out no planned action, and runs on the slow
 # path like any other (evicted inputs come back first, in-place writes are counted). The next
 # ``RESYNC_LOOKAHEAD`` ops then take the slow path and must match the plan by name *and*

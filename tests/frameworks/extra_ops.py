@@ -2,7 +2,8 @@
 loader's epoch-start ``randperm`` (``--where start``) or a logging op between forward and
 backward (``--where middle``). ``--big``: the extra op allocates far more than a plan's headroom.
 ``--short-from N``: from step N on, the epoch's permutation is shorter (other shapes at the op that
-slices it: a real divergence)."""
+slices it: a real divergence). ``--transient``: the epoch's permutation is read into a list and
+freed at once, as a ``DataLoader``'s sampler does."""
 
 import argparse
 
@@ -15,6 +16,7 @@ parser.add_argument("--every", type=int, default=3)
 parser.add_argument("--where", choices=["start", "middle"], default="start")
 parser.add_argument("--big", action="store_true")
 parser.add_argument("--short-from", type=int, default=-1)
+parser.add_argument("--transient", action="store_true")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -38,9 +40,12 @@ def extra(step):
 
 for step in range(args.steps):
     if args.where == "start" and step % args.every == args.every - 1:
-        new = extra(step)
-        if not args.big:
-            perm = new  # a new epoch: the sampler's permutation
+        if args.transient:  # as a DataLoader's sampler: the permutation read into a list
+            order = extra(step).tolist()
+        else:
+            new = extra(step)
+            if not args.big:
+                perm = new  # a new epoch: the sampler's permutation
     idx = perm[(step % 6) * 512 : (step % 6 + 1) * 512]
     x, y = data[idx], labels[idx]
     loss = nn.functional.cross_entropy(model(x), y)
