@@ -156,7 +156,7 @@ def print_table(rows, loads, budget, repeats, steps, script_args, policy="capuch
 
 
 def readings(best, plain_ns, warm, plan) -> str:
-    """The two readings of a trace's plain step above the runs' (issue 28): (a) the trace's
+    """The two readings of a trace's plain step above the runs': (a) the trace's
     figure is inflated and the cost model right, so managed - plain (both the runs') is the
     plan's predicted extra at the runs' plain step; (b) the model misses what the trace's
     figure exceeds the runs' by, so it is that extra plus the gap. Columns: the trace's untimed
