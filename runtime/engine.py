@@ -454,11 +454,7 @@ class Runtime:
         if self._cur is not None and self.meter is not None:
             self.meter.iteration_end(self._cur.iteration)
         self._cur = None  # what ran after the last step is not reported (ops are not seen)
-        peaks = self.meter.finish() if self.meter is not None else {}
-        raw = self.meter.allocator_peaks() if self.meter is not None else {}
-        for s in self._iters:
-            s.peak_bytes = peaks.get(s.iteration)
-            s.allocator_peak_bytes = raw.get(s.iteration)
+        self._take_peaks(self.meter.finish() if self.meter is not None else {})
         self.report = RunReport(
             self.budget_bytes, str(self.device), self.plan_source, self._iters, ops_checked=False
         )
@@ -502,10 +498,7 @@ class Runtime:
             self.backend.close()
         if self.refusal is not None and exc_type is None:
             raise self.refusal
-        raw = self.meter.allocator_peaks() if self.meter is not None else {}
-        for s in self._iters:
-            s.peak_bytes = peaks.get(s.iteration)
-            s.allocator_peak_bytes = raw.get(s.iteration)
+        self._take_peaks(peaks)
         self._warn_over(exc_type)
         lifted = [s for s in self._iters if s.cap_lifted_bytes]
         if lifted and exc_type is None:
@@ -537,6 +530,14 @@ class Runtime:
         )
         if self.report_path is not None and exc_type is None:
             self.report.save(self.report_path, force=self.force)
+
+    def _take_peaks(self, peaks: dict[int, int]) -> None:
+        """Each iteration's measured peak (Note [Measured peak] in report.py) and, on CUDA, the
+        allocator's own."""
+        raw = self.meter.allocator_peaks() if self.meter is not None else {}
+        for s in self._iters:
+            s.peak_bytes = peaks.get(s.iteration)
+            s.allocator_peak_bytes = raw.get(s.iteration)
 
     def _warn_over(self, exc_type) -> None:
         """Name every checked, complete iteration whose measured peak is over the budget that

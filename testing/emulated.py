@@ -195,6 +195,18 @@ def emulated_cuda(
 
 
 _MISSING = object()
+
+
+def emulated_backend_for(device, plan=None):
+    """``runtime.engine.backend_for`` on the emulated device: the copy engine on CPU tensors
+    (``EmulatedBackend``), the memory accounting of ``plan``'s device."""
+    from ..runtime.memory import memory_for
+
+    be = EmulatedBackend()
+    be.memory = memory_for(be.device, plan)
+    return be
+
+
 AUTOGRAD_THREAD = -1  # the emulated id of autograd's device thread (no real thread has it)
 
 

@@ -54,15 +54,9 @@ def test_only_errors_that_never_reached_capuchin_count(monkeypatch):
 def test_a_run_warns_at_the_iteration_where_an_op_swallowed_one(monkeypatch, capsys):
     import capuchin.runtime.engine as engine
     from capuchin.runtime.engine import Runtime
-    from capuchin.runtime.memory import memory_for
-    from capuchin.testing.emulated import EmulatedBackend
+    from capuchin.testing.emulated import emulated_backend_for
 
-    def emulated(device, plan=None):  # the copy engine on CPU tensors; the allocator emulated
-        be = EmulatedBackend()
-        be.memory = memory_for(be.device, plan)
-        return be
-
-    monkeypatch.setattr(engine, "backend_for", emulated)
+    monkeypatch.setattr(engine, "backend_for", emulated_backend_for)
     with emulated_cuda(total_bytes=1 << 30, workspace_bytes=0) as (model,):
         torch.manual_seed(0)
         lin = torch.nn.Linear(8, 8)

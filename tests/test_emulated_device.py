@@ -293,15 +293,9 @@ def test_a_runs_peak_counts_tensor_bytes_as_its_budget_does(monkeypatch, capsys)
     off the same non-tensor bytes as the cap and the guard; the allocator's figure stays beside
     it, and a run within its budget draws no over-budget warning."""
     import capuchin.runtime.engine as engine
-    from capuchin.runtime.memory import memory_for
-    from capuchin.testing.emulated import EmulatedBackend
+    from capuchin.testing.emulated import emulated_backend_for
 
-    def emulated(device, plan=None):
-        be = EmulatedBackend()
-        be.memory = memory_for(be.device, plan)
-        return be
-
-    monkeypatch.setattr(engine, "backend_for", emulated)
+    monkeypatch.setattr(engine, "backend_for", emulated_backend_for)
     with emulated_cuda(total_bytes=1 << 30) as (model,):
         torch.manual_seed(0)
         lin = torch.nn.Linear(8, 8)
@@ -357,15 +351,9 @@ def _run_with_an_op_over_the_cap(monkeypatch, **kw):
     """Three steps under a 16 MiB budget; in the second an op asks the allocator for 5 MiB more
     than the cap leaves, with nothing the runtime could evict."""
     import capuchin.runtime.engine as engine
-    from capuchin.runtime.memory import memory_for
-    from capuchin.testing.emulated import EmulatedBackend
+    from capuchin.testing.emulated import emulated_backend_for
 
-    def emulated(device, plan=None):
-        be = EmulatedBackend()
-        be.memory = memory_for(be.device, plan)
-        return be
-
-    monkeypatch.setattr(engine, "backend_for", emulated)
+    monkeypatch.setattr(engine, "backend_for", emulated_backend_for)
     _HELD.clear()
     with emulated_cuda(total_bytes=1 << 30, workspace_bytes=0) as (model,):
         _MODEL[:] = [model]

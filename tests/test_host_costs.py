@@ -353,6 +353,18 @@ def test_the_tracer_times_the_runtime_in_the_scripts_steps(tmp_path, monkeypatch
     assert "the runtime's slow path costs" in r.stderr
 
 
+def _trace_with_clock(tmp_path, monkeypatch, now):
+    """``capuchin trace --iterations 2`` of the 50-step script with the tracer's clock ``now``;
+    the trace (written to ``tmp_path / "o.parquet"``)."""
+    monkeypatch.setattr(record.Tracer, "_now", now)
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_TRAIN))
+    out = tmp_path / "o.parquet"
+    r = CliRunner().invoke(main, ["trace", "--iterations", "2", "-o", str(out), str(script), "50"])
+    assert r.exit_code == 0, r.output
+    return load_trace(out)
+
+
 def test_the_rounds_take_the_median_difference(tmp_path, monkeypatch):
     """Load that changes between steps moves one round's difference, not the figure."""
     t = [0.0]
@@ -367,18 +379,13 @@ def test_the_rounds_take_the_median_difference(tmp_path, monkeypatch):
             t[0] += ({"plain": 10}.get(phase, 13) + (10 if hot_steps[0] >= 2 else 0)) / 1e3
         return t[0]
 
-    monkeypatch.setattr(record.Tracer, "_now", now)
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(_TRAIN))
-    out = tmp_path / "o.parquet"
-    r = CliRunner().invoke(main, ["trace", "--iterations", "2", "-o", str(out), str(script), "50"])
-    assert r.exit_code == 0, r.output
-    meta = load_trace(out).meta
+    trace = _trace_with_clock(tmp_path, monkeypatch, now)
+    meta = trace.meta
     assert meta.extra["plain_iteration_wall_s"] == [0.01, 0.01, 0.02]
     assert meta.extra["runtime_probe_wall_s"] == [0.013, 0.023, 0.023]
     # the rounds' differences are 3, 13 and 3 ms: the figure is their median, 3 ms a step
     # (the difference of the two medians, 23 - 10, or the mean difference would count the load)
-    ops = len(Problem.from_trace(load_trace(out)).ops)
+    ops = len(Problem.from_trace(trace).ops)
     assert meta.host_costs["hot_op_ns"] == round(3_000_000 / ops)
 
 
@@ -399,17 +406,12 @@ def test_the_first_step_without_the_mode_is_not_timed(tmp_path, monkeypatch):
                 t[0] += 13 / 1e3
         return t[0]
 
-    monkeypatch.setattr(record.Tracer, "_now", now)
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(_TRAIN))
-    out = tmp_path / "o.parquet"
-    r = CliRunner().invoke(main, ["trace", "--iterations", "2", "-o", str(out), str(script), "50"])
-    assert r.exit_code == 0, r.output
-    meta = load_trace(out).meta
+    trace = _trace_with_clock(tmp_path, monkeypatch, now)
+    meta = trace.meta
     assert meta.extra["plain_iteration_wall_s"] == [0.01] * 3
     assert meta.plain_iteration_ns == 10_000_000
     assert meta.extra["plain_warmup_wall_s"] == 0.03  # shown, not used
-    ops = len(Problem.from_trace(load_trace(out)).ops)
+    ops = len(Problem.from_trace(trace).ops)
     assert meta.host_costs["hot_op_ns"] == round(3_000_000 / ops)
 
 
