@@ -44,7 +44,7 @@ from capuchin.planner.build import build_plan
 from capuchin.planner.plan import Plan
 from capuchin.planner.problem import Problem
 from capuchin.runmain import run_as_main, script_environment
-from capuchin.runtime.device import cublas_workspace_bytes, non_tensor_bytes, warm_cublas
+from capuchin.runtime.device import run_non_tensor_bytes
 from capuchin.runtime.engine import Runtime
 from capuchin.runtime.report import MemoryMeter
 from capuchin.tracer.reader import load_trace
@@ -85,11 +85,7 @@ class _Steps:
         if self.meter is not None and self.meter.device.type == "cuda":
             # tensor bytes, as a run's peaks (Note [Measured peak] in runtime/report.py): the
             # workspaces made first and taken off, by the runtime's own rule
-            made = warm_cublas(self.meter.device)
-            major = torch.cuda.get_device_properties(self.meter.device).major
-            self.meter.non_tensor_bytes = non_tensor_bytes(
-                0, cublas_workspace_bytes(major=major), made
-            )
+            self.meter.non_tensor_bytes = run_non_tensor_bytes(self.meter.device)
         if self.meter is not None:
             self.meter.start()
             self.meter.iteration_start(0)

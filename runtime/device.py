@@ -112,6 +112,15 @@ def warm_cublas(device: torch.device) -> int:
         return max(0, torch.cuda.memory_allocated(device) - before)
 
 
+def run_non_tensor_bytes(device: torch.device, measured: int | None = 0) -> int:
+    """What a run on ``device`` subtracts from the allocator's count (Note [Budget and the
+    allocator]): the workspaces made now (``warm_cublas``), then the largest of ``measured``
+    (the plan's trace), the formula's workspaces and what was made."""
+    made = warm_cublas(device)
+    major = torch.cuda.get_device_properties(device).major
+    return non_tensor_bytes(measured, cublas_workspace_bytes(major=major), made)
+
+
 def cap_bytes(budget_bytes: int, non_tensor: int) -> int:
     """The allocator cap for a budget of tensor bytes (Note [Budget and the allocator])."""
     return (

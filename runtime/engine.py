@@ -42,13 +42,11 @@ from .device import (
     LARGE_SEGMENT,
     OOMWatch,
     cap_bytes,
-    cublas_workspace_bytes,
     cudnn_problem,
     determinism_problem,
-    non_tensor_bytes,
     resolve_run_device,
+    run_non_tensor_bytes,
     segment_bytes,
-    warm_cublas,
 )
 from .guards import EVICTIONS, REMAT, Guard, make_guard
 from .recompute import RecomputeEngine
@@ -352,12 +350,8 @@ class Runtime:
         made real first (the cuBLAS workspaces, ``warm_cublas``) so that subtracting it from the
         allocator's count is exact from the first op; the guard's count (``memory``) and the
         measured peaks (Note [Measured peak] in report.py) subtract the same figure."""
-        props = torch.cuda.get_device_properties(self.device)
         measured = getattr(self.plan.provenance, "device_non_tensor_bytes", 0) if self.plan else 0
-        made = warm_cublas(self.device)
-        self.non_tensor_bytes = non_tensor_bytes(
-            measured, cublas_workspace_bytes(major=props.major), made
-        )
+        self.non_tensor_bytes = run_non_tensor_bytes(self.device, measured)
         if memory is not None and hasattr(memory, "non_tensor_bytes"):
             memory.non_tensor_bytes = self.non_tensor_bytes
         if getattr(self, "meter", None) is not None:

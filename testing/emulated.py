@@ -170,7 +170,6 @@ def emulated_cuda(
         (torch._C, "_cuda_memoryStats"): lambda device=None: models[idx(device)].stats(),
     }
     from ..runtime import device as device_module
-    from ..runtime import engine as engine_module
 
     def warm_cublas(device=None) -> int:  # runtime/device.py: the calling thread's workspace
         m = models[idx(device)]  # and autograd's device thread's (CPU autograd has none)
@@ -180,7 +179,6 @@ def emulated_cuda(
         return m.allocated - before
 
     patches[(device_module, "warm_cublas")] = warm_cublas
-    patches[(engine_module, "warm_cublas")] = warm_cublas
     saved = {k: getattr(k[0], k[1], _MISSING) for k in patches}
     try:
         for (obj, name), fn in patches.items():
