@@ -39,6 +39,14 @@ def main() -> None:
     ap.add_argument(
         "--script-args", default="", help="more arguments for a tests/frameworks script"
     )
+    ap.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile the managed run's steady iterations with cProfile instead of the timers: "
+        "the N functions with the most own time, and with the most time under them",
+    )
     args = ap.parse_args()
     import torch
     from capuchin.runtime import matching, recompute, residency, swap, tracker
@@ -116,6 +124,13 @@ def main() -> None:
     for c in (wall, cpu, calls):
         c.clear()
     rt = Runtime(plan, measure_memory=False)
+    prof = None
+    if args.cprofile:  # cProfile alone: the timers' own cost would be in its figures
+        import cProfile
+
+        prof = cProfile.Profile()
+        for cls, name, f in originals:
+            setattr(cls, name, f)
     # steady iterations only: the counters restart after the second optimizer step, where
     # iteration 2 begins (iteration 0 builds the model and its state under passive mode, every
     # op on the slow path; one optimizer step per iteration, as in these scripts)
@@ -128,6 +143,8 @@ def main() -> None:
         if steps[0] == 2:
             for c in (wall, cpu, calls):
                 c.clear()
+            if prof is not None:
+                prof.enable()
 
     hook = register_optimizer_step_post_hook(restart)
     try:
@@ -137,6 +154,8 @@ def main() -> None:
             t = _steps_wall_cpu(script, argv, rt)[0]
     finally:
         hook.remove()
+        if prof is not None:
+            prof.disable()
     first = 2 if steps[0] >= 2 else 0  # where the counters restarted
     steady = rt.report.iterations[first:]
     n = max(1, len(steady))
@@ -151,6 +170,13 @@ def main() -> None:
         f"partial): {ops:.0f} ops, {calls['Executor.slow_op'] / n:.0f} of them on the slow path"
     )
     _model_parts(trace, plan)
+    if prof is not None:
+        import pstats
+
+        st = pstats.Stats(prof)
+        st.sort_stats("tottime").print_stats(args.cprofile)
+        st.sort_stats("cumulative").print_stats(args.cprofile)
+        return
     print(
         "| function | calls/iteration | wall ms/iteration | CPU ms/iteration | wall µs/call | CPU µs/call |"
     )

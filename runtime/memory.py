@@ -26,6 +26,7 @@ from .state import storage_key
 
 _CACHE_MAX = 65536  # (op, argument shapes) pairs remembered; cleared when full
 _SCRATCH_MIN_BYTES = 4096  # smaller measured scratch is noise of the allocator accounting
+_WATCHES = 2  # Note [Scratch learned on CUDA]: times each (op name, shapes) is watched
 
 # Scratch of CPU kernels measured by the tracer (Role.SCRATCH) on the bundled CNN, as a multiple
 # of the op's new output bytes ("out") or of its input bytes ("in"); used only without a plan.
@@ -118,6 +119,11 @@ class DeviceMemory:
         """The allocator's count of device bytes, or None where the guard must estimate."""
         return None
 
+    def learns_scratch(self) -> bool:
+        """Does this device watch each guarded op for its scratch (Note [Scratch learned on
+        CUDA])?"""
+        return False
+
     def discover(self, flat: list) -> list:
         """Tensors resident on this device that the guard never saw allocated (see ``CPUMemory``);
         none where the allocator counts everything."""
@@ -200,11 +206,57 @@ class CUDAMemory(DeviceMemory):
         # the figure it uses everywhere (Runtime._count_non_tensor)
         prov = getattr(plan, "provenance", None)
         self.non_tensor_bytes = int(getattr(prov, "device_non_tensor_bytes", 0) or 0)
+        self._watches: dict[tuple[str, str], int] = {}  # (op name, shapes) -> times watched
+        self._watched: tuple[str, str] | None = None
 
     def allocated_bytes(self) -> int | None:
         from .device import allocated_bytes  # Note [Cheap memory counter]
 
         return max(0, allocated_bytes(self.device) - self.non_tensor_bytes)
+
+    # Note: [Scratch learned on CUDA]
+    # CUDA kernels take scratch from the caching allocator inside an op: on the H200 a
+    # ``sum.dim_IntList`` over a 4 MiB gradient took 4 MiB, a convolution 4-5 MiB of cuDNN
+    # workspace. A plan carries what its trace measured (``use_plan_scratch``); without one
+    # (dynamic mode, passive mode on a plan-less run) nothing was reserved for it, and dynamic
+    # mode measured 1.03-1.11x its budget with no shortfall reported. So where no plan's scratch
+    # is known, each op on the guarded path is watched: the allocator's peak is read and
+    # restarted right before the op runs and again right after (``op_window``, Note [One peak
+    # counter] in peak.py), and the op's peak above what stays allocated after it is its
+    # scratch, kept per op name and input shapes (and per input element for the name) as a
+    # plan's would be: the same op on the same shapes gets it reserved from its next call on.
+    # Each (name, shapes) is watched ``_WATCHES`` times: a watch costs two counter reads (about
+    # 10 us each on the H200), and an op whose scratch depends on what the cap leaves (cuDNN's
+    # choice of algorithm) gets a second look.
+    def learns_scratch(self) -> bool:
+        return not self.has_plan_scratch
+
+    def op_starts(self, name: str, flat: list) -> None:
+        from ..peak import op_window
+
+        key = (name, shape_signature(t.shape for t in flat))
+        n = self._watches.get(key, 0)
+        if n >= _WATCHES:  # learned: no more counter reads for this op on these shapes
+            return
+        self._watches[key] = n + 1
+        op_window(self.device)
+        self._watched = key
+
+    def op_ends(self) -> None:
+        from ..peak import op_window
+
+        key, self._watched = self._watched, None
+        if key is None:
+            return
+        peak, cur = op_window(self.device)
+        n = peak - cur
+        if n < _SCRATCH_MIN_BYTES:
+            return
+        if n > self.scratch_exact.get(key, 0):
+            self.scratch_exact[key] = n
+        elems = _signature_elements(key[1])
+        if elems > 0:
+            self.scratch_ratio[key[0]] = max(self.scratch_ratio.get(key[0], 0.0), n / elems)
 
 
 def memory_for(device: torch.device, plan=None) -> DeviceMemory:

@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..outputs import write_text
+from ..peak import peak_bytes, reset_peak
 from ..tracer.timing import profiler_quiet, start_profiler_quietly
 
 REPORT_FORMAT = "capuchin.run-report"
@@ -208,14 +209,14 @@ class MemoryMeter:
     def iteration_start(self, n: int) -> None:
         with _disable_current_modes():
             if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
+                reset_peak(self.device)  # Note [One peak counter] in peak.py
             elif self.prof is not None:
                 self._handle = torch.ops.profiler._record_function_enter_new(f"{_RANGE}{n}", None)
 
     def iteration_end(self, n: int) -> None:
         with _disable_current_modes():
             if self.device.type == "cuda":
-                self._cuda_peaks[n] = int(torch.cuda.max_memory_allocated(self.device))
+                self._cuda_peaks[n] = peak_bytes(self.device)
             elif self._handle is not None:
                 torch.ops.profiler._record_function_exit._RecordFunction(self._handle)
                 self._handle = None

@@ -429,7 +429,12 @@ class Executor:
             res.name_inputs(acts, flat)
             if acts.record:
                 rec = self.recompute.record(k, func, args, kwargs, flat, written, info.seeded)
+        learn = passive and guard.memory.learns_scratch()  # Note [Scratch learned on CUDA]
+        if learn:
+            guard.memory.op_starts(info.name, flat)
         out = func(*args, **kwargs) if not self._cuda else self._run(func, args, kwargs)
+        if learn:
+            guard.memory.op_ends()
         if acts is not None or watch:
             in_keys = None
             if rec is not None or watch:

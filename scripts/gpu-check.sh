@@ -12,7 +12,8 @@
 #      and dynamic mode (run --budget --device), with per-iteration report lines and, on CUDA,
 #      the allocator's counters after each run;
 #   4. benchmarks/runtime.py, benchmarks/runtime_profile.py (where a managed step's host time
-#      goes) and benchmarks/dynamic.py on the device;
+#      goes: timers, then cProfile), scripts/gpu_host_probe.py (each CUDA call's host time) and
+#      benchmarks/dynamic.py on the device;
 #   5. bitwise: plain vs plain, plan, dynamic mode (scripts/gpu_bitwise.py), deterministic kernels.
 # Each step's output is OUTDIR/<step>.log; OUTDIR/gpu-check.md has the device, each step's exit
 # status and the tail of its log. Exit status: the number of failed steps (0: all passed).
@@ -20,7 +21,8 @@
 # A lent GPU machine has a fixed allowance of time, so two knobs keep a run inside it:
 #   GPU_CHECK_SECONDS=N   every step runs under `timeout` with what is left of N seconds; a step
 #                         with under 15 s left is not started (exit 124 in the report: not run);
-#   GPU_CHECK_STEPS="a b" only the named steps (environment always runs).
+#   GPU_CHECK_STEPS="a b" only the named steps (environment always runs);
+#   GPU_CHECK_EXAMPLES="mlp" the bundled examples of the main job and the benchmarks.
 set -uo pipefail
 
 DRY=0
@@ -48,7 +50,7 @@ if [ "$DRY" = 1 ]; then
   DEV=cpu; STEPS=3; EXAMPLES="mlp"; PCTS="80"; BENCH_ARGS="--steps 3 --repeats 1"; PROFILED=mlp
   DYN_ARGS="--steps 3 --repeats 1 --percents 80"
 else
-  DEV=cuda; STEPS=6; EXAMPLES="mlp cnn transformer"; PCTS="80 50"; BENCH_ARGS="--steps 6 --repeats 2"
+  DEV=cuda; STEPS=6; EXAMPLES="${GPU_CHECK_EXAMPLES:-mlp cnn transformer}"; PCTS="80 50"; BENCH_ARGS="--steps 6 --repeats 2"
   PROFILED=transformer
   DYN_ARGS="--steps 5 --repeats 2 --percents 80,60,50"
 fi
@@ -211,6 +213,11 @@ step bitwise bitwise
 step benchmark-runtime "$PY" benchmarks/runtime.py --device "$DEV" --examples "$EX_COMMA" $BENCH_ARGS
 # where a managed step's host time goes (the CUDA backend's functions timed too)
 step profile "$PY" benchmarks/runtime_profile.py "$PROFILED" --budget 50% --device "$DEV"
+# the same run under cProfile (every thread on Python 3.12+): where inside those functions
+step cprofile "$PY" benchmarks/runtime_profile.py "$PROFILED" --budget 50% --device "$DEV" \
+  --cprofile 40
+# the host time of each CUDA call the runtime makes per op and per swap
+[ "$DRY" = 1 ] || step host-probe "$PY" scripts/gpu_host_probe.py
 # shellcheck disable=SC2086
 step benchmark-dynamic "$PY" benchmarks/dynamic.py --device "$DEV" --workloads "$EX_COMMA" $DYN_ARGS
 

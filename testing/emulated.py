@@ -16,7 +16,7 @@
   backed by the allocator model (``is_available``, ``device_count``, ``current_device``,
   ``get_device_properties``, ``set_per_process_memory_fraction``, ``memory_allocated``,
   ``max_memory_allocated``, ``reset_peak_memory_stats``, ``synchronize``,
-  ``torch._C._cuda_memoryStats``), restored on exit. Tensors stay on the CPU: it emulates what
+  ``torch._C._cuda_memoryStats``, ``torch._C._cuda_resetPeakMemoryStats``), restored on exit. Tensors stay on the CPU: it emulates what
   capuchin asks the CUDA runtime, not CUDA kernels.
 """
 
@@ -168,6 +168,7 @@ def emulated_cuda(
         (torch.cuda, "reset_peak_memory_stats"): reset_peak,
         (torch.cuda, "synchronize"): lambda device=None: None,
         (torch._C, "_cuda_memoryStats"): lambda device=None: models[idx(device)].stats(),
+        (torch._C, "_cuda_resetPeakMemoryStats"): reset_peak,
     }
     from ..runtime import device as device_module
 

@@ -31,6 +31,7 @@ from .. import __version__
 from ..distributed import default_warmup, per_rank, say, world
 from ..errors import CapuchinError, ScriptError
 from ..outputs import check_output
+from ..peak import peak_bytes, reset_peak
 from ..units import format_bytes
 from .bandwidth import measure_bandwidth
 from .compiled import replay_refusal
@@ -222,7 +223,8 @@ class _TraceMode(TorchDispatchMode):
 # therefore has the same ops, accesses, ids, lifetimes and computed peak as an uncapped one
 # (tests/test_trace_budget.py). What the budget changes is recorded beside it: the cap
 # (``TraceMeta.trace_budget_bytes``) and the peak the allocator measured while tracing
-# (``measured_peak_bytes``: CUDA ``max_memory_allocated``; CPU the profiler's allocation events
+# (``measured_peak_bytes``: CUDA ``max_memory_allocated`` less the non-tensor bytes the cap adds to
+# the budget; CPU the profiler's allocation events
 # rebuilt by address from before the script, as ``capuchin run`` measures, runtime/report.py),
 # and in ``extra`` the passive evictions and any shortfall. ``allocator_peak_bytes`` in ``extra``
 # stays the allocator's own reading of each iteration, which under a budget is the capped one.
@@ -616,7 +618,7 @@ class Tracer:
         self._cur = _Iteration(it)
         if self.device == "cuda":  # pragma: no cover - needs a GPU
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            reset_peak()  # Note [One peak counter] in peak.py
             self._cur.cuda_start_allocated_bytes = torch.cuda.memory_allocated()
         self._recording = True
 
@@ -636,7 +638,7 @@ class Tracer:
             cur.elapsed_s = elapsed
             if self.device == "cuda":  # pragma: no cover - needs a GPU
                 torch.cuda.synchronize()
-                cur.cuda_max_allocated_bytes = torch.cuda.max_memory_allocated()
+                cur.cuda_max_allocated_bytes = peak_bytes()
             self._done[it] = cur
             self.recorded.append(it)
             self._cur = None
@@ -1197,8 +1199,12 @@ class Tracer:
         """The most device memory the allocator held during the recorded iterations (Note
         [Tracing under a budget])."""
         if self.device == "cuda":  # pragma: no cover - needs a GPU
+            # tensor bytes, as the cap's budget counts them and a run measures its peaks:
+            # the allocator's less what the runtime takes as non-tensor (Note [Budget and the
+            # allocator] in runtime/device.py; on the H200 two 32 MiB cuBLAS workspaces)
+            off = getattr(self.runtime, "non_tensor_bytes", 0) or 0
             peaks = [self._done[it].cuda_max_allocated_bytes for it in self.recorded]
-            return max((p for p in peaks if p is not None), default=None)
+            return max((max(0, p - off) for p in peaks if p is not None), default=None)
         peaks = times.live_peak_bytes if times is not None else {}
         return max((peaks[it] for it in self.recorded if it in peaks), default=None)
 
