@@ -12,10 +12,10 @@ tests/frameworks/ in the style people write (nanoGPT, a Hugging Face T5 or Llama
 checkpointing, ...: the probe of ../shared/reports/real-scripts.md rebuilt); those train at
 module level and are timed as a whole run (their steady optimizer steps).
 
-Per example: trace the script afresh as ``capuchin trace`` does (``--steps 19``: 1 warm-up, 3
-recorded, 1 plain warm-up, an untimed plain step, a warm-up of the runtime and 3 rounds of a plain step and the runtime
-on its hot, guarded and slow paths: Note [The runtime in the script's steps] in
-runtime/calibrate.py), plan it at ``--budget`` (or the smallest budget the planner reaches), then
+Per example: trace the script afresh as ``capuchin trace`` does (``--steps 21``: 1 warm-up, 3
+recorded, 1 plain warm-up, an untimed plain step, 2 plain steps, a warm-up of the runtime and 3
+rounds of a plain step and the runtime on its hot, guarded and slow paths: Note [The runtime in
+the script's steps] in runtime/calibrate.py), plan it at ``--budget`` (or the smallest budget the planner reaches), then
 time plain and managed training interleaved (``--repeats`` rounds, each the median steady
 iteration of one run, best of the rounds; benchmarks/runtime.py's helpers). Printed: the traced
 iteration (summed op times under the profiler), the plain step the trace stored, the dispatch
@@ -85,7 +85,7 @@ def measure(
         if not script.exists():  # the real-style scripts: tests/frameworks/
             script, timer = FRAMEWORKS / f"{name}.py", _time_script
         out = tmp / f"{name}.trace.parquet"
-        trace_script(script, ["--steps", "19", *extra], output=out, log=lambda _: None)
+        trace_script(script, ["--steps", "21", *extra], output=out, log=lambda _: None)
         trace = load_trace(out)
         plan = _plan(trace, budget, policy)
         hot = dict(trace.meta.host_costs or {})

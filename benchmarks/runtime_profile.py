@@ -100,7 +100,7 @@ def main() -> None:
         from capuchin.tracing import trace_script  # as `capuchin trace`: calibrated
 
         trace = Path(tempfile.mkdtemp()) / "t.parquet"
-        trace_script(script, ["--steps", "19", *argv[2:]], output=trace, log=lambda _: None)
+        trace_script(script, ["--steps", "21", *argv[2:]], output=trace, log=lambda _: None)
         timer = _steps_wall_cpu
     else:
         script, trace, _ = bench._example(args.example, Path(tempfile.mkdtemp()))

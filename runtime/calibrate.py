@@ -64,9 +64,10 @@ imports the runtime); the tracer calls it after the script's timed steps.
 # figure (``extra["runtime_probe_note"]``), and a warm-up that does not makes the rest of the
 # rounds time the passthrough mode for the hot path alone. The probes never evict (no
 # decisions), never warn or refuse (no iteration is checked against the plan's fingerprint)
-# and run without passive mode. With ``plain_steps`` 3 the rounds take 13 steps after the
-# plain warm-up and its untimed plain step (19 in all with one warm-up and three recorded
-# iterations); a script that ends sooner keeps what its steps measured.
+# and run without passive mode. With ``plain_steps`` 3 the rounds and the two plain steps before
+# them take 15 steps after the plain warm-up and its untimed plain step (21 in all with one
+# warm-up and three recorded iterations; Note [Plain step] in tracer/record.py); a script that
+# ends sooner keeps what its steps measured.
 """
 
 from __future__ import annotations

@@ -137,16 +137,16 @@ def test_stopped_cleanly_after_the_recorded_iterations(tmp_path):
 
 
 def test_plain_steps_after_the_recorded_iterations(tmp_path):
-    # Note [Plain step]: 1 warm-up + 2 recorded, 1 plain warm-up, 1 untimed plain step, then
-    # 3 rounds of a plain step and the runtime on its hot, guarded and slow paths (the first
-    # round with a warm-up of the runtime; Note [The runtime in the script's steps] in
-    # runtime/calibrate.py): 13 steps; stopped inside the optimizer step of the last of those
-    # (step 17), so its print never runs
+    # Note [Plain step]: 1 warm-up + 2 recorded, 1 plain warm-up, 1 untimed plain step, 2 plain
+    # steps, then 3 rounds of a plain step and the runtime on its hot, guarded and slow paths
+    # (the first round with a warm-up of the runtime; Note [The runtime in the script's steps]
+    # in runtime/calibrate.py): 15 steps; stopped inside the optimizer step of the last of
+    # those (step 19), so its print never runs
     script = _script(tmp_path)
     out = tmp_path / "o.parquet"
     r = _invoke("trace", "--iterations", "2", "--warmup", "1", "-o", out, script, "50")
     assert r.exit_code == 0, r.output
-    assert "did step 16" in r.stdout and "did step 17" not in r.stdout
+    assert "did step 18" in r.stdout and "did step 19" not in r.stdout
     assert "capuchin: plain step " in r.stderr and "median of 3 iteration(s)" in r.stderr
     meta = capuchin.load_trace(out).meta
     assert meta.iterations == [1, 2]
@@ -156,11 +156,11 @@ def test_plain_steps_after_the_recorded_iterations(tmp_path):
     assert abs(meta.plain_iteration_ns - sorted(walls)[1] * 1e9) <= 1e3
 
 
-@pytest.mark.parametrize("steps, timed", [(5, 0), (6, 1), (7, 1), (11, 2)])
+@pytest.mark.parametrize("steps, timed", [(5, 0), (6, 1), (7, 2), (8, 3), (13, 3)])
 def test_plain_step_with_too_few_steps(tmp_path, steps, timed):
     # 3 steps trace (1 warm-up, 2 recorded); a plain interval needs 3 more steps (the plain
-    # warm-up, the untimed plain step, the timed one), the second one 5 more after it (its
-    # round's runtime steps and their warm-up come first)
+    # warm-up, the untimed plain step, the timed one), the second and third one more each (the
+    # baseline's steps before the probe); a later round's plain step is not the baseline's
     script = _script(tmp_path, at_end="print('script end')")
     out = tmp_path / "o.parquet"
     r = _invoke("trace", "--iterations", "2", "--warmup", "1", "-o", out, script, str(steps))
@@ -235,11 +235,11 @@ def test_api_tracer_in_process(tmp_path):
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
             done.append(step)
-    # warm-up + 2 recorded + 1 plain warm-up + 1 untimed plain step + 3 rounds of a plain step
-    # and the runtime on its hot, guarded and slow paths, and a warm-up of the runtime: 13;
-    # stopped inside the last (Note [Plain step], Note [The runtime in the script's steps] in
-    # runtime/calibrate.py)
-    assert len(done) == 17
+    # warm-up + 2 recorded + 1 plain warm-up + 1 untimed plain step + 2 plain steps + 3 rounds
+    # of a plain step and the runtime on its hot, guarded and slow paths, and a warm-up of the
+    # runtime: 15; stopped inside the last (Note [Plain step], Note [The runtime in the script's
+    # steps] in runtime/calibrate.py)
+    assert len(done) == 19
     t = capuchin.load_trace(out)
     assert t.meta.iterations == [1, 2] and t.meta.regular
     assert set(t.ops["phase"]) == {"forward", "backward", "optimizer"}
@@ -295,15 +295,15 @@ def test_plain_iterations_run_without_the_tracer_mode_or_profiler(tmp_path):
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
     # the mode: the tracer's in 0-2 (traced) and 3 (the plain warm-up); then an untimed plain
-    # step (no mode: 4) and two rounds of a plain step (no mode: 5 and 10) and the runtime's
-    # mode on its hot, guarded and slow paths (Note [The runtime in the script's steps] in
-    # runtime/calibrate.py), the first round with a warm-up of the runtime (6). The profiler
-    # starts at the first op of iteration 1 and stops at the first op of 3, which ends 2: at
-    # the top of each loop body it is on in 2 and 3 only
+    # step (no mode: 4), one plain step before the probe (no mode: 5) and two rounds of a plain
+    # step (no mode: 6 and 11) and the runtime's mode on its hot, guarded and slow paths (Note
+    # [The runtime in the script's steps] in runtime/calibrate.py), the first round with a
+    # warm-up of the runtime (7). The profiler starts at the first op of iteration 1 and stops at
+    # the first op of 3, which ends 2: at the top of each loop body it is on in 2 and 3 only
     tracer, runtime = "_TraceMode", "TrackerMode"
-    modes = [tracer] * 4 + [None] * 2 + [runtime] * 4 + [None] + [runtime] * 3
+    modes = [tracer] * 4 + [None] * 3 + [runtime] * 4 + [None] + [runtime] * 3
     assert [m for m, _ in seen] == modes
-    assert [p for _, p in seen] == [False, False, True, True] + [False] * 10
+    assert [p for _, p in seen] == [False, False, True, True] + [False] * 11
     assert _get_current_dispatch_mode() is None
     meta = capuchin.load_trace(out).meta
     assert len(meta.extra["plain_iteration_wall_s"]) == 2 and meta.plain_iteration_ns > 0

@@ -255,11 +255,18 @@ class _TraceMode(TorchDispatchMode):
 # mode that only passes ops on (``_CountingMode``); the runtime's per-op costs in this script are
 # the median within-round differences, so load that changes from one round to the next cancels
 # (Note [Calibrated host costs] in planner/costs.py; not where another mode is on the stack). A
-# step's time runs from just after its phase was entered to its optimizer step. At the last step
-# ``StopScript`` ends the script. The median plain step is ``TraceMeta.plain_iteration_ns`` (the
-# intervals in ``extra["plain_iteration_wall_s"]``, the untimed step's in
-# ``extra["plain_warmup_wall_s"]``, for comparison only). None, with the reason in
-# ``extra["plain_iteration_note"]`` and a log line, when the script ended before one interval, when
+# step that follows a step of another kind is slower, as the first step without the tracer's
+# mode is: on T5 the first plain step after a probe step took 29.7-31.4 ms where the plain steps
+# before the probe took 27.5-29.7 ms and the plain steps after that first one 28.0-29.6 ms; so
+# every later round's plain step is such a first one, while a user's plain steps follow plain
+# steps. So ``plain_steps - 1`` plain steps run before the first round, whose plain step also
+# precedes every probe step, and the baseline is those ``plain_steps`` consecutive plain steps;
+# the later rounds' plain steps serve only their rounds' differences. A step's time runs from just
+# after its phase was entered to its optimizer step. At the last step ``StopScript`` ends the
+# script. The median plain step is ``TraceMeta.plain_iteration_ns`` (the intervals in
+# ``extra["plain_iteration_wall_s"]``; for comparison only, the untimed step's in
+# ``extra["plain_warmup_wall_s"]`` and the later rounds' in ``extra["plain_after_probe_wall_s"]``).
+# None, with the reason in ``extra["plain_iteration_note"]`` and a log line, when the script ended before one interval, when
 # traced under a budget (the runtime's passive mode would be in every step), under torchrun (the
 # ranks stop where their recording ends, at one step: the way the distributed tests hold every rank
 # in step; a rank's plain step would also time its waits on the others), or with ``plain_steps=0``.
@@ -432,6 +439,10 @@ class Tracer:
         self._step_start = 0.0
         self._rounds: list[dict[str, float]] = []
         self._plain_warmup_s: float | None = None  # the untimed plain step's length
+        # Note [Plain step]: plain steps timed before any runtime probe step (the baseline), and
+        # those of the probe's later rounds
+        self._plain_before_probe: list[float] = []
+        self._plain_after_probe: list[float] = []
         self._plain_note: str | None = None  # why the plain step was not timed
         # Note [Calibrated host costs] in planner/costs.py: the steps timed through a dispatch
         # mode after the plain ones
@@ -729,6 +740,10 @@ class Tracer:
             if self._end_step(phase) and not phase.endswith("~"):
                 if phase == "plain":
                     self._rounds.append({})
+                    probed = any(k in _PROBE_PHASES for r in self._rounds for k in r)
+                    (self._plain_after_probe if probed else self._plain_before_probe).append(
+                        end - self._step_start
+                    )
                 if self._rounds:
                     self._rounds[-1][phase] = end - self._step_start
                     if phase in ("hot", "guarded"):  # ops the runtime sent down its slow path
@@ -752,6 +767,7 @@ class Tracer:
             return first + ["plain", "count"] * n
         return (
             first
+            + ["plain"] * (n - 1)  # the baseline's steps before any probe (Note [Plain step])
             + ["plain", "hot~", "hot", "guarded", "slow"]
             + ["plain", "hot", "guarded", "slow"] * (n - 1)
         )
@@ -846,7 +862,8 @@ class Tracer:
 
     def _plain_iteration_ns(self) -> int | None:
         """The median plain step (ns), or None (and ``log`` says why)."""
-        steps = self._phase_times("plain")
+        # Note [Plain step]: the steps before any probe step where the probe ran
+        steps = self._plain_before_probe or self._phase_times("plain")
         if steps:
             ns = int(round(statistics.median(steps) * 1e9))
             self.log(
@@ -1113,7 +1130,10 @@ class Tracer:
         if self._plain_warmup_s is not None:
             extra["plain_warmup_wall_s"] = round(self._plain_warmup_s, 6)
         if self._phase_times("plain"):
-            extra["plain_iteration_wall_s"] = [round(x, 6) for x in self._phase_times("plain")]
+            steps = self._plain_before_probe or self._phase_times("plain")
+            extra["plain_iteration_wall_s"] = [round(x, 6) for x in steps]
+            if self._plain_after_probe:
+                extra["plain_after_probe_wall_s"] = [round(x, 6) for x in self._plain_after_probe]
         elif self._plain_note is not None:
             extra["plain_iteration_note"] = self._plain_note
         measured = None
@@ -1335,6 +1355,9 @@ class Tracer:
         for f in frees[fi:]:  # released after the last op (before the next iteration's first op)
             row(f[0], Role.FREE.value, f[1], f[2])
         return pd.DataFrame(cols)
+
+
+_PROBE_PHASES = ("hot", "guarded", "slow")  # the runtime probe's timed steps (Note [Plain step])
 
 
 def non_tensor_at_start(cur: _Iteration) -> int:
