@@ -114,6 +114,8 @@ def build_plan(
     basis = baseline_note(problem)
     if basis:
         notes.append(basis)
+    if ds and str(problem.device).startswith("cuda"):
+        notes.append(cuda_host_note(problem))
     measured = calibrated(problem.host_costs) if ds and problem.device == "cpu" else None
     if measured is not None:  # Note [Calibrated host costs] in costs.py
         shown = [
@@ -163,6 +165,28 @@ def build_plan(
         op_peak_bytes=[int(b) for b in sim.op_peak_bytes],
     )
     return plan, sim
+
+
+def cuda_host_note(problem: Problem) -> str:
+    """On CUDA the runtime's host work is charged nothing (Note [Runtime cost model] in
+    costs.py: it overlaps the device's kernels); where the trace shows the script host-bound (its
+    kernels a small part of its plain step) that assumption fails, and the plan says so."""
+    line = (
+        "on CUDA the runtime's host work (its per-op bookkeeping, each swap's calls) is charged "
+        "nothing, as if the device's kernels hid it"
+    )
+    plain = problem.plain_time_ns
+    if plain:
+        busy = problem.time_ns / plain
+        line += (
+            f"; this script's kernels take {busy:.0%} of its plain step "
+            f"({problem.time_ns / 1e6:.3f} of {plain / 1e6:.3f} ms)"
+        )
+        if busy < 0.5:
+            line += ": it is host-bound there, and that host work adds to its steps"
+    else:
+        line += "; a script whose steps are host-bound (short kernels) runs slower than this"
+    return line + " (docs/runtime.md, On CUDA)"
 
 
 def baseline_note(problem: Problem) -> str:
