@@ -1,5 +1,6 @@
 """scripts/gpu-check.sh: its dry run exercises on CPU the plumbing a GPU machine runs (the gpu
-tests, the main job with --device, both benchmarks, the bitwise check) and writes the report."""
+tests, the main job with --device, both benchmarks, the profiles, the bitwise check) and writes
+the report; the host probe needs CUDA and is left out."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "benchmark-dynamic": "0",
         "bitwise": "0",
         "profile": "0",
+        "cprofile": "0",
     }
     bitwise = (out / "bitwise.log").read_text()
     assert bitwise.count("bitwise equal") == 3
