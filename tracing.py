@@ -41,12 +41,12 @@ def host_calibration(nbytes: int, ns_per_byte: tuple[float, float]) -> tuple[dic
     return calibrate(nbytes, ns_per_byte)
 
 
-def runtime_probe(ops: list, leader: Any, path: str) -> Any:
-    """The runtime over the script's own steps (Note [The runtime in the script's steps] in
-    runtime/calibrate.py), for the tracer's ``runtime_probe``."""
+def runtime_probe(ops: list, leader: Any, path: str, device: str = "cpu") -> Any:
+    """The runtime over the script's own steps on the traced ``device`` (Note [The runtime in
+    the script's steps] in runtime/calibrate.py), for the tracer's ``runtime_probe``."""
     from .runtime.calibrate import runtime_probe as probe
 
-    return probe(ops, leader, path)
+    return probe(ops, leader, path, device)
 
 
 class Tracer(record.Tracer):

@@ -19,7 +19,7 @@ import numpy as np
 from .. import __version__
 from ..errors import PlanError
 from .budget import format_bytes
-from .costs import CPU, calibrated, runtime_cost_ns
+from .costs import CPU, calibrated, cuda_calibrated, runtime_cost_ns
 from .dead import candidates as dead_candidates
 from .dead import choose as choose_dead
 from .dead import freed_early
@@ -168,9 +168,22 @@ def build_plan(
 
 
 def cuda_host_note(problem: Problem) -> str:
-    """On CUDA the runtime's host work is charged nothing (Note [Runtime cost model] in
-    costs.py: it overlaps the device's kernels); where the trace shows the script host-bound (its
-    kernels a small part of its plain step) that assumption fails, and the plan says so."""
+    """What a CUDA plan charges of the runtime's host work (Note [Host work on CUDA] in
+    costs.py): the per-op figures the trace's probe measured in the script's steps, never a
+    swap's own calls; without them nothing, as if the device's kernels hid it, which fails where
+    the trace shows the script host-bound (its kernels a small part of its plain step)."""
+    measured = cuda_calibrated(problem.host_costs)
+    if measured is not None:
+        shown = ", ".join(
+            f"{getattr(measured, k) / 1e3:.1f} us {label}"
+            for k, label in _HOST_COST_LABELS.items()
+            if getattr(measured, k)
+        )
+        return (
+            "the runtime's host work charged as the script's steps measured it on the device "
+            f"(what the kernels did not hide): {shown}; a swap's own host calls are not charged "
+            "on CUDA (docs/runtime.md, On CUDA)"
+        )
     line = (
         "on CUDA the runtime's host work (its per-op bookkeeping, each swap's calls) is charged "
         "nothing, as if the device's kernels hid it"

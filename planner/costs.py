@@ -109,14 +109,13 @@ CPU = RuntimeCosts(
     copy_ns_per_byte=0.06,
     drop_action_ns=40_000,
 )
-# CUDA: the host runs ahead of the device (kernel launches are asynchronous), so the runtime's
-# host work overlaps the device's and the prediction charges none of it, as the simulator charges
-# no host work there (Note [Host work on the compute stream]); the copies run on the copy
-# engines, which the simulator's channels model. An assumption that fails where ops are so
-# short that the host is the bottleneck: then the runtime's host work adds to the step time. On
-# an H200 the bundled examples (1-2 ms of kernels per iteration) were host-bound and measured
-# 3.9-9.8x the plain step at 50% where this model predicted 1.03-1.15x (docs/runtime.md, On
-# CUDA); the DTR project's LSTM and TreeLSTM traces (microsecond kernels) are such scripts too.
+# CUDA without a measurement: the host runs ahead of the device (kernel launches are
+# asynchronous), so the runtime's host work is taken to overlap the device's and nothing is
+# charged, as the simulator charges no host work there (Note [Host work on the compute stream]);
+# the copies run on the copy engines, which the simulator's channels model. An assumption that
+# fails where ops are so short that the host is the bottleneck (on an H200 the bundled
+# examples; the DTR project's LSTM and TreeLSTM traces, microsecond kernels): a trace whose
+# probe measured the script's steps is charged what it measured (Note [Host work on CUDA]).
 CUDA = RuntimeCosts(
     hot_op_ns=0,
     guarded_op_ns=0,
@@ -244,11 +243,49 @@ def calibrated(measured: dict | None) -> RuntimeCosts | None:
     return replace(CPU, **found) if found else None
 
 
+# Note: [Host work on CUDA]
+# On CUDA the host runs ahead of the device, so the runtime's host work costs a step only what
+# the device's kernels do not hide: nothing on a device-bound script, all of it on a host-bound
+# one (on an H200 the bundled examples, 1-2 ms of kernels a step, measured 3.6-11x the plain
+# step at 50% where no host cost was charged: docs/runtime.md, On CUDA). The tracer's probe over
+# the script's own steps measures exactly that share: its steps are wall time with the device
+# synchronized at their ends (tracer/record.py ``_now``), so the within-round differences (Note
+# [The runtime in the script's steps] in runtime/calibrate.py) are what the runtime's dispatch
+# mode, its guarded path and its slow path add to a step on this device. ``cuda_calibrated``
+# charges them per op as measured (``hot_op_ns``, ``guarded_op_ns``, ``slow_op_script_ns`` as
+# ``slow_op_ns``), never floored (a reading near 0 is right on a device-bound script), in the
+# plan's ``runtime_cost_ns``; nothing goes on the simulator's compute stream (``HostCost``
+# stays empty). A swap's and a replay's own host work (the copies' calls: about 50 µs a
+# direction alone and 140-150 µs inside a run on the H200) is not measured there (the probe
+# moves no bytes; the calibration's loops run on CPU only) and not charged; the plan's note
+# says so.
+
+
+def cuda_calibrated(measured: dict | None) -> RuntimeCosts | None:
+    """The CUDA runtime's costs with the per-op figures the trace's probe measured in the
+    script's steps (Note [Host work on CUDA]); None where it measured none above 0."""
+    m = measured or {}
+    found = {}
+    for key, field in (
+        ("hot_op_ns", "hot_op_ns"),
+        ("guarded_op_ns", "guarded_op_ns"),
+        (SCRIPT_SLOW_KEY, "slow_op_ns"),
+    ):
+        try:
+            v = int(m[key])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if v > 0:
+            found[field] = v
+    return replace(CUDA, **found) if found else None
+
+
 def costs_for(device: str, measured: dict | None = None) -> RuntimeCosts:
-    """The runtime's costs on ``device``: CUDA's (none on the host), else the CPU figures a trace
-    measured (``calibrated``) or, without them, the constants."""
+    """The runtime's costs on ``device``: on CUDA the per-op figures the trace measured in the
+    script's steps (``cuda_calibrated``) or none, else the CPU figures a trace measured
+    (``calibrated``) or, without them, the constants."""
     if str(device).startswith("cuda"):
-        return CUDA
+        return cuda_calibrated(measured) or CUDA
     return calibrated(measured) or CPU
 
 

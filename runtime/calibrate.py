@@ -232,17 +232,19 @@ class RuntimeProbe:
     context manager; ``steady(n)``: the last ``n`` iterations it saw all followed the plan;
     ``slow_calls``: how many ops took the slow path."""
 
-    def __init__(self, ops: list[list[str]], leader, path: str) -> None:
+    def __init__(self, ops: list[list[str]], leader, path: str, device: str = "cpu") -> None:
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        prov = Provenance("none", {}, 1 << 40, "", "", 0, "cpu", 12e9, 12e9, "", 0.0)
+        # the traced device's runtime: on CUDA its slow path names CUDA storages, as a run's
+        # does (Note [Host work on CUDA] in planner/costs.py)
+        prov = Provenance("none", {}, 1 << 40, "", "", 0, device, 12e9, 12e9, "", 0.0)
         # the loop's plans (_loop_plan): a prefetch of a storage that is not out at every op,
         # or one action past the iteration's end (a non-empty plan with none in it)
         n = len(ops)
         acting = path == "slow"
         actions = [Action(k, Step.PREFETCH, "0:0") for k in (range(n) if acting else [n])]
         plan = Plan(prov, Predictions(0, 0, 0, 0), [], [list(o) for o in ops], actions=actions)
-        self.rt = Runtime(plan, measure_memory=False, device="cpu", passive=False)
+        self.rt = Runtime(plan, measure_memory=False, device=device, passive=False)
         self.rt.first_checked_iteration = 1 << 62  # never a foreign-plan refusal or warning
         self.rt._step_leader = leader
         self.path = path
@@ -306,6 +308,6 @@ def _acting_everywhere(ex) -> None:
     ex._update_fast()
 
 
-def runtime_probe(ops: list[list[str]], leader, path: str) -> RuntimeProbe:
+def runtime_probe(ops: list[list[str]], leader, path: str, device: str = "cpu") -> RuntimeProbe:
     """The tracer's ``runtime_probe`` (Note [The runtime in the script's steps])."""
-    return RuntimeProbe(ops, leader, path)
+    return RuntimeProbe(ops, leader, path, device)

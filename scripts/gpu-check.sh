@@ -47,10 +47,10 @@ export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"
 cd "$ROOT" || exit 2
 
 if [ "$DRY" = 1 ]; then
-  DEV=cpu; STEPS=3; EXAMPLES="mlp"; PCTS="80"; BENCH_ARGS="--steps 3 --repeats 1"; PROFILED=mlp
+  DEV=cpu; STEPS=3; TRACE_STEPS=4; EXAMPLES="mlp"; PCTS="80"; BENCH_ARGS="--steps 3 --repeats 1"; PROFILED=mlp
   DYN_ARGS="--steps 3 --repeats 1 --percents 80"
 else
-  DEV=cuda; STEPS=6; EXAMPLES="${GPU_CHECK_EXAMPLES:-mlp cnn transformer}"; PCTS="80 50"; BENCH_ARGS="--steps 6 --repeats 2"
+  DEV=cuda; STEPS=6; TRACE_STEPS=20; EXAMPLES="${GPU_CHECK_EXAMPLES:-mlp cnn transformer}"; PCTS="80 50"; BENCH_ARGS="--steps 6 --repeats 2"
   PROFILED=transformer
   DYN_ARGS="--steps 5 --repeats 2 --percents 80,60,50"
 fi
@@ -170,8 +170,11 @@ main_job() {
   local rc=0 n pct
   for n in $EXAMPLES; do
     echo "---- $n: trace on $DEV"
+    # 20 steps: 1 warm-up, 2 recorded, then the plain step and the runtime probe's rounds
+    # (Note [Plain step] in tracer/record.py), whose per-op figures a CUDA plan charges
     "$PY" -m capuchin trace --device "$DEV" --force --iterations 2 --warmup 1 \
-      -o "$OUT/$n.trace.parquet" "traces/$n.py" --steps 4 --device "$DEV" || { rc=1; continue; }
+      -o "$OUT/$n.trace.parquet" "traces/$n.py" --steps "$TRACE_STEPS" --device "$DEV" \
+      || { rc=1; continue; }
     "$PY" -m capuchin show "$OUT/$n.trace.parquet" | head -12
     for pct in $PCTS; do
       echo "---- $n: plan at $pct%, run"
@@ -202,7 +205,7 @@ bitwise() {
 }
 
 # the step functions run in a child bash under timeout: they and what they read go to its environment
-export PY DEV OUT STEPS EXAMPLES PCTS
+export PY DEV OUT STEPS TRACE_STEPS EXAMPLES PCTS
 export -f env_check gpu_tests summary_of cli main_job bitwise
 
 step environment env_check

@@ -17,6 +17,7 @@ from capuchin.errors import TraceFormatError
 from capuchin.planner.api import make_plan
 from capuchin.planner.costs import (
     CPU,
+    CUDA,
     LOOP_HOT_KEY,
     NO_HOST_COST,
     SCRIPT_SLOW_KEY,
@@ -78,7 +79,9 @@ def test_calibrated_replaces_each_measured_constant_and_only_those():
     for unusable in (None, {}, {"hot_op_ns": 0}, {"other": 5}, {"hot_op_ns": "x"}):
         assert calibrated(unusable) is None
         assert costs_for("cpu", unusable) is CPU
-    assert costs_for("cuda", {"hot_op_ns": 17_000}).hot_op_ns == 0
+    # on CUDA the script's measured per-op figures, not floored (Note [Host work on CUDA])
+    assert costs_for("cuda", {"hot_op_ns": 17_000}) == replace(CUDA, hot_op_ns=17_000)
+    assert costs_for("cuda", {"swap_action_ns": 90_000, "hot_op_ns": 0}) is CUDA
     assert host_cost("cpu", "capuchin", {"hot_op_ns": 17_000}) == host_cost("cpu")
     every = {
         "hot_op_ns": 1_100,
@@ -231,9 +234,26 @@ def test_the_plan_charges_the_measured_hot_path_and_says_so():
     notes = " ".join(plan.predictions.notes)
     assert "measured in the script" in notes and "40.0 us an op (3.4)" in notes
     assert "measured in the script" not in " ".join(quiet.predictions.notes)
-    # on CUDA the host runs ahead: nothing is charged, measured or not
-    gpu = make_plan(_trace({"hot_op_ns": 40_000}, device="cuda"), budget=10 << 20)
-    assert gpu.predictions.runtime_cost_ns == 0
+    # on CUDA nothing is charged without a measurement (the host is taken to run ahead) ...
+    assert make_plan(_trace(device="cuda"), budget=10 << 20).predictions.runtime_cost_ns == 0
+
+
+def test_a_cuda_plan_charges_what_the_scripts_steps_measured():
+    """Note [Host work on CUDA]: the probe's differences on CUDA are what the runtime's host
+    work added to the script's steps after the kernels hid what they could: charged per op as
+    measured, not floored at the CPU constants, on top of the simulated time (nothing on the
+    simulator's compute stream); a figure of 0 is no measurement."""
+    measured = {"hot_op_ns": 40_000, "slow_op_script_ns": 1_000, "guarded_op_ns": 0}
+    tr = _trace(measured, device="cuda")
+    p = Problem.from_trace(tr)
+    plan = make_plan(tr, budget=10 << 20)
+    want = runtime_cost_ns(p, plan.decisions, replace(CUDA, hot_op_ns=40_000, slow_op_ns=1_000))
+    assert plan.decisions and plan.predictions.runtime_cost_ns == want
+    assert want >= len(OPS) * 40_000
+    assert not p.host  # nothing charged on the compute stream
+    notes = " ".join(plan.predictions.notes)
+    assert "40.0 us an op, 1.0 us more an op on the slow path" in notes
+    assert "a swap's own host calls are not charged" in notes
 
 
 calls: list = []
@@ -561,3 +581,26 @@ def test_the_slow_probe_does_an_action_ops_bookkeeping_and_moves_no_byte(monkeyp
     assert len(evicts) >= steady_ops and all(d is None for _, d, _ in evicts)
     assert sum(named for *_, named in evicts) >= steady_ops // 2  # outputs named as planned
     assert looked_up[0] >= steady_ops
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_probe_runs_over_the_scripts_steps_on_cuda_too(tmp_path, device):
+    """Note [Host work on CUDA]: on CUDA the probe's steps measure what the runtime's host work
+    adds to a step after the kernels hid what they could, so the tracer runs them there as on
+    CPU (the schedule once left CUDA with plain steps only, and its plans charged nothing)."""
+    from capuchin.tracer.record import Tracer
+
+    from capuchin.testing.emulated import emulated_cuda
+
+    with emulated_cuda():  # the probe's runtime is the traced device's
+        probe = calibrate.runtime_probe([["aten.add.Tensor", "16;16"]], None, "slow", device)
+        assert probe.rt.device.type == device
+    t = Tracer(tmp_path / "t.parquet", device=device, log=None)
+    t.runtime_probe, t.recorded = object(), [1]
+    schedule = t._steps_schedule()
+    assert schedule[:4] == ["plain~", "plain", "plain", "plain"]
+    assert [p for p in schedule if p in ("hot", "guarded", "slow")] == [
+        "hot",
+        "guarded",
+        "slow",
+    ] * 3

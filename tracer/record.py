@@ -247,7 +247,7 @@ class _TraceMode(TorchDispatchMode):
 # benchmarks/results/plain_prediction_real.txt), just as the step after a plain run's first is
 # not, which a steady median (benchmarks/runtime.py's) leaves out; timed, it would be one of the
 # three whose median is stored, which would then be the larger of the other two, and a plan's
-# overhead against it would read low. On CPU the timed steps run in rounds with the runtime's own
+# overhead against it would read low. The timed steps run in rounds with the runtime's own
 # steps (``_steps_schedule``): each round is a plain step, a step under the runtime without actions
 # and one with an action at every op (Note [The runtime in the script's steps] in
 # runtime/calibrate.py; the first round also has an untimed warm-up of each), or, where the runtime
@@ -362,11 +362,11 @@ class Tracer:
         swaps and replays on this host and returns (``host_costs`` keys, lines for ``extra``);
         called on CPU after the plain steps were timed (Note [Calibrated host costs] in
         planner/costs.py; ``capuchin.Tracer`` supplies the runtime's). None: not measured.
-    runtime_probe: ``runtime_probe(ops, indexer, path)`` makes the context that runs the
-        runtime over one of the script's steps with a plan of ``ops`` (the recorded iteration as
-        ``[[name, signature], ...]``), its ops on ``path`` ("hot", "guarded" or "slow"),
-        following ``indexer``'s step hooks, with ``steady(n)`` and ``slow_calls``; entered on
-        CPU in the rounds after the plain warm-up (Note
+    runtime_probe: ``runtime_probe(ops, indexer, path, device)`` makes the context that runs
+        the runtime of ``device`` over one of the script's steps with a plan of ``ops`` (the
+        recorded iteration as ``[[name, signature], ...]``), its ops on ``path`` ("hot",
+        "guarded" or "slow"), following ``indexer``'s step hooks, with ``steady(n)`` and
+        ``slow_calls``; entered in the rounds after the plain warm-up (Note
         [The runtime in the script's steps] in runtime/calibrate.py; ``capuchin.Tracer``
         supplies the runtime's). None: the hot path is timed through ``_CountingMode``, the
         slow path not in the script.
@@ -401,7 +401,7 @@ class Tracer:
         plain_steps: int = 3,
         keeper: Callable[[int, str], Any] | None = None,
         calibrate_host: Callable[[int, tuple], tuple[dict, dict]] | None = None,
-        runtime_probe: Callable[[list, OpIndexer, str], Any] | None = None,
+        runtime_probe: Callable[[list, OpIndexer, str, str], Any] | None = None,
         region_tags: dict[str, list[str]] | None = None,
     ):
         if iterations < 1:
@@ -761,8 +761,10 @@ class Tracer:
         begin with a plain step, so each figure is a difference within one round."""
         n = self.plain_steps
         first = ["plain~"]  # the first step without the mode is a warm-up (Note [Plain step])
-        if self.device != "cpu" or torch._C._len_torch_dispatch_stack():
-            return first + ["plain"] * n  # CUDA: no host cost; or a mode of the script's is on
+        if torch._C._len_torch_dispatch_stack():
+            return first + ["plain"] * n  # a mode of the script's is on
+        # on CUDA too: what the runtime's host work adds to a step there is what the probe's
+        # steps measure (Note [Host work on CUDA] in planner/costs.py)
         if self.runtime_probe is None or not self.recorded:
             return first + ["plain", "count"] * n
         return (
@@ -826,7 +828,9 @@ class Tracer:
                 for (_, name, _, _, _, ins, _) in self._done[self.recorded[-1]].ops
             ]
         try:
-            self._probe = self.runtime_probe(self._probe_ops, self.indexer, path).__enter__()
+            self._probe = self.runtime_probe(
+                self._probe_ops, self.indexer, path, self.device
+            ).__enter__()
         except Exception as e:  # the trace does not depend on it: no figure
             self._probe = None
             self._probe_note = f"the runtime probe did not start ({e})"
