@@ -587,10 +587,9 @@ def test_the_slow_probe_does_an_action_ops_bookkeeping_and_moves_no_byte(monkeyp
 def test_the_probe_runs_over_the_scripts_steps_on_cuda_too(tmp_path, device):
     """Note [Host work on CUDA]: on CUDA the probe's steps measure what the runtime's host work
     adds to a step after the kernels hid what they could, so the tracer runs them there as on
-    CPU (the schedule once left CUDA with plain steps only, and its plans charged nothing)."""
-    from capuchin.tracer.record import Tracer
-
+    CPU, with the traced device's runtime."""
     from capuchin.testing.emulated import emulated_cuda
+    from capuchin.tracer.record import Tracer
 
     with emulated_cuda():  # the probe's runtime is the traced device's
         probe = calibrate.runtime_probe([["aten.add.Tensor", "16;16"]], None, "slow", device)
