@@ -400,7 +400,21 @@ class _Selection:
     # ``useful``); only taking a decision changes the last two. So estimates are remembered
     # until the next take: the hybrid phase's ranking re-estimates every pair the swap-first
     # phase estimated after its last take, and the heap's top is estimated again before it is
-    # compared."""
+    # compared.
+    #
+    # Note: [Only gaps that can help]
+    # A swap helps only when the ops it covers hold one still over the target, and those lie
+    # inside its gap (after the evicted-access and before the back-access; for a wrap-around
+    # gap, after it to the end of the iteration or from the start up to the back-access). In
+    # the swap-first phase, where the excess only falls, a pair whose gap holds no such op is
+    # passed over without an estimate (the estimate could not help): the same pairs are taken.
+    #
+    # Note: [Candidates ranked once]
+    # A pair's free time (Eq. 1) depends on the problem alone (op times and bandwidths, not the
+    # channels' reservations), so the ranking of every access pair is made once per problem;
+    # each round keeps, in that order, the pairs not chosen whose gap holds an op over the
+    # target. The same list as ranking the kept pairs each round: the key (free time, storage,
+    # evicted-access) is unique per pair."""
 
     def __init__(
         self,
@@ -478,13 +492,20 @@ class _Selection:
 
         # -- swap first, while a swap costs nothing (§4.5; §1.8 step 3) --------------------------
         if swapping:
+            n = problem.n_ops
             for ft, p in pairs:
                 if key(problem, p.storage_id, p.evict_op) in chosen:
                     continue
                 if ft < 0:
                     break  # ranked by free time: no later pair can hide either
-                if not p.wraps and self.timer.least_overhead(p.size_bytes, p.evict_op, p.back_op):
-                    continue  # no in-trigger hides it: the estimate would say so
+                a, b = p.evict_op, p.back_op
+                if p.wraps:
+                    if not (self.useful(a + 1, n - 1) or self.useful(0, b)):
+                        continue  # Note [Only gaps that can help]
+                else:
+                    span = self.timer.hidden_span(p.size_bytes, a, b)
+                    if span is None or not self.useful(*span):
+                        continue  # Note [Only gaps that can help]: no hidden option can help
                 e = self.estimate(p)
                 if e.overhead_ns == 0 and self.helps(e):
                     self.take_swap(p, e)
@@ -559,19 +580,45 @@ def _candidates(
     problem: Problem, over: np.ndarray, chosen: dict, timer: SwapTimer
 ) -> list[tuple[int, AccessGap]]:
     """IdentifyAndSortCandidates (line 1): every access pair of a swappable storage not chosen
-    yet whose gap holds an op over the target, ranked by free time (Eq. 1), longest first."""
+    yet whose gap holds an op over the target, ranked by free time (Eq. 1), longest first. The
+    ranking is the problem's (Note [Candidates ranked once])."""
+    ranked, a, b, wraps = _ranked_pairs(problem, timer)
+    if not ranked:
+        return []
     cnt = np.concatenate([[0], np.cumsum(over)])
     n = problem.n_ops
+    # an over-target op strictly inside the gap (a wrap's: after a, or before b)
+    inside = np.where(wraps, cnt[n] - cnt[a + 1] + cnt[b], cnt[b] - cnt[a + 1]) > 0
+    storages = problem.storages
     pairs = []
-    for s in problem.storages.values():
-        if s.storage_id in chosen or not s.swappable:
-            continue
-        for a, b, wraps in problem.swap_gaps(s):
-            if not s.evictable and (s.storage_id, a) in chosen:
-                continue  # Note [A candidate per gap of persistent storages]
-            # an over-target op strictly inside the gap (a wrap's: after a, or before b)
-            if (cnt[n] - cnt[a + 1] + cnt[b] if wraps else cnt[b] - cnt[a + 1]) > 0:
+    for i in np.flatnonzero(inside).tolist():
+        ft, p = ranked[i]
+        sid = p.storage_id
+        if sid in chosen or (not storages[sid].evictable and (sid, p.evict_op) in chosen):
+            continue  # Note [A candidate per gap of persistent storages]
+        pairs.append(ranked[i])
+    return pairs
+
+
+def _ranked_pairs(problem: Problem, timer: SwapTimer):
+    """Note [Candidates ranked once]: every access pair of a swappable storage with its free
+    time, ranked (longest first, then by storage and evicted-access), with their evicted- and
+    back-accesses and wrap flags as arrays; once per problem."""
+    got = problem.__dict__.get("_ranked_pairs")
+    if got is None:
+        pairs = []
+        for s in problem.storages.values():
+            if not s.swappable:
+                continue
+            for a, b, wraps in problem.swap_gaps(s):
                 ft = (wrap_free_time if wraps else SwapTimer.free_time)(timer, s.size_bytes, a, b)
                 pairs.append((ft, AccessGap(s.storage_id, s.size_bytes, a, b, wraps=wraps)))
-    pairs.sort(key=lambda x: (-x[0], x[1].storage_id, x[1].evict_op))
-    return pairs
+        pairs.sort(key=lambda x: (-x[0], x[1].storage_id, x[1].evict_op))
+        got = (
+            pairs,
+            np.array([p.evict_op for _, p in pairs], dtype=np.int64),
+            np.array([p.back_op for _, p in pairs], dtype=np.int64),
+            np.array([p.wraps for _, p in pairs], dtype=bool),
+        )
+        object.__setattr__(problem, "_ranked_pairs", got)
+    return got
