@@ -347,8 +347,10 @@ class Capuchin:
         best = Attempt([], None)
         regen: frozenset = frozenset()
         spent = [0]  # Algorithm 2's overheads of the recomputations selected
-        for _ in range(self.max_rounds):
-            added = self._select(problem, excess, chosen, timer, spent)
+        for i in range(self.max_rounds):
+            # Note [The first swaps, shared]: the first round starts from the target alone
+            first = ("swap-first", target, self.per_gap) if i == 0 else None
+            added = self._select(problem, excess, chosen, timer, spent, first)
             if max_extra_ns is not None and spent[0] > max_extra_ns:
                 return Attempt([], None)
             ds = list(chosen.values())
@@ -379,12 +381,13 @@ class Capuchin:
         chosen: dict,
         timer: SwapTimer,
         spent: list[int] | None = None,
+        first: tuple | None = None,
     ) -> int:
         """One pass of Algorithm 1; lowers ``excess`` in place and adds to ``chosen``. Returns
         the number of decisions added; adds the recomputations' Algorithm 2 overheads to
         ``spent[0]``."""
         sel = _Selection(problem, excess, chosen, timer, self.max_replay_ops, self.per_gap)
-        sel.run(swapping=self.mode != "recompute", recomputing=self.mode != "swap")
+        sel.run(swapping=self.mode != "recompute", recomputing=self.mode != "swap", first=first)
         if spent is not None:
             spent[0] += sel.spent_ns
         return sel.added
@@ -414,7 +417,17 @@ class _Selection:
     # channels' reservations), so the ranking of every access pair is made once per problem;
     # each round keeps, in that order, the pairs not chosen whose gap holds an op over the
     # target. The same list as ranking the kept pairs each round: the key (free time, storage,
-    # evicted-access) is unique per pair."""
+    # evicted-access) is unique per pair.
+    #
+    # Note: [The first swaps, shared]
+    # A plan's first round starts from the target alone: the excess over it, no decision, the
+    # channels empty. Its swap-first phase reads nothing else (not the mode: the hybrid and the
+    # swap-only planner run the same phase; the candidate key does, one per storage or per
+    # gap), so the swaps it takes are remembered per problem under (target, per gap) and the
+    # other planners of the grid take them again without estimating (the probes of the deep
+    # targets, search Note [Deep targets], and the plans made after them too). The state they
+    # leave is the one the phase leaves (estimates are made again when asked: a function of
+    # that state, Note [Estimates between takes])."""
 
     def __init__(
         self,
@@ -483,7 +496,36 @@ class _Selection:
         self.excess[g.back_op] += r.temp_bytes
         self.added += 1
 
-    def run(self, swapping: bool, recomputing: bool) -> None:
+    def _swap_first(self, pairs: list) -> tuple[tuple, bool]:
+        """The swap-first phase (§4.5; §1.8 step 3): the swaps taken, in order, and whether the
+        target was met."""
+        problem, excess, chosen, key = self.problem, self.excess, self.chosen, self.key
+        taken = []
+        n = problem.n_ops
+        for ft, p in pairs:
+            if key(problem, p.storage_id, p.evict_op) in chosen:
+                continue
+            if ft < 0:
+                break  # ranked by free time: no later pair can hide either
+            a, b = p.evict_op, p.back_op
+            if p.wraps:
+                if not (self.useful(a + 1, n - 1) or self.useful(0, b)):
+                    continue  # Note [Only gaps that can help]
+            else:
+                span = self.timer.hidden_span(p.size_bytes, a, b)
+                if span is None or not self.useful(*span):
+                    continue  # Note [Only gaps that can help]: no hidden option can help
+            e = self.estimate(p)
+            if e.overhead_ns == 0 and self.helps(e):
+                self.take_swap(p, e)
+                taken.append((p, e))
+                if _max(excess) <= 0:
+                    return tuple(taken), True
+        return tuple(taken), False
+
+    def run(self, swapping: bool, recomputing: bool, first: tuple | None = None) -> None:
+        """``first``: the key under which the swap-first phase's takes are remembered per
+        problem (Note [The first swaps, shared])."""
         problem, excess, chosen = self.problem, self.excess, self.chosen
         pairs = _candidates(problem, excess > 0, chosen, self.timer)
         key = self.key
@@ -491,26 +533,21 @@ class _Selection:
             return
 
         # -- swap first, while a swap costs nothing (§4.5; §1.8 step 3) --------------------------
-        if swapping:
-            n = problem.n_ops
-            for ft, p in pairs:
-                if key(problem, p.storage_id, p.evict_op) in chosen:
-                    continue
-                if ft < 0:
-                    break  # ranked by free time: no later pair can hide either
-                a, b = p.evict_op, p.back_op
-                if p.wraps:
-                    if not (self.useful(a + 1, n - 1) or self.useful(0, b)):
-                        continue  # Note [Only gaps that can help]
-                else:
-                    span = self.timer.hidden_span(p.size_bytes, a, b)
-                    if span is None or not self.useful(*span):
-                        continue  # Note [Only gaps that can help]: no hidden option can help
-                e = self.estimate(p)
-                if e.overhead_ns == 0 and self.helps(e):
+        if swapping and first is not None:
+            memo = problem.__dict__.get("_swap_first")
+            if memo is None:
+                memo = {}
+                object.__setattr__(problem, "_swap_first", memo)
+            got = memo.get(first)
+            if got is None:
+                got = memo[first] = self._swap_first(pairs)
+            else:
+                for p, e in got[0]:
                     self.take_swap(p, e)
-                    if _max(excess) <= 0:
-                        return
+            if got[1]:
+                return
+        elif swapping and self._swap_first(pairs)[1]:
+            return
 
         # -- the hybrid phase: the cheaper of the best swap and the best recomputation -----------
         best_pair: dict = {}  # one pair per remaining candidate: longest FT
