@@ -219,12 +219,14 @@ plan gets faster without its peak rising above the bound it was given.
 # plan without them fits and is no slower; a group that is refused is split in halves, each
 # tried on its own in order, down to single decisions (where a lone decision is refused as
 # before). Before each try a decision is left out when the conservative check already says its
-# bytes overflow an op surely without it in the current plan (from its memory's release to its
-# swap-in or return; on both ranges of a wrap-around gap, which the check left to the
-# simulator before: 275 refused trials there). A group kept is judged as a whole: a plan
-# without several decisions at once may be kept where one of them alone would have been refused
-# on time (never on peak: the plan kept fits). On the Llama at 80/60/45% that keeps the same
-# plans (decision digests equal, docs/planner.md "Speed") for 1.4 s of pruning instead of 9.3.
+# bytes overflow an op surely without it in the current plan: from its memory's release to its
+# swap-in or return as the current plan's simulation has them (not the first plan's: dropping
+# decisions moves the others' copies), on both ranges of a wrap-around gap (which the check
+# left to the simulator before; the trials refused on peak seen on the Llama were those). A
+# group kept is judged as a whole: a plan without several decisions at once may be kept where
+# one of them alone would have been refused on time (never on peak: the plan kept fits), so
+# plans can differ from one-at-a-time pruning (docs/planner.md, "Speed": the bundled and DTR
+# cells at 80/60/50/40% the same or faster; the Llama's the same).
 #
 # Note: [Garbage collection while searching]
 # A search allocates millions of short-lived objects (decisions, outcomes, tuples of the
@@ -993,13 +995,16 @@ def _prune_once(problem: Problem, a: Attempt, budget: int, max_exact: int) -> li
     if not order:
         return decisions
     out_of = {window_key(d): o for d, o in zip(decisions, sim.outcomes, strict=True)}
-    state = [decisions, sim, sim.op_peak_bytes.astype(np.int64) - budget]  # plan, sim, excess
+    # the plan, its simulation, its excess over the budget per op, its outcomes by window
+    state = [decisions, sim, sim.op_peak_bytes.astype(np.int64) - budget, out_of]
 
     def surely_over(d: Decision) -> bool:
         """The conservative check against the current plan: ``d``'s bytes back on the ops
         surely without it (from its memory's release to its swap-in or return; both ranges of
         a wrap-around gap) overflow one of them."""
-        o = out_of[window_key(d)]
+        o = state[3].get(window_key(d))
+        if o is None:
+            return False
         back = o.in_start_ns if o.in_start_ns >= 0 else o.back_ns
         if o.freed_ns < 0 or back < 0:
             return False
@@ -1034,6 +1039,7 @@ def _prune_once(problem: Problem, a: Attempt, budget: int, max_exact: int) -> li
         if got is not None:
             state[0], state[1] = got
             state[2] = got[1].op_peak_bytes.astype(np.int64) - budget
+            state[3] = {window_key(x): o for x, o in zip(got[0], got[1].outcomes, strict=True)}
         elif len(group) > 1:
             drop(group[: len(group) // 2])
             drop(group[len(group) // 2 :])
