@@ -427,11 +427,15 @@ class _Selection:
     # compared.
     #
     # Note: [Only gaps that can help]
-    # A swap helps only when the ops it covers hold one still over the target, and those lie
-    # inside its gap (after the evicted-access and before the back-access; for a wrap-around
-    # gap, after it to the end of the iteration or from the start up to the back-access). In
-    # the swap-first phase, where the excess only falls, a pair whose gap holds no such op is
-    # passed over without an estimate (the estimate could not help): the same pairs are taken.
+    # The swap-first phase takes a pair only when its estimate has no overhead and covers an op
+    # still over the target. Every option without overhead covers ops within
+    # ``SwapTimer.hidden_span`` (from the first op after the swap-out to the last that ends by
+    # the latest in-copy start still in time; None: no option is without overhead), and a
+    # wrap-around swap covers ops of its gap (after the evicted-access to the end of the
+    # iteration, from the start up to the back-access). So a pair whose span (a wrap's gap)
+    # holds no such op is passed over without an estimate: the same pairs are taken, as the
+    # estimate could not have helped (tests/test_channel.py checks the span against every
+    # in-trigger).
     #
     # Note: [Candidates ranked once]
     # A pair's free time (Eq. 1) depends on the problem alone (op times and bandwidths, not the
