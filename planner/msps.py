@@ -30,6 +30,7 @@ loop stays O(selections * affected * log n) instead of cubic.
 from __future__ import annotations
 
 import heapq
+import weakref
 from dataclasses import dataclass, field
 
 from .gaps import AccessGap
@@ -74,6 +75,14 @@ class RecomputeCandidate:
         return self.gap.size_bytes / max(1, self.overhead_ns)
 
 
+# Note: [Replay costs per problem]
+# A candidate's replay time and temporaries are functions of the problem, its storage and its
+# replay's ops alone; the queue is made again every round of selection (the residency changes)
+# and adds every candidate, mostly with the replays it had before (the replay memo, lineage
+# Note [Replay memo]), so both are remembered per problem under (storage, replay ops).
+_REPLAY_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class MspsQueue:
     """Candidates for recomputation with Algorithm 2's selection and update."""
 
@@ -98,11 +107,16 @@ class MspsQueue:
         if r is None:
             return None
         ops, srcs = r
-        durs = self.p.ops
-        c = RecomputeCandidate(
-            gap, set(srcs), sum(durs[j].duration_ns for j in ops), replay_ops=set(ops)
-        )
-        c.temp_bytes = self._temp_bytes(c)
+        costs = _REPLAY_COSTS.get(self.p)
+        if costs is None:
+            costs = _REPLAY_COSTS[self.p] = {}
+        key = (sid, tuple(ops))  # Note [Replay costs per problem]
+        got = costs.get(key)
+        c = RecomputeCandidate(gap, set(srcs), 0, replay_ops=set(ops))
+        if got is None:
+            durs = self.p.ops
+            got = costs[key] = (sum(durs[j].duration_ns for j in ops), self._temp_bytes(c))
+        c.rp_time_ns, c.temp_bytes = got
         self.cands[sid] = c
         for x in c.srcs:
             self.users.setdefault(x, set()).add(sid)

@@ -212,6 +212,22 @@ plan gets faster without its peak rising above the bound it was given.
 # 31.7 -> 21.1 s with the same plan (docs/planner.md, "Speed"). The simulator's own memo keeps
 # the most recent plans only (simulator.py ``_MEMO_EVENTS``), too few to catch these repeats.
 #
+# Note: [Pruned in groups]
+# ``prune``'s exact part tries the ``max_exact`` costliest decisions in order, and most trials
+# succeed (on a 22-layer Llama at 80%: 1,078 of 1,369 kept, each a simulation of 5-6 ms). So
+# they are tried in groups: all of them dropped at once first, kept by the accept rule when the
+# plan without them fits and is no slower; a group that is refused is split in halves, each
+# tried on its own in order, down to single decisions (where a lone decision is refused as
+# before). Before each try a decision is left out when the conservative check already says its
+# bytes overflow an op surely without it in the current plan: from its memory's release to its
+# swap-in or return as the current plan's simulation has them (not the first plan's: dropping
+# decisions moves the others' copies), on both ranges of a wrap-around gap (which the check
+# left to the simulator before; the trials refused on peak seen on the Llama were those). A
+# group kept is judged as a whole: a plan without several decisions at once may be kept where
+# one of them alone would have been refused on time (never on peak: the plan kept fits), so
+# plans can differ from one-at-a-time pruning (docs/planner.md, "Speed": the bundled and DTR
+# cells at 80/60/50/40% the same or faster; the Llama's the same).
+#
 # Note: [Garbage collection while searching]
 # A search allocates millions of short-lived objects (decisions, outcomes, tuples of the
 # simulator and the lineage); each allocation burst triggers the cyclic collector, which walks
@@ -940,7 +956,8 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
     (their stall, replay and host work: Note [Pruning what costs host work]; among equal costs
     the smaller first): the first ``max_exact`` by re-simulating the plan without them (kept
     out when it still fits), the rest by a conservative estimate (their bytes back on every op
-    of their gap, both ranges of a wrap-around gap) confirmed by one final simulation.
+    of their gap, both ranges of a wrap-around gap) confirmed by one final simulation. The
+    exact part tries groups of decisions, split where refused (Note [Pruned in groups]).
     """
     sim = a.sim
     key = (tuple(a.decisions), sim.time_ns, sim.peak_bytes, a.regen, budget, max_exact)
@@ -977,28 +994,58 @@ def _prune_once(problem: Problem, a: Attempt, budget: int, max_exact: int) -> li
     ]
     if not order:
         return decisions
-    current = decisions
-    excess = sim.op_peak_bytes.astype(np.int64) - budget
     out_of = {window_key(d): o for d, o in zip(decisions, sim.outcomes, strict=True)}
-    for d in order[:max_exact]:
-        o = out_of[window_key(d)]
+    # the plan, its simulation, its excess over the budget per op, its outcomes by window
+    state = [decisions, sim, sim.op_peak_bytes.astype(np.int64) - budget, out_of]
+
+    def surely_over(d: Decision) -> bool:
+        """The conservative check against the current plan: ``d``'s bytes back on the ops
+        surely without it (from its memory's release to its swap-in or return; both ranges of
+        a wrap-around gap) overflow one of them."""
+        o = state[3].get(window_key(d))
+        if o is None:
+            return False
         back = o.in_start_ns if o.in_start_ns >= 0 else o.back_ns
-        if o.freed_ns >= 0 and back > o.freed_ns:  # ops surely without it: it would add there
-            lo = int(np.searchsorted(sim.op_start_ns, o.freed_ns, side="left"))
-            hi = int(np.searchsorted(sim.op_end_ns, back, side="right"))
+        if o.freed_ns < 0 or back < 0:
+            return False
+        s, e, excess = state[1].op_start_ns, state[1].op_end_ns, state[2]
+        if back > o.freed_ns:
+            spans = [(o.freed_ns, back)]
+        elif d.wraps:
+            spans = [(o.freed_ns, None), (None, back)]
+        else:
+            return False
+        for t0, t1 in spans:
+            lo = 0 if t0 is None else int(np.searchsorted(s, t0, side="left"))
+            hi = len(e) if t1 is None else int(np.searchsorted(e, t1, side="right"))
             if hi > lo and excess[lo:hi].max() + d.size_bytes > 0:
-                continue
-        # improve Note [The accept rule], sideways: a plan without d at the same time is kept
+                return True
+        return False
+
+    def drop(group: list[Decision]) -> None:
+        """Note [Pruned in groups]: ``group`` dropped at once when the accept rule keeps that,
+        else each half on its own, down to single decisions."""
+        group = [d for d in group if not surely_over(d)]
+        if not group:
+            return
+        # improve Note [The accept rule], sideways: a plan without them at the same time is kept
         got = accept(
             problem,
-            lambda c=current, d=d: _without(problem, c, d, regen),
-            sim.time_ns,
+            lambda c=state[0], g=group: _without(problem, c, g, regen),
+            state[1].time_ns,
             budget,
             ties=True,
         )
         if got is not None:
-            current, sim = got
-            excess = sim.op_peak_bytes.astype(np.int64) - budget
+            state[0], state[1] = got
+            state[2] = got[1].op_peak_bytes.astype(np.int64) - budget
+            state[3] = {window_key(x): o for x, o in zip(got[0], got[1].outcomes, strict=True)}
+        elif len(group) > 1:
+            drop(group[: len(group) // 2])
+            drop(group[len(group) // 2 :])
+
+    drop(order[:max_exact])
+    current, sim = state[0], state[1]
     live = {window_key(x) for x in current}
     rest = [d for d in order[max_exact:] if window_key(d) in live]
     if not rest:
@@ -1038,9 +1085,13 @@ def _host_ns(problem: Problem, d: Decision) -> int:
 
 
 def _without(
-    problem: Problem, decisions: list[Decision], gone: Decision, regen: frozenset = frozenset()
+    problem: Problem,
+    decisions: list[Decision],
+    gone: Iterable[Decision],
+    regen: frozenset = frozenset(),
 ) -> list[Decision] | None:
-    """``decisions`` minus ``gone``: the replays that regenerated its storage now read it as a
-    source instead (``lineage.reresolved``); the others are unchanged."""
-    kept = [x for x in decisions if x is not gone]
-    return reresolved(problem, kept, (gone.storage_id,), regen)
+    """``decisions`` minus those of ``gone``: the replays that regenerated their storages now
+    read them as sources instead (``lineage.reresolved``); the others are unchanged."""
+    ids = {id(x) for x in gone}
+    kept = [x for x in decisions if id(x) not in ids]
+    return reresolved(problem, kept, {x.storage_id for x in gone}, regen)

@@ -207,6 +207,22 @@ class SwapTimer:
         out_end = self.d2h.first_fit(self._end[a], t_out) + t_out
         return max(0, self.h2d.first_fit(out_end, t_in) + t_in - self._start[b])
 
+    def hidden_span(self, size: int, a: int, b: int) -> tuple[int, int] | None:
+        """The ops that an ``estimate(size, a, b, ...)`` option without overhead can cover lie
+        in the returned range (inclusive); None when every option has overhead
+        (``least_overhead`` above zero). Every option's out-copy is the same and ends at
+        ``out_end``; a copy that ends in time starts by ``start[b] - t_in``, and an option
+        covers the ops from the first starting after ``out_end`` to the last ending by its
+        copy's start (``_at``)."""
+        t_out = self.out_time(size)
+        t_in = self.in_time(size)
+        out_end = self.d2h.first_fit(self._end[a], t_out) + t_out
+        latest = self._start[b] - t_in
+        if self.h2d.first_fit(out_end, t_in) > latest:
+            return None
+        lo = max(bisect_left(self._start, out_end), a + 1)
+        return lo, min(bisect_right(self._end, latest) - 1, b - 1)
+
     def estimate(self, size: int, a: int, b: int, useful=None) -> SwapEstimate:
         """Swap-out after op ``a``, back at op ``b``, in-trigger per Note [In-trigger search].
 

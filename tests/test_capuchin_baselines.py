@@ -75,3 +75,31 @@ def test_the_recompute_policys_descent_is_picked_where_it_beats_the_grid(monkeyp
     assert rec.peak_bytes <= budget
     got = simulate(problem, list(policy.capuchin(problem, budget).decisions))
     assert got.peak_bytes <= budget and got.time_ns <= rec.time_ns
+
+
+def test_baselines_that_cannot_fit_are_not_made(monkeypatch):
+    # Note [Baselines that cannot fit]: below the floor of the problem without the persistent
+    # candidates no baseline plan fits, and where capuchin's own plan fits the pick cannot take
+    # one: the recompute policy is not asked; above that floor it is
+    mlp = Path(__file__).resolve().parent.parent / "traces" / "mlp.trace.parquet"
+    problem = Problem.from_trace(load_trace(mlp))
+    floor = problem.restricted().floor_bytes()
+    asked = []
+    real = policy.recompute_only
+
+    def counted(p, budget_bytes, **kw):
+        asked.append(budget_bytes)
+        return real(p, budget_bytes, **kw)
+
+    monkeypatch.setattr(policy, "recompute_only", counted)
+    below = int(problem.peak_bytes * 0.4)
+    assert below < floor  # the premise: the MLP's state keeps 47% of its peak
+    ds = policy.capuchin(problem, below).decisions
+    assert simulate(problem, list(ds)).peak_bytes <= below  # capuchin's plan fits
+    assert asked == []
+    above = int(problem.peak_bytes * 0.5)
+    assert above >= floor
+    ds = policy.capuchin(problem, above).decisions
+    sim = simulate(problem, list(ds))
+    assert sim.peak_bytes <= above and sim.time_ns > problem.time_ns  # not free: no early stop
+    assert asked == [above]

@@ -90,3 +90,43 @@ def test_least_overhead_bounds_every_estimate():
             checked += 1
             tight += lb == e.overhead_ns > 0
     assert checked > 1000 and tight > 10
+
+
+def test_hidden_span_holds_every_hidden_option():
+    # SwapTimer.hidden_span (policies/capuchin.py Note [Only gaps that can help]): the swap-first
+    # pass skips a pair when no op of the span is over the target, so every in-trigger whose copy
+    # ends in time must cover ops of the span only, and there must be none when it is None; on
+    # channels filled at random
+    from pathlib import Path
+
+    import numpy as np
+    from capuchin.planner.problem import Problem
+    from capuchin.planner.swapping import SwapTimer
+    from capuchin.tracer.reader import load_trace
+
+    root = Path(__file__).resolve().parent.parent
+    problem = Problem.from_trace(load_trace(root / "traces" / "transformer.trace.parquet"))
+    rnd = random.Random(1)
+    gaps = [(s.size_bytes, a, b) for s in problem.storages.values() for a, b in s.gaps()]
+    t_end = int(problem.end_ns[-1])
+    hidden = at_edge = none = 0
+    for _ in range(10):
+        timer = SwapTimer(problem, np.zeros(problem.n_ops, dtype=bool))
+        for _ in range(rnd.randint(0, 60)):
+            s = rnd.randint(0, t_end)
+            (timer.d2h if rnd.random() < 0.5 else timer.h2d).reserve(
+                s, s + rnd.randint(1, t_end // 50)
+            )
+        for size, a, b in rnd.sample(gaps, min(60, len(gaps))):
+            span = timer.hidden_span(size, a, b)
+            t_out, t_in = timer.out_time(size), timer.in_time(size)
+            out_start = timer.d2h.first_fit(timer._end[a], t_out)
+            none += span is None
+            for k in [*range(a + 1, b), None]:
+                e = timer._at(k, a, b, out_start, out_start + t_out, t_in)
+                if e.overhead_ns > 0 or e.cover_lo > e.cover_hi:
+                    continue
+                assert span is not None and span[0] <= e.cover_lo <= e.cover_hi <= span[1]
+                hidden += 1
+                at_edge += e.cover_hi == span[1]
+    assert hidden > 1000 and at_edge > 10 and none > 10

@@ -185,6 +185,26 @@ def test_prune_drops_swaps_that_cost_only_host_work():
     assert prune(p, Attempt(ds, psim), p.peak_bytes) == ds
 
 
+def test_prune_drops_a_group_in_one_trial(monkeypatch):
+    # Note [Pruned in groups]: at the baseline peak every swap may go; dropped all at once, one
+    # trial simulation does it (one at a time, one per swap)
+    from capuchin.planner import improve
+
+    p, hp, ds = _hosted_swaps()
+    sim = simulate(hp, ds)
+    assert len(ds) >= 5
+    trials = []
+    real = improve.simulate
+
+    def counted(problem, decisions, **kw):
+        trials.append(len(decisions))
+        return real(problem, decisions, **kw)
+
+    monkeypatch.setattr(improve, "simulate", counted)
+    assert prune(hp, Attempt(ds, sim), p.peak_bytes) == []
+    assert trials == [0]
+
+
 def test_prune_tries_the_smaller_of_equally_costly_swaps_first():
     # Note [Pruning what costs host work]: the hidden swaps each cost the same host work; at a
     # budget halfway between the plan's peak and the baseline's, dropping the smaller first
@@ -441,3 +461,24 @@ def test_the_plan_switched_after_every_round_only_on_smaller_problems(monkeypatc
     monkeypatch.setattr(search, "AFTER_ROUND_MAX_OPS", p.n_ops)
     grid(_transformer(), Capuchin("hybrid"), sw)
     assert calls and not any(calls)
+
+
+@pytest.mark.parametrize("frac", [0.5, 0.45, 0.4])
+def test_the_first_swaps_are_shared_between_planners(frac):
+    # policies/capuchin.py Note [The first swaps, shared]: a planner that takes a target's first
+    # swaps from the ones made before it (a candidate per gap, the hybrid) plans as it does alone
+    from dataclasses import replace
+    from pathlib import Path
+
+    from capuchin.tracer.reader import load_trace
+
+    path = Path(__file__).resolve().parent.parent / "traces" / "transformer.trace.parquet"
+    alone = Problem.from_trace(load_trace(path))
+    shared = Problem.from_trace(load_trace(path))
+    target = int(alone.peak_bytes * frac)
+    per_gap = replace(Capuchin("hybrid"), per_gap=True)
+    want = {c: c(alone, target).decisions for c in (Capuchin("swap"), Capuchin("hybrid"))}
+    assert per_gap(shared, target).decisions != want[Capuchin("hybrid")]  # per gap differs
+    for c in (Capuchin("hybrid"), Capuchin("swap")):
+        assert c(shared, target).decisions == want[c]
+    assert len(shared.__dict__["_swap_first"]) == 2  # one per candidate key: shared
