@@ -59,30 +59,39 @@ def test_first_fit_between_reservations(seed):
             assert c.first_fit(e0, d) == scan_first_fit(c.starts, c.ends, e0, d)
 
 
-def test_least_overhead_bounds_every_estimate():
-    # SwapTimer.least_overhead: the hybrid's zero-overhead pass skips a pair when it is > 0, so it
-    # must never exceed the overhead the estimate gives, on channels filled at random
+def _transformer_gaps():
+    """The bundled transformer's problem, its storages' access gaps and its iteration's end."""
     from pathlib import Path
 
-    import numpy as np
     from capuchin.planner.problem import Problem
-    from capuchin.planner.swapping import SwapTimer
     from capuchin.tracer.reader import load_trace
 
     root = Path(__file__).resolve().parent.parent
     problem = Problem.from_trace(load_trace(root / "traces" / "transformer.trace.parquet"))
-    rnd = random.Random(0)
     gaps = [(s.size_bytes, a, b) for s in problem.storages.values() for a, b in s.gaps()]
-    t_end = int(problem.end_ns[-1])
+    return problem, gaps, int(problem.end_ns[-1])
+
+
+def _fill_at_random(timer, rnd: random.Random, t_end: int) -> None:
+    """Up to 60 random reservations on the timer's two copy channels."""
+    for _ in range(rnd.randint(0, 60)):
+        s = rnd.randint(0, t_end)
+        (timer.d2h if rnd.random() < 0.5 else timer.h2d).reserve(s, s + rnd.randint(1, t_end // 50))
+
+
+def test_least_overhead_bounds_every_estimate():
+    # SwapTimer.least_overhead: the hybrid's zero-overhead pass skips a pair when it is > 0, so it
+    # must never exceed the overhead the estimate gives, on channels filled at random
+    import numpy as np
+    from capuchin.planner.swapping import SwapTimer
+
+    problem, gaps, t_end = _transformer_gaps()
+    rnd = random.Random(0)
     checked = tight = 0
     for _ in range(20):
         in_peak = np.array([rnd.random() < 0.3 for _ in range(problem.n_ops)])
         timer = SwapTimer(problem, in_peak)
-        for _ in range(rnd.randint(0, 60)):
-            s = rnd.randint(0, t_end)
-            (timer.d2h if rnd.random() < 0.5 else timer.h2d).reserve(
-                s, s + rnd.randint(1, t_end // 50)
-            )
+        _fill_at_random(timer, rnd, t_end)
         for size, a, b in rnd.sample(gaps, min(200, len(gaps))):
             lb = timer.least_overhead(size, a, b)
             e = timer.estimate(size, a, b)
@@ -97,26 +106,15 @@ def test_hidden_span_holds_every_hidden_option():
     # pass skips a pair when no op of the span is over the target, so every in-trigger whose copy
     # ends in time must cover ops of the span only, and there must be none when it is None; on
     # channels filled at random
-    from pathlib import Path
-
     import numpy as np
-    from capuchin.planner.problem import Problem
     from capuchin.planner.swapping import SwapTimer
-    from capuchin.tracer.reader import load_trace
 
-    root = Path(__file__).resolve().parent.parent
-    problem = Problem.from_trace(load_trace(root / "traces" / "transformer.trace.parquet"))
+    problem, gaps, t_end = _transformer_gaps()
     rnd = random.Random(1)
-    gaps = [(s.size_bytes, a, b) for s in problem.storages.values() for a, b in s.gaps()]
-    t_end = int(problem.end_ns[-1])
     hidden = at_edge = none = 0
     for _ in range(10):
         timer = SwapTimer(problem, np.zeros(problem.n_ops, dtype=bool))
-        for _ in range(rnd.randint(0, 60)):
-            s = rnd.randint(0, t_end)
-            (timer.d2h if rnd.random() < 0.5 else timer.h2d).reserve(
-                s, s + rnd.randint(1, t_end // 50)
-            )
+        _fill_at_random(timer, rnd, t_end)
         for size, a, b in rnd.sample(gaps, min(60, len(gaps))):
             span = timer.hidden_span(size, a, b)
             t_out, t_in = timer.out_time(size), timer.in_time(size)
