@@ -212,6 +212,15 @@ SCRIPT_SLOW_KEY = "slow_op_script_ns"
 # one output where the script's ops have more to flatten, look up and name.
 
 
+def _figure(measured: dict, key: str) -> int | None:
+    """A figure of a trace's ``host_costs``: an integer above 0, else None (no measurement)."""
+    try:
+        v = int(measured[key])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return v if v > 0 else None
+
+
 def calibrated(measured: dict | None) -> RuntimeCosts | None:
     """The CPU runtime's costs with each figure a trace measured (Note [Calibrated host costs];
     ``HOST_COST_KEYS``) in place of its constant in ``CPU``: the loops' per-op figures scaled by
@@ -219,25 +228,17 @@ def calibrated(measured: dict | None) -> RuntimeCosts | None:
     figures never below their constants (``FLOORED_KEYS``); None where nothing usable was
     measured (a figure of 0 or less, or not an integer, is not used)."""
     m = measured or {}
-
-    def figure(key: str) -> int | None:
-        try:
-            v = int(m[key])
-        except (KeyError, TypeError, ValueError):
-            return None
-        return v if v > 0 else None
-
-    hot, loop_hot = figure("hot_op_ns"), figure(LOOP_HOT_KEY)
+    hot, loop_hot = _figure(m, "hot_op_ns"), _figure(m, LOOP_HOT_KEY)
     scale = max(1.0, hot / loop_hot) if hot and loop_hot else 1.0
     found = {}
     for key in HOST_COST_KEYS:
-        v = figure(key)
+        v = _figure(m, key)
         if v is None:
             continue
         if key in SCALED_KEYS:
             v = int(round(v * scale))
         found[key] = max(v, getattr(CPU, key)) if key in FLOORED_KEYS else v
-    script_slow = figure(SCRIPT_SLOW_KEY)
+    script_slow = _figure(m, SCRIPT_SLOW_KEY)
     if script_slow:
         found["slow_op_ns"] = max(script_slow, CPU.slow_op_ns)
     return replace(CPU, **found) if found else None
@@ -265,18 +266,12 @@ def cuda_calibrated(measured: dict | None) -> RuntimeCosts | None:
     """The CUDA runtime's costs with the per-op figures the trace's probe measured in the
     script's steps (Note [Host work on CUDA]); None where it measured none above 0."""
     m = measured or {}
-    found = {}
-    for key, field in (
-        ("hot_op_ns", "hot_op_ns"),
-        ("guarded_op_ns", "guarded_op_ns"),
-        (SCRIPT_SLOW_KEY, "slow_op_ns"),
-    ):
-        try:
-            v = int(m[key])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if v > 0:
-            found[field] = v
+    keys = {
+        "hot_op_ns": "hot_op_ns",
+        "guarded_op_ns": "guarded_op_ns",
+        SCRIPT_SLOW_KEY: "slow_op_ns",
+    }
+    found = {field: v for key, field in keys.items() if (v := _figure(m, key)) is not None}
     return replace(CUDA, **found) if found else None
 
 

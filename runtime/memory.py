@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..peak import op_window
 from ..tracer.hooks import flatten_outputs
 from ..tracer.schema import shape_signature
 from .state import storage_key
@@ -63,14 +64,19 @@ class DeviceMemory:
             return
         self.has_plan_scratch = True
         for (name, *rest), n in zip(plan.ops, scratch, strict=False):
-            if n < _SCRATCH_MIN_BYTES:
-                continue
-            sig = rest[0] if rest else ""
-            key = (name, sig)
-            self.scratch_exact[key] = max(self.scratch_exact.get(key, 0), int(n))
-            elems = _signature_elements(sig)
-            if elems > 0:
-                self.scratch_ratio[name] = max(self.scratch_ratio.get(name, 0.0), n / elems)
+            self.note_scratch(name, rest[0] if rest else "", n)
+
+    def note_scratch(self, name: str, sig: str, n: int) -> None:
+        """Op ``name`` on input shapes ``sig`` took ``n`` bytes of scratch: reserved exactly for
+        those shapes, and per input element for the name (the largest seen); below
+        ``_SCRATCH_MIN_BYTES`` it is noise."""
+        if n < _SCRATCH_MIN_BYTES:
+            return
+        key = (name, sig)
+        self.scratch_exact[key] = max(self.scratch_exact.get(key, 0), int(n))
+        elems = _signature_elements(sig)
+        if elems > 0:
+            self.scratch_ratio[name] = max(self.scratch_ratio.get(name, 0.0), n / elems)
 
     def scratch(self, name: str, flat: list, out_bytes: int, evicted_bytes: int = 0) -> int:
         """Scratch bytes op ``name`` on inputs ``flat`` (allocating ``out_bytes`` of new outputs)
@@ -232,8 +238,6 @@ class CUDAMemory(DeviceMemory):
         return not self.has_plan_scratch
 
     def op_starts(self, name: str, flat: list) -> None:
-        from ..peak import op_window
-
         key = (name, shape_signature(t.shape for t in flat))
         n = self._watches.get(key, 0)
         if n >= _WATCHES:  # learned: no more counter reads for this op on these shapes
@@ -243,20 +247,10 @@ class CUDAMemory(DeviceMemory):
         self._watched = key
 
     def op_ends(self) -> None:
-        from ..peak import op_window
-
         key, self._watched = self._watched, None
-        if key is None:
-            return
-        peak, cur = op_window(self.device)
-        n = peak - cur
-        if n < _SCRATCH_MIN_BYTES:
-            return
-        if n > self.scratch_exact.get(key, 0):
-            self.scratch_exact[key] = n
-        elems = _signature_elements(key[1])
-        if elems > 0:
-            self.scratch_ratio[key[0]] = max(self.scratch_ratio.get(key[0], 0.0), n / elems)
+        if key is not None:
+            peak, cur = op_window(self.device)
+            self.note_scratch(*key, peak - cur)
 
 
 def memory_for(device: torch.device, plan=None) -> DeviceMemory:

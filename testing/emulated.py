@@ -16,8 +16,8 @@
   backed by the allocator model (``is_available``, ``device_count``, ``current_device``,
   ``get_device_properties``, ``set_per_process_memory_fraction``, ``memory_allocated``,
   ``max_memory_allocated``, ``reset_peak_memory_stats``, ``synchronize``,
-  ``torch._C._cuda_memoryStats``, ``torch._C._cuda_resetPeakMemoryStats``), restored on exit. Tensors stay on the CPU: it emulates what
-  capuchin asks the CUDA runtime, not CUDA kernels.
+  ``torch._C._cuda_memoryStats``, ``torch._C._cuda_resetPeakMemoryStats``), restored on exit.
+  Tensors stay on the CPU: it emulates what capuchin asks the CUDA runtime, not CUDA kernels.
 """
 
 from __future__ import annotations

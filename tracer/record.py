@@ -866,8 +866,7 @@ class Tracer:
 
     def _plain_iteration_ns(self) -> int | None:
         """The median plain step (ns), or None (and ``log`` says why)."""
-        # Note [Plain step]: the steps before any probe step where the probe ran
-        steps = self._plain_before_probe or self._phase_times("plain")
+        steps = self._baseline_steps()
         if steps:
             ns = int(round(statistics.median(steps) * 1e9))
             self.log(
@@ -921,6 +920,11 @@ class Tracer:
         ]
         mid = int(statistics.median(sizes)) if sizes else 1 << 20
         return min(max(mid, 64 << 10), 64 << 20)
+
+    def _baseline_steps(self) -> list[float]:
+        """The plain steps the baseline takes (Note [Plain step]): those before any probe step
+        where the probe ran, else every plain step."""
+        return self._plain_before_probe or self._phase_times("plain")
 
     def _phase_times(self, phase: str) -> list[float]:
         return [r[phase] for r in self._rounds if phase in r]
@@ -1134,8 +1138,7 @@ class Tracer:
         if self._plain_warmup_s is not None:
             extra["plain_warmup_wall_s"] = round(self._plain_warmup_s, 6)
         if self._phase_times("plain"):
-            steps = self._plain_before_probe or self._phase_times("plain")
-            extra["plain_iteration_wall_s"] = [round(x, 6) for x in steps]
+            extra["plain_iteration_wall_s"] = [round(x, 6) for x in self._baseline_steps()]
             if self._plain_after_probe:
                 extra["plain_after_probe_wall_s"] = [round(x, 6) for x in self._plain_after_probe]
         elif self._plain_note is not None:
