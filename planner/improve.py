@@ -1,9 +1,8 @@
 """The improvement kernel: one accept rule and one selector for every search over plans. No torch.
 
 # Note: [The accept rule]
-# Every local improvement of a plan (search.prune, search.switch_stalled and through it the
-# recompute-first conversions, hiding.hide and hiding.advance, search_plans below, behind
-# ``capuchin-ls``) proposes trial plans and keeps one by the same rule, ``accept``: the trial is
+# Every local improvement of a plan (search.prune, search.switch_stalled, hiding.hide and
+# hiding.advance, search_plans below, behind ``capuchin-ls``) proposes trial plans and keeps one by the same rule, ``accept``: the trial is
 # made and simulated; it is kept when it breaks no invariant (``PlanError`` while making or
 # simulating it rejects it), its simulated peak is at most the bound, and it is faster than the
 # current plan. With ``ties=True`` an equally fast trial is kept too: a sideways move, for

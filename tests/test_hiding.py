@@ -34,7 +34,6 @@ def _without_hiding(monkeypatch, problem: Problem, budget: int):
     """The capuchin plan as it was before the hidden variants: none offered."""
     with monkeypatch.context() as m:
         m.setattr(search, "hidden", lambda problem, plans, budget: [])
-        m.setattr(cap, "hidden", lambda problem, plans, budget: [])
         return cap.capuchin(problem, budget).decisions
 
 

@@ -1,5 +1,5 @@
-"""The search combinators of planner/search.py on their own: around a plain registered policy
-(DTR, through ``PolicyPlanner``) and around Capuchin's Algorithm 1, judged by the simulator."""
+"""The search combinators of planner/search.py on their own, around Capuchin's Algorithm 1,
+judged by the simulator."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from capuchin.planner.registry import get_policy
 from capuchin.planner.search import (
     Attempt,
     GridPlan,
-    PolicyPlanner,
     Switching,
     best_of,
     grid,
@@ -49,11 +48,11 @@ def test_pick_fastest_fitting_else_lowest_peak():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_grid_around_a_registered_policy_is_monotone_and_not_worse(seed):
-    # DTR is not monotone in the budget on its own; on the grid a larger budget only chooses
-    # among more plans, so the simulated time never rises with the budget.
+def test_a_pick_over_the_grid_is_monotone(seed):
+    # Note [Targets]: on the grid a larger budget only chooses among more plans, so the
+    # simulated time never rises with the budget
     p = _random(seed)
-    planner = PolicyPlanner("dtr")
+    planner = Capuchin("hybrid")
     plans = grid(p, planner)
     assert len(plans) >= 1
     assert grid(p, planner) is plans  # cached per problem and planner
@@ -69,17 +68,21 @@ def test_grid_around_a_registered_policy_is_monotone_and_not_worse(seed):
 
 
 def test_finer_grids_hold_the_coarser_targets(monkeypatch):
-    # Note [Targets]: 9 steps above the floor from FINE_GRID_OPS ops, 19 below, 39 below
-    # FINEST_GRID_OPS; each grid holds every target of the coarser one
+    # Note [Search breadth]: 39 steps above the floor while 40 steps times the ops stay under
+    # GRID_OP_STEPS, else 19 while 20 steps do, else 9; each grid holds every target of the
+    # coarser one, and only the coarsest makes a problem not small
     from capuchin.planner import search
 
     p = _transformer()
-    assert p.n_ops < search.FINEST_GRID_OPS
+    assert 40 * p.n_ops < search.GRID_OP_STEPS
     finest = grid_targets(p)
-    monkeypatch.setattr(search, "FINEST_GRID_OPS", 0)
+    assert search.small(p)
+    monkeypatch.setattr(search, "GRID_OP_STEPS", 40 * p.n_ops)
     fine = grid_targets(p)
-    monkeypatch.setattr(search, "FINE_GRID_OPS", 0)
+    assert search.small(p)
+    monkeypatch.setattr(search, "GRID_OP_STEPS", 20 * p.n_ops)
     coarse = grid_targets(p)
+    assert not search.small(p)
     above = [len([t for t in g if t > p.floor_bytes()]) for g in (coarse, fine, finest)]
     assert above == [9, 19, 39]
     assert set(coarse) <= set(fine) <= set(finest)
@@ -105,7 +108,7 @@ def test_the_finest_grid_lowers_a_cell(monkeypatch):
         return sim.time_ns - p.time_ns
 
     finest = extra()
-    monkeypatch.setattr(search, "FINEST_GRID_OPS", 0)
+    monkeypatch.setattr(search, "grid_steps", lambda p: 20)  # Note [Search breadth]
     assert finest < 0.9 * extra()
 
 
@@ -440,8 +443,8 @@ def test_deep_needed_goes_down_only_as_far_as_a_fitting_plan():
 
 
 def test_the_plan_switched_after_every_round_only_on_smaller_problems(monkeypatch):
-    # Note [Stalled swaps]: under AFTER_ROUND_MAX_OPS ops a stalled target plan is also made
-    # again with switching after every round; from that size on it is not
+    # Note [Stalled swaps]: on small problems a stalled target plan is also made again with
+    # switching after every round (Note [Search breadth]); on others it is not
     from capuchin.planner import search
 
     calls = []
@@ -454,11 +457,11 @@ def test_the_plan_switched_after_every_round_only_on_smaller_problems(monkeypatc
     monkeypatch.setattr(Capuchin, "__call__", spy)
     sw = Switching(True, 200)
     p = _transformer()
-    assert p.n_ops < search.AFTER_ROUND_MAX_OPS
+    assert search.small(p)
     grid(p, Capuchin("hybrid"), sw)
     assert any(calls), "a stalled plan was switched after every round"
     calls.clear()
-    monkeypatch.setattr(search, "AFTER_ROUND_MAX_OPS", p.n_ops)
+    monkeypatch.setattr(search, "small", lambda p: False)
     grid(_transformer(), Capuchin("hybrid"), sw)
     assert calls and not any(calls)
 

@@ -26,59 +26,32 @@ it in the generic search of planner/search.py, which is not in the paper.
 # candidate per gap instead (``_key``): its gaps within the iteration and its wrap-around gap
 # may all be chosen, each a swap of its own, their windows disjoint (plan.py Note [Several
 # windows per storage]). Where state dominates memory the floor counts every gap of it out
-# (problem.py ``floor_bytes``): a moment swapped across the boundary only is still resident
-# from its update to the end, and one swapped between its Adam ops only from its update through
-# the next forward. With one decision per storage the state-dominated probe's smallest plan
-# stopped at 63% of its peak against a floor of 45% (docs/planner.md; with them it reaches the
-# floor). Greedy selection is not monotone in its candidates: on the bundled transformer at 40%
-# the hybrid and swap-only searches with a candidate per gap instead of one per storage gave
-# +17.1% predicted where those with one per storage gave +14.9%. So the full search (persistent
-# candidates, where the restricted plan does not fit) makes its plans with one per storage
-# first and then the hybrid's with a candidate per gap, and keeps the best: never a slower plan
-# than with one per storage, for the price of one more search there. A swap-only search with a
-# candidate per gap as well changed no plan of big_state or of the bundled traces at
-# 80/60/50/40% (docs/planner.md).
+# (problem.py ``floor_bytes``), and only a candidate per gap reaches it. Greedy selection is not
+# monotone in its candidates (with a candidate per gap some plans get slower), so the search
+# with persistent candidates makes its plans with one per storage and then the hybrid's with a
+# candidate per gap, and keeps the best: never slower than with one per storage.
 #
 # Note: [The search with persistent candidates]
 # The restricted problem's plans cannot go below its floor (``Problem.floor_bytes`` without the
 # persistent candidates); reaching lower is what the persistent candidates are for. So on the
 # full problem the hybrid, swap-only and per-gap hybrid grids are made for the grid's targets
-# below the restricted problem's floor only (``below``; only those above the full problem's
-# floor on problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, where the floor and the targets
-# below it are deep, Note [Deep targets on large problems]), and the recompute-only grid and its
-# conversions for every target, at every budget. (The targets at and below the floor are what
-# reach the floor: with a candidate per gap, tests/test_windows.py; the bundled MLP's smallest
-# feasible budget was 28.2% of its peak without those below the floor, 24.2% with them.) Above the restricted floor those grids cost
-# the most (greedy selection takes many small wrap-around swaps: 1,262 decisions on DTR's
-# InceptionV4 at 60%, against 218 without them, and switching re-simulates each) and won no
-# cell measured there; the recompute-only plans on the full problem's targets won GPT-2 with
-# 12 and 24 layers at 40%. Which targets are planned depends on the problem alone, so the
-# pick stays monotone in the budget (search Note [Monotone by construction]). Before, the
-# choice was the budget's: all targets where the restricted plan did not fit the budget, none
-# where it did, and a budget just below the restricted plans' lowest peak could get a faster
-# plan than one just above (tests/test_planner_properties.py has the generated problem).
-# On the eight DTR traces no target lies between the two floors above the full floor: they
-# get no such grids (their cells measured the same; docs/planner.md, "Monotonicity").
+# below the restricted problem's floor only (``below``; on problems that are not small, only
+# those above the full problem's floor, Note [Deep targets on large problems]), and the
+# recompute-only grid for every target. Above the restricted floor those grids cost the most
+# (greedy selection takes many small wrap-around swaps, and switching re-simulates each) and won
+# no cell measured. Which targets are planned depends on the problem alone, never on the
+# budget, so the pick stays monotone in the budget (search Note [Monotone by construction];
+# tests/test_planner_properties.py holds a generated problem where a budget-dependent choice was
+# not).
 #
 # Note: [Deep targets on large problems]
-# On problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, each candidate (the hybrid, recompute-only
-# and swap-only grids, and the recompute-first conversions) plans for its deep targets (search
-# Note [Deep targets]: at and below the floor, and from the first target whose plan misses it
-# or costs more than ten baseline iterations extra on)
-# only when none of its other plans fits the budget; on smaller problems,
-# where they cost little (DTR U-Net and ResNet-32 plan in 1.2-3.4 s with them) and win cells
-# where other plans fit (the bundled cnn at 40% and mlp at 50%, U-Net at 40%), always. On the
-# large traces the deep plans are the costliest and lose: Algorithm 2 aiming below the floor
-# evicts every candidate and replays long chains (47-211x the baseline iteration on DTR's
-# DenseNet-121 and a 24-layer GPT-2), the hybrid's deep plans end at higher peaks than the
-# others (DenseNet-121: 44-72% of the peak against 26%), and planning, pruning, switching and
-# converting them took 40-65% of the policy's CPU time (GPT-2 with 24 layers: the
-# recompute-only plan for the target just above the floor misses it at 107x the baseline,
-# that for the next target hits it at 46x). Measured with and without them
-# (``capuchin`` at 80/60/50/40% on DTR InceptionV4, Transformer, DenseNet-121 and GPT-2 with 12
-# and 24 layers): the same predicted overhead and peak in all 20 cells. They stay for the budgets
-# that need them (on InceptionV4 and the DTR Transformer the deep recompute-only plans reach
-# lower peaks than the others), so the policy's reach is unchanged; where they are taken only
+# On problems that are not small (search Note [Search breadth]), each candidate (the hybrid,
+# recompute-only and swap-only grids) plans for its deep targets (search Note [Deep targets])
+# only when none of its other plans fits the budget; on small problems, where they cost little
+# and win cells where other plans fit, always. On large problems the deep plans are the
+# costliest to make, prune and switch (Algorithm 2 aiming below the floor evicts every candidate
+# and replays long chains) and lost every cell measured where another plan fit; they stay for
+# the budgets that need them, so the policy's reach is unchanged, and where they are taken only
 # plans no faster than the others' lowest-peak plan are offered, which keeps the pick monotone
 # (search Note [Monotone by construction]).
 #
@@ -89,28 +62,19 @@ it in the generic search of planner/search.py, which is not in the paper.
 # capuchin's own plans: ties keep capuchin's, and neither is made when one of capuchin's fits at
 # no cost. So capuchin is never slower under the simulator than recompute-only, nor than DTR
 # where DTR takes part. Up to ``BASELINE_MAX_OPS`` ops the recompute policy picks from the grid
-# capuchin's own recompute-only search made (the same planner on the restricted problem, deep
-# targets when needed as Note [Deep targets on large problems] says: cached, the candidate costs
-# a pick), so it is budget-independent (search Note [Monotone by construction]). Above, the
-# recompute policy plans for the budget itself (search Note [Op limits]), which uses memory the
-# grid's targets leave unused and can be the faster, and DTR's plan is made for the budget by an
+# capuchin's own recompute-only search made (cached: the candidate costs a pick), so it is
+# budget-independent (search Note [Monotone by construction]). Above, the recompute policy plans
+# for the budget itself (search Note [Op limits]) and DTR's plan is made for the budget by an
 # online heuristic: neither is monotone in the budget, and with them the policy is not either
-# (``figures["search"]["baselines"]`` records DTR's candidate). Between ``DEEP_WHEN_NEEDED_OPS``
-# and ``BASELINE_MAX_OPS`` ops DTR's plan is not a candidate: "never slower than DTR" rests
-# there on the cells measured (DTR InceptionV4, Transformer and DenseNet-121 at 80/60/50/40%:
-# the same predicted overheads without DTR's candidate), not on construction. Planning time:
-# one DTR run (0.2-2.3 s on a 9,649-op Llama) and the recompute policy's descent (a few plans:
-# with DTR, 2.1-2.7 -> 4.7-4.9 s on a 13,979-op Llama).
+# (``figures["search"]["baselines"]`` records DTR's candidate). Below ``BASELINE_MAX_OPS`` ops
+# "never slower than DTR" rests on the cells measured (docs/planner.md), not on construction.
 #
 # Note: [Baselines that cannot fit]
 # Both baselines' plans hold decisions on evictable storages only (recomputations, and the
 # on-demand swaps a replay without sources becomes), so none peaks below the floor of the
-# problem without the persistent candidates (``Problem.floor_bytes``: everything stays but
-# evictable storages inside their gaps). Below that floor neither fits, and where one of
+# problem without the persistent candidates. Below that floor neither fits, and where one of
 # capuchin's own plans fits the budget the pick (improve Note [One selector]: a fitting plan
-# before any that does not) cannot take them: they are not made. The pick is the same; on a
-# 9,649-op Llama, where state keeps the budgets from 80% down below that floor, that saves
-# DTR's runs (four at 80%, with calibration) and the recompute policy's descent.
+# before any that does not) cannot take them: they are not made, and the pick is the same.
 #
 # Note: [The search, in the plan's provenance]
 # ``figures["search"]`` (the plan's ``provenance.parameters``) records which plans the search
@@ -143,20 +107,16 @@ from ..search import (
     AfterRound,
     Attempt,
     Switching,
-    at_least,
     best_of,
-    deep_floor,
     deep_needed,
     gc_paused,
-    hidden,
-    recompute_first,
     searched,
+    small,
     timer_from,
 )
 from ..simulator import simulate
 from ..swapping import SwapTimer, WrapEstimate, estimate_wrap, reserve_wrap, wrap_free_time
 
-DEEP_WHEN_NEEDED_OPS = 1000  # Note [Deep targets on large problems]
 _max = np.maximum.reduce
 
 
@@ -171,8 +131,8 @@ def capuchin(
     max_replay_ops: int = 200,
 ) -> PolicyResult:
     """Capuchin's hybrid policy: the best (search Note [Best of variants]) of the hybrid on the
-    target grid with stalled-swap switching, the recompute-only and swap-only plans, and their
-    recompute-first conversions; with and without the persistent candidates. Problems above
+    target grid with stalled-swap switching, the recompute-only and swap-only plans; with and
+    without the persistent candidates. Problems above
     ``SEARCH_MAX_OPS`` ops get the hybrid alone, searched downwards from the budget.
     ``max_rounds``: simulate-and-extend rounds. ``collective``: keep what a replay regenerates
     when it is needed later and memory allows (§5.3). ``max_replay_ops``: longest replay.
@@ -261,8 +221,8 @@ def _costs_nothing(problem: Problem, decisions: list[Decision], budget_bytes: in
 
 
 def _deep(p: Problem) -> bool | None:
-    """Note [Deep targets on large problems]: when needed, from DEEP_WHEN_NEEDED_OPS ops."""
-    return None if p.n_ops >= DEEP_WHEN_NEEDED_OPS else True
+    """Note [Deep targets on large problems]: always on small problems, else when needed."""
+    return True if small(p) else None
 
 
 def _plan(
@@ -274,9 +234,8 @@ def _plan(
     below: int | None = None,
 ) -> list[Decision]:
     """The best (search Note [Best of variants]) of the hybrid on the target grid with
-    stalled-swap switching, the recompute-only and swap-only plans (not with ``light``), and
-    the recompute-only plans' recompute-first conversions and their hidden variants; above
-    ``SEARCH_MAX_OPS`` ops the hybrid alone, searched downwards. Records the deep targets
+    stalled-swap switching, the recompute-only and swap-only plans, and on the full problem the
+    hybrid with a candidate per gap; above ``SEARCH_MAX_OPS`` ops the hybrid alone, searched downwards. Records the deep targets
     planned and the descent in ``made``."""
     hybrid, rec, swap, sw = planners
     if p.n_ops > SEARCH_MAX_OPS:
@@ -300,10 +259,6 @@ def _plan(
         yield search(hybrid, sw, below)
         yield search(rec)
         yield search(swap, None, below)
-        converted = recompute_first(p, rec, budget_bytes, sw, deep=deep)
-        floor = deep_floor(p, rec, budget_bytes, None, deep)  # search Note [Monotone by ...]
-        for g in converted + at_least(hidden(p, converted, budget_bytes), budget_bytes, floor):
-            yield lambda g=g: g.decisions
         if p is not p.restricted():  # Note [A candidate per gap of ...]
             yield search(replace(hybrid, per_gap=True), sw, below)
 
