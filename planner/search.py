@@ -56,9 +56,9 @@ plan gets faster without its peak rising above the bound it was given.
 # Note: [Op limits]
 # ``searched`` plans on the grid up to ``SEARCH_MAX_OPS`` ops and ``descend``s above it (a plan
 # for the budget itself, then for lower targets: cheap, not monotone in the budget), where the
-# grid costs more than the planning-time goal allows. The swap and recompute policies alone
-# descend from ``BASELINE_MAX_OPS`` ops: a fixed grid leaves more of the budget unused than a plan
-# for the budget itself, and without the rest of capuchin's search nothing makes up for it.
+# grid costs more than the planning-time goal allows. The one limit holds for every policy that
+# searches (``capuchin``, ``swap``, ``recompute``), so up to it they are all monotone in the
+# budget by construction (Note [Monotone by construction]).
 #
 # Note: [Free plans first]
 # No plan runs faster than the baseline, so a plan that fits the budget at no cost is as good as
@@ -112,9 +112,9 @@ plan gets faster without its peak rising above the bound it was given.
 # ``best_of`` simulates each candidate plan in order and returns the best by improve Note [One
 # selector], stopping early at a plan that fits at no cost. With the capuchin policy's
 # candidates (its own plan, then the recompute-only and swap-only plans) ``capuchin`` is never
-# worse than ``swap`` or ``recompute`` under the simulator on the grid's problems; where those
-# policies descend (Note [Op limits]) the ``recompute`` policy's own plan and DTR's are
-# candidates too (policies/capuchin.py Note [Never worse than the baselines]).
+# worse than ``swap`` or ``recompute`` under the simulator on the grid's problems; above
+# ``SEARCH_MAX_OPS`` ops, where every policy descends, the ``recompute`` policy's plan and DTR's
+# are candidates too (policies/capuchin.py Note [Never worse than the baselines]).
 #
 # Note: [Restricted first]
 # More candidates can end in a costlier greedy plan (selection is not monotone in its
@@ -533,7 +533,6 @@ def descend(problem: Problem, budget: int, planner: TargetPlanner) -> list[Decis
 
 
 SEARCH_MAX_OPS = 10_000  # problems up to this size get the target grid (Note [Op limits])
-BASELINE_MAX_OPS = 5_000  # the same for the swap and recompute policies (Note [Op limits])
 
 
 def searched(
@@ -543,17 +542,16 @@ def searched(
     switching: Switching | None = None,
     deep: bool | None = True,
     hiding: bool = False,
-    max_ops: int | None = None,
     below: int | None = None,
 ) -> list[Decision]:
-    """``pick(fitting_grid(...))`` up to ``max_ops`` ops (default ``SEARCH_MAX_OPS``),
-    ``descend`` above; ``[]`` when the problem fits the budget as it is. ``deep``: as
+    """``pick(fitting_grid(...))`` up to ``SEARCH_MAX_OPS`` ops, ``descend`` above (Note [Op
+    limits]); ``[]`` when the problem fits the budget as it is. ``deep``: as
     ``fitting_grid``'s. ``hiding``: pick among the fitting plans' ``hidden`` variants too (on
     the grid). ``below``: only the grid's targets below it. Where the deep targets are taken, no
     fitting plan faster than ``deep_floor`` (Note [Monotone by construction])."""
     if problem.n_ops == 0 or problem.peak_bytes <= budget:
         return []
-    if problem.n_ops > (SEARCH_MAX_OPS if max_ops is None else max_ops):
+    if problem.n_ops > SEARCH_MAX_OPS:
         return descend(problem, budget, planner)
     free = _free_from_the_top(problem, planner, budget, switching, deep, below)
     if free is not None:

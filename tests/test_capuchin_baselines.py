@@ -30,7 +30,7 @@ def test_a_faster_recompute_policy_plan_is_picked(monkeypatch):
     # a plan faster than capuchin's own search: the bundled CNN at 60%, where a short seeded
     # local search from capuchin's plan finds one (its decisions stand in for what the
     # recompute policy plans; on the traces measured it is the recompute policy's descent
-    # above BASELINE_MAX_OPS ops that beats the grid)
+    # above SEARCH_MAX_OPS ops that can beat capuchin's)
     problem = Problem.from_trace(load_trace(CNN))
     budget = int(problem.peak_bytes * 0.6)
     own = policy.capuchin(problem, budget).decisions
@@ -57,12 +57,14 @@ def test_capuchin_is_never_slower_than_recompute_only():
             assert own.peak_bytes <= budget and own.time_ns <= rec.time_ns
 
 
-def test_the_recompute_policys_descent_is_picked_where_it_beats_the_grid(monkeypatch):
-    # a generated problem (32 ops) where the recompute policy planning for the budget itself
-    # (``descend``, what it does above BASELINE_MAX_OPS ops) beats capuchin's own search at
-    # 60%: 44,198 ns against 46,367 ns. The limit is lowered so that a small problem takes
-    # that path
-    monkeypatch.setattr(policy, "BASELINE_MAX_OPS", 0)
+def test_the_recompute_policys_descent_is_picked_where_it_beats_capuchins(monkeypatch):
+    # above SEARCH_MAX_OPS ops every policy descends; a generated problem (32 ops) where the
+    # recompute policy's descent beats capuchin's own at 60%. The limit is lowered so that a
+    # small problem takes that path
+    from capuchin.planner import search
+
+    monkeypatch.setattr(search, "SEARCH_MAX_OPS", 0)
+    monkeypatch.setattr(policy, "SEARCH_MAX_OPS", 0)
     ops, sizes, persistent = random_ops(14, 14)
     problem = dataclasses.replace(
         Problem.from_trace(

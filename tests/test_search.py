@@ -377,13 +377,17 @@ def test_problems_above_the_op_limit_descend(monkeypatch):
     assert get_policy("capuchin")(q, budget).figures["search"].get("descend") is True
 
 
-def test_the_baselines_descend_above_their_own_op_limit(monkeypatch):
-    # Note [Op limits]: swap and recompute descend above BASELINE_MAX_OPS, capuchin keeps the
-    # grid up to SEARCH_MAX_OPS
-    import capuchin.planner.policies.capuchin as cap
+def test_the_baselines_descend_above_the_same_op_limit(monkeypatch):
+    # Note [Op limits]: swap and recompute keep the grid up to SEARCH_MAX_OPS as capuchin does,
+    # and descend above it
     from capuchin.planner import search
 
-    monkeypatch.setattr(cap, "BASELINE_MAX_OPS", _transformer().n_ops - 1)
+    for name in ("swap", "recompute"):
+        q = _transformer()
+        budget = q.peak_bytes // 2
+        get_policy(name)(q, budget)
+        assert any(k[0] == "grid" for k in search.problem_cache(q.restricted()))
+    monkeypatch.setattr(search, "SEARCH_MAX_OPS", _transformer().n_ops - 1)
     for name, planner in (
         ("swap", Capuchin("swap", 12, False, 0)),
         ("recompute", Capuchin("recompute")),
@@ -393,8 +397,6 @@ def test_the_baselines_descend_above_their_own_op_limit(monkeypatch):
         r = q.restricted()
         assert list(get_policy(name)(q, budget).decisions) == search.descend(r, budget, planner)
         assert not any(k[0] == "grid" for k in search.problem_cache(r))
-    q = _transformer()
-    assert "descend" not in get_policy("capuchin")(q, q.peak_bytes // 2).figures["search"]
 
 
 def test_a_free_plan_ends_the_search_from_the_top(monkeypatch):

@@ -57,17 +57,17 @@ it in the generic search of planner/search.py, which is not in the paper.
 #
 # Note: [Never worse than the baselines]
 # The policy's pick (search Note [Best of variants]) includes the ``recompute`` policy's plan
-# and, on problems of more than ``BASELINE_MAX_OPS`` ops, the ``dtr`` policy's (its decisions
-# are recomputations the builder completes, a plan the runtime runs like any other), after
+# and, on problems of more than ``SEARCH_MAX_OPS`` ops, the ``dtr`` policy's (its decisions are
+# recomputations the builder completes, a plan the runtime runs like any other), after
 # capuchin's own plans: ties keep capuchin's, and neither is made when one of capuchin's fits at
 # no cost. So capuchin is never slower under the simulator than recompute-only, nor than DTR
-# where DTR takes part. Up to ``BASELINE_MAX_OPS`` ops the recompute policy picks from the grid
-# capuchin's own recompute-only search made (cached: the candidate costs a pick), so it is
-# budget-independent (search Note [Monotone by construction]). Above, the recompute policy plans
-# for the budget itself (search Note [Op limits]) and DTR's plan is made for the budget by an
-# online heuristic: neither is monotone in the budget, and with them the policy is not either
-# (``figures["search"]["baselines"]`` records DTR's candidate). Below ``BASELINE_MAX_OPS`` ops
-# "never slower than DTR" rests on the cells measured (docs/planner.md), not on construction.
+# where DTR takes part. Up to ``SEARCH_MAX_OPS`` ops the recompute policy picks from the grid
+# capuchin's own recompute-only search made (cached: the candidate costs a pick), so the pick
+# stays budget-independent (search Note [Monotone by construction]); there "never slower than
+# DTR" rests on the cells measured (docs/planner.md), not on construction. Above, every policy
+# plans for the budget itself (search Note [Op limits]) and DTR's plan is made for the budget by
+# an online heuristic: neither is monotone in the budget, and with them the policy is not either
+# (``figures["search"]["baselines"]`` records DTR's candidate).
 #
 # Note: [Baselines that cannot fit]
 # Both baselines' plans hold decisions on evictable storages only (recomputations, and the
@@ -83,8 +83,8 @@ it in the generic search of planner/search.py, which is not in the paper.
 # hybrid", "full recompute", ..., whose deep targets were planned: offered only as search Note
 # [Monotone by construction] allows), ``descend`` where the problem is too large for the grid
 # (not monotone), ``baselines`` (["dtr"]) where DTR's plan was made as a candidate (Note [Never
-# worse than the baselines]). Up to ``BASELINE_MAX_OPS`` ops a larger budget never gets a
-# slower plan, whatever these say.
+# worse than the baselines]). Up to ``SEARCH_MAX_OPS`` ops a larger budget never gets a slower
+# plan, whatever these say.
 """
 
 from __future__ import annotations
@@ -102,7 +102,6 @@ from ..plan import Decision, Method
 from ..problem import Problem
 from ..registry import PolicyResult, register
 from ..search import (
-    BASELINE_MAX_OPS,
     SEARCH_MAX_OPS,
     AfterRound,
     Attempt,
@@ -175,7 +174,7 @@ def _baselines(
     made: dict,
 ) -> list:
     """Note [Never worse than the baselines]: the ``recompute`` policy's plan and, on problems
-    of more than ``BASELINE_MAX_OPS`` ops, the ``dtr`` policy's (its lineage completed), as
+    of more than ``SEARCH_MAX_OPS`` ops, the ``dtr`` policy's (its lineage completed), as
     candidates for ``best_of``, made when called."""
 
     def rec() -> list[Decision]:
@@ -198,7 +197,7 @@ def _baselines(
         except PlanError:  # lineage the builder cannot complete: no candidate (the empty plan)
             return []
 
-    return [rec, dtr] if problem.n_ops > BASELINE_MAX_OPS else [rec]
+    return [rec, dtr] if problem.n_ops > SEARCH_MAX_OPS else [rec]
 
 
 def _fits(problem: Problem, decisions: list[Decision], budget_bytes: int) -> bool:
@@ -272,7 +271,7 @@ def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> P
     smallest exposed wait, until the simulated peak fits; on the target grid."""
     swap = Capuchin("swap", max_rounds, False, 0)
     p = problem.restricted()
-    return PolicyResult.of(searched(p, budget_bytes, swap, max_ops=BASELINE_MAX_OPS))
+    return PolicyResult.of(searched(p, budget_bytes, swap))
 
 
 @register("recompute")
@@ -290,7 +289,7 @@ def recompute_only(
     planner = Capuchin("recompute", max_rounds, collective, max_replay_ops)
     p = problem.restricted()
     # Note [Deep targets on large problems], as capuchin's own recompute-only grid
-    ds = searched(p, budget_bytes, planner, deep=_deep(p), max_ops=BASELINE_MAX_OPS)
+    ds = searched(p, budget_bytes, planner, deep=_deep(p))
     return PolicyResult.of(ds)
 
 
