@@ -182,7 +182,7 @@ import numpy as np
 
 from ..errors import PlanError
 from .hiding import hide
-from .improve import accept, rank
+from .improve import Attempt, accept, improve, rank
 from .lineage import (
     EvictionWindows,
     finish_decisions,
@@ -211,15 +211,6 @@ def gc_paused(fn: Callable) -> Callable:
                 gc.enable()
 
     return run
-
-
-class Attempt(NamedTuple):
-    """A plan with its simulation; ``regen``: recompute decisions whose replays regenerate
-    their swapped-out sources rather than wait for them (Note [Stalled swaps])."""
-
-    decisions: list[Decision]
-    sim: SimResult | None
-    regen: frozenset = frozenset()
 
 
 class GridPlan(NamedTuple):
@@ -279,9 +270,7 @@ def cached(problem: Problem, key, make: Callable[[], Any]):
     return per[key]
 
 
-GRID_OP_STEPS = (
-    20_000  # the grid's steps times the problem's ops stay under it (Note [Search breadth])
-)
+GRID_OP_STEPS = 20_000  # the grid's steps times the ops stay under it (Note [Search breadth])
 
 
 def grid_steps(problem: Problem) -> int:
@@ -673,126 +662,114 @@ def switch_stalled(
     done = problem_cache(problem, "_switched")
     got = done.get(key, done)  # the dict itself: not remembered yet
     if got is done:
-        new = _switch_stalled(problem, a, bound, switching, max_passes)
+        new = improve(  # improve Note [One improvement kernel]
+            problem,
+            a,
+            lambda cur: max(bound, cur.sim.peak_bytes),
+            lambda cur: _stalled_switches(problem, cur, bound, switching),
+            rounds=max_passes,
+        )
         got = done[key] = new if new.decisions is not a.decisions else None
     if got is None:  # unchanged
         return Attempt(a.decisions, sim, a.regen)
     return Attempt(list(got.decisions), got.sim, got.regen)
 
 
-def _switch_stalled(
-    problem: Problem,
-    a: Attempt,
-    bound: int,
-    switching: Switching,
-    max_passes: int,
-) -> Attempt:
-    decisions, sim, regen = a
+def _stalled_switches(problem: Problem, cur: Attempt, bound: int, switching: Switching):
+    """The trials of one pass of Note [Stalled swaps], in order: the stalled decisions' switches
+    all at once, then the most wasteful alone, then the replay that would gain most as a swap."""
+    decisions, sim, regen = cur
     collective, max_replay_ops = switching.collective, switching.max_replay_ops
     ops = problem.ops
-    for _ in range(max_passes):
-        res = EvictionWindows(decisions)
-        timer = None
-        gains = []  # (time saved estimate, storage, replacement, regenerates its sources)
-        calm = []  # the same for replays that did not stall: swapping them may be cheaper
-        for d, o in zip(decisions, sim.outcomes, strict=True):
-            if o.stall_ns <= 0 and o.recompute_ns <= 0:
-                continue
-            if d.method == Method.SWAP:  # recompute it instead
-                if not problem.storages[d.storage_id].evictable:
-                    continue  # persistent: swap only (problem.py Note [Wrap-around gaps])
-                # only a replay cheaper than the stall matters (lineage Note [Replays with a
-                # time bound])
-                r = replay_for(
-                    problem,
-                    d.storage_id,
-                    d.evict_op,
-                    d.back_op,
-                    res,
-                    max_ops=max_replay_ops,
-                    max_ns=o.stall_ns,
-                )
-                if r is not None:
-                    rp_ns = sum(ops[j].duration_ns for j in r[0])
-                    if rp_ns < o.stall_ns:
-                        gains.append(
-                            (
-                                o.stall_ns - rp_ns,
-                                d.storage_id,
-                                Decision(
-                                    d.storage_id,
-                                    Method.RECOMPUTE,
-                                    d.size_bytes,
-                                    d.evict_op,
-                                    d.back_op,
-                                ),
-                                True,
-                            )
-                        )
-                continue
-            # a replay waiting for swapped-out sources: regenerate them, or swap the target;
-            # a replay costlier than swapping given the channels as simulated: swap it
-            r = None
-            if o.stall_ns > 0:
-                r = replay_for(
-                    problem,
-                    d.storage_id,
-                    d.evict_op,
-                    d.back_op,
-                    res,
-                    resident=regen_resident(problem, res, d.back_op),
-                    max_ops=max_replay_ops,
-                    max_ns=o.stall_ns + o.recompute_ns,  # extra < stall, or no use
-                )
-            if r is not None:
-                extra = sum(ops[j].duration_ns for j in r[0]) - o.recompute_ns
-                if extra < o.stall_ns:
-                    gains.append((o.stall_ns - extra, d.storage_id, d, True))
-                    continue
-            if timer is None:
-                timer = timer_from(problem, sim, sim.op_peak_bytes > bound)
-            e = timer.estimate(d.size_bytes, d.evict_op, d.back_op)
-            if e.overhead_ns < o.stall_ns + o.recompute_ns:
-                (gains if o.stall_ns > 0 else calm).append(
-                    (
-                        o.stall_ns + o.recompute_ns - e.overhead_ns,
-                        d.storage_id,
-                        Decision(
-                            d.storage_id,
-                            Method.SWAP,
-                            d.size_bytes,
-                            d.evict_op,
-                            d.back_op,
-                            trigger_op=e.trigger_op,
-                        ),
-                        False,
-                    )
-                )
-        gains.sort(key=lambda g: (-g[0], g[1]))
-        calm.sort(key=lambda g: (-g[0], g[1]))
-        cap = max(bound, sim.peak_bytes)
-        improved = False
-        # stalled decisions: all of them at once first (they also free the copy channel for
-        # the others), then the most wasteful alone; then the replays that would gain most as
-        # swaps
-        batches = [gains, gains[:1]] if len(gains) > 1 else [gains] if gains else []
-        for batch in batches + [calm[:1]] if calm else batches:
-            new = {g[1]: g[2] for g in batch}
-            trial = [new.get(d.storage_id, d) for d in decisions]
-            more = regen | {g[1] for g in batch if g[3]}
-            excess = sim.op_peak_bytes.astype(np.int64) - bound
-            got = accept(  # improve Note [The accept rule]
+    res = EvictionWindows(decisions)
+    timer = None
+    gains = []  # (time saved estimate, storage, replacement, regenerates its sources)
+    calm = []  # the same for replays that did not stall: swapping them may be cheaper
+    for d, o in zip(decisions, sim.outcomes, strict=True):
+        if o.stall_ns <= 0 and o.recompute_ns <= 0:
+            continue
+        if d.method == Method.SWAP:  # recompute it instead
+            if not problem.storages[d.storage_id].evictable:
+                continue  # persistent: swap only (problem.py Note [Wrap-around gaps])
+            # only a replay cheaper than the stall matters (lineage Note [Replays with a
+            # time bound])
+            r = replay_for(
                 problem,
-                lambda t=trial, e=excess, m=more: finish_decisions(problem, t, e, collective, m),
-                sim.time_ns,
-                cap,
+                d.storage_id,
+                d.evict_op,
+                d.back_op,
+                res,
+                max_ops=max_replay_ops,
+                max_ns=o.stall_ns,
             )
-            if got is not None:
-                (decisions, sim), improved, regen = got, True, frozenset(more)
-                break
-        if not improved:
-            break
-    return Attempt(decisions, sim, regen)
+            if r is not None:
+                rp_ns = sum(ops[j].duration_ns for j in r[0])
+                if rp_ns < o.stall_ns:
+                    gains.append(
+                        (
+                            o.stall_ns - rp_ns,
+                            d.storage_id,
+                            Decision(
+                                d.storage_id,
+                                Method.RECOMPUTE,
+                                d.size_bytes,
+                                d.evict_op,
+                                d.back_op,
+                            ),
+                            True,
+                        )
+                    )
+            continue
+        # a replay waiting for swapped-out sources: regenerate them, or swap the target;
+        # a replay costlier than swapping given the channels as simulated: swap it
+        r = None
+        if o.stall_ns > 0:
+            r = replay_for(
+                problem,
+                d.storage_id,
+                d.evict_op,
+                d.back_op,
+                res,
+                resident=regen_resident(problem, res, d.back_op),
+                max_ops=max_replay_ops,
+                max_ns=o.stall_ns + o.recompute_ns,  # extra < stall, or no use
+            )
+        if r is not None:
+            extra = sum(ops[j].duration_ns for j in r[0]) - o.recompute_ns
+            if extra < o.stall_ns:
+                gains.append((o.stall_ns - extra, d.storage_id, d, True))
+                continue
+        if timer is None:
+            timer = timer_from(problem, sim, sim.op_peak_bytes > bound)
+        e = timer.estimate(d.size_bytes, d.evict_op, d.back_op)
+        if e.overhead_ns < o.stall_ns + o.recompute_ns:
+            (gains if o.stall_ns > 0 else calm).append(
+                (
+                    o.stall_ns + o.recompute_ns - e.overhead_ns,
+                    d.storage_id,
+                    Decision(
+                        d.storage_id,
+                        Method.SWAP,
+                        d.size_bytes,
+                        d.evict_op,
+                        d.back_op,
+                        trigger_op=e.trigger_op,
+                    ),
+                    False,
+                )
+            )
+    gains.sort(key=lambda g: (-g[0], g[1]))
+    calm.sort(key=lambda g: (-g[0], g[1]))
+    excess = sim.op_peak_bytes.astype(np.int64) - bound
+    batches = [gains, gains[:1]] if len(gains) > 1 else [gains] if gains else []
+    for batch in batches + [calm[:1]] if calm else batches:
+        new = {g[1]: g[2] for g in batch}
+        trial = [new.get(d.storage_id, d) for d in decisions]
+        more = regen | {g[1] for g in batch if g[3]}
+        yield (
+            lambda t=trial, m=more: finish_decisions(problem, t, excess, collective, m),
+            frozenset(more),
+        )
 
 
 def timer_from(problem: Problem, sim: SimResult, in_peak) -> SwapTimer:
