@@ -60,21 +60,12 @@ plan gets faster without its peak rising above the bound it was given.
 # searches (``capuchin``, ``swap``, ``recompute``), so up to it they are all monotone in the
 # budget by construction (Note [Monotone by construction]).
 #
-# Note: [Free plans first]
-# No plan runs faster than the baseline, so a plan that fits the budget at no cost is as good as
-# the grid's pick, and ``searched`` looks for one first: down the grid's targets from the
-# highest (each target's plans made as the grid makes them, cached), to the first such plan, or
-# to the first target at or below the budget whose plans all cost time (then the whole grid).
-# Still monotone: a larger budget also gets a plan that costs nothing. ``deep_needed`` goes down
-# the same way and stops at the first plan that fits.
-#
 # Note: [Monotone by construction]
 # A pick over a budget-independent set of plans never costs more at a larger budget: the plans
 # that fit a budget fit every larger one. Variants made only of the plans that fit (``hidden``)
-# keep that, since a larger budget makes every variant a smaller one does; a plan that costs
-# nothing ends the search (Note [Free plans first]) at no loss. One choice depends on the
-# budget: a candidate's deep targets, made only where none of its other plans fits (Note [Deep
-# targets]). Below ``S``, the lowest peak of those other plans, the pick is among deep plans; at
+# keep that, since a larger budget makes every variant a smaller one does. One choice depends
+# on the budget: a candidate's deep targets, made only where none of its other plans fits (Note
+# [Deep targets]). Below ``S``, the lowest peak of those other plans, the pick is among deep plans; at
 # or above ``S`` among the others, and every budget from ``S`` up gets a plan at most as slow as
 # ``T``, the fastest of the others with peak ``S``. So where the deep targets are taken
 # ``deep_floor`` returns ``T`` and no fitting plan faster than ``T`` is offered (``at_least``),
@@ -542,9 +533,6 @@ def searched(
         return []
     if problem.n_ops > SEARCH_MAX_OPS:
         return descend(problem, budget, planner)
-    free = _free_from_the_top(problem, planner, budget, switching, deep, below)
-    if free is not None:
-        return free
     floor = deep_floor(problem, planner, budget, switching, deep)
     plans = at_least(fitting_grid(problem, planner, budget, switching, deep, below), budget, floor)
     if hiding:  # the variants of the plans offered only (``hidden`` stops at one costing nothing)
@@ -568,31 +556,6 @@ def deep_floor(
         g for t in _shallow(problem, planner) for g in _target_plans(problem, planner, switching, t)
     ]
     return min(((g.peak_bytes, g.time_ns) for g in shallow), default=(0, 0))[1]
-
-
-def _free_from_the_top(
-    problem: Problem,
-    planner: TargetPlanner,
-    budget: int,
-    switching: Switching | None,
-    deep: bool | None,
-    below: int | None = None,
-) -> list[Decision] | None:
-    """Note [Free plans first]: a grid plan that fits ``budget`` at no cost, found going down
-    the targets (below ``below``) from the highest, to the first at or below the budget (with
-    ``deep=None``, the first deep one); None when there is none there."""
-    shallow = _shallow(problem, planner) if deep is None else None
-    for t in sorted(grid_targets(problem), reverse=True):
-        if below is not None and not _within(problem, planner, t, deep is True, below):
-            continue
-        if shallow is not None and t not in shallow:
-            return None
-        for g in _target_plans(problem, planner, switching, t):
-            if g.peak_bytes <= budget and g.time_ns <= problem.time_ns:
-                return g.decisions
-        if t <= budget:
-            return None
-    return None
 
 
 def hidden(problem: Problem, plans: list[GridPlan], budget: int) -> list[GridPlan]:

@@ -306,9 +306,9 @@ def test_capuchin_skips_the_variants_when_its_plan_costs_nothing():
     # candidates]): that plan costs nothing, so the one with them is not made either
     assert "_search_cache" not in p.__dict__
     made = {(k[0], k[1].mode) for k in search.problem_cache(p.restricted())}
-    # some of the hybrid's targets only (search Note [Free plans first]: not even its whole
-    # grid), no recompute-only grid, no conversions
-    assert made == {("target", "hybrid"), ("attempt", "hybrid")}
+    # the hybrid's grid only (search Note [Best of variants]: best_of stops at its plan), no
+    # recompute-only or swap-only grid
+    assert {mode for _, mode in made} == {"hybrid"}
 
 
 def test_a_planned_problem_is_freed():
@@ -397,34 +397,6 @@ def test_the_baselines_descend_above_the_same_op_limit(monkeypatch):
         r = q.restricted()
         assert list(get_policy(name)(q, budget).decisions) == search.descend(r, budget, planner)
         assert not any(k[0] == "grid" for k in search.problem_cache(r))
-
-
-def test_a_free_plan_ends_the_search_from_the_top(monkeypatch):
-    # Note [Free plans first]: where a plan of a high target fits the budget at no cost, it is
-    # the answer and the targets below the budget are never made; without the rule all are
-    from capuchin.planner import search
-
-    def targets_made(p: Problem) -> set[int]:
-        return {k[-1] for k in search.problem_cache(p) if isinstance(k, tuple) and k[0] == "target"}
-
-    p = _transformer()
-    planner = Capuchin("hybrid")
-    top = sorted(grid_targets(p), reverse=True)
-    free = [g for t in top[:3] for g in search._target_plans(p, planner, None, t)]
-    free = [g for g in free if g.time_ns <= p.time_ns]
-    assert free, "a high target's plan costs nothing"
-    budget = max(g.peak_bytes for g in free)
-    assert budget < p.peak_bytes
-    q = _transformer()
-    ds = search.searched(q, budget, planner)
-    sim = simulate(q, ds)
-    assert sim.peak_bytes <= budget and sim.time_ns <= q.time_ns
-    below = {t for t in grid_targets(q) if t < budget}
-    assert below and not (targets_made(q) & below)
-    monkeypatch.setattr(search, "_free_from_the_top", lambda *a: None)
-    r = _transformer()
-    assert simulate(r, search.searched(r, budget, planner)).time_ns <= r.time_ns
-    assert below <= targets_made(r)
 
 
 def test_deep_needed_goes_down_only_as_far_as_a_fitting_plan():
