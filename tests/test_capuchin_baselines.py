@@ -79,10 +79,12 @@ def test_the_recompute_policys_descent_is_picked_where_it_beats_capuchins(monkey
     assert got.peak_bytes <= budget and got.time_ns <= rec.time_ns
 
 
-def test_baselines_that_cannot_fit_are_not_made(monkeypatch):
-    # Note [Baselines that cannot fit]: below the floor of the problem without the persistent
-    # candidates no baseline plan fits, and where capuchin's own plan fits the pick cannot take
-    # one: the recompute policy is not asked; above that floor it is
+def test_plans_that_cannot_fit_are_not_made(monkeypatch):
+    # Note [Plans that cannot fit]: below the floor of the problem without the persistent
+    # candidates neither the restricted search nor a baseline can fit: the recompute policy is
+    # not asked and nothing is planned on the restricted problem; above that floor both are
+    from capuchin.planner import search
+
     mlp = Path(__file__).resolve().parent.parent / "traces" / "mlp.trace.parquet"
     problem = Problem.from_trace(load_trace(mlp))
     floor = problem.restricted().floor_bytes()
@@ -93,15 +95,21 @@ def test_baselines_that_cannot_fit_are_not_made(monkeypatch):
         asked.append(budget_bytes)
         return real(p, budget_bytes, **kw)
 
+    def restricted_plans(p: Problem) -> int:
+        return sum(1 for k in search.problem_cache(p.restricted()) if k[0] == "target")
+
     monkeypatch.setattr(policy, "recompute_only", counted)
     below = int(problem.peak_bytes * 0.4)
     assert below < floor  # the premise: the MLP's state keeps 47% of its peak
     ds = policy.capuchin(problem, below).decisions
     assert simulate(problem, list(ds)).peak_bytes <= below  # capuchin's plan fits
     assert asked == []
+    assert restricted_plans(problem) == 0
     above = int(problem.peak_bytes * 0.5)
     assert above >= floor
-    ds = policy.capuchin(problem, above).decisions
-    sim = simulate(problem, list(ds))
-    assert sim.peak_bytes <= above and sim.time_ns > problem.time_ns  # not free: no early stop
+    fresh = Problem.from_trace(load_trace(mlp))
+    ds = policy.capuchin(fresh, above).decisions
+    sim = simulate(fresh, list(ds))
+    assert sim.peak_bytes <= above and sim.time_ns > fresh.time_ns  # not free: no early stop
     assert asked == [above]
+    assert restricted_plans(fresh) > 0
