@@ -106,9 +106,7 @@ def advance(
                 d = cur.decisions[i]
                 now = d.back_op if d.trigger_op is None else d.trigger_op
                 k = max(d.evict_op + 1, now - step)
-                trial[i] = Decision(
-                    d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op, trigger_op=k
-                )
+                trial[i] = d.switched(Method.SWAP, k)
             yield trial, frozenset()
 
     # improve Note [One improvement kernel]: the fastest step of each round

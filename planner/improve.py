@@ -192,7 +192,7 @@ def search_plans(
                 trigger_op=d.trigger_op,
                 wraps=d.wraps,
             )
-        return Decision(d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op)
+        return d.switched(Method.RECOMPUTE)
 
     fitting = 0
 
@@ -231,14 +231,10 @@ def search_plans(
                 and rng.random() < 0.5
                 and problem.storages[d.storage_id].evictable
             ):
-                ds[i] = Decision(
-                    d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op
-                )
+                ds[i] = d.switched(Method.RECOMPUTE)
             else:
                 trig = rng.randint(d.evict_op + 1, d.back_op)
-                ds[i] = Decision(
-                    d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op, trigger_op=trig
-                )
+                ds[i] = d.switched(Method.SWAP, trig)
         elif move < 0.55 and ds:  # keep one resident
             ds.pop(rng.randrange(len(ds)))
         elif cands:  # evict in another gap

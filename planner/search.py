@@ -668,20 +668,8 @@ def _stalled_switches(problem: Problem, cur: Attempt, bound: int, switching: Swi
             if r is not None:
                 rp_ns = sum(ops[j].duration_ns for j in r[0])
                 if rp_ns < o.stall_ns:
-                    gains.append(
-                        (
-                            o.stall_ns - rp_ns,
-                            d.storage_id,
-                            Decision(
-                                d.storage_id,
-                                Method.RECOMPUTE,
-                                d.size_bytes,
-                                d.evict_op,
-                                d.back_op,
-                            ),
-                            True,
-                        )
-                    )
+                    rec = d.switched(Method.RECOMPUTE)
+                    gains.append((o.stall_ns - rp_ns, d.storage_id, rec, True))
             continue
         # a replay waiting for swapped-out sources: regenerate them, or swap the target;
         # a replay costlier than swapping given the channels as simulated: swap it
@@ -706,21 +694,9 @@ def _stalled_switches(problem: Problem, cur: Attempt, bound: int, switching: Swi
             timer = timer_from(problem, sim, sim.op_peak_bytes > bound)
         e = timer.estimate(d.size_bytes, d.evict_op, d.back_op)
         if e.overhead_ns < o.stall_ns + o.recompute_ns:
-            (gains if o.stall_ns > 0 else calm).append(
-                (
-                    o.stall_ns + o.recompute_ns - e.overhead_ns,
-                    d.storage_id,
-                    Decision(
-                        d.storage_id,
-                        Method.SWAP,
-                        d.size_bytes,
-                        d.evict_op,
-                        d.back_op,
-                        trigger_op=e.trigger_op,
-                    ),
-                    False,
-                )
-            )
+            swap = d.switched(Method.SWAP, e.trigger_op)
+            gain = o.stall_ns + o.recompute_ns - e.overhead_ns
+            (gains if o.stall_ns > 0 else calm).append((gain, d.storage_id, swap, False))
     gains.sort(key=lambda g: (-g[0], g[1]))
     calm.sort(key=lambda g: (-g[0], g[1]))
     excess = sim.op_peak_bytes.astype(np.int64) - bound
