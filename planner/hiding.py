@@ -9,43 +9,36 @@ the grid] there).
 
 # Note: [Hidden swaps]
 # Algorithm 1 places each in-trigger against a *peak window*, the ops whose estimated memory is
-# above the target when the swap is chosen (swapping.py Note [In-trigger search]). At a low target
-# that window covers most of the backward pass, so a swap chosen there has no trigger outside it
-# and becomes an on-demand restore, stalled (DTR U-Net, hybrid plan for 54% of the peak: 24-58 ms
-# of its 83-106 ms are stalls, on-demand restores among them). The simulated-cost switches of
-# search.py estimate a replay's swap on a fitting plan with no window at all, so a prefetch can
-# land where the plan has no room (such a trial is refused), and they switch one replay at a time
-# (U-Net at 60%: the best plan kept 19 replays, 26.5 ms, with the copy channels mostly idle). Once
-# a plan is simulated the room is known per storage: a storage of ``size`` bytes may be back from
+# above the target when the swap is chosen (swapping.py Note [In-trigger search]). At a low
+# target that window covers most of the backward pass, so a swap chosen there has no trigger
+# outside it and becomes an on-demand restore, stalled. The simulated-cost switches of search.py
+# estimate a replay's swap on a fitting plan with no window at all, so a prefetch can land where
+# the plan has no room (such a trial is refused), and they switch one replay at a time. Once a
+# plan is simulated the room is known per storage: a storage of ``size`` bytes may be back from
 # op ``k`` on when every op from ``k`` to where it is back now has ``op_peak + size <= bound``,
 # and a replayed storage may be swapped when the ops that run before its swap-out ends have that
 # room too. So each replay, and each stalled swap, gets the latest in-trigger whose copy the
-# channels as simulated hide and whose residency fits that room; they are taken greedily, largest
-# saving first (recompute or stall time, less the host work a swap adds on CPU: ``Problem.host``),
-# each one's copies and bytes reserved before the next is estimated, on the simulated op times. A
-# replay that waited for a swapped-out source (restored on demand) makes that source's prefetch
-# due when the replay starts, and adds its wait to that swap's saving. A replayed storage that
-# another replay regenerates (its producer in that replay, or kept by it) is left alone: switching
-# it would re-resolve the other replay, which costs as much as a plan's whole lineage on long
-# chains (a 24-layer GPT-2). The switches are simulated all at once; when the plan does not get
-# faster within ``bound``, the first half of them, then the first quarter, and so on
-# (``HIDE_SIMULATIONS`` simulations at most per round, ``HIDE_ROUNDS`` rounds while one improves).
-# The result depends on the plan and the bound alone.
+# channels as simulated hide and whose residency fits that room; they are taken greedily,
+# largest saving first (recompute or stall time, less the host work a swap adds on CPU:
+# ``Problem.host``), each one's copies and bytes reserved before the next is estimated, on the
+# simulated op times. A replay that waited for a swapped-out source (restored on demand) makes
+# that source's prefetch due when the replay starts, and adds its wait to that swap's saving. A
+# replayed storage that another replay regenerates (its producer in that replay, or kept by it)
+# is left alone: switching it would re-resolve the other replay, which costs as much as a plan's
+# whole lineage on long chains. The switches are tried all at once; when refused, the first half
+# of them, then the first quarter, and so on (``HIDE_SIMULATIONS`` trials at most per round,
+# ``HIDE_ROUNDS`` rounds while one is kept: improve Note [One improvement kernel]). The result
+# depends on the plan and the bound alone.
 #
 # Note: [Partly hidden swaps]
 # A stalled swap whose copy the channels cannot hide whole still stalls less when its prefetch
 # starts earlier, and the switches above leave it as it is. After them, ``advance`` moves the
 # in-triggers of all stalled swaps together (a swap without one from its back-access), by each
-# of ``ADVANCE_STEPS`` ops, simulates each and takes the fastest whose peak stays within
-# ``bound``; rounds repeat while one gets faster, within ``ADVANCE_SIMULATIONS`` simulations per
-# plan. Together, because the prefetches queue on the one in-channel: moving one earlier helps
-# little while the copy ahead of it stays late. DTR U-Net at 40% of its peak: the chosen plan's
-# stalls 37.5 -> 21.5 ms within its own peak, 93.45 -> 77.47 ms extra, in 14 simulations; moving
-# the swaps one at a time (each by the same steps) reached the same plan in 211. Like the
-# switches, the result depends on the plan and the bound alone. What it costs, cold, quiet host
-# (benchmarks/planner_speed.py and simulator_speed.py cold, 2026-11-25): DTR DenseNet-121 at 40%
-# 5.2 -> 5.8 s (the same plan); the unrolled GAN at 40% gets a free plan (+0.01% -> +0.00%),
-# which ends the search earlier: 7.1 -> 3.9 s.
+# of ``ADVANCE_STEPS`` ops, and keeps the fastest trial the accept rule keeps; rounds repeat
+# while one is kept, at most ``ADVANCE_ROUNDS``. Together, because the prefetches queue on the one
+# in-channel: moving one earlier helps little while the copy ahead of it stays late (one at a
+# time reached the same plans in many more simulations). Like the switches, the result depends
+# on the plan and the bound alone.
 """
 
 from __future__ import annotations
@@ -55,7 +48,7 @@ from collections import Counter
 
 import numpy as np
 
-from .improve import accept
+from .improve import Attempt, improve
 from .lineage import reresolved
 from .plan import Decision, Method, window_key
 from .problem import Problem
@@ -65,7 +58,7 @@ from .swapping import Channel
 HIDE_ROUNDS = 3  # Note [Hidden swaps]
 HIDE_SIMULATIONS = 4  # per round
 ADVANCE_STEPS = (1, 2, 4, 8, 16, 32, 64)  # ops earlier tried per round (Note [Partly hidden swaps])
-ADVANCE_SIMULATIONS = 28  # per plan: four rounds
+ADVANCE_ROUNDS = 4  # Note [Partly hidden swaps]
 
 
 def hide(
@@ -79,24 +72,19 @@ def hide(
     switched to hidden swaps while the simulation confirms the plan gets faster with its peak at
     most ``bound``; the input (the same objects) when nothing does. ``regen``: the plan's
     recomputations whose replays regenerate their swapped-out sources (search.Attempt)."""
-    for _ in range(HIDE_ROUNDS):
-        switches = _switches(problem, decisions, sim, bound)
-        if not switches:
-            break
+
+    def halved(cur: Attempt):  # the round's switches, then the first half of them, ...
+        switches = _switches(problem, cur.decisions, cur.sim, bound)
         n = len(switches)
-        improved = False
-        for _ in range(HIDE_SIMULATIONS):
-            trial = _switched(problem, decisions, dict(switches[:n]), regen)
-            got = accept(problem, trial, sim.time_ns, bound)  # improve Note [The accept rule]
-            if got is not None:
-                (decisions, sim), improved = got, True
-                break
+        for _ in range(HIDE_SIMULATIONS if n else 0):
+            yield _switched(problem, cur.decisions, dict(switches[:n]), regen), regen
             if n == 1:
-                break
+                return
             n //= 2
-        if not improved:
-            break
-    return advance(problem, decisions, sim, bound)
+
+    # improve Note [One improvement kernel]
+    got = improve(problem, Attempt(decisions, sim, regen), bound, halved, rounds=HIDE_ROUNDS)
+    return advance(problem, got.decisions, got.sim, bound)
 
 
 def advance(
@@ -105,33 +93,25 @@ def advance(
     """Note [Partly hidden swaps]: ``decisions`` (simulated as ``sim``) with the stalled swaps'
     in-triggers moved earlier while the simulation confirms the plan gets faster with its peak
     at most ``bound``; the input (the same objects) when nothing does."""
-    left = ADVANCE_SIMULATIONS
-    while left > 0:
+
+    def steps(cur: Attempt):  # every stalled swap's in-trigger moved by each step
         stalled = [
             i
-            for i, (d, o) in enumerate(zip(decisions, sim.outcomes, strict=True))
+            for i, (d, o) in enumerate(zip(cur.decisions, cur.sim.outcomes, strict=True))
             if d.method == Method.SWAP and not d.wraps and o.stall_ns > 0
         ]
-        best = None
         for step in ADVANCE_STEPS:
-            if left <= 0:
-                break
-            left -= 1
-            trial = list(decisions)
+            trial = list(cur.decisions)
             for i in stalled:
-                d = decisions[i]
+                d = cur.decisions[i]
                 now = d.back_op if d.trigger_op is None else d.trigger_op
                 k = max(d.evict_op + 1, now - step)
-                trial[i] = Decision(
-                    d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op, trigger_op=k
-                )
-            got = accept(problem, trial, (best or (None, sim))[1].time_ns, bound)
-            if got is not None:  # improve Note [The accept rule]
-                best = got
-        if best is None:
-            break
-        decisions, sim = best
-    return decisions, sim
+                trial[i] = d.switched(Method.SWAP, k)
+            yield trial, frozenset()
+
+    # improve Note [One improvement kernel]: the fastest step of each round
+    got = improve(problem, Attempt(decisions, sim), bound, steps, rounds=ADVANCE_ROUNDS, best=True)
+    return got.decisions, got.sim
 
 
 def _switched(

@@ -1,18 +1,25 @@
-"""The improvement kernel: one accept rule and one selector for every search over plans. No torch.
+"""The improvement kernel: one accept rule, one loop of moves and one selector for every search
+over plans. No torch.
 
 # Note: [The accept rule]
-# Every local improvement of a plan (search.prune, search.switch_stalled and through it the
-# recompute-first conversions, hiding.hide and hiding.advance, search_plans below, behind
-# ``capuchin-ls``) proposes trial plans and keeps one by the same rule, ``accept``: the trial is
-# made and simulated; it is kept when it breaks no invariant (``PlanError`` while making or
-# simulating it rejects it), its simulated peak is at most the bound, and it is faster than the
-# current plan. With ``ties=True`` an equally fast trial is kept too: a sideways move, for
+# Every local improvement of a plan (search.prune, search.switch_stalled, hiding.hide and
+# hiding.advance, search_plans below, behind ``capuchin-ls``) proposes trial plans and keeps one
+# by the same rule, ``accept``: the trial is made and simulated; it is kept when it breaks no
+# invariant (``PlanError`` while making or simulating it rejects it), its simulated peak is at
+# most the bound, and it is faster than the current plan. With ``ties=True`` an equally fast trial is kept too: a sideways move, for
 # dropping a decision that costs nothing (fewer decisions at the same time) and for the seeded
 # local search (which walks across plateaus). Each move bounds the peak by the plan's own
 # bound, so an improved plan stays where the grid put it (search Note [Targets]).
 #
-# The seeded local search ``search_plans`` (behind ``capuchin-ls`` and the lower bound's upper
-# bound) is this rule with random single-decision moves.
+# Note: [One improvement kernel]
+# ``improve`` is the loop around the accept rule: a *move* reads the current plan and proposes
+# trials in order (generators: a trial is made only when the one before it was refused); in
+# each round the first trial kept becomes the current plan (with ``best``: every trial is tried
+# and the fastest kept wins), and a round that keeps none ends it. ``switch_stalled`` (its
+# switches of stalled decisions), ``hide`` (its switches to hidden swaps, halved while refused)
+# and ``advance`` (its in-trigger steps, ``best``) are moves of it; ``prune`` splits the groups a
+# refusal leaves and ``search_plans`` (random single-decision moves, behind ``capuchin-ls`` and
+# the lower bound's upper bound) walks on past refusals, so they call ``accept`` alone.
 #
 # Note: [One selector]
 # Among finished plans, ``rank`` orders by: fits the budget first; among those the fastest, then
@@ -24,15 +31,28 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import PlanError
 from .plan import Decision, Method
 from .problem import Problem
 from .simulator import SimResult, simulate
 
+
+class Attempt(NamedTuple):
+    """A plan with its simulation; ``regen``: recompute decisions whose replays regenerate
+    their swapped-out sources rather than wait for them (search Note [Stalled swaps])."""
+
+    decisions: list[Decision]
+    sim: SimResult | None
+    regen: frozenset = frozenset()
+
+
 Trial = Sequence[Decision] | None
+# a move: from the current plan, the trials to try in order, each with its plan's ``regen``
+Move = Callable[["Attempt"], Iterable[tuple[Callable[[], Trial] | Trial, frozenset]]]
 
 
 def accept(
@@ -62,6 +82,33 @@ def accept(
     if sim.time_ns < time_ns or (ties and sim.time_ns == time_ns):
         return trial, sim
     return None
+
+
+def improve(
+    problem: Problem,
+    a: Attempt,
+    bound: int | Callable[[Attempt], int],
+    move: Move,
+    *,
+    rounds: int,
+    best: bool = False,
+) -> Attempt:
+    """Note [One improvement kernel]: ``a`` improved by ``move`` for at most ``rounds`` rounds,
+    each trial judged by the accept rule against ``bound`` (``bound(current)`` when callable);
+    ``a`` itself (the same objects) when no trial is kept."""
+    for _ in range(rounds):
+        kept = None
+        cap = bound(a) if callable(bound) else bound
+        for make, regen in move(a):
+            got = accept(problem, make, (kept or a).sim.time_ns if best else a.sim.time_ns, cap)
+            if got is not None:
+                kept = Attempt(got[0], got[1], regen)
+                if not best:
+                    break
+        if kept is None:
+            break
+        a = kept
+    return a
 
 
 def rank(peak_bytes: int, time_ns: int, budget: int) -> tuple[int, int, int]:
@@ -145,7 +192,7 @@ def search_plans(
                 trigger_op=d.trigger_op,
                 wraps=d.wraps,
             )
-        return Decision(d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op)
+        return d.switched(Method.RECOMPUTE)
 
     fitting = 0
 
@@ -184,14 +231,10 @@ def search_plans(
                 and rng.random() < 0.5
                 and problem.storages[d.storage_id].evictable
             ):
-                ds[i] = Decision(
-                    d.storage_id, Method.RECOMPUTE, d.size_bytes, d.evict_op, d.back_op
-                )
+                ds[i] = d.switched(Method.RECOMPUTE)
             else:
                 trig = rng.randint(d.evict_op + 1, d.back_op)
-                ds[i] = Decision(
-                    d.storage_id, Method.SWAP, d.size_bytes, d.evict_op, d.back_op, trigger_op=trig
-                )
+                ds[i] = d.switched(Method.SWAP, trig)
         elif move < 0.55 and ds:  # keep one resident
             ds.pop(rng.randrange(len(ds)))
         elif cands:  # evict in another gap

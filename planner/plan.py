@@ -85,6 +85,18 @@ class Decision:
     # script frees it
     dead: bool = False
 
+    def switched(self, method: Method, trigger_op: int | None = None) -> Decision:
+        """The same gap of the same storage by ``method`` (a swap with ``trigger_op``), bare:
+        lineage and predictions are left to be made again. Not for wrap-around gaps."""
+        return Decision(
+            self.storage_id,
+            method,
+            self.size_bytes,
+            self.evict_op,
+            self.back_op,
+            trigger_op=trigger_op,
+        )
+
     # Note: [Decision hash]
     # Searches simulate lists of mostly the same decisions again and again, and the simulation
     # memo hashes every decision of the list each time (DenseNet-121 at 60%: 1.2 million), so a

@@ -2,16 +2,14 @@
 
 A *target planner* (``TargetPlanner``) makes one plan for one memory target and says what the
 simulator made of it (``Attempt``). The Capuchin policy's Algorithm 1 is one
-(policies/capuchin.py); any registered policy becomes one through ``PolicyPlanner``. The
-combinators here only read decisions and simulations, never a policy's internals:
+(policies/capuchin.py). The combinators here only read decisions and simulations, never a
+planner's internals:
 
 - ``prune``: drop decisions that cost time but are no longer needed for the budget.
 - ``switch_stalled``: Algorithm 1's swap-or-recompute comparison redone with *simulated* costs
   (Note [Stalled swaps]).
 - ``grid`` and ``pick``: plans for a fixed, budget-independent grid of targets, then the
   cheapest that fits (Note [Targets]); made once per problem and cached.
-- ``recompute_first``: switch replays of fitting plans to swaps where the simulation says a swap
-  is cheaper (Note [Recompute first]).
 - ``hidden``: the fitting plans with replays and stalled swaps switched to swaps the simulation
   hides (hiding.py; Note [Hidden swaps, on the grid]).
 - ``best_of``: the fastest fitting plan among several (Note [Best of variants]).
@@ -23,140 +21,91 @@ plan gets faster without its peak rising above the bound it was given.
 # Note: [Targets]
 # Greedy selection is not monotone in the budget (a larger budget can end in a costlier plan),
 # and its estimates are optimistic. So ``grid`` plans for a fixed grid of targets (the floor,
-# nine steps up to the peak, and three below the floor), independent of the budget, and
-# ``pick`` returns the cheapest of those plans whose simulated peak fits: a larger budget can
-# only choose among more plans, so it never costs more. Problems under ``FINE_GRID_OPS`` ops
-# take 19 steps up to the peak instead of nine (a superset of the coarse grid's targets), and
-# their ``hidden`` variants come from every fitting plan, not only the front's (Note [Hidden
-# swaps, on the grid]): where a finer grid adds a plan that dominates one of the coarse grid's,
-# the dominated plan's variant can still be the fastest (DTR U-Net at 40%: 93.45 ms extra with
-# it, 102.69 ms from the front alone). On the bundled traces and DTR U-Net and ResNet-32 at
-# 80/60/50/40% that lowers nine cells and raises none (e.g. ResNet-32 6.18 -> 5.28 ms at 80%,
-# 37.79 -> 31.35 ms at 40%; docs/planner.md "Speed" has the cost); on larger problems the grid
-# is most of the policy's time (DTR DenseNet-121: 70%), so they keep the coarse one. Problems
-# under ``FINEST_GRID_OPS`` ops take 39 steps (a superset again): on the same cells that lowers
-# seven and raises none (ResNet-32 5.28 -> 4.32 ms at 80%, 14.73 -> 11.60 ms at 60%; U-Net
-# 20.52 -> 17.64 ms at 60%; the bundled CNN at 40% +35.5 -> +31.0%), for about twice the
-# policy's time (ResNet-32: 3.5-4 s -> 6.5-7 s per budget, cold).
+# ``grid_steps`` steps up to the peak, and three below the floor), independent of the budget,
+# and ``pick`` returns the cheapest of those plans whose simulated peak fits: a larger budget
+# can only choose among more plans, so it never costs more.
+#
+# Note: [Search breadth]
+# One rule sets how many plans the search makes for a problem. The grid takes the most of 40, 20
+# and 10 steps up to the peak whose product with the problem's ops is under ``GRID_OP_STEPS``
+# (each grid holds the coarser grids' targets: more plans to pick from, for time in proportion).
+# A *small* problem, one whose grid is finer than the coarsest, also gets the extras that cost a
+# plan per target: a stalled plan made again with switching after every round (Note [Stalled
+# swaps]), the hidden variants of every fitting plan instead of the front's only (Note [Hidden
+# swaps, on the grid]), and its deep targets always (policies/capuchin.py Note [Deep targets on
+# large problems]). Each won cells on small traces; on larger ones the grid is most of the
+# policy's time and none of them won a cell measured (docs/planner.md, "Search breadth").
 #
 # Note: [Deep targets]
 # A planner's *deep* targets are the grid's targets at and below the floor
 # (``Problem.floor_bytes``, a peak no plan reaches) and, going down from the highest target,
 # every target from the first whose plan misses it (simulated peak above the target) or costs
 # more than ``DEEP_OVERHEAD`` baseline iterations extra on: there the planner evicts all it can,
-# and its plans cost the most to make, prune, switch and convert. (The costly plans come after a
-# jump: Algorithm 2 on DTR's DenseNet-121 goes from +1.2 to +25 iterations between two targets,
-# on a 24-layer GPT-2 from +1.4 to +81; no such plan won a cell measured where another fit.)
-# Deciding that costs a plan too, the costliest to make (a 48-layer GPT-2's recompute-only plan
-# at +238 iterations: 4.7 s, 1,650 decisions), so the planner is first asked for a probe: it may
-# give up once its own estimate of the extra time, Algorithm 2's recompute overheads of what it
-# selected (swaps are left out: their estimates run far above the simulation), passes
-# ``DEEP_OVERHEAD`` iterations; a target whose probe gave up is deep, and its whole plan is made
-# only when the deep targets are. On the DTR traces, GPT-2 with 12, 24 and 48 layers, for the
-# hybrid, recompute-only and swap-only planners on both problems, the probes gave up exactly
-# where the simulated plan cost more than ``DEEP_OVERHEAD`` iterations (at +25 to +238).
-# ``grid(..., deep=False)`` leaves the deep targets out, and ``fitting_grid(..., deep=None)`` adds
-# them only when no plan of the other targets fits the budget; each target's plans are made once
-# per problem either way (the first attempt of each target, which decides the misses, is
-# cached too), so a grid with and without its deep targets share them. Leaving them out keeps
-# a planner's reach (the lowest budget it fits) and its plans at budgets where the other targets
-# fit nothing; where they are taken, ``deep_floor`` keeps the pick monotone (Note [Monotone by
-# construction]). The capuchin policy uses it on large problems only (policies/capuchin.py Note
-# [Deep targets on large problems]).
+# and its plans cost the most to make, prune and switch (the cost jumps between two targets, and
+# no such plan won a cell measured where another fit). Deciding that costs a plan too, the
+# costliest, so the planner is first asked for a probe: it may give up once its own estimate of
+# the extra time (Algorithm 2's recompute overheads of what it selected; swap estimates run far
+# above the simulation) passes ``DEEP_OVERHEAD`` iterations; a target whose probe gave up is
+# deep, and its whole plan is made only when the deep targets are. ``grid(..., deep=False)``
+# leaves the deep targets out, and ``fitting_grid(..., deep=None)`` adds them only when no plan
+# of the other targets fits the budget; each target's plans are made once per problem either
+# way, so grids with and without the deep targets share them. That keeps a planner's reach (the
+# lowest budget it fits); where they are taken, ``deep_floor`` keeps the pick monotone (Note
+# [Monotone by construction]).
 #
 # Note: [Op limits]
-# ``searched`` plans on the grid up to ``SEARCH_MAX_OPS`` ops and ``descend``s above it: a plan for
-# the budget itself, then for lower targets, cheap but not monotone in the budget. With the
-# capuchin policy's candidates the grid gives much cheaper plans than ``descend`` on the traces
-# measured between 5,000 and 10,000 ops (DTR's LSTM, TreeLSTM, the unrolled GAN, a 48-layer
-# GPT-2), within the planning-time goal. The swap and recompute policies alone do better with
-# ``descend`` there: a fixed grid of targets leaves more of the budget unused than a plan for the
-# budget itself, and nothing of the capuchin search makes up for it; so they keep
-# ``BASELINE_MAX_OPS``. Above ``SEARCH_MAX_OPS`` the grid costs too much. The figures behind each
-# limit: docs/planner.md, "Speed" (``benchmarks/planner_speed.py``, ``benchmarks/plan_quality.py``).
-#
-# Note: [Free plans first]
-# No plan runs faster than the baseline, so a plan that fits the budget at no cost is as good as
-# the grid's pick (which takes, among equally fast plans, the one with the highest peak), and
-# ``searched`` looks for one first: it goes down the grid's targets from the highest, each
-# target's plans made as the grid makes them (and cached for it), and stops at the first such
-# plan, or at the first target at or below the budget whose plans all cost time (then the whole
-# grid as before; the targets it went through are not made again). A larger budget still never
-# costs more: both cost nothing. ``deep_needed`` (which the policy asks for its provenance) goes
-# down the same way and stops at the first plan that fits; at large budgets that is most of the
-# planning time saved (docs/planner.md, "Speed").
+# ``searched`` plans on the grid up to ``SEARCH_MAX_OPS`` ops and ``descend``s above it (a plan
+# for the budget itself, then for lower targets: cheap, not monotone in the budget), where the
+# grid costs more than the planning-time goal allows. The one limit holds for every policy that
+# searches (``capuchin``, ``swap``, ``recompute``), so up to it they are all monotone in the
+# budget by construction (Note [Monotone by construction]).
 #
 # Note: [Monotone by construction]
 # A pick over a budget-independent set of plans never costs more at a larger budget: the plans
-# that fit a budget fit every larger one. Variants made only of the plans that fit (``hidden``,
-# ``recompute_first``) keep that, since a larger budget makes every variant a smaller one does;
-# a plan that costs nothing ends the search (Note [Free plans first]) at no loss. One choice
-# depends on the budget: a candidate's deep targets, made only where none of its other plans
-# fits (Note [Deep targets]). Below ``S``, the lowest peak of those other plans, the pick is
-# among deep plans; at or above ``S`` among the others, and every budget from ``S`` up gets a
-# plan at most as slow as ``T``, the fastest of the others with peak ``S`` (it fits them all).
-# So where the deep targets are taken ``deep_floor`` returns ``T`` and no fitting plan faster
-# than ``T`` is offered (``at_least``: the deep plans, their hidden variants and conversions),
-# and the pick below ``S`` is never faster than any pick above. A deep plan that would beat
-# ``T`` is lost at those budgets: a plan at a lower peak and faster than the other targets'
-# lowest; none was among the cells measured (docs/planner.md, "Monotonicity"). Four generated
-# problems with deep targets when needed forced on, not monotone without ``deep_floor``, are
-# tests (tests/test_planner_properties.py).
+# that fit a budget fit every larger one. Variants made only of the plans that fit (``hidden``)
+# keep that, since a larger budget makes every variant a smaller one does. One choice depends
+# on the budget: a candidate's deep targets, made only where none of its other plans fits (Note
+# [Deep targets]). Below ``S``, the lowest peak of those other plans, the pick is among deep plans; at
+# or above ``S`` among the others, and every budget from ``S`` up gets a plan at most as slow as
+# ``T``, the fastest of the others with peak ``S``. So where the deep targets are taken
+# ``deep_floor`` returns ``T`` and no fitting plan faster than ``T`` is offered (``at_least``),
+# and the pick below ``S`` is never faster than any pick above (the price: a deep plan faster
+# than ``T`` is lost at those budgets). tests/test_planner_properties.py holds generated
+# problems that were not monotone without ``deep_floor``.
 #
 # Note: [Stalled swaps]
 # Algorithm 1 compares a swap's *estimated* overhead with a recomputation's. The estimate sees
 # the copy channel as the swaps chosen so far occupy it, but the simulation can show a swap
-# stalling much longer (swap-outs delayed behind others, on-demand restores of swapped
-# sources, prefetches pushed later by the peak window). ``switch_stalled`` re-decides with the
-# simulated costs: a swap whose simulated stall exceeds the time of replaying it becomes a
-# recomputation; a recomputation that waited for a swapped-out source regenerates that source
-# instead, or is swapped itself, when that is cheaper than the wait (all such switches at once
-# first, else the most wasteful alone); when no stalled decision is left, the replays that
-# would gain most as swaps (overhead estimated on the channels as simulated) are tried. A
-# switch is kept only when the re-simulated plan is faster and its peak not above
-# ``max(bound, current peak)``; repeated until nothing improves. On the grid the switched plans
-# are *added* next to the unswitched one (each pruned on its own): the final plan switched;
-# when it stalled, also a plan switched after every round of selection (the planner's
-# ``after_round``), which changes what is selected next; and every stalled plan switched
-# against the next two grid targets above its peak. The grid only gains plans, so switching
-# never makes a plan worse and stays budget-independent. The plan switched after every round
-# is made under ``AFTER_ROUND_MAX_OPS`` ops only: on the larger traces measured (the DTR ones,
-# GPT-2 with 12-48 layers, a generated long-chain transformer) every plan costs the same without
-# it, in less time, while on smaller ones it can make the chosen plan (DTR U-Net at 40%;
-# ``benchmarks/capuchin_cells.py --no-search``, docs/planner.md "Speed").
-#
-# Note: [Recompute first]
-# Algorithm 1 takes swaps first and compares methods only for the rest, with *estimated* swap
-# costs. Where a replay is cheap next to a copy, early swaps crowd the copy channels. So
-# ``recompute_first`` runs the comparison the other way round, with simulated costs: from each
-# recompute-only grid plan that fits, switch, one at a time, the replay that a swap would make
-# cheapest (up to ``RECOMPUTE_FIRST_TRIES`` candidates per step, ``RECOMPUTE_FIRST_PASSES``
-# steps), none above the plan's own peak. The conversion of a grid plan does not depend on the
-# budget and is cached, so the result stays monotone in the budget.
+# stalling much longer (swap-outs delayed behind others, on-demand restores of swapped sources,
+# prefetches pushed later by the peak window). ``switch_stalled`` re-decides with the simulated
+# costs: a swap whose simulated stall exceeds the time of replaying it becomes a recomputation;
+# a recomputation that waited for a swapped-out source regenerates that source instead, or is
+# swapped itself, when that is cheaper than the wait (all such switches at once first, else the
+# most wasteful alone); then the replay that would gain most as a swap (overhead estimated on the
+# channels as simulated). Each pass keeps the first switch the accept rule keeps (bound
+# ``max(bound, current peak)``), until none is. On the grid the switched plans are *added* next
+# to the unswitched one (each pruned on its own): the final plan switched; on small problems
+# (Note [Search breadth]), when it stalled, a plan switched after every round of selection (the
+# planner's ``after_round``, which changes what is selected next); and every stalled plan
+# switched against the next two grid targets above its peak. The grid only gains plans, so
+# switching never makes a plan worse and stays budget-independent.
 #
 # Note: [Hidden swaps, on the grid]
 # ``searched(..., hiding=True)`` picks among a grid's plans and their ``hide`` variants (hiding.py
-# Note [Hidden swaps]); the capuchin policy searches its hybrid and recompute-only grids so, and
-# offers the variants of its recompute-first conversions too (``swap`` and ``recompute`` stay the
-# paper's baselines, and the policy's swap-only grid gets none). A variant is made from its plan
-# alone, bounded by the plan's own peak, and only for the plans on the list's front (no other plan
-# of the list has a peak and a time both no larger) that fit the budget: only plans that can be
-# picked are converted, each once, cached. On DTR's Transformer and InceptionV4 at 60% the front
-# makes that 26 and 28 conversions instead of 64 and 46, with the same plans picked at 60/50/40%
-# there. Under ``FINE_GRID_OPS`` ops every fitting plan is converted (Note [Targets]: with the
-# finer grid a dominated plan's variant won there). A variant never peaks above its plan, and
-# which plans are converted depends on the list alone, so a larger budget offers every variant
-# a smaller one does, and the pick stays monotone in the budget (Note [Targets]).
+# Note [Hidden swaps]); the capuchin policy searches its hybrid and recompute-only grids so
+# (``swap`` and ``recompute`` stay the paper's baselines, and the policy's swap-only grid gets
+# none). A variant is made from its plan alone, bounded by the plan's own peak, for the fitting
+# plans on the list's front (no other plan has a peak and a time both no larger; on small
+# problems every fitting plan, Note [Search breadth]), each once, cached. Which plans are
+# converted depends on the list alone, so the pick stays monotone in the budget.
 #
 # Note: [Best of variants]
-# ``best_of`` simulates each candidate plan in order and returns the fitting one with the
-# smallest simulated time (when none fits: the lowest peak; ties keep the earlier). It stops
-# early at a plan that fits at no cost. With the capuchin policy's candidates (its own plan,
-# then the recompute-only and swap-only plans, then ``recompute_first``), ``capuchin`` is never
-# worse than ``swap`` or ``recompute`` under the simulator on the grid's problems; where those
-# policies plan otherwise (``descend`` above ``BASELINE_MAX_OPS`` ops), the ``recompute``
-# policy's own plan and DTR's are candidates too (policies/capuchin.py Note [Never worse than
-# the baselines]); the ``swap`` policy's is not.
+# ``best_of`` simulates each candidate plan in order and returns the best by improve Note [One
+# selector], stopping early at a plan that fits at no cost. With the capuchin policy's
+# candidates (its own plan, then the recompute-only and swap-only plans) ``capuchin`` is never
+# worse than ``swap`` or ``recompute`` under the simulator on the grid's problems; above
+# ``SEARCH_MAX_OPS`` ops, where every policy descends, the ``recompute`` policy's plan and DTR's
+# are candidates too (policies/capuchin.py Note [Never worse than the baselines]).
 #
 # Note: [Restricted first]
 # More candidates can end in a costlier greedy plan (selection is not monotone in its
@@ -168,74 +117,48 @@ plan gets faster without its peak rising above the bound it was given.
 #
 # Note: [Pruning what costs host work]
 # On a CPU trace every decision costs the runtime's host work on the compute stream (costs.py
-# Note [Host work on the compute stream]: about 90 us per swap direction, against a 64 B copy),
-# so a swap whose copies hide is not free. Algorithm 1 takes such swaps first and many: on the
-# bundled CNN at 40% the grid's pick held 94 swaps, 30 of them wrap-around swaps of biases and
-# their optimizer state of 64 B-2 KiB, all hidden, and the plan cost +31.0% of the iteration,
-# nearly all of it that host work. ``prune`` counts a swap's host work in its cost
-# (``_host_ns``; zero on CUDA traces), so a hidden swap is tried too, tries the smaller of
-# equally costly decisions first (the host work is per decision, the memory per byte: a small
-# one gives back less room for the same time), and its estimate covers wrap-around swaps on both
-# of their ranges (they were left to the exact part, which reaches only ``max_exact``
-# decisions). A recomputation's cost stays its replay time: it is tried anyway, and counting
-# its host work too reorders the replays (the bundled MLP's recompute-only plan at 60% then
-# lost a drop: +54.5% -> +78.8%). Each
-# grid plan is still pruned against its own target, so the grid stays budget-independent and
-# the policy monotone (Note [Targets]). On the bundled traces at 40% that takes the CNN from
-# +31.0% to +5.3% and the transformer from +46.2% to +27.9%, at or below the ILP's plans
-# (docs/planner.md, "Plans at tight budgets"); without the size order +5.7% and +31.9%, with
-# the host work alone +14.3% and +39.4%. With Note [Pruned up to the next target] as well:
-# +4.69% and +14.90%, and without the size order +5.70% and +19.22%.
+# Note [Host work on the compute stream]), so a swap whose copies hide is not free, and
+# Algorithm 1 takes many such swaps (small wrap-around swaps of biases and their optimizer
+# state). ``prune`` counts a swap's host work in its cost (``_host_ns``; zero on CUDA traces), so
+# a hidden swap is tried too; it tries the smaller of equally costly decisions first (the host
+# work is per decision, the memory per byte), and its estimate covers both ranges of a
+# wrap-around swap. A recomputation's cost stays its replay time (counting its host work
+# reorders the replays and lost a drop). Each grid plan is pruned against its own target, so
+# the grid stays budget-independent.
 #
 # Note: [Pruned up to the next target]
 # A plan for a low target, pruned against the next grid target above its own, can beat the plan
 # made for that target: Algorithm 1 aiming lower evicts other storages, and pruning keeps the
 # costliest of them out only where the higher target needs it. So on problems with host work
-# (CPU traces, Note [Pruning what costs host work]) each grid plan that costs time is also
-# pruned against the next grid target above its target and its peak, and offered when that is
-# faster. The variant depends on the plan and the grid alone and fits that target, so the grid
-# stays budget-independent (Note [Targets]). On the bundled transformer at 40% it takes the plan
-# from +27.85% to +14.90% of the iteration (peak 34% -> 40% of the baseline's), on the CNN from
-# +5.34% to +4.69%, for 0.1-1.4 s of CPU per cell on the bundled traces. On CUDA traces it is
-# left out: on DTR U-Net it lowered 40% from +17.80% to +15.23% and 60% from +4.05% to +3.94%,
-# but cost 2-3 s more per cell on ResNet-32 and DenseNet-121 (12.5 and 8.8 s at 40%, under
-# load 3-4), which are at the planning-time goal already.
+# (CPU traces) each grid plan that costs time is also pruned against the next grid target above
+# its target and its peak, and offered when that is faster: a variant of the plan and the grid
+# alone, so the grid stays budget-independent. On CUDA traces it is left out (it costs seconds
+# per cell on the large GPU traces, which are at the planning-time goal).
 #
 # Note: [Pruned once per plan]
-# The grid's targets often end in the same plan (a planner aiming at two nearby targets selects
-# the same decisions; a switched variant equals its plan), and each is pruned, which simulates
-# the plan once per decision it tries to drop (up to ``max_exact``) and is most of the grid's
-# simulations. ``prune`` is a function of the problem, the plan (its decisions, ``regen`` and
-# simulation: the simulation is a function of the decisions), the budget and ``max_exact``, so
-# its result is remembered per problem under that key, and a plan pruned again costs nothing: on
-# a 22-layer Llama (9,649 ops) at 80%, 66 distinct prunes among 114 calls, the policy's CPU time
-# 31.7 -> 21.1 s with the same plan (docs/planner.md, "Speed"). The simulator's own memo keeps
-# the most recent plans only (simulator.py ``_MEMO_EVENTS``), too few to catch these repeats.
+# The grid's targets often end in the same plan, and pruning simulates a plan once per trial,
+# most of the grid's simulations. ``prune`` is a function of the problem, the plan (decisions,
+# ``regen`` and simulation), the budget and ``max_exact``, so its result is remembered per
+# problem under that key. (The simulator's own memo keeps the most recent plans only,
+# simulator.py ``_MEMO_EVENTS``: too few to catch these repeats.)
 #
 # Note: [Pruned in groups]
-# ``prune``'s exact part tries the ``max_exact`` costliest decisions in order, and most trials
-# succeed (on a 22-layer Llama at 80%: 1,078 of 1,369 kept, each a simulation of 5-6 ms). So
-# they are tried in groups: all of them dropped at once first, kept by the accept rule when the
-# plan without them fits and is no slower; a group that is refused is split in halves, each
-# tried on its own in order, down to single decisions (where a lone decision is refused as
-# before). Before each try a decision is left out when the conservative check already says its
-# bytes overflow an op surely without it in the current plan: from its memory's release to its
-# swap-in or return as the current plan's simulation has them (not the first plan's: dropping
-# decisions moves the others' copies), on both ranges of a wrap-around gap (which the check
-# left to the simulator before; the trials refused on peak seen on the Llama were those). A
-# group kept is judged as a whole: a plan without several decisions at once may be kept where
-# one of them alone would have been refused on time (never on peak: the plan kept fits), so
-# plans can differ from one-at-a-time pruning (docs/planner.md, "Speed": the bundled and DTR
-# cells at 80/60/50/40% the same or faster; the Llama's the same).
+# ``prune``'s exact part tries the ``max_exact`` costliest decisions, and most such trials
+# succeed. So they are tried in groups: all at once first, kept by the accept rule when the plan
+# without them fits and is no slower; a group that is refused is split in halves, each tried on
+# its own in order, down to single decisions. Before each try a decision is left out when the
+# conservative check already says its bytes overflow an op surely without it in the current plan
+# (from its memory's release to its swap-in or return as the current plan's simulation has them,
+# both ranges of a wrap-around gap). A group is judged as a whole: a plan without several
+# decisions may be kept where one of them alone would be refused on time (never on peak), so
+# plans can differ from one-at-a-time pruning.
 #
 # Note: [Garbage collection while searching]
-# A search allocates millions of short-lived objects (decisions, outcomes, tuples of the
-# simulator and the lineage); each allocation burst triggers the cyclic collector, which walks
-# every tracked object of the generations it collects, the problem's and the memoized results
-# included. Little of it is cyclic garbage: reference counting frees it. The policies that
-# search (``capuchin``, ``swap``, ``recompute``) run with the collector paused
-# (``gc_paused``). Measured cold at 60% (2026-11-24, load 1-2): DTR ResNet-32 6.0 -> 5.3 s of
-# CPU, InceptionV4 28.4 -> 22.1 s, with the same peak resident memory (242 and 370 MiB).
+# A search allocates millions of short-lived objects; each allocation burst triggers the cyclic
+# collector, which walks every tracked object of the generations it collects, the memoized
+# results included, and finds little cyclic garbage (reference counting frees it). The policies
+# that search (``capuchin``, ``swap``, ``recompute``) run with the collector paused
+# (``gc_paused``).
 """
 
 from __future__ import annotations
@@ -250,7 +173,7 @@ import numpy as np
 
 from ..errors import PlanError
 from .hiding import hide
-from .improve import accept, rank
+from .improve import Attempt, accept, improve, rank
 from .lineage import (
     EvictionWindows,
     finish_decisions,
@@ -281,15 +204,6 @@ def gc_paused(fn: Callable) -> Callable:
     return run
 
 
-class Attempt(NamedTuple):
-    """A plan with its simulation; ``regen``: recompute decisions whose replays regenerate
-    their swapped-out sources rather than wait for them (Note [Stalled swaps])."""
-
-    decisions: list[Decision]
-    sim: SimResult | None
-    regen: frozenset = frozenset()
-
-
 class GridPlan(NamedTuple):
     decisions: list[Decision]
     peak_bytes: int
@@ -315,30 +229,6 @@ class TargetPlanner(Protocol):
         """``max_extra_ns``: the planner may give up (``Attempt([], None)``) once its own
         estimate of the plan's extra time is above it (Note [Deep targets])."""
         ...
-
-
-@dataclass(frozen=True)
-class PolicyPlanner:
-    """Any registered policy as a target planner: its decisions for the target, simulated."""
-
-    name: str
-    params: tuple[tuple[str, Any], ...] = ()
-
-    def __call__(
-        self,
-        problem: Problem,
-        target: int,
-        after_round: AfterRound | None = None,
-        max_extra_ns: int | None = None,  # a policy's plan is made whole: never gives up
-    ) -> Attempt:
-        from .build import complete_decisions
-        from .registry import checked, get_policy
-
-        # policies may leave recompute lineage to the builder (registry Note [Policy contract])
-        result = checked(self.name, get_policy(self.name)(problem, target, **dict(self.params)))
-        ds = complete_decisions(problem, result.decisions)
-        a = Attempt(ds, simulate(problem, ds))
-        return after_round(a) if after_round is not None else a
 
 
 @dataclass(frozen=True)
@@ -371,28 +261,30 @@ def cached(problem: Problem, key, make: Callable[[], Any]):
     return per[key]
 
 
-FINE_GRID_OPS = 1000  # smaller problems get the finer grid (Note [Targets])
-FINEST_GRID_OPS = 500  # and smaller still the finest
+GRID_OP_STEPS = 20_000  # the grid's steps times the ops stay under it (Note [Search breadth])
+
+
+def grid_steps(problem: Problem) -> int:
+    """Note [Search breadth]: the grid's steps from the floor up to the peak."""
+    return next((k for k in (40, 20) if k * problem.n_ops < GRID_OP_STEPS), 10)
+
+
+def small(problem: Problem) -> bool:
+    """Note [Search breadth]: whether the problem's grid is finer than the coarsest."""
+    return grid_steps(problem) > 10
 
 
 def grid_targets(problem: Problem) -> list[int]:
-    """Note [Targets]: the floor, nine steps up to the peak (19 under ``FINE_GRID_OPS`` ops,
-    39 under ``FINEST_GRID_OPS``), and three below the floor. Cached per problem (the floor
-    is a pass over every storage's gaps)."""
+    """Note [Targets]: the floor, ``grid_steps`` steps up to the peak, and three below the
+    floor. Cached per problem (the floor is a pass over every storage's gaps)."""
     done = problem_cache(problem, "_grid_targets")
-    key = (FINE_GRID_OPS, FINEST_GRID_OPS)  # the thresholds (tests vary them)
-    if key not in done:
-        done[key] = _grid_targets(problem)
-    return list(done[key])
-
-
-def _grid_targets(problem: Problem) -> tuple[int, ...]:
-    floor, peak = problem.floor_bytes(), problem.peak_bytes
-    n = problem.n_ops
-    k = 40 if n < FINEST_GRID_OPS else 20 if n < FINE_GRID_OPS else 10
-    targets = [floor + (peak - floor) * i // k for i in range(k)]
-    targets += [floor * 9 // 10, floor * 3 // 4, floor // 2]
-    return tuple(x for x in dict.fromkeys(targets) if 0 < x < peak)
+    k = grid_steps(problem)
+    if k not in done:
+        floor, peak = problem.floor_bytes(), problem.peak_bytes
+        targets = [floor + (peak - floor) * i // k for i in range(k)]
+        targets += [floor * 9 // 10, floor * 3 // 4, floor // 2]
+        done[k] = tuple(x for x in dict.fromkeys(targets) if 0 < x < peak)
+    return list(done[k])
 
 
 def grid(
@@ -430,7 +322,6 @@ def _within(
     return deep or t in _shallow(problem, planner)
 
 
-AFTER_ROUND_MAX_OPS = 1000  # Note [Stalled swaps]
 DEEP_OVERHEAD = 10  # a plan costing more than this many baseline iterations extra is deep
 
 
@@ -501,7 +392,7 @@ def _plans(
         sw = switch_stalled(problem, a, t, switching)
         if sw.decisions is not a.decisions:
             variants.append(sw)
-        if a.sim.stall_ns > 0 and problem.n_ops < AFTER_ROUND_MAX_OPS:  # and switched after
+        if a.sim.stall_ns > 0 and small(problem):  # and switched after
             # every round, which changes the path (Note [Stalled swaps])
             try:
                 variants.append(
@@ -622,7 +513,6 @@ def descend(problem: Problem, budget: int, planner: TargetPlanner) -> list[Decis
 
 
 SEARCH_MAX_OPS = 10_000  # problems up to this size get the target grid (Note [Op limits])
-BASELINE_MAX_OPS = 5_000  # the same for the swap and recompute policies (Note [Op limits])
 
 
 def searched(
@@ -632,21 +522,17 @@ def searched(
     switching: Switching | None = None,
     deep: bool | None = True,
     hiding: bool = False,
-    max_ops: int | None = None,
     below: int | None = None,
 ) -> list[Decision]:
-    """``pick(fitting_grid(...))`` up to ``max_ops`` ops (default ``SEARCH_MAX_OPS``),
-    ``descend`` above; ``[]`` when the problem fits the budget as it is. ``deep``: as
+    """``pick(fitting_grid(...))`` up to ``SEARCH_MAX_OPS`` ops, ``descend`` above (Note [Op
+    limits]); ``[]`` when the problem fits the budget as it is. ``deep``: as
     ``fitting_grid``'s. ``hiding``: pick among the fitting plans' ``hidden`` variants too (on
     the grid). ``below``: only the grid's targets below it. Where the deep targets are taken, no
     fitting plan faster than ``deep_floor`` (Note [Monotone by construction])."""
     if problem.n_ops == 0 or problem.peak_bytes <= budget:
         return []
-    if problem.n_ops > (SEARCH_MAX_OPS if max_ops is None else max_ops):
+    if problem.n_ops > SEARCH_MAX_OPS:
         return descend(problem, budget, planner)
-    free = _free_from_the_top(problem, planner, budget, switching, deep, below)
-    if free is not None:
-        return free
     floor = deep_floor(problem, planner, budget, switching, deep)
     plans = at_least(fitting_grid(problem, planner, budget, switching, deep, below), budget, floor)
     if hiding:  # the variants of the plans offered only (``hidden`` stops at one costing nothing)
@@ -672,41 +558,16 @@ def deep_floor(
     return min(((g.peak_bytes, g.time_ns) for g in shallow), default=(0, 0))[1]
 
 
-def _free_from_the_top(
-    problem: Problem,
-    planner: TargetPlanner,
-    budget: int,
-    switching: Switching | None,
-    deep: bool | None,
-    below: int | None = None,
-) -> list[Decision] | None:
-    """Note [Free plans first]: a grid plan that fits ``budget`` at no cost, found going down
-    the targets (below ``below``) from the highest, to the first at or below the budget (with
-    ``deep=None``, the first deep one); None when there is none there."""
-    shallow = _shallow(problem, planner) if deep is None else None
-    for t in sorted(grid_targets(problem), reverse=True):
-        if below is not None and not _within(problem, planner, t, deep is True, below):
-            continue
-        if shallow is not None and t not in shallow:
-            return None
-        for g in _target_plans(problem, planner, switching, t):
-            if g.peak_bytes <= budget and g.time_ns <= problem.time_ns:
-                return g.decisions
-        if t <= budget:
-            return None
-    return None
-
-
 def hidden(problem: Problem, plans: list[GridPlan], budget: int) -> list[GridPlan]:
     """Note [Hidden swaps, on the grid]: ``hide`` of each plan on the front of ``plans`` that
-    fits ``budget`` (of each plan that fits, under ``FINE_GRID_OPS`` ops), bounded by the plan's
+    fits ``budget`` (of each plan that fits, on small problems), bounded by the plan's
     own peak; only those that got faster. Made once per plan and cached."""
     fitting = [g for g in plans if g.peak_bytes <= budget]
     if not fitting or any(g.time_ns <= problem.time_ns for g in fitting):
         return []  # none fits, or one costs nothing: no variant can be faster
     done = cached(problem, "hidden", dict)
     out = []
-    front = _front(plans) if problem.n_ops >= FINE_GRID_OPS else None  # Note [Targets]
+    front = None if small(problem) else _front(plans)  # Note [Search breadth]
     for g in fitting:
         if front is not None and id(g) not in front:
             continue
@@ -743,54 +604,6 @@ def _front(plans: list[GridPlan]) -> set[int]:
     return out
 
 
-RECOMPUTE_FIRST_PASSES = 60  # switches tried one after another (Note [Recompute first])
-RECOMPUTE_FIRST_TRIES = 8  # candidates tried per pass before giving up
-
-
-def recompute_first(
-    problem: Problem,
-    planner: TargetPlanner,
-    budget: int,
-    switching: Switching,
-    deep: bool | None = True,
-) -> list[GridPlan]:
-    """Note [Recompute first]: the plans of ``fitting_grid(problem, planner, budget, None,
-    deep)`` that fit ``budget``, with the replays that a swap makes cheaper (as simulated)
-    switched, none above its plan's own peak; only those that got faster, and none faster than
-    ``deep_floor`` (Note [Monotone by construction]). Each conversion is made once per plan and
-    cached."""
-    plans = fitting_grid(problem, planner, budget, None, deep)
-    floor = deep_floor(problem, planner, budget, None, deep)
-    done = cached(problem, ("recompute-first", planner, switching), dict)
-    out = []
-    for g in plans:
-        ds, peak, t = g.decisions, g.peak_bytes, g.time_ns
-        if peak > budget:
-            continue
-        i = _plan_key(g)
-        if i not in done:
-            done[i] = None
-            try:
-                sim = simulate(problem, ds)
-            except PlanError:
-                continue
-            if sim.recompute_ns <= 0:
-                continue
-            cds, csim, creg = switch_stalled(
-                problem,
-                Attempt(ds, sim, g.regen),
-                peak,
-                switching,
-                max_passes=RECOMPUTE_FIRST_PASSES,
-                calm_tries=RECOMPUTE_FIRST_TRIES,
-            )
-            if csim.time_ns < t and csim.peak_bytes <= peak:
-                done[i] = GridPlan(cds, csim.peak_bytes, csim.time_ns, creg)
-        if done[i] is not None and done[i].time_ns >= floor:
-            out.append(done[i])
-    return out
-
-
 def switch_stalled(
     problem: Problem,
     a: Attempt,
@@ -798,7 +611,6 @@ def switch_stalled(
     switching: Switching,
     *,
     max_passes: int = 6,
-    calm_tries: int = 1,
 ) -> Attempt:
     """Note [Stalled swaps]: decisions whose simulated stall exceeds what the other method
     would cost are switched, most wasteful first, while the simulation confirms the plan gets
@@ -809,131 +621,94 @@ def switch_stalled(
     ``a``'s own list, a changed one as a new list."""
     sim = a.sim
     key = (tuple(a.decisions), sim.time_ns, sim.peak_bytes, a.regen, bound, switching)
-    key += (max_passes, calm_tries)
+    key += (max_passes,)
     done = problem_cache(problem, "_switched")
     got = done.get(key, done)  # the dict itself: not remembered yet
     if got is done:
-        new = _switch_stalled(problem, a, bound, switching, max_passes, calm_tries)
+        new = improve(  # improve Note [One improvement kernel]
+            problem,
+            a,
+            lambda cur: max(bound, cur.sim.peak_bytes),
+            lambda cur: _stalled_switches(problem, cur, bound, switching),
+            rounds=max_passes,
+        )
         got = done[key] = new if new.decisions is not a.decisions else None
     if got is None:  # unchanged
         return Attempt(a.decisions, sim, a.regen)
     return Attempt(list(got.decisions), got.sim, got.regen)
 
 
-def _switch_stalled(
-    problem: Problem,
-    a: Attempt,
-    bound: int,
-    switching: Switching,
-    max_passes: int,
-    calm_tries: int,
-) -> Attempt:
-    decisions, sim, regen = a
+def _stalled_switches(problem: Problem, cur: Attempt, bound: int, switching: Switching):
+    """The trials of one pass of Note [Stalled swaps], in order: the stalled decisions' switches
+    all at once, then the most wasteful alone, then the replay that would gain most as a swap."""
+    decisions, sim, regen = cur
     collective, max_replay_ops = switching.collective, switching.max_replay_ops
     ops = problem.ops
-    for _ in range(max_passes):
-        res = EvictionWindows(decisions)
-        timer = None
-        gains = []  # (time saved estimate, storage, replacement, regenerates its sources)
-        calm = []  # the same for replays that did not stall: swapping them may be cheaper
-        for d, o in zip(decisions, sim.outcomes, strict=True):
-            if o.stall_ns <= 0 and o.recompute_ns <= 0:
-                continue
-            if d.method == Method.SWAP:  # recompute it instead
-                if not problem.storages[d.storage_id].evictable:
-                    continue  # persistent: swap only (problem.py Note [Wrap-around gaps])
-                # only a replay cheaper than the stall matters (lineage Note [Replays with a
-                # time bound])
-                r = replay_for(
-                    problem,
-                    d.storage_id,
-                    d.evict_op,
-                    d.back_op,
-                    res,
-                    max_ops=max_replay_ops,
-                    max_ns=o.stall_ns,
-                )
-                if r is not None:
-                    rp_ns = sum(ops[j].duration_ns for j in r[0])
-                    if rp_ns < o.stall_ns:
-                        gains.append(
-                            (
-                                o.stall_ns - rp_ns,
-                                d.storage_id,
-                                Decision(
-                                    d.storage_id,
-                                    Method.RECOMPUTE,
-                                    d.size_bytes,
-                                    d.evict_op,
-                                    d.back_op,
-                                ),
-                                True,
-                            )
-                        )
-                continue
-            # a replay waiting for swapped-out sources: regenerate them, or swap the target;
-            # a replay costlier than swapping given the channels as simulated: swap it
-            r = None
-            if o.stall_ns > 0:
-                r = replay_for(
-                    problem,
-                    d.storage_id,
-                    d.evict_op,
-                    d.back_op,
-                    res,
-                    resident=regen_resident(problem, res, d.back_op),
-                    max_ops=max_replay_ops,
-                    max_ns=o.stall_ns + o.recompute_ns,  # extra < stall, or no use
-                )
-            if r is not None:
-                extra = sum(ops[j].duration_ns for j in r[0]) - o.recompute_ns
-                if extra < o.stall_ns:
-                    gains.append((o.stall_ns - extra, d.storage_id, d, True))
-                    continue
-            if timer is None:
-                timer = timer_from(problem, sim, sim.op_peak_bytes > bound)
-            e = timer.estimate(d.size_bytes, d.evict_op, d.back_op)
-            if e.overhead_ns < o.stall_ns + o.recompute_ns:
-                (gains if o.stall_ns > 0 else calm).append(
-                    (
-                        o.stall_ns + o.recompute_ns - e.overhead_ns,
-                        d.storage_id,
-                        Decision(
-                            d.storage_id,
-                            Method.SWAP,
-                            d.size_bytes,
-                            d.evict_op,
-                            d.back_op,
-                            trigger_op=e.trigger_op,
-                        ),
-                        False,
-                    )
-                )
-        gains.sort(key=lambda g: (-g[0], g[1]))
-        calm.sort(key=lambda g: (-g[0], g[1]))
-        cap = max(bound, sim.peak_bytes)
-        improved = False
-        # stalled decisions: all of them at once first (they also free the copy channel for
-        # the others), then the most wasteful alone; then the replays that would gain most as
-        # swaps
-        batches = [gains, gains[:1]] if len(gains) > 1 else [gains] if gains else []
-        for batch in batches + [[c] for c in calm[:calm_tries]]:
-            new = {g[1]: g[2] for g in batch}
-            trial = [new.get(d.storage_id, d) for d in decisions]
-            more = regen | {g[1] for g in batch if g[3]}
-            excess = sim.op_peak_bytes.astype(np.int64) - bound
-            got = accept(  # improve Note [The accept rule]
+    res = EvictionWindows(decisions)
+    timer = None
+    gains = []  # (time saved estimate, storage, replacement, regenerates its sources)
+    calm = []  # the same for replays that did not stall: swapping them may be cheaper
+    for d, o in zip(decisions, sim.outcomes, strict=True):
+        if o.stall_ns <= 0 and o.recompute_ns <= 0:
+            continue
+        if d.method == Method.SWAP:  # recompute it instead
+            if not problem.storages[d.storage_id].evictable:
+                continue  # persistent: swap only (problem.py Note [Wrap-around gaps])
+            # only a replay cheaper than the stall matters (lineage Note [Replays with a
+            # time bound])
+            r = replay_for(
                 problem,
-                lambda t=trial, e=excess, m=more: finish_decisions(problem, t, e, collective, m),
-                sim.time_ns,
-                cap,
+                d.storage_id,
+                d.evict_op,
+                d.back_op,
+                res,
+                max_ops=max_replay_ops,
+                max_ns=o.stall_ns,
             )
-            if got is not None:
-                (decisions, sim), improved, regen = got, True, frozenset(more)
-                break
-        if not improved:
-            break
-    return Attempt(decisions, sim, regen)
+            if r is not None:
+                rp_ns = sum(ops[j].duration_ns for j in r[0])
+                if rp_ns < o.stall_ns:
+                    rec = d.switched(Method.RECOMPUTE)
+                    gains.append((o.stall_ns - rp_ns, d.storage_id, rec, True))
+            continue
+        # a replay waiting for swapped-out sources: regenerate them, or swap the target;
+        # a replay costlier than swapping given the channels as simulated: swap it
+        r = None
+        if o.stall_ns > 0:
+            r = replay_for(
+                problem,
+                d.storage_id,
+                d.evict_op,
+                d.back_op,
+                res,
+                resident=regen_resident(problem, res, d.back_op),
+                max_ops=max_replay_ops,
+                max_ns=o.stall_ns + o.recompute_ns,  # extra < stall, or no use
+            )
+        if r is not None:
+            extra = sum(ops[j].duration_ns for j in r[0]) - o.recompute_ns
+            if extra < o.stall_ns:
+                gains.append((o.stall_ns - extra, d.storage_id, d, True))
+                continue
+        if timer is None:
+            timer = timer_from(problem, sim, sim.op_peak_bytes > bound)
+        e = timer.estimate(d.size_bytes, d.evict_op, d.back_op)
+        if e.overhead_ns < o.stall_ns + o.recompute_ns:
+            swap = d.switched(Method.SWAP, e.trigger_op)
+            gain = o.stall_ns + o.recompute_ns - e.overhead_ns
+            (gains if o.stall_ns > 0 else calm).append((gain, d.storage_id, swap, False))
+    gains.sort(key=lambda g: (-g[0], g[1]))
+    calm.sort(key=lambda g: (-g[0], g[1]))
+    excess = sim.op_peak_bytes.astype(np.int64) - bound
+    batches = [gains, gains[:1]] if len(gains) > 1 else [gains] if gains else []
+    for batch in batches + [calm[:1]] if calm else batches:
+        new = {g[1]: g[2] for g in batch}
+        trial = [new.get(d.storage_id, d) for d in decisions]
+        more = regen | {g[1] for g in batch if g[3]}
+        yield (
+            lambda t=trial, m=more: finish_decisions(problem, t, excess, collective, m),
+            frozenset(more),
+        )
 
 
 def timer_from(problem: Problem, sim: SimResult, in_peak) -> SwapTimer:

@@ -30,7 +30,7 @@ def test_a_faster_recompute_policy_plan_is_picked(monkeypatch):
     # a plan faster than capuchin's own search: the bundled CNN at 60%, where a short seeded
     # local search from capuchin's plan finds one (its decisions stand in for what the
     # recompute policy plans; on the traces measured it is the recompute policy's descent
-    # above BASELINE_MAX_OPS ops that beats the grid)
+    # above SEARCH_MAX_OPS ops that can beat capuchin's)
     problem = Problem.from_trace(load_trace(CNN))
     budget = int(problem.peak_bytes * 0.6)
     own = policy.capuchin(problem, budget).decisions
@@ -57,12 +57,14 @@ def test_capuchin_is_never_slower_than_recompute_only():
             assert own.peak_bytes <= budget and own.time_ns <= rec.time_ns
 
 
-def test_the_recompute_policys_descent_is_picked_where_it_beats_the_grid(monkeypatch):
-    # a generated problem (32 ops) where the recompute policy planning for the budget itself
-    # (``descend``, what it does above BASELINE_MAX_OPS ops) beats capuchin's own search at
-    # 60%: 44,198 ns against 46,367 ns. The limit is lowered so that a small problem takes
-    # that path
-    monkeypatch.setattr(policy, "BASELINE_MAX_OPS", 0)
+def test_the_recompute_policys_descent_is_picked_where_it_beats_capuchins(monkeypatch):
+    # above SEARCH_MAX_OPS ops every policy descends; a generated problem (32 ops) where the
+    # recompute policy's descent beats capuchin's own at 60%. The limit is lowered so that a
+    # small problem takes that path
+    from capuchin.planner import search
+
+    monkeypatch.setattr(search, "SEARCH_MAX_OPS", 0)
+    monkeypatch.setattr(policy, "SEARCH_MAX_OPS", 0)
     ops, sizes, persistent = random_ops(14, 14)
     problem = dataclasses.replace(
         Problem.from_trace(
@@ -77,10 +79,12 @@ def test_the_recompute_policys_descent_is_picked_where_it_beats_the_grid(monkeyp
     assert got.peak_bytes <= budget and got.time_ns <= rec.time_ns
 
 
-def test_baselines_that_cannot_fit_are_not_made(monkeypatch):
-    # Note [Baselines that cannot fit]: below the floor of the problem without the persistent
-    # candidates no baseline plan fits, and where capuchin's own plan fits the pick cannot take
-    # one: the recompute policy is not asked; above that floor it is
+def test_plans_that_cannot_fit_are_not_made(monkeypatch):
+    # Note [Plans that cannot fit]: below the floor of the problem without the persistent
+    # candidates neither the restricted search nor a baseline can fit: the recompute policy is
+    # not asked and nothing is planned on the restricted problem; above that floor both are
+    from capuchin.planner import search
+
     mlp = Path(__file__).resolve().parent.parent / "traces" / "mlp.trace.parquet"
     problem = Problem.from_trace(load_trace(mlp))
     floor = problem.restricted().floor_bytes()
@@ -91,15 +95,21 @@ def test_baselines_that_cannot_fit_are_not_made(monkeypatch):
         asked.append(budget_bytes)
         return real(p, budget_bytes, **kw)
 
+    def restricted_plans(p: Problem) -> int:
+        return sum(1 for k in search.problem_cache(p.restricted()) if k[0] == "target")
+
     monkeypatch.setattr(policy, "recompute_only", counted)
     below = int(problem.peak_bytes * 0.4)
     assert below < floor  # the premise: the MLP's state keeps 47% of its peak
     ds = policy.capuchin(problem, below).decisions
     assert simulate(problem, list(ds)).peak_bytes <= below  # capuchin's plan fits
     assert asked == []
+    assert restricted_plans(problem) == 0
     above = int(problem.peak_bytes * 0.5)
     assert above >= floor
-    ds = policy.capuchin(problem, above).decisions
-    sim = simulate(problem, list(ds))
-    assert sim.peak_bytes <= above and sim.time_ns > problem.time_ns  # not free: no early stop
+    fresh = Problem.from_trace(load_trace(mlp))
+    ds = policy.capuchin(fresh, above).decisions
+    sim = simulate(fresh, list(ds))
+    assert sim.peak_bytes <= above and sim.time_ns > fresh.time_ns  # not free: no early stop
     assert asked == [above]
+    assert restricted_plans(fresh) > 0

@@ -105,10 +105,9 @@ def test_resnet32_hybrid_not_worse_than_variants(resnet32, frac):
 
 
 @pytest.mark.slow
-def test_recompute_first_beats_both_variants_on_resnet32(resnet32):
-    # search Note [Recompute first]: from the recompute-only plan, the replays a swap makes cheaper are
-    # switched; at 60% that mixed plan is faster than recomputing alone (+8.6% before) and than
-    # swapping alone (which does not fit), and it really mixes both methods.
+def test_the_hybrid_beats_both_variants_on_resnet32(resnet32):
+    # at 60% the hybrid's plan is faster than recomputing alone and than swapping alone (which
+    # does not fit), and it really mixes both methods
     budget = int(resnet32.peak_bytes * 0.6)
     hy = cap.capuchin(resnet32, budget).decisions
     fits, t_hy = _judge(resnet32, hy, budget)

@@ -34,7 +34,6 @@ def _without_hiding(monkeypatch, problem: Problem, budget: int):
     """The capuchin plan as it was before the hidden variants: none offered."""
     with monkeypatch.context() as m:
         m.setattr(search, "hidden", lambda problem, plans, budget: [])
-        m.setattr(cap, "hidden", lambda problem, plans, budget: [])
         return cap.capuchin(problem, budget).decisions
 
 
@@ -143,9 +142,9 @@ def test_capuchin_faster_with_hidden_swaps(monkeypatch, name, frac):
 
 @pytest.mark.slow
 def test_unet_at_60_percent(monkeypatch, tmp_path):
-    # DTR U-Net at 60% (docs/planner.md, Lower bound): 20.33 ms above the baseline without the
-    # hidden variants on the 39-step target grid (23.28 ms on the 19-step one, 26.49 ms on the
-    # coarse one), 17.64 ms with them (a local search found 13.49 ms)
+    # DTR U-Net at 60% (docs/planner.md, Lower bound): 36.42 ms above the baseline without the
+    # hidden variants on the 39-step target grid, 17.75 ms with them (a local search found
+    # 13.49 ms)
     if not DTR_ZIP.exists():
         pytest.skip("DTR logs not available")
     from capuchin.tracer.dtr_import import import_dtr_log
@@ -160,5 +159,5 @@ def test_unet_at_60_percent(monkeypatch, tmp_path):
     old = _time(p, _without_hiding(monkeypatch, p, budget), budget) - p.time_ns
     q = fresh()
     new = _time(q, cap.capuchin(q, budget).decisions, budget) - q.time_ns
-    assert old == pytest.approx(20.33e6, rel=0.01)
+    assert old == pytest.approx(36.42e6, rel=0.01)
     assert new < 0.9 * old

@@ -119,11 +119,11 @@ DEEP_CASES = [
 def test_deep_targets_when_needed_stay_monotone(monkeypatch, seed, n, bw, host, policy):
     # search Note [Monotone by construction]: where a candidate's deep targets are taken, no
     # plan of theirs faster than the fastest lowest-peak plan of its other targets is offered.
-    # Deep targets only when needed apply from DEEP_WHEN_NEEDED_OPS ops; here on small
-    # problems, at every 32nd of the peak from a quarter up
+    # Deep targets only when needed apply to problems that are not small (search Note [Search
+    # breadth]); here forced on small problems, at every 32nd of the peak from a quarter up
     from capuchin.planner.policies import capuchin as cap
 
-    monkeypatch.setattr(cap, "DEEP_WHEN_NEEDED_OPS", 0)
+    monkeypatch.setattr(cap, "_deep", lambda p: None)
     p = problem(seed, n, bw, host)
     times = []
     for k in range(8, 32):

@@ -157,7 +157,7 @@ def test_first_divergence_deep_in_an_unwatched_iteration_counts_what_came_before
     from capuchin.planner import search
     from capuchin.runtime.actions import compile_plan
 
-    monkeypatch.setattr(search, "FINE_GRID_OPS", 0)
+    monkeypatch.setattr(search, "grid_steps", lambda p: 10)
 
     def altered(plan):
         table = compile_plan(plan)

@@ -1,5 +1,5 @@
-"""The search combinators of planner/search.py on their own: around a plain registered policy
-(DTR, through ``PolicyPlanner``) and around Capuchin's Algorithm 1, judged by the simulator."""
+"""The search combinators of planner/search.py on their own, around Capuchin's Algorithm 1,
+judged by the simulator."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from capuchin.planner.registry import get_policy
 from capuchin.planner.search import (
     Attempt,
     GridPlan,
-    PolicyPlanner,
     Switching,
     best_of,
     grid,
@@ -49,11 +48,11 @@ def test_pick_fastest_fitting_else_lowest_peak():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_grid_around_a_registered_policy_is_monotone_and_not_worse(seed):
-    # DTR is not monotone in the budget on its own; on the grid a larger budget only chooses
-    # among more plans, so the simulated time never rises with the budget.
+def test_a_pick_over_the_grid_is_monotone(seed):
+    # Note [Targets]: on the grid a larger budget only chooses among more plans, so the
+    # simulated time never rises with the budget
     p = _random(seed)
-    planner = PolicyPlanner("dtr")
+    planner = Capuchin("hybrid")
     plans = grid(p, planner)
     assert len(plans) >= 1
     assert grid(p, planner) is plans  # cached per problem and planner
@@ -69,17 +68,21 @@ def test_grid_around_a_registered_policy_is_monotone_and_not_worse(seed):
 
 
 def test_finer_grids_hold_the_coarser_targets(monkeypatch):
-    # Note [Targets]: 9 steps above the floor from FINE_GRID_OPS ops, 19 below, 39 below
-    # FINEST_GRID_OPS; each grid holds every target of the coarser one
+    # Note [Search breadth]: 39 steps above the floor while 40 steps times the ops stay under
+    # GRID_OP_STEPS, else 19 while 20 steps do, else 9; each grid holds every target of the
+    # coarser one, and only the coarsest makes a problem not small
     from capuchin.planner import search
 
     p = _transformer()
-    assert p.n_ops < search.FINEST_GRID_OPS
+    assert 40 * p.n_ops < search.GRID_OP_STEPS
     finest = grid_targets(p)
-    monkeypatch.setattr(search, "FINEST_GRID_OPS", 0)
+    assert search.small(p)
+    monkeypatch.setattr(search, "GRID_OP_STEPS", 40 * p.n_ops)
     fine = grid_targets(p)
-    monkeypatch.setattr(search, "FINE_GRID_OPS", 0)
+    assert search.small(p)
+    monkeypatch.setattr(search, "GRID_OP_STEPS", 20 * p.n_ops)
     coarse = grid_targets(p)
+    assert not search.small(p)
     above = [len([t for t in g if t > p.floor_bytes()]) for g in (coarse, fine, finest)]
     assert above == [9, 19, 39]
     assert set(coarse) <= set(fine) <= set(finest)
@@ -105,7 +108,7 @@ def test_the_finest_grid_lowers_a_cell(monkeypatch):
         return sim.time_ns - p.time_ns
 
     finest = extra()
-    monkeypatch.setattr(search, "FINEST_GRID_OPS", 0)
+    monkeypatch.setattr(search, "grid_steps", lambda p: 20)  # Note [Search breadth]
     assert finest < 0.9 * extra()
 
 
@@ -303,9 +306,9 @@ def test_capuchin_skips_the_variants_when_its_plan_costs_nothing():
     # candidates]): that plan costs nothing, so the one with them is not made either
     assert "_search_cache" not in p.__dict__
     made = {(k[0], k[1].mode) for k in search.problem_cache(p.restricted())}
-    # some of the hybrid's targets only (search Note [Free plans first]: not even its whole
-    # grid), no recompute-only grid, no conversions
-    assert made == {("target", "hybrid"), ("attempt", "hybrid")}
+    # the hybrid's grid only (search Note [Best of variants]: best_of stops at its plan), no
+    # recompute-only or swap-only grid
+    assert {mode for _, mode in made} == {"hybrid"}
 
 
 def test_a_planned_problem_is_freed():
@@ -374,13 +377,17 @@ def test_problems_above_the_op_limit_descend(monkeypatch):
     assert get_policy("capuchin")(q, budget).figures["search"].get("descend") is True
 
 
-def test_the_baselines_descend_above_their_own_op_limit(monkeypatch):
-    # Note [Op limits]: swap and recompute descend above BASELINE_MAX_OPS, capuchin keeps the
-    # grid up to SEARCH_MAX_OPS
-    import capuchin.planner.policies.capuchin as cap
+def test_the_baselines_descend_above_the_same_op_limit(monkeypatch):
+    # Note [Op limits]: swap and recompute keep the grid up to SEARCH_MAX_OPS as capuchin does,
+    # and descend above it
     from capuchin.planner import search
 
-    monkeypatch.setattr(cap, "BASELINE_MAX_OPS", _transformer().n_ops - 1)
+    for name in ("swap", "recompute"):
+        q = _transformer()
+        budget = q.peak_bytes // 2
+        get_policy(name)(q, budget)
+        assert any(k[0] == "grid" for k in search.problem_cache(q.restricted()))
+    monkeypatch.setattr(search, "SEARCH_MAX_OPS", _transformer().n_ops - 1)
     for name, planner in (
         ("swap", Capuchin("swap", 12, False, 0)),
         ("recompute", Capuchin("recompute")),
@@ -390,36 +397,6 @@ def test_the_baselines_descend_above_their_own_op_limit(monkeypatch):
         r = q.restricted()
         assert list(get_policy(name)(q, budget).decisions) == search.descend(r, budget, planner)
         assert not any(k[0] == "grid" for k in search.problem_cache(r))
-    q = _transformer()
-    assert "descend" not in get_policy("capuchin")(q, q.peak_bytes // 2).figures["search"]
-
-
-def test_a_free_plan_ends_the_search_from_the_top(monkeypatch):
-    # Note [Free plans first]: where a plan of a high target fits the budget at no cost, it is
-    # the answer and the targets below the budget are never made; without the rule all are
-    from capuchin.planner import search
-
-    def targets_made(p: Problem) -> set[int]:
-        return {k[-1] for k in search.problem_cache(p) if isinstance(k, tuple) and k[0] == "target"}
-
-    p = _transformer()
-    planner = Capuchin("hybrid")
-    top = sorted(grid_targets(p), reverse=True)
-    free = [g for t in top[:3] for g in search._target_plans(p, planner, None, t)]
-    free = [g for g in free if g.time_ns <= p.time_ns]
-    assert free, "a high target's plan costs nothing"
-    budget = max(g.peak_bytes for g in free)
-    assert budget < p.peak_bytes
-    q = _transformer()
-    ds = search.searched(q, budget, planner)
-    sim = simulate(q, ds)
-    assert sim.peak_bytes <= budget and sim.time_ns <= q.time_ns
-    below = {t for t in grid_targets(q) if t < budget}
-    assert below and not (targets_made(q) & below)
-    monkeypatch.setattr(search, "_free_from_the_top", lambda *a: None)
-    r = _transformer()
-    assert simulate(r, search.searched(r, budget, planner)).time_ns <= r.time_ns
-    assert below <= targets_made(r)
 
 
 def test_deep_needed_goes_down_only_as_far_as_a_fitting_plan():
@@ -440,8 +417,8 @@ def test_deep_needed_goes_down_only_as_far_as_a_fitting_plan():
 
 
 def test_the_plan_switched_after_every_round_only_on_smaller_problems(monkeypatch):
-    # Note [Stalled swaps]: under AFTER_ROUND_MAX_OPS ops a stalled target plan is also made
-    # again with switching after every round; from that size on it is not
+    # Note [Stalled swaps]: on small problems a stalled target plan is also made again with
+    # switching after every round (Note [Search breadth]); on others it is not
     from capuchin.planner import search
 
     calls = []
@@ -454,11 +431,11 @@ def test_the_plan_switched_after_every_round_only_on_smaller_problems(monkeypatc
     monkeypatch.setattr(Capuchin, "__call__", spy)
     sw = Switching(True, 200)
     p = _transformer()
-    assert p.n_ops < search.AFTER_ROUND_MAX_OPS
+    assert search.small(p)
     grid(p, Capuchin("hybrid"), sw)
     assert any(calls), "a stalled plan was switched after every round"
     calls.clear()
-    monkeypatch.setattr(search, "AFTER_ROUND_MAX_OPS", p.n_ops)
+    monkeypatch.setattr(search, "small", lambda p: False)
     grid(_transformer(), Capuchin("hybrid"), sw)
     assert calls and not any(calls)
 

@@ -26,91 +26,60 @@ it in the generic search of planner/search.py, which is not in the paper.
 # candidate per gap instead (``_key``): its gaps within the iteration and its wrap-around gap
 # may all be chosen, each a swap of its own, their windows disjoint (plan.py Note [Several
 # windows per storage]). Where state dominates memory the floor counts every gap of it out
-# (problem.py ``floor_bytes``): a moment swapped across the boundary only is still resident
-# from its update to the end, and one swapped between its Adam ops only from its update through
-# the next forward. With one decision per storage the state-dominated probe's smallest plan
-# stopped at 63% of its peak against a floor of 45% (docs/planner.md; with them it reaches the
-# floor). Greedy selection is not monotone in its candidates: on the bundled transformer at 40%
-# the hybrid and swap-only searches with a candidate per gap instead of one per storage gave
-# +17.1% predicted where those with one per storage gave +14.9%. So the full search (persistent
-# candidates, where the restricted plan does not fit) makes its plans with one per storage
-# first and then the hybrid's with a candidate per gap, and keeps the best: never a slower plan
-# than with one per storage, for the price of one more search there. A swap-only search with a
-# candidate per gap as well changed no plan of big_state or of the bundled traces at
-# 80/60/50/40% (docs/planner.md).
+# (problem.py ``floor_bytes``), and only a candidate per gap reaches it. Greedy selection is not
+# monotone in its candidates (with a candidate per gap some plans get slower), so the search
+# with persistent candidates makes its plans with one per storage and then the hybrid's with a
+# candidate per gap, and keeps the best: never slower than with one per storage.
 #
 # Note: [The search with persistent candidates]
 # The restricted problem's plans cannot go below its floor (``Problem.floor_bytes`` without the
 # persistent candidates); reaching lower is what the persistent candidates are for. So on the
 # full problem the hybrid, swap-only and per-gap hybrid grids are made for the grid's targets
-# below the restricted problem's floor only (``below``; only those above the full problem's
-# floor on problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, where the floor and the targets
-# below it are deep, Note [Deep targets on large problems]), and the recompute-only grid and its
-# conversions for every target, at every budget. (The targets at and below the floor are what
-# reach the floor: with a candidate per gap, tests/test_windows.py; the bundled MLP's smallest
-# feasible budget was 28.2% of its peak without those below the floor, 24.2% with them.) Above the restricted floor those grids cost
-# the most (greedy selection takes many small wrap-around swaps: 1,262 decisions on DTR's
-# InceptionV4 at 60%, against 218 without them, and switching re-simulates each) and won no
-# cell measured there; the recompute-only plans on the full problem's targets won GPT-2 with
-# 12 and 24 layers at 40%. Which targets are planned depends on the problem alone, so the
-# pick stays monotone in the budget (search Note [Monotone by construction]). Before, the
-# choice was the budget's: all targets where the restricted plan did not fit the budget, none
-# where it did, and a budget just below the restricted plans' lowest peak could get a faster
-# plan than one just above (tests/test_planner_properties.py has the generated problem).
-# On the eight DTR traces no target lies between the two floors above the full floor: they
-# get no such grids (their cells measured the same; docs/planner.md, "Monotonicity").
+# below the restricted problem's floor only (``below``; on problems that are not small, only
+# those above the full problem's floor, Note [Deep targets on large problems]), and the
+# recompute-only grid for every target. Above the restricted floor those grids cost the most
+# (greedy selection takes many small wrap-around swaps, and switching re-simulates each) and won
+# no cell measured. Which targets are planned depends on the problem alone, never on the
+# budget, so the pick stays monotone in the budget (search Note [Monotone by construction];
+# tests/test_planner_properties.py holds a generated problem where a budget-dependent choice was
+# not).
 #
 # Note: [Deep targets on large problems]
-# On problems of ``DEEP_WHEN_NEEDED_OPS`` ops or more, each candidate (the hybrid, recompute-only
-# and swap-only grids, and the recompute-first conversions) plans for its deep targets (search
-# Note [Deep targets]: at and below the floor, and from the first target whose plan misses it
-# or costs more than ten baseline iterations extra on)
-# only when none of its other plans fits the budget; on smaller problems,
-# where they cost little (DTR U-Net and ResNet-32 plan in 1.2-3.4 s with them) and win cells
-# where other plans fit (the bundled cnn at 40% and mlp at 50%, U-Net at 40%), always. On the
-# large traces the deep plans are the costliest and lose: Algorithm 2 aiming below the floor
-# evicts every candidate and replays long chains (47-211x the baseline iteration on DTR's
-# DenseNet-121 and a 24-layer GPT-2), the hybrid's deep plans end at higher peaks than the
-# others (DenseNet-121: 44-72% of the peak against 26%), and planning, pruning, switching and
-# converting them took 40-65% of the policy's CPU time (GPT-2 with 24 layers: the
-# recompute-only plan for the target just above the floor misses it at 107x the baseline,
-# that for the next target hits it at 46x). Measured with and without them
-# (``capuchin`` at 80/60/50/40% on DTR InceptionV4, Transformer, DenseNet-121 and GPT-2 with 12
-# and 24 layers): the same predicted overhead and peak in all 20 cells. They stay for the budgets
-# that need them (on InceptionV4 and the DTR Transformer the deep recompute-only plans reach
-# lower peaks than the others), so the policy's reach is unchanged; where they are taken only
+# On problems that are not small (search Note [Search breadth]), each candidate (the hybrid,
+# recompute-only and swap-only grids) plans for its deep targets (search Note [Deep targets])
+# only when none of its other plans fits the budget; on small problems, where they cost little
+# and win cells where other plans fit, always. On large problems the deep plans are the
+# costliest to make, prune and switch (Algorithm 2 aiming below the floor evicts every candidate
+# and replays long chains) and lost every cell measured where another plan fit; they stay for
+# the budgets that need them, so the policy's reach is unchanged, and where they are taken only
 # plans no faster than the others' lowest-peak plan are offered, which keeps the pick monotone
 # (search Note [Monotone by construction]).
 #
 # Note: [Never worse than the baselines]
 # The policy's pick (search Note [Best of variants]) includes the ``recompute`` policy's plan
-# and, on problems of more than ``BASELINE_MAX_OPS`` ops, the ``dtr`` policy's (its decisions
-# are recomputations the builder completes, a plan the runtime runs like any other), after
+# and, on problems of more than ``SEARCH_MAX_OPS`` ops, the ``dtr`` policy's (its decisions are
+# recomputations the builder completes, a plan the runtime runs like any other), after
 # capuchin's own plans: ties keep capuchin's, and neither is made when one of capuchin's fits at
 # no cost. So capuchin is never slower under the simulator than recompute-only, nor than DTR
-# where DTR takes part. Up to ``BASELINE_MAX_OPS`` ops the recompute policy picks from the grid
-# capuchin's own recompute-only search made (the same planner on the restricted problem, deep
-# targets when needed as Note [Deep targets on large problems] says: cached, the candidate costs
-# a pick), so it is budget-independent (search Note [Monotone by construction]). Above, the
-# recompute policy plans for the budget itself (search Note [Op limits]), which uses memory the
-# grid's targets leave unused and can be the faster, and DTR's plan is made for the budget by an
-# online heuristic: neither is monotone in the budget, and with them the policy is not either
-# (``figures["search"]["baselines"]`` records DTR's candidate). Between ``DEEP_WHEN_NEEDED_OPS``
-# and ``BASELINE_MAX_OPS`` ops DTR's plan is not a candidate: "never slower than DTR" rests
-# there on the cells measured (DTR InceptionV4, Transformer and DenseNet-121 at 80/60/50/40%:
-# the same predicted overheads without DTR's candidate), not on construction. Planning time:
-# one DTR run (0.2-2.3 s on a 9,649-op Llama) and the recompute policy's descent (a few plans:
-# with DTR, 2.1-2.7 -> 4.7-4.9 s on a 13,979-op Llama).
+# where DTR takes part. Up to ``SEARCH_MAX_OPS`` ops the recompute policy picks from the grid
+# capuchin's own recompute-only search made (cached: the candidate costs a pick), so the pick
+# stays budget-independent (search Note [Monotone by construction]); there "never slower than
+# DTR" rests on the cells measured (docs/planner.md), not on construction. Above, every policy
+# plans for the budget itself (search Note [Op limits]) and DTR's plan is made for the budget by
+# an online heuristic: neither is monotone in the budget, and with them the policy is not either
+# (``figures["search"]["baselines"]`` records DTR's candidate).
 #
-# Note: [Baselines that cannot fit]
-# Both baselines' plans hold decisions on evictable storages only (recomputations, and the
-# on-demand swaps a replay without sources becomes), so none peaks below the floor of the
-# problem without the persistent candidates (``Problem.floor_bytes``: everything stays but
-# evictable storages inside their gaps). Below that floor neither fits, and where one of
-# capuchin's own plans fits the budget the pick (improve Note [One selector]: a fitting plan
-# before any that does not) cannot take them: they are not made. The pick is the same; on a
-# 9,649-op Llama, where state keeps the budgets from 80% down below that floor, that saves
-# DTR's runs (four at 80%, with calibration) and the recompute policy's descent.
+# Note: [Plans that cannot fit]
+# The restricted search and both baselines plan decisions on evictable storages only
+# (recomputations, and the on-demand swaps a replay without sources becomes), so none of their
+# plans peaks below the floor of the problem without the persistent candidates
+# (``Problem.floor_bytes``: everything stays but evictable storages inside their gaps). Below
+# that floor only the search with persistent candidates can fit, and the pick (improve Note [One
+# selector]: a fitting plan before any that does not) could take none of the others: they are
+# not made. Where state dominates memory that is most budgets (a 22-layer Llama's restricted
+# floor is 95% of its peak), and the restricted search is a fifth of the policy's time there.
+# Whether they are made depends on the budget, but only where they cannot be picked, so the pick
+# is the same and stays monotone (where no plan fits, the policy's plan fits neither way).
 #
 # Note: [The search, in the plan's provenance]
 # ``figures["search"]`` (the plan's ``provenance.parameters``) records which plans the search
@@ -119,8 +88,8 @@ it in the generic search of planner/search.py, which is not in the paper.
 # hybrid", "full recompute", ..., whose deep targets were planned: offered only as search Note
 # [Monotone by construction] allows), ``descend`` where the problem is too large for the grid
 # (not monotone), ``baselines`` (["dtr"]) where DTR's plan was made as a candidate (Note [Never
-# worse than the baselines]). Up to ``BASELINE_MAX_OPS`` ops a larger budget never gets a
-# slower plan, whatever these say.
+# worse than the baselines]). Up to ``SEARCH_MAX_OPS`` ops a larger budget never gets a slower
+# plan, whatever these say.
 """
 
 from __future__ import annotations
@@ -138,25 +107,20 @@ from ..plan import Decision, Method
 from ..problem import Problem
 from ..registry import PolicyResult, register
 from ..search import (
-    BASELINE_MAX_OPS,
     SEARCH_MAX_OPS,
     AfterRound,
     Attempt,
     Switching,
-    at_least,
     best_of,
-    deep_floor,
     deep_needed,
     gc_paused,
-    hidden,
-    recompute_first,
     searched,
+    small,
     timer_from,
 )
 from ..simulator import simulate
 from ..swapping import SwapTimer, WrapEstimate, estimate_wrap, reserve_wrap, wrap_free_time
 
-DEEP_WHEN_NEEDED_OPS = 1000  # Note [Deep targets on large problems]
 _max = np.maximum.reduce
 
 
@@ -171,8 +135,8 @@ def capuchin(
     max_replay_ops: int = 200,
 ) -> PolicyResult:
     """Capuchin's hybrid policy: the best (search Note [Best of variants]) of the hybrid on the
-    target grid with stalled-swap switching, the recompute-only and swap-only plans, and their
-    recompute-first conversions; with and without the persistent candidates. Problems above
+    target grid with stalled-swap switching, the recompute-only and swap-only plans; with and
+    without the persistent candidates. Problems above
     ``SEARCH_MAX_OPS`` ops get the hybrid alone, searched downwards from the budget.
     ``max_rounds``: simulate-and-extend rounds. ``collective``: keep what a replay regenerates
     when it is needed later and memory allows (§5.3). ``max_replay_ops``: longest replay.
@@ -191,18 +155,24 @@ def capuchin(
     # search Note [Restricted first]: without the persistent candidates, then with them unless
     # that fits at no cost; the better under the simulator (ties: the former)
     base = problem.restricted()
-    restricted = _plan(base, budget_bytes, planners, made, "restricted")
-    plans = [lambda: restricted]
-    if base is not problem and not _costs_nothing(problem, restricted, budget_bytes):
+    floor = base.floor_bytes()
+    cannot = base is not problem and budget_bytes < floor  # Note [Plans that cannot fit]
+    plans = []
+    if not cannot:
+        restricted = _plan(base, budget_bytes, planners, made, "restricted")
+        plans.append(lambda: restricted)
+    if base is not problem and (cannot or not _costs_nothing(problem, restricted, budget_bytes)):
         made["persistent"] = "full"
         # Note [The search with persistent candidates]: the restricted problem's floor
-        full = _plan(problem, budget_bytes, planners, made, "full", below=base.floor_bytes())
+        full = _plan(problem, budget_bytes, planners, made, "full", below=floor)
         plans.append(lambda: full)
-    # Note [Never worse than the baselines]: best_of makes them only when no plan before
-    # them fits at no cost, and they are left out where they cannot fit and one of those does
-    baselines = _baselines(problem, budget_bytes, max_rounds, collective, max_replay_ops, made)
-    if budget_bytes < base.floor_bytes() and any(_fits(problem, p(), budget_bytes) for p in plans):
-        baselines = []
+    # Note [Never worse than the baselines]: best_of makes them only when no plan before them
+    # fits at no cost
+    baselines = (
+        []
+        if cannot
+        else _baselines(problem, budget_bytes, max_rounds, collective, max_replay_ops, made)
+    )
     return result(best_of(problem, budget_bytes, plans + baselines))
 
 
@@ -215,7 +185,7 @@ def _baselines(
     made: dict,
 ) -> list:
     """Note [Never worse than the baselines]: the ``recompute`` policy's plan and, on problems
-    of more than ``BASELINE_MAX_OPS`` ops, the ``dtr`` policy's (its lineage completed), as
+    of more than ``SEARCH_MAX_OPS`` ops, the ``dtr`` policy's (its lineage completed), as
     candidates for ``best_of``, made when called."""
 
     def rec() -> list[Decision]:
@@ -238,16 +208,7 @@ def _baselines(
         except PlanError:  # lineage the builder cannot complete: no candidate (the empty plan)
             return []
 
-    return [rec, dtr] if problem.n_ops > BASELINE_MAX_OPS else [rec]
-
-
-def _fits(problem: Problem, decisions: list[Decision], budget_bytes: int) -> bool:
-    """Whether ``decisions`` fit ``budget_bytes`` as simulated (False when they break an
-    invariant)."""
-    try:
-        return simulate(problem, decisions).peak_bytes <= budget_bytes
-    except PlanError:
-        return False
+    return [rec, dtr] if problem.n_ops > SEARCH_MAX_OPS else [rec]
 
 
 def _costs_nothing(problem: Problem, decisions: list[Decision], budget_bytes: int) -> bool:
@@ -261,8 +222,8 @@ def _costs_nothing(problem: Problem, decisions: list[Decision], budget_bytes: in
 
 
 def _deep(p: Problem) -> bool | None:
-    """Note [Deep targets on large problems]: when needed, from DEEP_WHEN_NEEDED_OPS ops."""
-    return None if p.n_ops >= DEEP_WHEN_NEEDED_OPS else True
+    """Note [Deep targets on large problems]: always on small problems, else when needed."""
+    return True if small(p) else None
 
 
 def _plan(
@@ -274,9 +235,8 @@ def _plan(
     below: int | None = None,
 ) -> list[Decision]:
     """The best (search Note [Best of variants]) of the hybrid on the target grid with
-    stalled-swap switching, the recompute-only and swap-only plans (not with ``light``), and
-    the recompute-only plans' recompute-first conversions and their hidden variants; above
-    ``SEARCH_MAX_OPS`` ops the hybrid alone, searched downwards. Records the deep targets
+    stalled-swap switching, the recompute-only and swap-only plans, and on the full problem the
+    hybrid with a candidate per gap; above ``SEARCH_MAX_OPS`` ops the hybrid alone, searched downwards. Records the deep targets
     planned and the descent in ``made``."""
     hybrid, rec, swap, sw = planners
     if p.n_ops > SEARCH_MAX_OPS:
@@ -300,10 +260,6 @@ def _plan(
         yield search(hybrid, sw, below)
         yield search(rec)
         yield search(swap, None, below)
-        converted = recompute_first(p, rec, budget_bytes, sw, deep=deep)
-        floor = deep_floor(p, rec, budget_bytes, None, deep)  # search Note [Monotone by ...]
-        for g in converted + at_least(hidden(p, converted, budget_bytes), budget_bytes, floor):
-            yield lambda g=g: g.decisions
         if p is not p.restricted():  # Note [A candidate per gap of ...]
             yield search(replace(hybrid, per_gap=True), sw, below)
 
@@ -317,7 +273,7 @@ def swap_only(problem: Problem, budget_bytes: int, *, max_rounds: int = 12) -> P
     smallest exposed wait, until the simulated peak fits; on the target grid."""
     swap = Capuchin("swap", max_rounds, False, 0)
     p = problem.restricted()
-    return PolicyResult.of(searched(p, budget_bytes, swap, max_ops=BASELINE_MAX_OPS))
+    return PolicyResult.of(searched(p, budget_bytes, swap))
 
 
 @register("recompute")
@@ -335,7 +291,7 @@ def recompute_only(
     planner = Capuchin("recompute", max_rounds, collective, max_replay_ops)
     p = problem.restricted()
     # Note [Deep targets on large problems], as capuchin's own recompute-only grid
-    ds = searched(p, budget_bytes, planner, deep=_deep(p), max_ops=BASELINE_MAX_OPS)
+    ds = searched(p, budget_bytes, planner, deep=_deep(p))
     return PolicyResult.of(ds)
 
 
