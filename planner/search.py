@@ -737,21 +737,13 @@ def prune(problem: Problem, a: Attempt, budget: int, max_exact: int = 24) -> lis
     sim = a.sim
     key = (tuple(a.decisions), sim.time_ns, sim.peak_bytes, a.regen, budget, max_exact)
     done = problem_cache(problem, "_pruned")
-    got = done.get(key)
-    if got is None:
-        got = done[key] = _prune(problem, a, budget, max_exact)
+    got = done.get(key, done)  # the dict itself: not remembered yet
+    if got is done:
+        out = _prune_once(problem, a, budget, max_exact)
+        got = done[key] = None if out is a.decisions else tuple(out)
     # an unchanged plan comes back as ``a``'s own list (callers test ``is``), a changed one as
     # a new list each time (callers may extend it)
-    return a.decisions if got is _UNCHANGED else list(got)
-
-
-_UNCHANGED = object()
-
-
-def _prune(problem: Problem, a: Attempt, budget: int, max_exact: int):
-    """``prune``'s work: its tuple of decisions, or ``_UNCHANGED``."""
-    out = _prune_once(problem, a, budget, max_exact)
-    return _UNCHANGED if out is a.decisions else tuple(out)
+    return a.decisions if got is None else list(got)
 
 
 def _prune_once(problem: Problem, a: Attempt, budget: int, max_exact: int) -> list[Decision]:

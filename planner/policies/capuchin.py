@@ -188,15 +188,10 @@ def _baselines(
     of more than ``SEARCH_MAX_OPS`` ops, the ``dtr`` policy's (its lineage completed), as
     candidates for ``best_of``, made when called."""
 
+    kw = {"max_rounds": max_rounds, "collective": collective, "max_replay_ops": max_replay_ops}
+
     def rec() -> list[Decision]:
-        ds = recompute_only(
-            problem,
-            budget_bytes,
-            max_rounds=max_rounds,
-            collective=collective,
-            max_replay_ops=max_replay_ops,
-        ).decisions
-        return list(ds)
+        return list(recompute_only(problem, budget_bytes, **kw).decisions)
 
     def dtr() -> list[Decision]:
         from ..build import complete_decisions
