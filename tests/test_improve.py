@@ -1,9 +1,10 @@
-"""planner/improve.py: the accept rule, the selector key and the bisection, each on its own."""
+"""planner/improve.py: the accept rule, the improvement kernel, the selector key and the bisection,
+each on its own."""
 
 from __future__ import annotations
 
 from capuchin.errors import PlanError
-from capuchin.planner.improve import accept, bisect_monotone, rank
+from capuchin.planner.improve import Attempt, accept, bisect_monotone, improve, rank
 from capuchin.planner.plan import Decision, Method
 from capuchin.planner.problem import Problem
 from capuchin.planner.simulator import simulate
@@ -48,6 +49,103 @@ def test_accept_rejects_a_trial_that_breaks_an_invariant():
     assert not seen
     accept(p, [], 0, p.peak_bytes, seen=lambda t, s: seen.append(t))
     assert seen == [[]]  # within the bound, though not kept
+
+
+def _two() -> Problem:
+    # A and B, made early and read again by b2: each swapped out with an on-demand restore
+    # stalls 100 ns; prefetched (A before op 3, B before op 4) neither stalls, at a peak of 310 B;
+    # prefetched later (A before op 4, B before op 5) neither stalls either, at 300 B
+    ops = [
+        ("f1", 100, ["X"], ["A"]),
+        ("f2", 100, ["A"], ["B"]),
+        ("f3", 100, ["B"], ["C"]),
+        ("f4", 100, ["C"], ["D"]),
+        ("f5", 100, ["D"], ["E"]),
+        ("f6", 100, ["E"], ["F"]),
+        ("b2", 100, ["F", "A", "B"], ["G"], [], "backward"),
+    ]
+    sizes = dict(X=10, A=100, B=100, C=100, D=10, E=10, F=10, G=10)
+    return Problem.from_lists(ops, sizes, bandwidth_bytes_per_s=1e9)
+
+
+def _plans(p: Problem) -> dict[str, list[Decision]]:
+    def a(t):
+        return Decision("A", Method.SWAP, 100, 1, 6, trigger_op=t)
+
+    def b(t):
+        return Decision("B", Method.SWAP, 100, 2, 6, trigger_op=t)
+
+    plans = {
+        "on demand": [a(None), b(None)],  # +200 ns, peak 300
+        "A early": [a(3), b(None)],  # +100 ns, peak 310
+        "both early": [a(3), b(4)],  # +0, peak 310
+        "both later": [a(4), b(5)],  # +0, peak 300
+    }
+    got = {
+        k: (simulate(p, v).time_ns - p.time_ns, simulate(p, v).peak_bytes) for k, v in plans.items()
+    }
+    assert got == {  # the premise
+        "on demand": (200, 300),
+        "A early": (100, 310),
+        "both early": (0, 310),
+        "both later": (0, 300),
+    }
+    return plans
+
+
+def test_improve_keeps_the_first_trial_kept_each_round_until_a_round_keeps_none():
+    # Note [One improvement kernel]
+    p = _two()
+    plans = _plans(p)
+    start = Attempt(plans["on demand"], simulate(p, plans["on demand"]))
+    calls = []
+
+    def move(cur):
+        calls.append(cur.sim.time_ns - p.time_ns)
+        yield plans["A early"], frozenset()
+        yield plans["both early"], frozenset({"x"})
+
+    one = improve(p, start, 400, move, rounds=1)
+    assert one.decisions == plans["A early"] and calls == [200]  # the first kept ends the round
+    calls.clear()
+    got = improve(p, start, 400, move, rounds=10)
+    assert got.decisions == plans["both early"] and got.regen == frozenset({"x"})
+    assert calls == [200, 100, 0]  # the third round kept nothing: the end
+    assert got.sim.time_ns == p.time_ns
+
+
+def test_improve_with_best_keeps_the_fastest_trial_of_a_round():
+    p = _two()
+    plans = _plans(p)
+    start = Attempt(plans["on demand"], simulate(p, plans["on demand"]))
+
+    def move(cur):
+        yield plans["A early"], frozenset()
+        yield plans["both early"], frozenset()
+
+    got = improve(p, start, 400, move, rounds=1, best=True)
+    assert got.decisions == plans["both early"]
+
+
+def test_improve_keeps_to_its_bound_and_returns_the_start_when_nothing_is_kept():
+    p = _two()
+    plans = _plans(p)
+    start = Attempt(plans["on demand"], simulate(p, plans["on demand"]))
+    bounds = []
+
+    def move(cur):
+        yield plans["A early"], frozenset()  # peak 310: over a bound of 300
+        yield plans["both early"], frozenset()
+        yield plans["both later"], frozenset()
+
+    def bound(cur):
+        bounds.append(cur.sim.peak_bytes)
+        return 300
+
+    got = improve(p, start, bound, move, rounds=3)
+    assert got.decisions == plans["both later"] and bounds == [300, 300]
+    nothing = improve(p, start, 299, move, rounds=3)  # every trial over the bound
+    assert nothing is start
 
 
 def test_rank_fitting_first_then_fastest_then_higher_peak_else_lowest_peak():
