@@ -19,7 +19,7 @@ import numpy as np
 from .. import __version__
 from ..errors import PlanError
 from .budget import format_bytes
-from .costs import CPU, calibrated, cuda_calibrated, runtime_cost_ns
+from .costs import CPU, calibrated, cuda_calibrated, on_cuda, runtime_cost_ns
 from .dead import candidates as dead_candidates
 from .dead import choose as choose_dead
 from .dead import freed_early
@@ -114,7 +114,7 @@ def build_plan(
     basis = baseline_note(problem)
     if basis:
         notes.append(basis)
-    if ds and str(problem.device).startswith("cuda"):
+    if ds and on_cuda(problem.device):
         notes.append(cuda_host_note(problem))
     measured = calibrated(problem.host_costs) if ds and problem.device == "cpu" else None
     if measured is not None:  # Note [Calibrated host costs] in costs.py

@@ -275,11 +275,17 @@ def cuda_calibrated(measured: dict | None) -> RuntimeCosts | None:
     return replace(CUDA, **found) if found else None
 
 
+def on_cuda(device) -> bool:
+    """Whether a trace's or plan's device (``"cuda"``, ``"cuda:1"``, a ``torch.device``'s
+    text) is a CUDA device."""
+    return str(device).startswith("cuda")
+
+
 def costs_for(device: str, measured: dict | None = None) -> RuntimeCosts:
     """The runtime's costs on ``device``: on CUDA the per-op figures the trace measured in the
     script's steps (``cuda_calibrated``) or none, else the CPU figures a trace measured
     (``calibrated``) or, without them, the constants."""
-    if str(device).startswith("cuda"):
+    if on_cuda(device):
         return cuda_calibrated(measured) or CUDA
     return calibrated(measured) or CPU
 

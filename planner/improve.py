@@ -52,7 +52,7 @@ class Attempt(NamedTuple):
 
 Trial = Sequence[Decision] | None
 # a move: from the current plan, the trials to try in order, each with its plan's ``regen``
-Move = Callable[["Attempt"], Iterable[tuple[Callable[[], Trial] | Trial, frozenset]]]
+Move = Callable[[Attempt], Iterable[tuple[Callable[[], Trial] | Trial, frozenset]]]
 
 
 def accept(

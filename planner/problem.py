@@ -77,7 +77,7 @@ from ..tracer.schema import (  # noqa: F401 (is_collective: planner modules impo
     never_replayed,
     shape_signature,
 )
-from .costs import NO_HOST_COST, HostCost, host_cost
+from .costs import NO_HOST_COST, HostCost, host_cost, on_cuda
 
 
 class IrregularTraceError(CapuchinError):
@@ -715,7 +715,7 @@ def _plain_baseline(trace: Trace, durs: Sequence[int]) -> tuple[int | None, floa
         return None, 1.0
     plain = int(plain)
     traced = int(sum(durs))
-    if str(trace.meta.device).startswith("cuda") or traced <= plain:
+    if on_cuda(trace.meta.device) or traced <= plain:
         return plain, 1.0
     return plain, plain / traced
 
