@@ -19,6 +19,7 @@ import numpy as np
 from .. import __version__
 from ..errors import PlanError
 from .budget import format_bytes
+from .collector import gc_paused
 from .costs import CPU, calibrated, cuda_calibrated, on_cuda, runtime_cost_ns
 from .dead import candidates as dead_candidates
 from .dead import choose as choose_dead
@@ -81,6 +82,7 @@ def action_table(decisions: Sequence[Decision]) -> list[Action]:
     return sorted(acts, key=lambda a: (a.op_index, _STEP_ORDER[a.step]))
 
 
+@gc_paused  # collector.py Note [Garbage collection while planning]
 def build_plan(
     problem: Problem,
     decisions: Sequence[Decision],

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..errors import PlanFormatError
 from ..outputs import write_text
+from .collector import gc_paused
 
 PLAN_SCHEMA_VERSION = 2  # docs/plan-format.md
 PLAN_FORMAT = "capuchin.plan"
@@ -297,6 +298,7 @@ class Plan:
             "actions": [[a.op_index, a.step.value, a.storage_id] for a in self.actions],
         }
 
+    @gc_paused  # collector.py Note [Garbage collection while planning]
     def to_json(self) -> str:
         doc = {
             "format": PLAN_FORMAT,

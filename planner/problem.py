@@ -77,6 +77,7 @@ from ..tracer.schema import (  # noqa: F401 (is_collective: planner modules impo
     never_replayed,
     shape_signature,
 )
+from .collector import gc_paused
 from .costs import NO_HOST_COST, HostCost, host_cost, on_cuda
 
 
@@ -254,6 +255,7 @@ class Problem:
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
+    @gc_paused  # collector.py Note [Garbage collection while planning]
     def from_trace(cls, trace: Trace, iteration: int | None = None) -> Problem:
         """The planning problem of one iteration of ``trace``.
 

@@ -152,19 +152,10 @@ plan gets faster without its peak rising above the bound it was given.
 # both ranges of a wrap-around gap). A group is judged as a whole: a plan without several
 # decisions may be kept where one of them alone would be refused on time (never on peak), so
 # plans can differ from one-at-a-time pruning.
-#
-# Note: [Garbage collection while searching]
-# A search allocates millions of short-lived objects; each allocation burst triggers the cyclic
-# collector, which walks every tracked object of the generations it collects, the memoized
-# results included, and finds little cyclic garbage (reference counting frees it). The policies
-# that search (``capuchin``, ``swap``, ``recompute``) run with the collector paused
-# (``gc_paused``).
 """
 
 from __future__ import annotations
 
-import functools
-import gc
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -185,23 +176,6 @@ from .plan import Decision, Method, window_key
 from .problem import Problem
 from .simulator import SimResult, simulate
 from .swapping import SwapTimer
-
-
-def gc_paused(fn: Callable) -> Callable:
-    """``fn`` with Python's cyclic garbage collector paused while it runs (Note [Garbage
-    collection while searching]); the collector's state is restored afterwards."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        was = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if was:
-                gc.enable()
-
-    return run
 
 
 class GridPlan(NamedTuple):

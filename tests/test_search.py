@@ -334,7 +334,7 @@ def test_gc_paused_restores_the_collector_state():
     import gc
 
     import pytest
-    from capuchin.planner.search import gc_paused
+    from capuchin.planner.collector import gc_paused
 
     seen = []
 

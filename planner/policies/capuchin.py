@@ -100,6 +100,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ...errors import PlanError
+from ..collector import gc_paused
 from ..gaps import AccessGap
 from ..lineage import EvictionWindows, finish_decisions
 from ..msps import MspsQueue
@@ -113,7 +114,6 @@ from ..search import (
     Switching,
     best_of,
     deep_needed,
-    gc_paused,
     searched,
     small,
     timer_from,

@@ -18,10 +18,10 @@
 from __future__ import annotations
 
 from ..build import complete_decisions
+from ..collector import gc_paused
 from ..improve import accept, search_plans
 from ..problem import Problem
 from ..registry import PolicyResult, register
-from ..search import gc_paused
 from ..simulator import simulate
 from .capuchin import capuchin
 

@@ -41,12 +41,12 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from ...dtr_score import Node, neighbourhood, score, union
+from ..collector import gc_paused
 from ..lineage import chain_ops, replay_for
 from ..plan import Decision, Method
 from ..problem import Problem
 from ..registry import PolicyResult, register
 
-_UNKNOWN = object()  # not in the replay-cost cache yet
 SMALL_TENSOR_FRACTION = 0.01  # DTR: ignore storages below 1% of the mean size
 DEFAULT_SEED = 0
 DEFAULT_CALIBRATION_ROUNDS = 3
@@ -128,6 +128,8 @@ class _Dtr:
         self.uf_cost: dict[str, float] = {}  # what each evicted storage added to its set
         self.evictions: dict[tuple[str, int], list] = {}  # (storage, evict_op) -> record
         self.replayable: dict[tuple[str, int, int], int | None] = {}
+        # storage -> (gap start, gap end, replay cost or None, size term), for ``_best``
+        self.gaps: dict[str, tuple[int, int, float | None, int]] = {}
         self.recompute_ns = 0
         self.remats = 0
         self.oom: list[int] = []
@@ -213,33 +215,30 @@ class _Dtr:
     def _best(self, pool: list[str], pinned: set[str]) -> tuple[str, int, int] | None:
         """The candidate of ``pool`` with the smallest score (the first of equal ones): ``_gap``,
         ``_replay_cost`` and ``_score`` inlined, the candidate loop being most of this policy's
-        time on long traces (the same picks, the same arithmetic)."""
+        time on long traces (the same picks, the same arithmetic). A candidate's gap, replay
+        cost and size term are remembered while the current op stays inside that gap."""
         best, best_h = None, math.inf
         op, clock = self.op, self.clock
-        storages, ever, evicted = self.p.storages, self.ever, self.evicted
-        node, nbrs, last_access, replayable = (
-            self.node,
-            self.nbrs,
-            self.last_access,
-            self.replayable,
-        )
+        storages, ever, evicted, gaps = self.p.storages, self.ever, self.evicted, self.gaps
+        node, nbrs, last_access = self.node, self.nbrs, self.last_access
         for sid in pool:
             if sid in pinned or sid in ever:  # ever: one decision per storage (plan format)
                 continue
-            s = storages[sid]
-            acc = s.accesses
-            i = bisect_left(acc, op)  # the next access at or after op (_gap)
-            if i == 0 or i == len(acc) or acc[i] == op:
-                continue
-            e, b = acc[i - 1], acc[i]
-            rc = replayable.get((sid, e, b), _UNKNOWN)
-            if rc is _UNKNOWN:
+            g = gaps.get(sid)
+            if g is None or not g[0] < op < g[1]:
+                acc = storages[sid].accesses
+                i = bisect_left(acc, op)  # the next access at or after op (_gap)
+                if i == 0 or i == len(acc) or acc[i] == op:
+                    continue
+                e, b = acc[i - 1], acc[i]
                 rc = self._replay_cost(sid, e, b)
-            if rc is None:
+                nbytes = storages[sid].size_bytes
+                g = gaps[sid] = (e, b, None if rc is None else float(rc), max(nbytes, 1))
+            cost = g[2]
+            if cost is None:
                 continue
-            cost = float(rc)
-            nbytes, stale = s.size_bytes, clock - last_access.get(sid, 0)
-            denom = (nbytes if nbytes > 1 else 1) * (stale if stale > 1 else 1)  # score's
+            stale = clock - last_access.get(sid, 0)
+            denom = g[3] * (stale if stale > 1 else 1)  # score's
             if cost / denom >= best_h:  # Note [Scores bounded before the neighbourhood]
                 continue
             ns = nbrs.get(sid)
@@ -247,7 +246,7 @@ class _Dtr:
                 cost += neighbourhood(node[n] for n in ns if n in evicted)
             h = cost / denom
             if h < best_h:
-                best, best_h = (sid, e, b), h
+                best, best_h = (sid, g[0], g[1]), h
         return best
 
     def _reserve(self, need: int, pinned: set[str]) -> None:
@@ -405,6 +404,7 @@ def decisions_from_run(problem: Problem, run: DtrRun) -> list[Decision]:
 
 
 @register("dtr")
+@gc_paused
 def dtr(
     problem: Problem,
     budget_bytes: int,
