@@ -346,3 +346,29 @@ def test_dtr_picks_equal_scoring_every_candidate_in_full(monkeypatch):
     for frac in (0.7, 0.5, 0.35):
         dtr_mod.simulate_dtr(problem, int(problem.peak_bytes * frac))
     assert picks["n"] > 50 and picks["with_neighbours"] > 0, picks
+
+
+def test_dtr_evicts_a_storage_in_the_gap_the_current_op_is_in():
+    """policies/dtr.py ``_best`` remembers a candidate's gap while the op stays inside it: X is a
+    candidate in its gap (2, 5) at the first eviction and must be evicted in its next gap (5, 8)
+    at the second. At op 3 (B needs room) I, X, Y, A and B would be 600 bytes against 550: Y
+    replays in 10 ns and X in 1,000, so Y goes (A is read by op 3). At op 6 (E, 300 bytes) I, X,
+    D and E would be 700: D is read by op 6, so X goes, after its access at op 5."""
+    from capuchin.planner.policies.dtr import simulate_dtr
+
+    ops = [
+        ("f0", 1000, ["I"], ["X"]),
+        ("f1", 10, ["I"], ["Y"]),
+        ("f2", 10, ["X"], ["A"]),
+        ("f3", 10, ["A"], ["B"]),
+        ("f4", 10, ["B"], ["C"]),
+        ("f5", 10, ["X", "C"], ["D"]),
+        ("f6", 10, ["D"], ["E"]),
+        ("f7", 10, ["E"], ["F"]),
+        ("f8", 10, ["X", "F", "Y", "I"], ["G"]),
+    ]
+    sizes = {s: 100 for s in "IXYABCDEFG"} | {"X": 200, "E": 300}
+    problem = Problem.from_trace(trace_from_ops(ops, sizes))
+    run = simulate_dtr(problem, 550, sample=False)
+    got = [(e.storage_id, e.last_access_op, e.back_op) for e in run.evictions]
+    assert got == [("Y", 1, 8), ("X", 5, 8)]
