@@ -81,8 +81,10 @@ def test_the_recompute_policys_descent_is_picked_where_it_beats_capuchins(monkey
 
 def test_plans_that_cannot_fit_are_not_made(monkeypatch):
     # Note [Plans that cannot fit]: below the floor of the problem without the persistent
-    # candidates neither the restricted search nor a baseline can fit: the recompute policy is
-    # not asked and nothing is planned on the restricted problem; above that floor both are
+    # candidates neither the restricted search, nor a baseline, nor the recompute-only grid of
+    # the search with persistent candidates can fit: the recompute policy is not asked and
+    # nothing is planned on the restricted problem nor recompute-only on the full one; above
+    # that floor all are
     from capuchin.planner import search
 
     mlp = Path(__file__).resolve().parent.parent / "traces" / "mlp.trace.parquet"
@@ -98,6 +100,10 @@ def test_plans_that_cannot_fit_are_not_made(monkeypatch):
     def restricted_plans(p: Problem) -> int:
         return sum(1 for k in search.problem_cache(p.restricted()) if k[0] == "target")
 
+    def full_recompute_plans(p: Problem) -> int:
+        cache = search.problem_cache(p)
+        return sum(1 for k in cache if k[0] == "target" and k[1].mode == "recompute")
+
     monkeypatch.setattr(policy, "recompute_only", counted)
     below = int(problem.peak_bytes * 0.4)
     assert below < floor  # the premise: the MLP's state keeps 47% of its peak
@@ -105,6 +111,8 @@ def test_plans_that_cannot_fit_are_not_made(monkeypatch):
     assert simulate(problem, list(ds)).peak_bytes <= below  # capuchin's plan fits
     assert asked == []
     assert restricted_plans(problem) == 0
+    assert full_recompute_plans(problem) == 0
+    assert any(k[0] == "target" for k in search.problem_cache(problem))  # the other grids are
     above = int(problem.peak_bytes * 0.5)
     assert above >= floor
     fresh = Problem.from_trace(load_trace(mlp))
@@ -113,3 +121,4 @@ def test_plans_that_cannot_fit_are_not_made(monkeypatch):
     assert sim.peak_bytes <= above and sim.time_ns > fresh.time_ns  # not free: no early stop
     assert asked == [above]
     assert restricted_plans(fresh) > 0
+    assert full_recompute_plans(fresh) > 0

@@ -70,16 +70,17 @@ it in the generic search of planner/search.py, which is not in the paper.
 # (``figures["search"]["baselines"]`` records DTR's candidate).
 #
 # Note: [Plans that cannot fit]
-# The restricted search and both baselines plan decisions on evictable storages only
-# (recomputations, and the on-demand swaps a replay without sources becomes), so none of their
-# plans peaks below the floor of the problem without the persistent candidates
-# (``Problem.floor_bytes``: everything stays but evictable storages inside their gaps). Below
-# that floor only the search with persistent candidates can fit, and the pick (improve Note [One
-# selector]: a fitting plan before any that does not) could take none of the others: they are
-# not made. Where state dominates memory that is most budgets (a 22-layer Llama's restricted
-# floor is 95% of its peak), and the restricted search is a fifth of the policy's time there.
-# Whether they are made depends on the budget, but only where they cannot be picked, so the pick
-# is the same and stays monotone (where no plan fits, the policy's plan fits neither way).
+# The restricted search, both baselines and the recompute-only grid of the search with
+# persistent candidates plan decisions on evictable storages only (recomputations, and the
+# on-demand swaps a replay without sources becomes), so none of their plans peaks below the
+# floor of the problem without the persistent candidates (``Problem.floor_bytes``: everything
+# stays but evictable storages inside their gaps). Below that floor only the other grids of the
+# search with persistent candidates can fit, and the pick (improve Note [One selector]: a
+# fitting plan before any that does not) could take none of the others: they are not made.
+# Where state dominates memory that is most budgets (docs/planner.md, "A deep model of thin
+# layers"). Whether they are made depends on the budget, but only where they cannot be picked,
+# so the pick is the same and stays monotone (where no plan fits, the policy's plan fits neither
+# way).
 #
 # Note: [The search, in the plan's provenance]
 # ``figures["search"]`` (the plan's ``provenance.parameters``) records which plans the search
@@ -253,7 +254,8 @@ def _plan(
 
     def variants():  # a generator: best_of stops early at a plan that costs nothing
         yield search(hybrid, sw, below)
-        yield search(rec)
+        if below is None or budget_bytes >= below:  # Note [Plans that cannot fit]
+            yield search(rec)
         yield search(swap, None, below)
         if p is not p.restricted():  # Note [A candidate per gap of ...]
             yield search(replace(hybrid, per_gap=True), sw, below)
