@@ -195,19 +195,21 @@ def test_cli_plan_ilp_shows_status_and_gap(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     tr = _small_trace(iterations=2)
     path = write_trace(tr.events, tr.meta, tmp_path / "tf.trace.parquet")
+    # a limit far above the 0.1 s the solve takes on a quiet host: the warm start (policies/ilp.py)
+    # gets a share of what is left, and under load a 3 s limit left it too little to finish
     r = CliRunner().invoke(
         main,
-        ["plan", str(path), "--budget", "60%", "--policy", "ilp", "--time-limit", "3", "--json"],
+        ["plan", str(path), "--budget", "60%", "--policy", "ilp", "--time-limit", "30", "--json"],
     )
     assert r.exit_code == 0, r.output  # 60% is above this trace's floor (49%)
     d = json.loads(r.output)
     assert d["policy"] == "ilp" and "optimality_gap" in d and d["status"]
     saved = load_plan(d["output"]).provenance.parameters
-    assert saved["time_limit_s"] == 3.0 and saved["status"] == d["status"]
+    assert saved["time_limit_s"] == 30.0 and saved["status"] == d["status"]
     assert saved["optimality_gap"] == d["optimality_gap"]
     r = CliRunner().invoke(
         main,
-        ["plan", str(path), "--budget", "60%", "--policy", "ilp", "--time-limit", "3", "--force"],
+        ["plan", str(path), "--budget", "60%", "--policy", "ilp", "--time-limit", "30", "--force"],
     )
     assert r.exit_code == 0, r.output
     assert f"solver status {d['status']}" in r.output and "optimality gap" in r.output
