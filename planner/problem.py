@@ -402,8 +402,15 @@ class Problem:
         storages inside one of their access gaps (wrap-around gaps of persistent storages
         included, Note [Wrap-around gaps]). Budgets below it are infeasible. ``dead``: storages
         in their dead gaps count as out too (dead.py Note [Dead storages]; the bound of plans
-        with dead decisions, when ``dead_evictions``); without, the policies' own view."""
-        return int(self.floor_curve(dead)[0].max()) if self.n_ops else self.resident_bytes
+        with dead decisions, when ``dead_evictions``); without, the policies' own view. Cached
+        per problem: a pass over every storage's gaps, asked for by every search."""
+        got = self.__dict__.get("_floor_bytes")
+        if got is None:
+            got = {}
+            object.__setattr__(self, "_floor_bytes", got)
+        if dead not in got:
+            got[dead] = int(self.floor_curve(dead)[0].max()) if self.n_ops else self.resident_bytes
+        return got[dead]
 
     def floor_curve(self, dead: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Per op: the bytes no plan can move off the device (``floor_bytes`` is their

@@ -250,7 +250,7 @@ def small(problem: Problem) -> bool:
 
 def grid_targets(problem: Problem) -> list[int]:
     """Note [Targets]: the floor, ``grid_steps`` steps up to the peak, and three below the
-    floor. Cached per problem (the floor is a pass over every storage's gaps)."""
+    floor. Cached per problem."""
     done = problem_cache(problem, "_grid_targets")
     k = grid_steps(problem)
     if k not in done:
@@ -291,8 +291,7 @@ def _within(
     ``below``, those below it (only those above the floor when not ``deep``); else all
     (``deep``) or the targets that are not deep (Note [Deep targets])."""
     if below is not None:
-        floor = cached(problem, "floor", problem.floor_bytes)  # a pass over every gap
-        return t < below and (deep or floor < t)
+        return t < below and (deep or problem.floor_bytes() < t)
     return deep or t in _shallow(problem, planner)
 
 
