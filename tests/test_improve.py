@@ -81,9 +81,8 @@ def _plans(p: Problem) -> dict[str, list[Decision]]:
         "both early": [a(3), b(4)],  # +0, peak 310
         "both later": [a(4), b(5)],  # +0, peak 300
     }
-    got = {
-        k: (simulate(p, v).time_ns - p.time_ns, simulate(p, v).peak_bytes) for k, v in plans.items()
-    }
+    sims = {k: simulate(p, v) for k, v in plans.items()}
+    got = {k: (s.time_ns - p.time_ns, s.peak_bytes) for k, s in sims.items()}
     assert got == {  # the premise
         "on demand": (200, 300),
         "A early": (100, 310),
